@@ -1,0 +1,323 @@
+//! The pool's mutating operations and its invariant check.
+
+use tandem_protocol::{BlockHashes, RequestId, SequenceHash, StorageTier};
+
+use super::{BlockPool, CachedInfo, Location, PoolError, PrefixHit, SeqBlocks};
+use crate::arena::copy_block;
+
+impl BlockPool {
+    /// Starts a sequence on its cached prefix: takes a reference on each leading block of
+    /// `hashes` already cached (up to `max_blocks`), bringing host blocks back to device while
+    /// a device block can be had. Returns what it reused; the sequence's table then holds
+    /// exactly those blocks, all committed.
+    pub fn acquire_prefix(
+        &mut self,
+        seq: RequestId,
+        hashes: &[BlockHashes],
+        max_blocks: usize,
+    ) -> Result<PrefixHit, PoolError> {
+        if self.seqs.contains_key(&seq) {
+            return Err(PoolError::DuplicateSequence(seq));
+        }
+        let mut table = SeqBlocks::default();
+        let mut hit = PrefixHit::default();
+        for h in hashes.iter().take(max_blocks) {
+            match self.cached.get(&h.sequence).copied() {
+                Some(Location::Device(b)) => {
+                    self.take_ref(b);
+                    table.blocks.push(b);
+                    hit.device += 1;
+                }
+                Some(Location::Host(slot)) => {
+                    if self.available_blocks() == 0 {
+                        break;
+                    }
+                    let b = self.promote(slot);
+                    self.take_ref(b);
+                    table.blocks.push(b);
+                    hit.host += 1;
+                }
+                None => break,
+            }
+        }
+        table.committed = table.blocks.len();
+        self.stats.prefix_hit_blocks += table.committed as u64;
+        self.seqs.insert(seq, table);
+        self.log.flush();
+        Ok(hit)
+    }
+
+    /// Grows a sequence's table to hold `total_tokens` tokens, evicting cached blocks if it
+    /// must. All or nothing: on `OutOfBlocks` nothing changed. Creates the sequence if new.
+    pub fn allocate(&mut self, seq: RequestId, total_tokens: usize) -> Result<(), PoolError> {
+        let need_total = self.cfg.block_size.blocks_for(total_tokens);
+        let held = self.seqs.get(&seq).map_or(0, |s| s.blocks.len());
+        let needed = need_total.saturating_sub(held);
+        if needed > self.available_blocks() {
+            return Err(PoolError::OutOfBlocks { needed, available: self.available_blocks() });
+        }
+        let mut fresh = Vec::with_capacity(needed);
+        for _ in 0..needed {
+            let b = self.take_device_block().expect("availability checked above");
+            self.device[b as usize].refs = 1;
+            fresh.push(b);
+        }
+        self.seqs.entry(seq).or_default().blocks.extend(fresh);
+        self.log.flush();
+        Ok(())
+    }
+
+    /// Commits the sequence's full blocks to the prefix cache: `hashes` are the hashes of all
+    /// its full blocks so far (its KV must already be written). A block whose hash is cached
+    /// already on device is swapped for the cached one (equal prefixes, equal KV); one cached
+    /// on host is replaced by this fresh device copy.
+    pub fn commit(&mut self, seq: RequestId, hashes: &[BlockHashes]) -> Result<(), PoolError> {
+        let Some(mut table) = self.seqs.remove(&seq) else {
+            return Err(PoolError::UnknownSequence(seq));
+        };
+        if hashes.len() > table.blocks.len() {
+            let err = PoolError::CommitBeyondTable {
+                seq,
+                held: table.blocks.len(),
+                asked: hashes.len(),
+            };
+            self.seqs.insert(seq, table);
+            return Err(err);
+        }
+        for i in table.committed..hashes.len() {
+            let h = hashes[i];
+            let parent = i.checked_sub(1).map(|p| hashes[p].sequence);
+            let own = table.blocks[i];
+            match self.cached.get(&h.sequence).copied() {
+                Some(Location::Device(other)) => {
+                    self.take_ref(other);
+                    self.release_block(own);
+                    table.blocks[i] = other;
+                }
+                Some(Location::Host(slot)) => {
+                    self.drop_host(slot);
+                    self.register_device(own, h, parent, i);
+                }
+                None => self.register_device(own, h, parent, i),
+            }
+        }
+        table.committed = table.committed.max(hashes.len());
+        self.seqs.insert(seq, table);
+        self.log.flush();
+        Ok(())
+    }
+
+    /// Ends a sequence: releases its blocks tail first, so that its tail is evicted before its
+    /// head (the prefix-closure invariant). Cached blocks stay reusable until evicted.
+    pub fn free(&mut self, seq: RequestId) -> Result<(), PoolError> {
+        let table = self.seqs.remove(&seq).ok_or(PoolError::UnknownSequence(seq))?;
+        for &b in table.blocks.iter().rev() {
+            self.release_block(b);
+        }
+        self.log.flush();
+        Ok(())
+    }
+
+    /// Drops every unreferenced cached block, on device and host. Blocks in use stay.
+    pub fn clear_cache(&mut self) {
+        if !self.host.is_empty() {
+            for slot in 0..self.host.len() as u32 {
+                if let Some(info) = self.host[slot as usize].take() {
+                    self.cached.remove(&info.hash.sequence);
+                    self.host_lru.remove(slot);
+                    self.host_free.push(slot);
+                }
+            }
+            self.log.cleared(StorageTier::Host);
+        }
+        while let Some(b) = self.device_lru.pop_front() {
+            let info = self.device[b as usize].cached.take().expect("LRU blocks are cached");
+            self.cached.remove(&info.hash.sequence);
+            self.log.removed(StorageTier::Device, info.hash.sequence);
+            self.device_free.push(b);
+        }
+        self.log.flush();
+    }
+
+    fn take_ref(&mut self, b: u32) {
+        let blk = &mut self.device[b as usize];
+        if blk.refs == 0 {
+            self.device_lru.remove(b);
+        }
+        blk.refs += 1;
+    }
+
+    fn release_block(&mut self, b: u32) {
+        let blk = &mut self.device[b as usize];
+        debug_assert!(blk.refs > 0, "double release of block {b}");
+        blk.refs -= 1;
+        if blk.refs == 0 {
+            if blk.cached.is_some() {
+                self.device_lru.push_back(b);
+            } else {
+                self.device_free.push(b);
+            }
+        }
+    }
+
+    fn register_device(&mut self, b: u32, hash: BlockHashes, parent: Option<SequenceHash>, pos: usize) {
+        let info = CachedInfo { hash, parent, position: pos as u32 };
+        self.device[b as usize].cached = Some(info);
+        self.cached.insert(hash.sequence, Location::Device(b));
+        self.log.stored(StorageTier::Device, parent, info.stored());
+    }
+
+    /// A device block with no content and no references: a free one, or the LRU cached one
+    /// evicted (to host when there is a host tier).
+    fn take_device_block(&mut self) -> Option<u32> {
+        if let Some(b) = self.device_free.pop() {
+            return Some(b);
+        }
+        let b = self.device_lru.pop_front()?;
+        let info = self.device[b as usize].cached.take().expect("LRU blocks are cached");
+        self.stats.device_evictions += 1;
+        self.log.removed(StorageTier::Device, info.hash.sequence);
+        self.cached.remove(&info.hash.sequence);
+        if !self.host.is_empty() {
+            self.demote(b, info);
+        }
+        Some(b)
+    }
+
+    /// Copies an evicted device block into the host tier, evicting the host's LRU if full.
+    fn demote(&mut self, b: u32, info: CachedInfo) {
+        let slot = match self.host_free.pop() {
+            Some(s) => s,
+            None => {
+                let s = self.host_lru.pop_front().expect("a full host tier has an LRU block");
+                let old = self.host[s as usize].take().expect("LRU slots are filled");
+                self.cached.remove(&old.hash.sequence);
+                self.stats.host_evictions += 1;
+                self.log.removed(StorageTier::Host, old.hash.sequence);
+                s
+            }
+        };
+        copy_block(&self.device_arena, b, &mut self.host_arena, slot);
+        self.host[slot as usize] = Some(info);
+        self.host_lru.push_back(slot);
+        self.cached.insert(info.hash.sequence, Location::Host(slot));
+        self.log.stored(StorageTier::Host, info.parent, info.stored());
+    }
+
+    /// Brings a host block back to device; the caller checked a device block is available.
+    /// The host slot is released before the device block is taken, so that the eviction this
+    /// may cause can move a device block into it.
+    fn promote(&mut self, slot: u32) -> u32 {
+        let info = self.host[slot as usize].expect("promoted slot is filled");
+        let bytes = self.host_arena.block(slot).to_vec();
+        self.drop_host(slot);
+        let b = self.take_device_block().expect("caller checked availability");
+        self.device_arena.block_mut(b).copy_from_slice(&bytes);
+        self.stats.host_promotions += 1;
+        self.register_device(b, info.hash, info.parent, info.position as usize);
+        b
+    }
+
+    fn drop_host(&mut self, slot: u32) {
+        let info = self.host[slot as usize].take().expect("dropped slot is filled");
+        self.host_lru.remove(slot);
+        self.host_free.push(slot);
+        self.cached.remove(&info.hash.sequence);
+        self.log.removed(StorageTier::Host, info.hash.sequence);
+    }
+
+    /// Checks every structural invariant, prefix closure included. For tests and debugging;
+    /// O(pool size).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut refs = vec![0u32; self.device.len()];
+        for (id, s) in &self.seqs {
+            if s.committed > s.blocks.len() {
+                return Err(format!("{id}: committed {} > held {}", s.committed, s.blocks.len()));
+            }
+            for (i, &b) in s.blocks.iter().enumerate() {
+                refs[b as usize] += 1;
+                if i < s.committed && self.device[b as usize].cached.is_none() {
+                    return Err(format!("{id}: committed block {b} is not cached"));
+                }
+            }
+        }
+        let free: hashbrown::HashSet<u32> = self.device_free.iter().copied().collect();
+        if free.len() != self.device_free.len() {
+            return Err("device free list has duplicates".into());
+        }
+        for (b, blk) in self.device.iter().enumerate() {
+            let b32 = b as u32;
+            if blk.refs != refs[b] {
+                return Err(format!("block {b}: refs {} but {} table entries", blk.refs, refs[b]));
+            }
+            let states = [blk.refs > 0, free.contains(&b32), self.device_lru.contains(b32)];
+            if states.iter().filter(|x| **x).count() != 1 {
+                return Err(format!("block {b}: not exactly one of referenced/free/lru: {states:?}"));
+            }
+            if free.contains(&b32) && blk.cached.is_some() {
+                return Err(format!("block {b}: free but cached"));
+            }
+            if self.device_lru.contains(b32) && blk.cached.is_none() {
+                return Err(format!("block {b}: in LRU but not cached"));
+            }
+            if let Some(info) = blk.cached {
+                if self.cached.get(&info.hash.sequence) != Some(&Location::Device(b32)) {
+                    return Err(format!("block {b}: cached map disagrees"));
+                }
+                if let Some(p) = info.parent
+                    && !matches!(self.cached.get(&p), Some(Location::Device(_)))
+                {
+                    return Err(format!("device block {b}: parent {p:?} not on device"));
+                }
+            }
+        }
+        for (s, info) in self.host.iter().enumerate() {
+            let Some(info) = info else { continue };
+            if self.cached.get(&info.hash.sequence) != Some(&Location::Host(s as u32)) {
+                return Err(format!("host slot {s}: cached map disagrees"));
+            }
+            if let Some(p) = info.parent
+                && !self.cached.contains_key(&p)
+            {
+                return Err(format!("host slot {s}: parent {p:?} not cached anywhere"));
+            }
+        }
+        let n_cached = self.device.iter().filter(|b| b.cached.is_some()).count()
+            + self.host.iter().filter(|h| h.is_some()).count();
+        if n_cached != self.cached.len() {
+            return Err(format!("cached map has {} entries, tiers hold {n_cached}", self.cached.len()));
+        }
+        self.check_lru_order()
+    }
+
+    /// In each LRU list a child stands before its parent, so eviction takes leaves first.
+    fn check_lru_order(&self) -> Result<(), String> {
+        let mut pos: hashbrown::HashMap<SequenceHash, usize> = hashbrown::HashMap::new();
+        for (i, b) in self.device_lru.iter().enumerate() {
+            let info = self.device[b as usize].cached.expect("checked");
+            pos.insert(info.hash.sequence, i);
+        }
+        for (i, b) in self.device_lru.iter().enumerate() {
+            let info = self.device[b as usize].cached.expect("checked");
+            if let Some(pi) = info.parent.and_then(|p| pos.get(&p))
+                && *pi < i
+            {
+                return Err(format!("device LRU: block {b} stands after its parent"));
+            }
+        }
+        pos.clear();
+        for (i, s) in self.host_lru.iter().enumerate() {
+            let info = self.host[s as usize].expect("host LRU slots are filled");
+            pos.insert(info.hash.sequence, i);
+        }
+        for (i, s) in self.host_lru.iter().enumerate() {
+            let info = self.host[s as usize].expect("checked");
+            if let Some(pi) = info.parent.and_then(|p| pos.get(&p))
+                && *pi < i
+            {
+                return Err(format!("host LRU: slot {s} stands after its parent"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,263 @@
+use proptest::prelude::*;
+use tandem_protocol::{BlockHashes, BlockSize, HashSeed, KvEventKind, RequestId, StorageTier, WorkerId};
+
+use super::*;
+
+fn pool(device: u32, host: u32) -> BlockPool {
+    let mut cfg = BlockPoolConfig::new(WorkerId(1), device);
+    cfg.block_size = BlockSize::new(4).unwrap();
+    cfg.host_blocks = host;
+    cfg.bytes_per_block = 8;
+    BlockPool::new(cfg).unwrap()
+}
+
+fn hashes(tokens: &[u32]) -> Vec<BlockHashes> {
+    tandem_protocol::hashing::compute_block_hashes(tokens, BlockSize::new(4).unwrap(), HashSeed::UNSALTED)
+}
+
+/// Runs a whole sequence through the pool: acquire its prefix, allocate, commit, free.
+fn run_seq(p: &mut BlockPool, id: u64, tokens: &[u32]) -> Result<PrefixHit, PoolError> {
+    let hs = hashes(tokens);
+    let seq = RequestId(id);
+    let hit = p.acquire_prefix(seq, &hs, hs.len())?;
+    if let Err(e) = p.allocate(seq, tokens.len()) {
+        p.free(seq)?;
+        return Err(e);
+    }
+    p.commit(seq, &hs)?;
+    p.free(seq)?;
+    Ok(hit)
+}
+
+#[test]
+fn zero_device_blocks_is_an_error() {
+    assert_eq!(BlockPool::new(BlockPoolConfig::new(WorkerId(1), 0)).unwrap_err(), PoolError::NoDeviceBlocks);
+}
+
+#[test]
+fn prefix_is_reused_with_reference_counts() {
+    let mut p = pool(8, 0);
+    let a: Vec<u32> = (0..12).collect();
+    assert_eq!(run_seq(&mut p, 1, &a).unwrap(), PrefixHit::default());
+    let hs = hashes(&a);
+    let hit = p.acquire_prefix(RequestId(2), &hs, 3).unwrap();
+    assert_eq!(hit, PrefixHit { device: 3, host: 0 });
+    let hit2 = p.acquire_prefix(RequestId(3), &hs, 2).unwrap();
+    assert_eq!(hit2.device, 2);
+    assert_eq!(p.active_blocks(), 3);
+    let t2 = p.block_table(RequestId(2)).unwrap().to_vec();
+    assert_eq!(&p.block_table(RequestId(3)).unwrap()[..], &t2[..2]);
+    p.free(RequestId(2)).unwrap();
+    assert_eq!(p.active_blocks(), 2, "blocks shared with seq 3 stay referenced");
+    p.free(RequestId(3)).unwrap();
+    assert_eq!(p.active_blocks(), 0);
+    assert_eq!(p.cached_count(StorageTier::Device), 3, "unreferenced blocks stay cached");
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn partial_blocks_are_not_cached() {
+    let mut p = pool(8, 0);
+    let a: Vec<u32> = (0..6).collect();
+    run_seq(&mut p, 1, &a).unwrap();
+    assert_eq!(p.cached_count(StorageTier::Device), 1);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn eviction_is_lru_and_tail_first() {
+    let mut p = pool(4, 0);
+    let a: Vec<u32> = (0..12).collect(); // 3 blocks
+    run_seq(&mut p, 1, &a).unwrap();
+    let b: Vec<u32> = (100..108).collect(); // 2 blocks: one free block + evict one
+    run_seq(&mut p, 2, &b).unwrap();
+    // a's tail (block 2) was evicted, its head kept.
+    let ha = hashes(&a);
+    assert_eq!(p.lookup(&sequence_hashes(&ha)), PrefixHit { device: 2, host: 0 });
+    let evs = p.events_since(0).unwrap();
+    let removed: Vec<_> = evs
+        .iter()
+        .filter_map(|e| match &e.kind {
+            KvEventKind::Removed { blocks } => Some(blocks.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(removed, vec![vec![ha[2].sequence]]);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn out_of_blocks_changes_nothing() {
+    let mut p = pool(2, 0);
+    p.allocate(RequestId(1), 8).unwrap();
+    let before = p.last_event_id();
+    assert_eq!(
+        p.allocate(RequestId(2), 4),
+        Err(PoolError::OutOfBlocks { needed: 1, available: 0 })
+    );
+    assert!(p.block_table(RequestId(2)).is_none());
+    assert_eq!(p.last_event_id(), before);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn host_tier_takes_evicted_blocks_and_gives_them_back() {
+    let mut p = pool(3, 4);
+    let a: Vec<u32> = (0..12).collect(); // 3 blocks fill the device
+    run_seq(&mut p, 1, &a).unwrap();
+    // Remember a's bytes as written by "the model".
+    let ta: Vec<u32> = {
+        let hs = hashes(&a);
+        p.acquire_prefix(RequestId(9), &hs, 3).unwrap();
+        p.block_table(RequestId(9)).unwrap().to_vec()
+    };
+    for (i, &b) in ta.iter().enumerate() {
+        p.device_arena_mut().block_mut(b).fill(i as u8 + 1);
+    }
+    p.free(RequestId(9)).unwrap();
+    let b: Vec<u32> = (100..112).collect();
+    run_seq(&mut p, 2, &b).unwrap();
+    let ha = sequence_hashes(&hashes(&a));
+    assert_eq!(p.lookup(&ha), PrefixHit { device: 0, host: 3 });
+    assert_eq!(p.stats().device_evictions, 3);
+    p.check_invariants().unwrap();
+    // A hit on host blocks brings them back, bytes intact.
+    let hit = p.acquire_prefix(RequestId(3), &hashes(&a), 3).unwrap();
+    assert_eq!(hit, PrefixHit { device: 0, host: 3 });
+    let t = p.block_table(RequestId(3)).unwrap().to_vec();
+    for (i, &blk) in t.iter().enumerate() {
+        assert!(p.device_arena().block(blk).iter().all(|&x| x == i as u8 + 1), "block {i} bytes");
+    }
+    assert_eq!(p.lookup(&ha), PrefixHit { device: 3, host: 0 });
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn commit_adopts_a_block_cached_by_another_sequence() {
+    let mut p = pool(8, 0);
+    let a: Vec<u32> = (0..8).collect();
+    let hs = hashes(&a);
+    // Two sequences compute the same prompt concurrently.
+    for id in [1, 2] {
+        p.acquire_prefix(RequestId(id), &hs, 2).unwrap();
+        p.allocate(RequestId(id), 8).unwrap();
+    }
+    p.commit(RequestId(1), &hs).unwrap();
+    p.commit(RequestId(2), &hs).unwrap();
+    assert_eq!(p.block_table(RequestId(1)), p.block_table(RequestId(2)));
+    assert_eq!(p.active_blocks(), 2);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn dump_and_events_since_agree() {
+    let mut p = pool(4, 2);
+    for i in 0..6u32 {
+        let t: Vec<u32> = (i * 100..i * 100 + 8).collect();
+        run_seq(&mut p, u64::from(i), &t).unwrap();
+    }
+    let d = p.dump();
+    assert_eq!(d.last_event_id, p.last_event_id());
+    assert_eq!(d.events.len(), p.cached_count(StorageTier::Device) + p.cached_count(StorageTier::Host));
+    assert!(p.events_since(d.last_event_id).unwrap().is_empty());
+}
+
+#[test]
+fn events_since_says_too_old() {
+    let mut cfg = BlockPoolConfig::new(WorkerId(1), 2);
+    cfg.block_size = BlockSize::new(4).unwrap();
+    cfg.event_ring = 2;
+    let mut p = BlockPool::new(cfg).unwrap();
+    for i in 0..5u32 {
+        let t: Vec<u32> = (i * 10..i * 10 + 4).collect();
+        run_seq(&mut p, u64::from(i), &t).unwrap();
+    }
+    assert!(p.events_since(0).is_err());
+    assert_eq!(p.events_since(p.last_event_id() - 2).unwrap().len(), 2);
+}
+
+#[test]
+fn clear_cache_keeps_blocks_in_use() {
+    let mut p = pool(4, 2);
+    run_seq(&mut p, 1, &(0..8).collect::<Vec<_>>()).unwrap();
+    let hs = hashes(&(50..58).collect::<Vec<_>>());
+    p.acquire_prefix(RequestId(2), &hs, 2).unwrap();
+    p.allocate(RequestId(2), 8).unwrap();
+    p.commit(RequestId(2), &hs).unwrap();
+    p.clear_cache();
+    assert_eq!(p.cached_count(StorageTier::Device), 2);
+    assert_eq!(p.cached_count(StorageTier::Host), 0);
+    p.check_invariants().unwrap();
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// Start a sequence from a family of prompts sharing prefixes.
+    Start { id: u8, family: u8, len: u8 },
+    Grow { id: u8, extra: u8 },
+    Finish { id: u8 },
+    Clear,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u8..6, 0u8..4, 1u8..40).prop_map(|(id, family, len)| Op::Start { id, family, len }),
+        3 => (0u8..6, 1u8..9).prop_map(|(id, extra)| Op::Grow { id, extra }),
+        4 => (0u8..6).prop_map(|id| Op::Finish { id }),
+        1 => Just(Op::Clear),
+    ]
+}
+
+/// Prompts of one family share leading tokens, so prefixes overlap at varying depths.
+fn family_tokens(family: u8, len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| if i < 12 { u32::from(family) * 1000 + i } else { salt * 7 + i }).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    #[test]
+    fn random_operations_keep_every_invariant(
+        ops in proptest::collection::vec(op(), 1..120),
+        device in 2u32..24,
+        host in prop_oneof![Just(0u32), 1u32..12],
+    ) {
+        let mut p = pool(device, host);
+        let mut live: std::collections::HashMap<u8, Vec<u32>> = Default::default();
+        for (step, op) in ops.into_iter().enumerate() {
+            match op {
+                Op::Start { id, family, len } => {
+                    if live.contains_key(&id) { continue; }
+                    let tokens = family_tokens(family, len as usize, step as u32 % 3);
+                    let hs = hashes(&tokens);
+                    let seq = RequestId(u64::from(id));
+                    p.acquire_prefix(seq, &hs, hs.len()).unwrap();
+                    if p.allocate(seq, tokens.len()).is_err() {
+                        p.free(seq).unwrap();
+                    } else {
+                        p.commit(seq, &hs).unwrap();
+                        live.insert(id, tokens);
+                    }
+                }
+                Op::Grow { id, extra } => {
+                    if let Some(tokens) = live.get_mut(&id) {
+                        let start = tokens.len() as u32;
+                        let new: Vec<u32> = (start..start + u32::from(extra)).collect();
+                        if p.allocate(RequestId(u64::from(id)), tokens.len() + new.len()).is_ok() {
+                            tokens.extend(new);
+                            p.commit(RequestId(u64::from(id)), &hashes(tokens)).unwrap();
+                        }
+                    }
+                }
+                Op::Finish { id } => {
+                    if live.remove(&id).is_some() {
+                        p.free(RequestId(u64::from(id))).unwrap();
+                    }
+                }
+                Op::Clear => p.clear_cache(),
+            }
+            if let Err(e) = p.check_invariants() {
+                return Err(TestCaseError::fail(format!("after step {step}: {e}")));
+            }
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! tandem's shared vocabulary: what every other crate agrees on.
+//!
+//! - [`ids`]: `WorkerId`, `RequestId`, block hashes and the memory [`StorageTier`].
+//! - [`hashing`]: KV block identity (DESIGN.md §3). Only full blocks are hashed; a block's
+//!   `LocalBlockHash` is xxh3-64 of its token ids (u32 little-endian) and its `SequenceHash`
+//!   chains the parent's sequence hash with the local hash, so one sequence hash names a whole
+//!   prefix. The seed mixes a fixed constant with the request's cache salt.
+//! - [`events`]: KV events (`Stored`, `Removed`, `Cleared`) numbered per worker, and dumps.
+//! - [`worker`]: the worker record registered in discovery and the periodic load report.
+//! - [`codec`]: the versioned bincode envelope every message on the event plane travels in.
+//!
+//! This crate depends on nothing internal (DESIGN.md §2) and does no I/O.
+
+pub mod codec;
+pub mod events;
+pub mod hashing;
+pub mod ids;
+pub mod worker;
+
+pub use codec::{CodecError, Envelope, KvEventBatch, MessageKind};
+pub use events::{KvDump, KvEvent, KvEventKind, StoredBlock};
+pub use hashing::{BlockHashes, BlockSize, HashSeed, InvalidBlockSize, TokenBlockHasher};
+pub use ids::{LocalBlockHash, RequestId, SequenceHash, StorageTier, WorkerId};
+pub use worker::{LoadReport, TierCapacity, WorkerAddresses, WorkerRecord, WorkerRole};
