@@ -15,12 +15,20 @@ impl KvShape {
     /// A small shape for the mocker: 4 layers × 2 KV heads × 16 dims × 2 bytes, K and V:
     /// 512 bytes per token, 8 KiB per 16-token block. Big enough to exercise transfer paths,
     /// small enough for many workers on a laptop.
-    pub const MOCKER_DEFAULT: KvShape =
-        KvShape { num_layers: 4, num_kv_heads: 2, head_dim: 16, dtype_bytes: 2 };
+    pub const MOCKER_DEFAULT: KvShape = KvShape {
+        num_layers: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        dtype_bytes: 2,
+    };
 
     /// No bytes at all: timing-only simulation (`tandem sim` with thousands of workers).
-    pub const TIMING_ONLY: KvShape =
-        KvShape { num_layers: 0, num_kv_heads: 0, head_dim: 0, dtype_bytes: 0 };
+    pub const TIMING_ONLY: KvShape = KvShape {
+        num_layers: 0,
+        num_kv_heads: 0,
+        head_dim: 0,
+        dtype_bytes: 0,
+    };
 
     /// Bytes of K and V for one token in one layer.
     pub const fn bytes_per_token_layer(&self) -> usize {
@@ -59,7 +67,11 @@ impl std::fmt::Debug for KvArena {
 impl KvArena {
     /// Zeroed arena. With `bytes_per_block == 0` it holds nothing and costs nothing.
     pub fn new(num_blocks: usize, bytes_per_block: usize) -> Self {
-        KvArena { bytes_per_block, num_blocks, data: vec![0; num_blocks * bytes_per_block] }
+        KvArena {
+            bytes_per_block,
+            num_blocks,
+            data: vec![0; num_blocks * bytes_per_block],
+        }
     }
 
     pub fn bytes_per_block(&self) -> usize {
@@ -102,7 +114,8 @@ pub(crate) fn copy_block(from: &KvArena, from_block: u32, to: &mut KvArena, to_b
     if from.bytes_per_block == 0 {
         return;
     }
-    to.block_mut(to_block).copy_from_slice(from.block(from_block));
+    to.block_mut(to_block)
+        .copy_from_slice(from.block(from_block));
 }
 
 #[cfg(test)]

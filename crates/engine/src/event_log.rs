@@ -58,7 +58,13 @@ impl EventLog {
             blocks.push(block);
             return;
         }
-        self.staged.push((tier, KvEventKind::Stored { parent, blocks: vec![block] }));
+        self.staged.push((
+            tier,
+            KvEventKind::Stored {
+                parent,
+                blocks: vec![block],
+            },
+        ));
     }
 
     /// Stages a removed block, merged into the previous staged `Removed` of the same tier.
@@ -69,7 +75,8 @@ impl EventLog {
             blocks.push(hash);
             return;
         }
-        self.staged.push((tier, KvEventKind::Removed { blocks: vec![hash] }));
+        self.staged
+            .push((tier, KvEventKind::Removed { blocks: vec![hash] }));
     }
 
     pub(crate) fn cleared(&mut self, tier: StorageTier) {
@@ -84,7 +91,12 @@ impl EventLog {
             if self.ring.len() == self.capacity {
                 self.ring.pop_front();
             }
-            self.ring.push_back(KvEvent { worker_id: self.worker_id, event_id: self.last_id, tier, kind });
+            self.ring.push_back(KvEvent {
+                worker_id: self.worker_id,
+                event_id: self.last_id,
+                tier,
+                kind,
+            });
         }
     }
 
@@ -95,7 +107,10 @@ impl EventLog {
         }
         let oldest_kept = self.ring.front().map_or(self.last_id + 1, |e| e.event_id);
         if after + 1 < oldest_kept {
-            return Err(EventsTooOld { requested: after, oldest_kept });
+            return Err(EventsTooOld {
+                requested: after,
+                oldest_kept,
+            });
         }
         let skip = (after + 1 - oldest_kept) as usize;
         Ok(self.ring.iter().skip(skip).cloned().collect())
@@ -109,7 +124,10 @@ mod tests {
     use super::*;
 
     fn sb(h: u64) -> StoredBlock {
-        StoredBlock { sequence_hash: SequenceHash(h), local_hash: LocalBlockHash(h) }
+        StoredBlock {
+            sequence_hash: SequenceHash(h),
+            local_hash: LocalBlockHash(h),
+        }
     }
 
     #[test]
@@ -122,7 +140,10 @@ mod tests {
         log.removed(StorageTier::Host, SequenceHash(6));
         log.flush();
         let all = log.since(0).unwrap();
-        assert_eq!(all.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert_eq!(
+            all.iter().map(|e| e.event_id).collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
         assert!(matches!(&all[0].kind, KvEventKind::Stored { blocks, .. } if blocks.len() == 2));
         assert!(matches!(&all[2].kind, KvEventKind::Removed { blocks } if blocks.len() == 2));
         assert_eq!(log.since(3).unwrap(), vec![]);
@@ -130,7 +151,13 @@ mod tests {
         // One more event pushes id 1 out of the ring.
         log.cleared(StorageTier::Device);
         log.flush();
-        assert_eq!(log.since(0), Err(EventsTooOld { requested: 0, oldest_kept: 2 }));
+        assert_eq!(
+            log.since(0),
+            Err(EventsTooOld {
+                requested: 0,
+                oldest_kept: 2
+            })
+        );
         assert_eq!(log.since(1).unwrap().len(), 3);
     }
 }

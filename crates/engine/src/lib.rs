@@ -4,16 +4,33 @@
 //!   and an optional host tier; it numbers every change as a KV event and can dump its state.
 //!   It keeps each tier prefix-closed, which the global index relies on.
 //! - [`arena`]: per tier one contiguous, block-major byte region.
+//! - [`scheduler`]: continuous batching over the pool (vLLM v1 style): a token budget per
+//!   step, chunked prefill, FCFS admission on the cached prefix, preemption by recompute under
+//!   memory pressure. It plans a step; a model computes it; the scheduler completes it.
+//! - [`mocker`]: a model without a GPU: polynomial step timing, deterministic KV bytes, and
+//!   tokens derived from the KV read back from the arena. [`MockEngine`] ties pool, scheduler
+//!   and mocker together for the simulator and the worker services.
 //!
 //! Nothing here does I/O, reads a clock or spawns: callers pass time in and drive the steps.
-
-#![doc = ""]
+//! Time is always `u64` microseconds (`now_us`); only the mocker's step durations are given
+//! in `f64` milliseconds (with [`PlannedStep::duration_us`] for virtual clocks). Everything is
+//! deterministic: the same calls in the same order give the same tokens, events and stats.
 
 pub mod arena;
 mod event_log;
 mod lru;
+pub mod mocker;
 pub mod pool;
+pub mod scheduler;
 
 pub use arena::{KvArena, KvShape};
 pub use event_log::EventsTooOld;
+pub use mocker::{
+    EngineError, MockEngine, MockEngineConfig, MockerConfig, PlannedStep, TimingModel,
+};
 pub use pool::{BlockPool, BlockPoolConfig, PoolError, PoolStats, PrefixHit};
+pub use scheduler::{
+    EngineRequest, ErrorClass, FinishReason, ModelView, RequestOutput, RequestPhase, SampledToken,
+    ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError, SchedulerStats, Sequence,
+    StepKind, StepPlan,
+};

@@ -70,11 +70,17 @@ pub trait Envelope: Serialize + DeserializeOwned {
         }
         let version = u16::from_le_bytes([bytes[4], bytes[5]]);
         if version > FORMAT_VERSION {
-            return Err(CodecError::UnsupportedVersion { found: version, supported: FORMAT_VERSION });
+            return Err(CodecError::UnsupportedVersion {
+                found: version,
+                supported: FORMAT_VERSION,
+            });
         }
         let kind = u16::from_le_bytes([bytes[6], bytes[7]]);
         if kind != Self::KIND as u16 {
-            return Err(CodecError::WrongKind { expected: Self::KIND, found: kind });
+            return Err(CodecError::WrongKind {
+                expected: Self::KIND,
+                found: kind,
+            });
         }
         let body = &bytes[HEADER_LEN..];
         if body.len() > MAX_BODY {
@@ -84,7 +90,10 @@ pub trait Envelope: Serialize + DeserializeOwned {
         let (value, used) = bincode::serde::decode_from_slice(body, cfg)
             .map_err(|e| CodecError::Corrupt(e.to_string()))?;
         if used != body.len() {
-            return Err(CodecError::Corrupt(format!("{} trailing bytes", body.len() - used)));
+            return Err(CodecError::Corrupt(format!(
+                "{} trailing bytes",
+                body.len() - used
+            )));
         }
         Ok(value)
     }
@@ -134,7 +143,9 @@ mod tests {
                 worker_id: WorkerId(7),
                 event_id: 2,
                 tier: StorageTier::Host,
-                kind: KvEventKind::Removed { blocks: vec![SequenceHash(11)] },
+                kind: KvEventKind::Removed {
+                    blocks: vec![SequenceHash(11)],
+                },
             },
             KvEvent {
                 worker_id: WorkerId(7),
@@ -159,8 +170,15 @@ mod tests {
             role: WorkerRole::Decode,
             model: "mocker".into(),
             block_size: BlockSize::DEFAULT,
-            kv_capacity: TierCapacity { device_blocks: 100, host_blocks: 50, disk_blocks: 0 },
-            addresses: WorkerAddresses { grpc: "127.0.0.1:1".into(), kv_transfer: None },
+            kv_capacity: TierCapacity {
+                device_blocks: 100,
+                host_blocks: 50,
+                disk_blocks: 0,
+            },
+            addresses: WorkerAddresses {
+                grpc: "127.0.0.1:1".into(),
+                kv_transfer: None,
+            },
         };
         assert_eq!(WorkerRecord::decode(&rec.encode().unwrap()).unwrap(), rec);
     }
@@ -171,16 +189,28 @@ mod tests {
         bytes[4..6].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
         assert_eq!(
             Vec::<KvEvent>::decode(&bytes),
-            Err(CodecError::UnsupportedVersion { found: FORMAT_VERSION + 1, supported: FORMAT_VERSION })
+            Err(CodecError::UnsupportedVersion {
+                found: FORMAT_VERSION + 1,
+                supported: FORMAT_VERSION
+            })
         );
     }
 
     #[test]
     fn wrong_kind_magic_and_truncation_are_typed_errors() {
         let bytes = LoadReport::default().encode().unwrap();
-        assert!(matches!(Vec::<KvEvent>::decode(&bytes), Err(CodecError::WrongKind { .. })));
-        assert_eq!(Vec::<KvEvent>::decode(b"nope-nope"), Err(CodecError::BadMagic));
-        assert_eq!(Vec::<KvEvent>::decode(b"TDM"), Err(CodecError::Truncated(3)));
+        assert!(matches!(
+            Vec::<KvEvent>::decode(&bytes),
+            Err(CodecError::WrongKind { .. })
+        ));
+        assert_eq!(
+            Vec::<KvEvent>::decode(b"nope-nope"),
+            Err(CodecError::BadMagic)
+        );
+        assert_eq!(
+            Vec::<KvEvent>::decode(b"TDM"),
+            Err(CodecError::Truncated(3))
+        );
         let good = sample_events().encode().unwrap();
         assert!(matches!(
             Vec::<KvEvent>::decode(&good[..good.len() - 1]),
@@ -188,7 +218,10 @@ mod tests {
         ));
         let mut trailing = good.clone();
         trailing.push(0);
-        assert!(matches!(Vec::<KvEvent>::decode(&trailing), Err(CodecError::Corrupt(_))));
+        assert!(matches!(
+            Vec::<KvEvent>::decode(&trailing),
+            Err(CodecError::Corrupt(_))
+        ));
     }
 
     proptest! {

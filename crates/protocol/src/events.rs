@@ -20,7 +20,10 @@ pub struct StoredBlock {
 pub enum KvEventKind {
     /// Blocks now held in the event's tier. `blocks` is a chain: `blocks[0]`'s parent is
     /// `parent` (None for a first block), `blocks[i]`'s parent is `blocks[i-1]`.
-    Stored { parent: Option<SequenceHash>, blocks: Vec<StoredBlock> },
+    Stored {
+        parent: Option<SequenceHash>,
+        blocks: Vec<StoredBlock>,
+    },
     /// Blocks no longer held in the event's tier.
     Removed { blocks: Vec<SequenceHash> },
     /// Every block of the event's tier is gone.

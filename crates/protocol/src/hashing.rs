@@ -31,7 +31,9 @@ impl BlockSize {
 
     /// Validates a block size: zero is an error.
     pub fn new(tokens: u32) -> Result<Self, InvalidBlockSize> {
-        NonZeroU32::new(tokens).map(BlockSize).ok_or(InvalidBlockSize(tokens))
+        NonZeroU32::new(tokens)
+            .map(BlockSize)
+            .ok_or(InvalidBlockSize(tokens))
     }
 
     /// Tokens per block.
@@ -145,7 +147,11 @@ pub fn chain_sequence_hash(
 }
 
 /// Hashes every full block of `tokens`; a trailing partial block is ignored.
-pub fn compute_block_hashes(tokens: &[u32], block_size: BlockSize, seed: HashSeed) -> Vec<BlockHashes> {
+pub fn compute_block_hashes(
+    tokens: &[u32],
+    block_size: BlockSize,
+    seed: HashSeed,
+) -> Vec<BlockHashes> {
     let mut out = Vec::with_capacity(block_size.full_blocks(tokens.len()));
     let mut parent = None;
     for block in tokens.chunks_exact(block_size.tokens()) {
@@ -271,7 +277,10 @@ mod tests {
         let tokens: Vec<u32> = (0..400).collect();
         let h = compute_block_hashes(&tokens, bs, HashSeed::UNSALTED);
         let bytes: Vec<u8> = tokens[..200].iter().flat_map(|t| t.to_le_bytes()).collect();
-        assert_eq!(h[0].local.0, xxh3_64_with_seed(&bytes, HashSeed::UNSALTED.0));
+        assert_eq!(
+            h[0].local.0,
+            xxh3_64_with_seed(&bytes, HashSeed::UNSALTED.0)
+        );
     }
 
     proptest! {

@@ -60,12 +60,9 @@ pub struct LoadReport {
     pub kv_active_blocks: u64,
     /// Device KV blocks in total.
     pub kv_total_blocks: u64,
-}
-
-impl Default for WorkerId {
-    fn default() -> Self {
-        WorkerId(0)
-    }
+    /// Id of the worker's latest KV event: lets a consumer notice a lost trailing event
+    /// (a gap that no later event would reveal).
+    pub last_kv_event_id: u64,
 }
 
 impl LoadReport {

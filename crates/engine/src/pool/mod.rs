@@ -74,7 +74,11 @@ pub enum PoolError {
     #[error("sequence {0} is already allocated")]
     DuplicateSequence(RequestId),
     #[error("sequence {seq} has {held} blocks, cannot commit {asked} full blocks")]
-    CommitBeyondTable { seq: RequestId, held: usize, asked: usize },
+    CommitBeyondTable {
+        seq: RequestId,
+        held: usize,
+        asked: usize,
+    },
 }
 
 /// Leading cached blocks of a prefix, by tier.
@@ -101,7 +105,10 @@ pub(crate) struct CachedInfo {
 
 impl CachedInfo {
     fn stored(&self) -> StoredBlock {
-        StoredBlock { sequence_hash: self.hash.sequence, local_hash: self.hash.local }
+        StoredBlock {
+            sequence_hash: self.hash.sequence,
+            local_hash: self.hash.local,
+        }
     }
 }
 
@@ -225,10 +232,12 @@ impl BlockPool {
     pub fn cached_hashes(&self, tier: StorageTier) -> Vec<SequenceHash> {
         self.cached
             .iter()
-            .filter(|(_, loc)| match (tier, loc) {
-                (StorageTier::Device, Location::Device(_)) => true,
-                (StorageTier::Host, Location::Host(_)) => true,
-                _ => false,
+            .filter(|(_, loc)| {
+                matches!(
+                    (tier, loc),
+                    (StorageTier::Device, Location::Device(_))
+                        | (StorageTier::Host, Location::Host(_))
+                )
             })
             .map(|(h, _)| *h)
             .collect()
@@ -296,16 +305,26 @@ impl BlockPool {
         let mut device: Vec<CachedInfo> = self.device.iter().filter_map(|b| b.cached).collect();
         let mut host: Vec<CachedInfo> = self.host.iter().flatten().copied().collect();
         let mut events = Vec::with_capacity(device.len() + host.len());
-        for (tier, infos) in [(StorageTier::Device, &mut device), (StorageTier::Host, &mut host)] {
+        for (tier, infos) in [
+            (StorageTier::Device, &mut device),
+            (StorageTier::Host, &mut host),
+        ] {
             infos.sort_by_key(|i| (i.position, i.hash.sequence));
             events.extend(infos.iter().map(|i| KvEvent {
                 worker_id,
                 event_id: last_event_id,
                 tier,
-                kind: KvEventKind::Stored { parent: i.parent, blocks: vec![i.stored()] },
+                kind: KvEventKind::Stored {
+                    parent: i.parent,
+                    blocks: vec![i.stored()],
+                },
             }));
         }
-        KvDump { worker_id, last_event_id, events }
+        KvDump {
+            worker_id,
+            last_event_id,
+            events,
+        }
     }
 }
 
@@ -316,5 +335,8 @@ pub fn sequence_hashes(hashes: &[BlockHashes]) -> Vec<SequenceHash> {
 
 /// A `BlockHashes` from a bare u64, for tests and synthetic workloads that hash by position.
 pub fn synthetic_hash(sequence: u64, local: u64) -> BlockHashes {
-    BlockHashes { local: LocalBlockHash(local), sequence: SequenceHash(sequence) }
+    BlockHashes {
+        local: LocalBlockHash(local),
+        sequence: SequenceHash(sequence),
+    }
 }

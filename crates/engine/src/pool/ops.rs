@@ -54,11 +54,16 @@ impl BlockPool {
         let held = self.seqs.get(&seq).map_or(0, |s| s.blocks.len());
         let needed = need_total.saturating_sub(held);
         if needed > self.available_blocks() {
-            return Err(PoolError::OutOfBlocks { needed, available: self.available_blocks() });
+            return Err(PoolError::OutOfBlocks {
+                needed,
+                available: self.available_blocks(),
+            });
         }
         let mut fresh = Vec::with_capacity(needed);
         for _ in 0..needed {
-            let b = self.take_device_block().expect("availability checked above");
+            let b = self
+                .take_device_block()
+                .expect("availability checked above");
             self.device[b as usize].refs = 1;
             fresh.push(b);
         }
@@ -110,7 +115,10 @@ impl BlockPool {
     /// Ends a sequence: releases its blocks tail first, so that its tail is evicted before its
     /// head (the prefix-closure invariant). Cached blocks stay reusable until evicted.
     pub fn free(&mut self, seq: RequestId) -> Result<(), PoolError> {
-        let table = self.seqs.remove(&seq).ok_or(PoolError::UnknownSequence(seq))?;
+        let table = self
+            .seqs
+            .remove(&seq)
+            .ok_or(PoolError::UnknownSequence(seq))?;
         for &b in table.blocks.iter().rev() {
             self.release_block(b);
         }
@@ -131,7 +139,10 @@ impl BlockPool {
             self.log.cleared(StorageTier::Host);
         }
         while let Some(b) = self.device_lru.pop_front() {
-            let info = self.device[b as usize].cached.take().expect("LRU blocks are cached");
+            let info = self.device[b as usize]
+                .cached
+                .take()
+                .expect("LRU blocks are cached");
             self.cached.remove(&info.hash.sequence);
             self.log.removed(StorageTier::Device, info.hash.sequence);
             self.device_free.push(b);
@@ -160,8 +171,18 @@ impl BlockPool {
         }
     }
 
-    fn register_device(&mut self, b: u32, hash: BlockHashes, parent: Option<SequenceHash>, pos: usize) {
-        let info = CachedInfo { hash, parent, position: pos as u32 };
+    fn register_device(
+        &mut self,
+        b: u32,
+        hash: BlockHashes,
+        parent: Option<SequenceHash>,
+        pos: usize,
+    ) {
+        let info = CachedInfo {
+            hash,
+            parent,
+            position: pos as u32,
+        };
         self.device[b as usize].cached = Some(info);
         self.cached.insert(hash.sequence, Location::Device(b));
         self.log.stored(StorageTier::Device, parent, info.stored());
@@ -174,7 +195,10 @@ impl BlockPool {
             return Some(b);
         }
         let b = self.device_lru.pop_front()?;
-        let info = self.device[b as usize].cached.take().expect("LRU blocks are cached");
+        let info = self.device[b as usize]
+            .cached
+            .take()
+            .expect("LRU blocks are cached");
         self.stats.device_evictions += 1;
         self.log.removed(StorageTier::Device, info.hash.sequence);
         self.cached.remove(&info.hash.sequence);
@@ -189,7 +213,10 @@ impl BlockPool {
         let slot = match self.host_free.pop() {
             Some(s) => s,
             None => {
-                let s = self.host_lru.pop_front().expect("a full host tier has an LRU block");
+                let s = self
+                    .host_lru
+                    .pop_front()
+                    .expect("a full host tier has an LRU block");
                 let old = self.host[s as usize].take().expect("LRU slots are filled");
                 self.cached.remove(&old.hash.sequence);
                 self.stats.host_evictions += 1;
@@ -201,7 +228,8 @@ impl BlockPool {
         self.host[slot as usize] = Some(info);
         self.host_lru.push_back(slot);
         self.cached.insert(info.hash.sequence, Location::Host(slot));
-        self.log.stored(StorageTier::Host, info.parent, info.stored());
+        self.log
+            .stored(StorageTier::Host, info.parent, info.stored());
     }
 
     /// Brings a host block back to device; the caller checked a device block is available.
@@ -211,7 +239,9 @@ impl BlockPool {
         let info = self.host[slot as usize].expect("promoted slot is filled");
         let bytes = self.host_arena.block(slot).to_vec();
         self.drop_host(slot);
-        let b = self.take_device_block().expect("caller checked availability");
+        let b = self
+            .take_device_block()
+            .expect("caller checked availability");
         self.device_arena.block_mut(b).copy_from_slice(&bytes);
         self.stats.host_promotions += 1;
         self.register_device(b, info.hash, info.parent, info.position as usize);
@@ -219,7 +249,9 @@ impl BlockPool {
     }
 
     fn drop_host(&mut self, slot: u32) {
-        let info = self.host[slot as usize].take().expect("dropped slot is filled");
+        let info = self.host[slot as usize]
+            .take()
+            .expect("dropped slot is filled");
         self.host_lru.remove(slot);
         self.host_free.push(slot);
         self.cached.remove(&info.hash.sequence);
@@ -232,7 +264,11 @@ impl BlockPool {
         let mut refs = vec![0u32; self.device.len()];
         for (id, s) in &self.seqs {
             if s.committed > s.blocks.len() {
-                return Err(format!("{id}: committed {} > held {}", s.committed, s.blocks.len()));
+                return Err(format!(
+                    "{id}: committed {} > held {}",
+                    s.committed,
+                    s.blocks.len()
+                ));
             }
             for (i, &b) in s.blocks.iter().enumerate() {
                 refs[b as usize] += 1;
@@ -248,11 +284,20 @@ impl BlockPool {
         for (b, blk) in self.device.iter().enumerate() {
             let b32 = b as u32;
             if blk.refs != refs[b] {
-                return Err(format!("block {b}: refs {} but {} table entries", blk.refs, refs[b]));
+                return Err(format!(
+                    "block {b}: refs {} but {} table entries",
+                    blk.refs, refs[b]
+                ));
             }
-            let states = [blk.refs > 0, free.contains(&b32), self.device_lru.contains(b32)];
+            let states = [
+                blk.refs > 0,
+                free.contains(&b32),
+                self.device_lru.contains(b32),
+            ];
             if states.iter().filter(|x| **x).count() != 1 {
-                return Err(format!("block {b}: not exactly one of referenced/free/lru: {states:?}"));
+                return Err(format!(
+                    "block {b}: not exactly one of referenced/free/lru: {states:?}"
+                ));
             }
             if free.contains(&b32) && blk.cached.is_some() {
                 return Err(format!("block {b}: free but cached"));
@@ -285,7 +330,10 @@ impl BlockPool {
         let n_cached = self.device.iter().filter(|b| b.cached.is_some()).count()
             + self.host.iter().filter(|h| h.is_some()).count();
         if n_cached != self.cached.len() {
-            return Err(format!("cached map has {} entries, tiers hold {n_cached}", self.cached.len()));
+            return Err(format!(
+                "cached map has {} entries, tiers hold {n_cached}",
+                self.cached.len()
+            ));
         }
         self.check_lru_order()
     }

@@ -1,5 +1,7 @@
 use proptest::prelude::*;
-use tandem_protocol::{BlockHashes, BlockSize, HashSeed, KvEventKind, RequestId, StorageTier, WorkerId};
+use tandem_protocol::{
+    BlockHashes, BlockSize, HashSeed, KvEventKind, RequestId, StorageTier, WorkerId,
+};
 
 use super::*;
 
@@ -12,7 +14,11 @@ fn pool(device: u32, host: u32) -> BlockPool {
 }
 
 fn hashes(tokens: &[u32]) -> Vec<BlockHashes> {
-    tandem_protocol::hashing::compute_block_hashes(tokens, BlockSize::new(4).unwrap(), HashSeed::UNSALTED)
+    tandem_protocol::hashing::compute_block_hashes(
+        tokens,
+        BlockSize::new(4).unwrap(),
+        HashSeed::UNSALTED,
+    )
 }
 
 /// Runs a whole sequence through the pool: acquire its prefix, allocate, commit, free.
@@ -31,7 +37,10 @@ fn run_seq(p: &mut BlockPool, id: u64, tokens: &[u32]) -> Result<PrefixHit, Pool
 
 #[test]
 fn zero_device_blocks_is_an_error() {
-    assert_eq!(BlockPool::new(BlockPoolConfig::new(WorkerId(1), 0)).unwrap_err(), PoolError::NoDeviceBlocks);
+    assert_eq!(
+        BlockPool::new(BlockPoolConfig::new(WorkerId(1), 0)).unwrap_err(),
+        PoolError::NoDeviceBlocks
+    );
 }
 
 #[test]
@@ -46,12 +55,20 @@ fn prefix_is_reused_with_reference_counts() {
     assert_eq!(hit2.device, 2);
     assert_eq!(p.active_blocks(), 3);
     let t2 = p.block_table(RequestId(2)).unwrap().to_vec();
-    assert_eq!(&p.block_table(RequestId(3)).unwrap()[..], &t2[..2]);
+    assert_eq!(p.block_table(RequestId(3)).unwrap(), &t2[..2]);
     p.free(RequestId(2)).unwrap();
-    assert_eq!(p.active_blocks(), 2, "blocks shared with seq 3 stay referenced");
+    assert_eq!(
+        p.active_blocks(),
+        2,
+        "blocks shared with seq 3 stay referenced"
+    );
     p.free(RequestId(3)).unwrap();
     assert_eq!(p.active_blocks(), 0);
-    assert_eq!(p.cached_count(StorageTier::Device), 3, "unreferenced blocks stay cached");
+    assert_eq!(
+        p.cached_count(StorageTier::Device),
+        3,
+        "unreferenced blocks stay cached"
+    );
     p.check_invariants().unwrap();
 }
 
@@ -73,7 +90,10 @@ fn eviction_is_lru_and_tail_first() {
     run_seq(&mut p, 2, &b).unwrap();
     // a's tail (block 2) was evicted, its head kept.
     let ha = hashes(&a);
-    assert_eq!(p.lookup(&sequence_hashes(&ha)), PrefixHit { device: 2, host: 0 });
+    assert_eq!(
+        p.lookup(&sequence_hashes(&ha)),
+        PrefixHit { device: 2, host: 0 }
+    );
     let evs = p.events_since(0).unwrap();
     let removed: Vec<_> = evs
         .iter()
@@ -93,7 +113,10 @@ fn out_of_blocks_changes_nothing() {
     let before = p.last_event_id();
     assert_eq!(
         p.allocate(RequestId(2), 4),
-        Err(PoolError::OutOfBlocks { needed: 1, available: 0 })
+        Err(PoolError::OutOfBlocks {
+            needed: 1,
+            available: 0
+        })
     );
     assert!(p.block_table(RequestId(2)).is_none());
     assert_eq!(p.last_event_id(), before);
@@ -126,7 +149,13 @@ fn host_tier_takes_evicted_blocks_and_gives_them_back() {
     assert_eq!(hit, PrefixHit { device: 0, host: 3 });
     let t = p.block_table(RequestId(3)).unwrap().to_vec();
     for (i, &blk) in t.iter().enumerate() {
-        assert!(p.device_arena().block(blk).iter().all(|&x| x == i as u8 + 1), "block {i} bytes");
+        assert!(
+            p.device_arena()
+                .block(blk)
+                .iter()
+                .all(|&x| x == i as u8 + 1),
+            "block {i} bytes"
+        );
     }
     assert_eq!(p.lookup(&ha), PrefixHit { device: 3, host: 0 });
     p.check_invariants().unwrap();
@@ -158,7 +187,10 @@ fn dump_and_events_since_agree() {
     }
     let d = p.dump();
     assert_eq!(d.last_event_id, p.last_event_id());
-    assert_eq!(d.events.len(), p.cached_count(StorageTier::Device) + p.cached_count(StorageTier::Host));
+    assert_eq!(
+        d.events.len(),
+        p.cached_count(StorageTier::Device) + p.cached_count(StorageTier::Host)
+    );
     assert!(p.events_since(d.last_event_id).unwrap().is_empty());
 }
 
@@ -193,9 +225,18 @@ fn clear_cache_keeps_blocks_in_use() {
 #[derive(Clone, Debug)]
 enum Op {
     /// Start a sequence from a family of prompts sharing prefixes.
-    Start { id: u8, family: u8, len: u8 },
-    Grow { id: u8, extra: u8 },
-    Finish { id: u8 },
+    Start {
+        id: u8,
+        family: u8,
+        len: u8,
+    },
+    Grow {
+        id: u8,
+        extra: u8,
+    },
+    Finish {
+        id: u8,
+    },
     Clear,
 }
 
@@ -210,7 +251,15 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// Prompts of one family share leading tokens, so prefixes overlap at varying depths.
 fn family_tokens(family: u8, len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| if i < 12 { u32::from(family) * 1000 + i } else { salt * 7 + i }).collect()
+    (0..len as u32)
+        .map(|i| {
+            if i < 12 {
+                u32::from(family) * 1000 + i
+            } else {
+                salt * 7 + i
+            }
+        })
+        .collect()
 }
 
 proptest! {

@@ -1,0 +1,260 @@
+//! [`MockEngine`]: pool + scheduler + mocker model behind a two-call step.
+
+use hashbrown::HashMap;
+use tandem_protocol::{KvDump, KvEvent, LoadReport, RequestId};
+
+use super::MockerConfig;
+use super::kv::{self, KvLayout, SeqDigest};
+use crate::event_log::EventsTooOld;
+use crate::pool::{BlockPool, BlockPoolConfig, PoolError};
+use crate::scheduler::{
+    EngineRequest, RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerError,
+    SchedulerStats, StepPlan,
+};
+
+/// Everything a mock engine is made from.
+#[derive(Clone, Debug)]
+pub struct MockEngineConfig {
+    /// Its `bytes_per_block` is derived from `mocker.kv_shape` and the block size; the value
+    /// given here is ignored.
+    pub pool: BlockPoolConfig,
+    pub scheduler: SchedulerConfig,
+    pub mocker: MockerConfig,
+}
+
+impl MockEngineConfig {
+    /// The given pool with the default scheduler and mocker settings.
+    pub fn new(pool: BlockPoolConfig) -> Self {
+        MockEngineConfig {
+            pool,
+            scheduler: SchedulerConfig::default(),
+            mocker: MockerConfig::default(),
+        }
+    }
+}
+
+/// Why a mock engine could not be made.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid mocker config: {0}")]
+    InvalidConfig(&'static str),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    #[error(transparent)]
+    Scheduler(#[from] SchedulerError),
+}
+
+/// Summary of a planned step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PlannedStep {
+    /// Simulated duration of the step, milliseconds.
+    pub duration_ms: f64,
+    pub step: u64,
+    /// Requests computing in the step.
+    pub num_requests: usize,
+    pub prefill_tokens: usize,
+    pub decode_tokens: usize,
+    /// KV tokens attended over (see [`StepPlan::kv_tokens`]).
+    pub kv_tokens: usize,
+    /// Requests preempted while planning it.
+    pub num_preempted: usize,
+}
+
+impl PlannedStep {
+    /// The duration in whole microseconds (rounded), for virtual clocks.
+    pub fn duration_us(&self) -> u64 {
+        (self.duration_ms * 1000.0).round() as u64
+    }
+}
+
+/// A worker's engine with the mocker as its model. Drive it with `begin_step` and, after the
+/// step's duration, `finish_step`; `add_request` and `abort` may come at any time.
+#[derive(Debug)]
+pub struct MockEngine {
+    sched: Scheduler,
+    cfg: MockerConfig,
+    layout: KvLayout,
+    /// KV capacity in tokens, the denominator of the decode timing's KV usage.
+    kv_capacity_tokens: usize,
+    digests: HashMap<RequestId, SeqDigest>,
+    // Reused from step to step.
+    sampled: Vec<SampledToken>,
+}
+
+impl MockEngine {
+    pub fn new(cfg: MockEngineConfig) -> Result<Self, EngineError> {
+        let MockEngineConfig {
+            mut pool,
+            scheduler,
+            mocker,
+        } = cfg;
+        if !(mocker.speedup_ratio.is_finite() && mocker.speedup_ratio > 0.0) {
+            return Err(EngineError::InvalidConfig(
+                "speedup_ratio must be finite and positive",
+            ));
+        }
+        if mocker.vocab_size == 0 {
+            return Err(EngineError::InvalidConfig("vocab_size must be at least 1"));
+        }
+        let bs = pool.block_size.tokens();
+        pool.bytes_per_block = mocker.kv_shape.bytes_per_block(bs);
+        let kv_capacity_tokens = pool.device_blocks as usize * bs;
+        let sched = Scheduler::new(scheduler, BlockPool::new(pool)?)?;
+        Ok(MockEngine {
+            sched,
+            layout: KvLayout::new(mocker.kv_shape, bs),
+            cfg: mocker,
+            kv_capacity_tokens,
+            digests: HashMap::new(),
+            sampled: Vec::new(),
+        })
+    }
+
+    /// Validates and queues a request (`now_us`: arrival time).
+    pub fn add_request(&mut self, req: EngineRequest, now_us: u64) -> Result<(), SchedulerError> {
+        self.sched.add_request(req, now_us)
+    }
+
+    /// Drops a request wherever it is, freeing its blocks; false when unknown.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        self.digests.remove(&id);
+        self.sched.abort(id)
+    }
+
+    /// Plans the next step and says how long it takes; None when there is nothing to compute.
+    /// While a step is in flight it describes that step again.
+    pub fn begin_step(&mut self, now_us: u64) -> Option<PlannedStep> {
+        let capacity = self.kv_capacity_tokens;
+        let (timing, speedup) = (self.cfg.timing, self.cfg.speedup_ratio);
+        let mut plan = self.sched.schedule(now_us);
+        if plan.is_empty() && !plan.preempted.is_empty() {
+            // Everything runnable was preempted: the freed blocks let the queue head in now.
+            plan = self.sched.schedule(now_us);
+        }
+        if plan.is_empty() {
+            return None;
+        }
+        let kv_usage = plan.kv_tokens as f64 / capacity as f64;
+        let duration_ms = timing.step_ms(
+            plan.prefill_tokens,
+            plan.decode_tokens > 0,
+            kv_usage,
+            speedup,
+        );
+        Some(PlannedStep {
+            duration_ms,
+            step: plan.step,
+            num_requests: plan.entries.len(),
+            prefill_tokens: plan.prefill_tokens,
+            decode_tokens: plan.decode_tokens,
+            kv_tokens: plan.kv_tokens,
+            num_preempted: plan.preempted.len(),
+        })
+    }
+
+    /// Runs the in-flight step's model work (KV bytes, digests, tokens) and completes it.
+    /// Empty when no step is in flight.
+    pub fn finish_step(&mut self, now_us: u64) -> Vec<RequestOutput> {
+        let bs = self.sched.pool().block_size().tokens();
+        let Some(view) = self.sched.model_view() else {
+            return Vec::new();
+        };
+        self.sampled.clear();
+        for (entry, table) in view.plan.iter() {
+            let Some(seq) = view.sequences.get(entry.id) else {
+                continue;
+            };
+            let state = self
+                .digests
+                .entry(entry.id)
+                .or_insert_with(|| SeqDigest::new(seq.admissions()));
+            if state.epoch() != seq.admissions() {
+                // Preempted since: its KV was dropped and is being rebuilt from scratch.
+                *state = SeqDigest::new(seq.admissions());
+            }
+            let range = entry.tokens();
+            let end = range.end;
+            kv::write_tokens(view.arena, &self.layout, table, seq, range, state);
+            kv::fold_complete_blocks(view.arena, table, seq.block_hashes(), end / bs, state);
+            if entry.samples {
+                let token = kv::sample(
+                    view.arena,
+                    &self.layout,
+                    table,
+                    seq,
+                    end,
+                    state,
+                    self.cfg.vocab_size,
+                );
+                self.sampled.push(SampledToken {
+                    id: entry.id,
+                    token,
+                });
+            }
+        }
+        let outputs = self
+            .sched
+            .complete_step(&self.sampled, now_us)
+            .expect("the mocker samples exactly the plan's sampling entries");
+        for o in &outputs {
+            if o.finish.is_some() {
+                self.digests.remove(&o.id);
+            }
+        }
+        outputs
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        self.sched.has_work()
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// The in-flight plan, or the last one planned.
+    pub fn plan(&self) -> &StepPlan {
+        self.sched.plan()
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        self.sched.pool()
+    }
+
+    /// Mutable pool, for KV transfers into and out of the arena (and tests that corrupt it).
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        self.sched.pool_mut()
+    }
+
+    pub fn config(&self) -> &MockerConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        self.sched.stats()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.sched.num_waiting()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.sched.num_running()
+    }
+
+    /// KV events after `after` (see [`BlockPool::events_since`]).
+    pub fn events_since(&self, after: u64) -> Result<Vec<KvEvent>, EventsTooOld> {
+        self.sched.pool().events_since(after)
+    }
+
+    /// The whole cache as a dump (see [`BlockPool::dump`]).
+    pub fn dump(&self) -> KvDump {
+        self.sched.pool().dump()
+    }
+
+    pub fn load_report(&self, now_us: u64) -> LoadReport {
+        self.sched
+            .load_report(self.sched.pool().worker_id(), now_us)
+    }
+}

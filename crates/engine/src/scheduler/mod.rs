@@ -1,0 +1,538 @@
+//! Continuous batching over the [`BlockPool`], in the manner of vLLM v1.
+//!
+//! Each step has a token budget (`max_num_batched_tokens`). [`Scheduler::schedule`] serves the
+//! running requests first, in admission order: a decoding request gets one token, a request
+//! mid-prefill gets its next chunk. When a running request needs a KV block and none can be
+//! had, the most recently admitted running request is *preempted by recompute*: its blocks go
+//! back to the pool and it returns to the front of the waiting queue, to prefill its prompt and
+//! every token generated so far when it is admitted again. Then, if nothing was preempted,
+//! waiting requests are admitted first come first served, each starting on its cached prefix.
+//!
+//! The caller runs the model over the [`StepPlan`] (writing KV into the pool's arena; see
+//! [`Scheduler::model_view`]) and reports the sampled tokens with
+//! [`Scheduler::complete_step`], which advances every request, commits full blocks to the
+//! prefix cache, and finishes requests on their length limit or stop token.
+//!
+//! # Invariants
+//! - A request is in exactly one of: the waiting queue (holding no blocks), the running list
+//!   (holding a block table in the pool), or nowhere (finished or aborted, holding nothing).
+//! - `computed ≤ tokens.len()` for every request; a request samples a token exactly when a step
+//!   brings `computed` to `tokens.len()`, so at most one token's KV is ever missing.
+//! - At least one token is computed on every admission (the prefix reuse is capped), so the
+//!   model always has logits to sample from.
+//!
+//! Time is `u64` microseconds, passed in by the caller; nothing here reads a clock.
+
+mod admit;
+mod complete;
+mod sequence;
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use hashbrown::HashMap;
+use tandem_protocol::{HashSeed, LoadReport, RequestId, WorkerId};
+
+use crate::arena::KvArena;
+use crate::pool::{BlockPool, PoolError};
+
+pub use sequence::{RequestPhase, Sequence};
+
+/// Scheduling limits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens computed per step, prefill and decode together (default 8192).
+    pub max_num_batched_tokens: usize,
+    /// Running requests at most (default 256).
+    pub max_num_seqs: usize,
+    /// Split long prefills over several steps (default true). When off, a prefill runs whole
+    /// in one step, so a request must fit the step budget.
+    pub enable_chunked_prefill: bool,
+    /// Largest prefill chunk of one request in one step (None: only the budget limits it).
+    /// Ignored when chunked prefill is off.
+    pub max_prefill_chunk: Option<usize>,
+    /// Waiting requests at most; beyond it `add_request` answers `QueueFull` (default 65536).
+    pub max_waiting: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_num_batched_tokens: 8192,
+            max_num_seqs: 256,
+            enable_chunked_prefill: true,
+            max_prefill_chunk: None,
+            max_waiting: 65536,
+        }
+    }
+}
+
+/// One generation request as the engine sees it (already validated and tokenized upstream).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineRequest {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most; at least 1.
+    pub max_tokens: u32,
+    /// Cache namespace (the request's cache salt): blocks are shared only within one seed.
+    pub hash_seed: HashSeed,
+    /// Seed of the model's sampler.
+    pub sampling_seed: u64,
+    /// Generation stops after this token (it is emitted), unless `ignore_eos`.
+    pub stop_token: Option<u32>,
+    pub ignore_eos: bool,
+}
+
+impl EngineRequest {
+    /// A request with the unsalted cache namespace, sampling seed 0 and no stop token.
+    pub fn new(id: RequestId, prompt: Vec<u32>, max_tokens: u32) -> Self {
+        EngineRequest {
+            id,
+            prompt,
+            max_tokens,
+            hash_seed: HashSeed::UNSALTED,
+            sampling_seed: 0,
+            stop_token: None,
+            ignore_eos: false,
+        }
+    }
+}
+
+/// How a class of error is handled upstream (CONVENTIONS.md §4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The request can never succeed as sent (4xx, no retry).
+    InvalidRequest,
+    /// Try later or elsewhere (429).
+    Overloaded,
+    /// A bug or broken contract between engine and caller.
+    Internal,
+}
+
+/// Errors of the scheduler.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SchedulerError {
+    #[error("invalid scheduler config: {0}")]
+    InvalidConfig(&'static str),
+    #[error("request {0} has an empty prompt")]
+    EmptyPrompt(RequestId),
+    #[error("request {0} asks for zero tokens")]
+    ZeroMaxTokens(RequestId),
+    #[error("request {id} needs {needed} KV tokens, the pool holds at most {capacity}")]
+    TooLong {
+        id: RequestId,
+        needed: usize,
+        capacity: usize,
+    },
+    #[error(
+        "request {id} needs a {needed}-token prefill but chunked prefill is off and a step \
+         computes at most {budget} tokens"
+    )]
+    ExceedsStepBudget {
+        id: RequestId,
+        needed: usize,
+        budget: usize,
+    },
+    #[error("request {0} already exists")]
+    DuplicateRequest(RequestId),
+    #[error("waiting queue is full ({0} requests)")]
+    QueueFull(usize),
+    #[error("no step is in flight")]
+    NoStepInFlight,
+    #[error("step outputs do not match the plan: expected a token for {expected:?}, got {got:?}")]
+    OutputMismatch {
+        expected: Option<RequestId>,
+        got: Option<RequestId>,
+    },
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
+
+impl SchedulerError {
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            SchedulerError::EmptyPrompt(_)
+            | SchedulerError::ZeroMaxTokens(_)
+            | SchedulerError::TooLong { .. }
+            | SchedulerError::ExceedsStepBudget { .. }
+            | SchedulerError::DuplicateRequest(_) => ErrorClass::InvalidRequest,
+            SchedulerError::QueueFull(_) => ErrorClass::Overloaded,
+            SchedulerError::InvalidConfig(_)
+            | SchedulerError::NoStepInFlight
+            | SchedulerError::OutputMismatch { .. }
+            | SchedulerError::Pool(_) => ErrorClass::Internal,
+        }
+    }
+}
+
+/// What a request computes in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepKind {
+    /// Tokens `start .. start + len` of the prompt (plus, after a preemption, of the tokens
+    /// generated before it).
+    Prefill { start: usize, len: usize },
+    /// The KV of the token at `position` (the last one sampled), and the next token.
+    Decode { position: usize },
+}
+
+/// One request's share of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduledRequest {
+    pub id: RequestId,
+    pub kind: StepKind,
+    /// Whether the model samples a token for it this step (decode, or the last prefill chunk).
+    pub samples: bool,
+    block_start: u32,
+    block_len: u32,
+}
+
+impl ScheduledRequest {
+    /// Token positions whose KV the step computes.
+    pub fn tokens(&self) -> Range<usize> {
+        match self.kind {
+            StepKind::Prefill { start, len } => start..start + len,
+            StepKind::Decode { position } => position..position + 1,
+        }
+    }
+
+    pub fn is_prefill(&self) -> bool {
+        matches!(self.kind, StepKind::Prefill { .. })
+    }
+}
+
+/// The work of one step: who computes which tokens, over which KV blocks.
+#[derive(Clone, Debug, Default)]
+pub struct StepPlan {
+    /// Step number, from 1.
+    pub step: u64,
+    /// When the step was scheduled (µs).
+    pub now_us: u64,
+    pub entries: Vec<ScheduledRequest>,
+    /// Prefill tokens computed by the step (recomputation after preemption included).
+    pub prefill_tokens: usize,
+    /// Requests decoding one token each.
+    pub decode_tokens: usize,
+    /// KV tokens the running requests hold once the step has run (what decode attends over).
+    pub kv_tokens: usize,
+    /// Requests preempted while planning this step, in preemption order.
+    pub preempted: Vec<RequestId>,
+    // The block tables of all entries, back to back; entries index into it. One buffer,
+    // reused from step to step, instead of one allocation per request.
+    block_ids: Vec<u32>,
+}
+
+impl StepPlan {
+    /// The block table an entry's step needs: every block from the sequence's first token up to
+    /// its last computed one (attention reads the whole prefix).
+    pub fn block_table(&self, entry: &ScheduledRequest) -> &[u32] {
+        let s = entry.block_start as usize;
+        &self.block_ids[s..s + entry.block_len as usize]
+    }
+
+    /// Entries with their block tables.
+    pub fn iter(&self) -> impl Iterator<Item = (&ScheduledRequest, &[u32])> + '_ {
+        self.entries.iter().map(move |e| (e, self.block_table(e)))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn reset(&mut self, step: u64, now_us: u64) {
+        self.step = step;
+        self.now_us = now_us;
+        self.entries.clear();
+        self.prefill_tokens = 0;
+        self.decode_tokens = 0;
+        self.kv_tokens = 0;
+        self.preempted.clear();
+        self.block_ids.clear();
+    }
+}
+
+/// The token the model sampled for one plan entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampledToken {
+    pub id: RequestId,
+    pub token: u32,
+}
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// `max_tokens` generated.
+    Length,
+    /// The stop token was generated.
+    Stop,
+}
+
+/// One generated token of one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestOutput {
+    pub id: RequestId,
+    pub token: u32,
+    /// The request's first token (time to first token ends here).
+    pub first_token: bool,
+    /// Prompt tokens served from the prefix cache (device and host) at the admission that
+    /// produced the first token: what usage reports as cached.
+    pub cached_tokens: usize,
+    pub prompt_tokens: usize,
+    /// Tokens generated so far, this one included.
+    pub completion_tokens: u32,
+    /// Set on the request's last token.
+    pub finish: Option<FinishReason>,
+    /// On the first token: microseconds from `add_request` to the end of this step.
+    pub time_to_first_token_us: Option<u64>,
+}
+
+/// Counters since the scheduler was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Non-empty steps scheduled.
+    pub steps: u64,
+    pub preemptions: u64,
+    /// Prefill tokens computed (recomputation included).
+    pub prefill_tokens: u64,
+    pub decode_tokens: u64,
+    /// Tokens served from the prefix cache on admission (every admission counted).
+    pub cached_tokens: u64,
+    /// Admissions from the waiting queue (re-admissions after preemption included).
+    pub admissions: u64,
+    pub finished: u64,
+    pub aborted: u64,
+}
+
+/// Read access to the running requests, for a model computing the in-flight step.
+#[derive(Clone, Copy, Debug)]
+pub struct RunningSequences<'a> {
+    seqs: &'a HashMap<RequestId, Sequence>,
+}
+
+impl<'a> RunningSequences<'a> {
+    /// The request, if it is running (aborted ones are gone).
+    pub fn get(&self, id: RequestId) -> Option<&'a Sequence> {
+        self.seqs
+            .get(&id)
+            .filter(|s| s.phase() != RequestPhase::Waiting)
+    }
+}
+
+/// What a model needs to run the in-flight step: the plan, the requests, and the device KV
+/// arena to write into, borrowed together.
+#[derive(Debug)]
+pub struct ModelView<'a> {
+    pub plan: &'a StepPlan,
+    pub sequences: RunningSequences<'a>,
+    pub arena: &'a mut KvArena,
+}
+
+/// The continuous-batching scheduler of one worker; owns the worker's block pool.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: BlockPool,
+    seqs: HashMap<RequestId, Sequence>,
+    waiting: VecDeque<RequestId>,
+    /// In admission order: the last one is the first to be preempted.
+    running: Vec<RequestId>,
+    plan: StepPlan,
+    in_flight: bool,
+    stats: SchedulerStats,
+    last_now_us: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, pool: BlockPool) -> Result<Self, SchedulerError> {
+        if cfg.max_num_batched_tokens == 0 {
+            return Err(SchedulerError::InvalidConfig(
+                "max_num_batched_tokens must be at least 1",
+            ));
+        }
+        if cfg.max_num_seqs == 0 {
+            return Err(SchedulerError::InvalidConfig(
+                "max_num_seqs must be at least 1",
+            ));
+        }
+        if cfg.max_prefill_chunk == Some(0) {
+            return Err(SchedulerError::InvalidConfig(
+                "max_prefill_chunk must be at least 1",
+            ));
+        }
+        Ok(Scheduler {
+            plan: StepPlan {
+                entries: Vec::with_capacity(cfg.max_num_seqs.min(4096)),
+                ..StepPlan::default()
+            },
+            cfg,
+            pool,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            in_flight: false,
+            stats: SchedulerStats::default(),
+            last_now_us: 0,
+        })
+    }
+
+    /// Validates a request and queues it behind the others.
+    pub fn add_request(&mut self, req: EngineRequest, now_us: u64) -> Result<(), SchedulerError> {
+        let id = req.id;
+        if req.prompt.is_empty() {
+            return Err(SchedulerError::EmptyPrompt(id));
+        }
+        if req.max_tokens == 0 {
+            return Err(SchedulerError::ZeroMaxTokens(id));
+        }
+        // The last generated token's KV is never computed: the longest sequence in KV is
+        // prompt + max_tokens - 1. One that the whole pool cannot hold would preempt itself
+        // forever, so it is refused up front.
+        let needed = req.prompt.len() + req.max_tokens as usize - 1;
+        let capacity = self.pool.device_capacity() * self.pool.block_size().tokens();
+        if needed > capacity {
+            return Err(SchedulerError::TooLong {
+                id,
+                needed,
+                capacity,
+            });
+        }
+        let budget = self.cfg.max_num_batched_tokens;
+        if !self.cfg.enable_chunked_prefill && needed > budget {
+            // A recompute after preemption prefills up to `needed` tokens in one step.
+            return Err(SchedulerError::ExceedsStepBudget { id, needed, budget });
+        }
+        if self.seqs.contains_key(&id) {
+            return Err(SchedulerError::DuplicateRequest(id));
+        }
+        if self.waiting.len() >= self.cfg.max_waiting {
+            return Err(SchedulerError::QueueFull(self.waiting.len()));
+        }
+        self.last_now_us = self.last_now_us.max(now_us);
+        let seq = Sequence::new(req, self.pool.block_size(), now_us);
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Drops a request wherever it is and frees its blocks. Safe while a step is in flight: the
+    /// request's entry is skipped when the step completes. False when the request is unknown
+    /// (finished already, or never added).
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(seq) = self.seqs.remove(&id) else {
+            return false;
+        };
+        if seq.phase() == RequestPhase::Waiting {
+            if let Some(pos) = self.waiting.iter().position(|w| *w == id) {
+                self.waiting.remove(pos);
+            }
+        } else {
+            if let Some(pos) = self.running.iter().position(|r| *r == id) {
+                self.running.remove(pos);
+            }
+            let freed = self.pool.free(id);
+            debug_assert!(freed.is_ok(), "running request {id} had no block table");
+        }
+        self.stats.aborted += 1;
+        true
+    }
+
+    /// The in-flight plan with the running requests and the device arena, for the model.
+    /// None when no step is in flight.
+    pub fn model_view(&mut self) -> Option<ModelView<'_>> {
+        if !self.in_flight {
+            return None;
+        }
+        Some(ModelView {
+            plan: &self.plan,
+            sequences: RunningSequences { seqs: &self.seqs },
+            arena: self.pool.device_arena_mut(),
+        })
+    }
+
+    /// The in-flight plan, or the last one planned.
+    pub fn plan(&self) -> &StepPlan {
+        &self.plan
+    }
+
+    /// Whether a planned step awaits `complete_step`.
+    pub fn in_flight(&self) -> bool {
+        self.in_flight
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Mutable pool, for moving KV bytes in and out of the arena (transfers, tests). Changing
+    /// block tables behind the scheduler's back breaks it.
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+
+    pub fn sequence(&self, id: RequestId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    pub fn phase(&self, id: RequestId) -> Option<RequestPhase> {
+        self.seqs.get(&id).map(Sequence::phase)
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    /// Tokens still to prefill: all of each waiting request (its cache hit is not known before
+    /// admission) and the rest of each running prefill. O(requests).
+    pub fn pending_prefill_tokens(&self) -> usize {
+        let waiting: usize = self
+            .waiting
+            .iter()
+            .map(|id| self.seqs[id].tokens().len())
+            .sum();
+        let running: usize = self
+            .running
+            .iter()
+            .map(|id| &self.seqs[id])
+            .filter(|s| s.phase() == RequestPhase::Prefilling)
+            .map(|s| s.tokens().len() - s.computed())
+            .sum();
+        waiting + running
+    }
+
+    /// Tokens whose KV the running requests hold. O(running).
+    pub fn active_kv_tokens(&self) -> usize {
+        self.running.iter().map(|id| self.seqs[id].computed()).sum()
+    }
+
+    /// A load report as of `now_us` (the latest time seen when older).
+    pub fn load_report(&self, worker_id: WorkerId, now_us: u64) -> LoadReport {
+        LoadReport {
+            worker_id,
+            timestamp_ms: now_us.max(self.last_now_us) / 1000,
+            running_requests: self.running.len() as u32,
+            waiting_requests: self.waiting.len() as u32,
+            pending_prefill_tokens: self.pending_prefill_tokens() as u64,
+            kv_active_blocks: self.pool.active_blocks() as u64,
+            kv_total_blocks: self.pool.device_capacity() as u64,
+            last_kv_event_id: self.pool.last_event_id(),
+        }
+    }
+}

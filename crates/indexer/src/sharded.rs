@@ -1,0 +1,318 @@
+//! [`ShardedIndex`]: [`KvIndex`] for concurrent readers and writers.
+//!
+//! Workers are spread over shards by a hash of their id; each shard is a [`KvIndex`] behind a
+//! `parking_lot::RwLock`. An event, dump or removal locks only its worker's shard for writing;
+//! `find_matches` takes each shard's read lock in turn, queries it and merges the answers.
+//!
+//! # Why shard by worker, not by block
+//!
+//! - Everything a write touches belongs to one worker: its event-id counter, its per-tier block
+//!   sets and its holders. With worker shards a write is one lock, gap detection stays a plain
+//!   check under that lock, and `Cleared` / `replace_worker` / `remove_worker` stay atomic.
+//!   Block shards would make every multi-block event, every clear and every dump lock many
+//!   shards (and order them, to avoid deadlock).
+//! - A query's answer is per worker, and what must be consistent is each worker's own view
+//!   (its prefix as of one point in its event stream); a shard query gives exactly that. The
+//!   bisection in `find_matches` then runs inside one shard under one read lock; block shards
+//!   would need a lock per looked-up block, and a worker's walk could straddle a write.
+//! - Writes from different workers, the common case of many workers streaming at once, go to
+//!   different shards in parallel.
+//!
+//! The cost: a block held by workers of several shards has a map entry in each, and a query
+//! does its few lookups once per shard.
+
+use parking_lot::RwLock;
+use tandem_protocol::{KvDump, KvEvent, SequenceHash, WorkerId};
+
+use crate::error::IndexError;
+use crate::hash::BuildMix;
+use crate::index::{ApplyOutcome, KvIndex, OverlapScores, WorkerBlocks};
+
+/// A [`KvIndex`] sharded by worker for concurrent use (`Send + Sync`).
+#[derive(Debug)]
+pub struct ShardedIndex {
+    shards: Box<[RwLock<KvIndex>]>,
+}
+
+impl ShardedIndex {
+    /// An index with `shards` shards (at least one). A few times the number of writer threads
+    /// is plenty; more shards make each query do its first lookups more times.
+    pub fn new(shards: usize) -> Self {
+        ShardedIndex {
+            shards: (0..shards.max(1))
+                .map(|_| RwLock::new(KvIndex::new()))
+                .collect(),
+        }
+    }
+
+    pub fn num_shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    fn shard(&self, worker: WorkerId) -> &RwLock<KvIndex> {
+        use std::hash::BuildHasher;
+        let h = BuildMix::default().hash_one(worker);
+        // The high bits are the best mixed; multiply-shift maps them onto the shard count.
+        let i = ((h >> 32) * self.shards.len() as u64) >> 32;
+        &self.shards[i as usize]
+    }
+
+    /// [`KvIndex::apply`] under the worker's shard lock.
+    pub fn apply(&self, event: &KvEvent) -> ApplyOutcome {
+        self.shard(event.worker_id).write().apply(event)
+    }
+
+    /// Applies a batch of one worker's events under one lock, stopping at the first gap (whose
+    /// outcome is returned); duplicates are skipped. Returns the number applied and the gap.
+    /// Events of other workers in the batch are applied under their own shard's lock.
+    pub fn apply_batch(&self, events: &[KvEvent]) -> (usize, Option<ApplyOutcome>) {
+        let mut applied = 0;
+        let mut rest = events;
+        while let Some(first) = rest.first() {
+            let worker = first.worker_id;
+            let run = rest.iter().take_while(|e| e.worker_id == worker).count();
+            let mut shard = self.shard(worker).write();
+            for e in &rest[..run] {
+                match shard.apply(e) {
+                    ApplyOutcome::Applied => applied += 1,
+                    ApplyOutcome::Duplicate => {}
+                    gap @ ApplyOutcome::Gap { .. } => return (applied, Some(gap)),
+                }
+            }
+            rest = &rest[run..];
+        }
+        (applied, None)
+    }
+
+    /// [`KvIndex::replace_worker`] under the worker's shard lock: readers see the worker either
+    /// before or after the dump, never half of it.
+    pub fn replace_worker(&self, dump: &KvDump) -> Result<(), IndexError> {
+        self.shard(dump.worker_id).write().replace_worker(dump)
+    }
+
+    /// [`KvIndex::remove_worker`] under the worker's shard lock.
+    pub fn remove_worker(&self, worker: WorkerId) -> bool {
+        self.shard(worker).write().remove_worker(worker)
+    }
+
+    /// [`KvIndex::find_matches`] over every shard, merged and sorted by worker id. Each worker's
+    /// answer reflects one point of its event stream; different workers may be seen at slightly
+    /// different moments, which no caller can tell apart from a query a moment earlier or later.
+    pub fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
+        let mut scores = Vec::new();
+        for shard in self.shards.iter() {
+            let part = shard.read().find_matches(hashes);
+            scores.extend(part.scores);
+        }
+        if self.shards.len() > 1 {
+            scores.sort_unstable_by_key(|&(w, _)| w);
+        }
+        OverlapScores { scores }
+    }
+
+    pub fn last_event_id(&self, worker: WorkerId) -> Option<u64> {
+        self.shard(worker).read().last_event_id(worker)
+    }
+
+    pub fn is_non_closed(&self, worker: WorkerId) -> bool {
+        self.shard(worker).read().is_non_closed(worker)
+    }
+
+    pub fn worker_blocks(&self, worker: WorkerId) -> Option<WorkerBlocks> {
+        self.shard(worker).read().worker_blocks(worker)
+    }
+
+    /// Known workers, sorted by id.
+    pub fn workers(&self) -> Vec<WorkerId> {
+        let mut out: Vec<WorkerId> = self
+            .shards
+            .iter()
+            .flat_map(|s| s.read().workers().collect::<Vec<_>>())
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Resident (block, worker, tier) entries over all shards.
+    pub fn num_entries(&self) -> usize {
+        self.shards.iter().map(|s| s.read().num_entries()).sum()
+    }
+
+    /// Sum of the shards' distinct blocks: a block held in several shards counts once per shard.
+    pub fn num_block_entries(&self) -> usize {
+        self.shards.iter().map(|s| s.read().num_blocks()).sum()
+    }
+
+    /// Estimated heap bytes of all shards (see [`KvIndex::heap_bytes`]).
+    pub fn heap_bytes(&self) -> usize {
+        self.shards.iter().map(|s| s.read().heap_bytes()).sum()
+    }
+}
+
+impl Default for ShardedIndex {
+    fn default() -> Self {
+        Self::new(16)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use tandem_protocol::{KvEventKind, LocalBlockHash, StorageTier, StoredBlock};
+
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    /// Worker `w`'s stream: grow a chain on device, offload its head to host, trim the tail.
+    fn stream(w: u64, n: u64) -> Vec<KvEvent> {
+        let mut out = Vec::new();
+        let mut id = 0;
+        let mut next = |tier, kind| {
+            id += 1;
+            KvEvent {
+                worker_id: WorkerId(w),
+                event_id: id,
+                tier,
+                kind,
+            }
+        };
+        for b in 1..=n {
+            let parent = (b > 1).then(|| SequenceHash(b - 1));
+            let blocks = vec![StoredBlock {
+                sequence_hash: SequenceHash(b),
+                local_hash: LocalBlockHash(b),
+            }];
+            out.push(next(
+                StorageTier::Device,
+                KvEventKind::Stored {
+                    parent,
+                    blocks: blocks.clone(),
+                },
+            ));
+            if b % 3 == 0 {
+                out.push(next(
+                    StorageTier::Host,
+                    KvEventKind::Stored { parent, blocks },
+                ));
+            }
+            if b % 7 == 0 && b > w % 5 {
+                out.push(next(
+                    StorageTier::Device,
+                    KvEventKind::Removed {
+                        blocks: vec![SequenceHash(b)],
+                    },
+                ));
+            }
+            if b % 50 == 0 {
+                out.push(next(StorageTier::Host, KvEventKind::Cleared));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn is_send_and_sync() {
+        assert_send_sync::<ShardedIndex>();
+    }
+
+    #[test]
+    fn concurrent_writers_and_readers_end_like_a_single_index() {
+        let sharded = Arc::new(ShardedIndex::new(4));
+        let streams: Vec<Vec<KvEvent>> = (0..8).map(|w| stream(w, 300)).collect();
+        let done = Arc::new(AtomicBool::new(false));
+        let query: Vec<SequenceHash> = (1..=300).map(SequenceHash).collect();
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (idx, done, q) = (sharded.clone(), done.clone(), query.clone());
+                std::thread::spawn(move || {
+                    let mut queries = 0u64;
+                    while !done.load(Ordering::Relaxed) {
+                        let m = idx.find_matches(&q);
+                        assert!(m.scores.windows(2).all(|p| p[0].0 < p[1].0));
+                        for (_, c) in &m.scores {
+                            assert!(c.total() as usize <= q.len());
+                        }
+                        queries += 1;
+                    }
+                    queries
+                })
+            })
+            .collect();
+        let writers: Vec<_> = streams
+            .chunks(2)
+            .map(|chunk| {
+                let (idx, chunk) = (sharded.clone(), chunk.to_vec());
+                std::thread::spawn(move || {
+                    // Interleave the two workers' streams, one event at a time.
+                    let longest = chunk.iter().map(Vec::len).max().unwrap_or(0);
+                    for i in 0..longest {
+                        for s in &chunk {
+                            if let Some(e) = s.get(i) {
+                                assert_eq!(idx.apply(e), ApplyOutcome::Applied);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+        for r in readers {
+            assert!(r.join().unwrap() > 0);
+        }
+
+        let mut single = KvIndex::new();
+        for s in &streams {
+            for e in s {
+                single.apply(e);
+            }
+        }
+        assert_eq!(sharded.find_matches(&query), single.find_matches(&query));
+        assert_eq!(sharded.num_entries(), single.num_entries());
+        assert_eq!(sharded.workers(), single.workers().collect::<Vec<_>>());
+        for w in single.workers() {
+            assert_eq!(sharded.worker_blocks(w), single.worker_blocks(w));
+            assert_eq!(sharded.last_event_id(w), single.last_event_id(w));
+        }
+        for prefix in [1, 10, 49, 100, 299] {
+            assert_eq!(
+                sharded.find_matches(&query[..prefix]),
+                single.find_matches(&query[..prefix])
+            );
+        }
+    }
+
+    #[test]
+    fn batches_stop_at_gaps_and_dumps_replace() {
+        let idx = ShardedIndex::new(3);
+        let mut events = stream(1, 5);
+        let later = events.split_off(3);
+        assert_eq!(idx.apply_batch(&events), (3, None));
+        assert_eq!(
+            idx.apply_batch(&later[1..]),
+            (
+                0,
+                Some(ApplyOutcome::Gap {
+                    expected: 4,
+                    got: later[1].event_id
+                })
+            )
+        );
+        assert_eq!(idx.apply_batch(&later), (later.len(), None));
+        let dump = KvDump {
+            worker_id: WorkerId(1),
+            last_event_id: 99,
+            events: vec![],
+        };
+        idx.replace_worker(&dump).unwrap();
+        assert_eq!(idx.last_event_id(WorkerId(1)), Some(99));
+        assert!(idx.find_matches(&[SequenceHash(1)]).is_empty());
+        assert!(idx.remove_worker(WorkerId(1)));
+        assert!(idx.workers().is_empty());
+    }
+}

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The test command (README): sets up what the tests need on a fresh machine, then runs the
+# formatting check, clippy with warnings denied, and every test in the workspace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# System packages the build and tests need. Empty today (issue 2 needs only the Rust
+# toolchain); etcd-server, nats-server, protobuf-compiler and libucx-dev join this list with
+# the services that use them.
+APT_PACKAGES=()
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked
