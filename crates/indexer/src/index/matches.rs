@@ -84,30 +84,54 @@ impl OverlapScores {
 
 /// Level of a block the worker does not hold.
 const MISSING: u8 = 3;
-/// `cand_of` value of a slot that is not a candidate.
-const NOT_CAND: u32 = u32::MAX;
+/// `level` of a slot that is not a candidate (does not hold block 0).
+const NOT_CAND: u8 = u8::MAX;
+/// `level` flag of a candidate answered by the linear walk.
+const LINEAR: u8 = 0x80;
 
-/// A worker that holds block 0.
-#[derive(Clone, Copy, Debug)]
-struct Cand {
-    slot: u32,
-    /// Level after the last change seen: changes arrive in position order, so each must start
-    /// where the previous one ended.
-    level: u8,
-    /// Answered by the linear walk.
-    linear: bool,
-    /// `bounds[k]`: first position whose level is above `k`.
-    bounds: [u32; 3],
-}
-
-/// State of one query.
+/// State of one query, indexed directly by worker slot (struct of arrays: the hot loops touch
+/// one byte per worker to classify it, and its bounds only when it changes level).
 struct Search<'a> {
     index: &'a KvIndex,
     hashes: &'a [SequenceHash],
-    /// Candidate index per worker slot.
-    cand_of: Vec<u32>,
-    cands: Vec<Cand>,
+    /// Per slot: `NOT_CAND`, or the candidate's level after the last change seen (changes
+    /// arrive in position order, so each must start where the previous one ended), with
+    /// `LINEAR` set when it is answered by the linear walk.
+    level: Vec<u8>,
+    /// Per slot, `bounds[k]`: first position whose level is above `k` (candidates only).
+    bounds: Vec<[u32; 3]>,
+    /// Candidate slots, ascending; only filled when not `dense`.
+    cands: Vec<u32>,
+    n_cands: usize,
+    /// Candidates are many compared to all workers (see `finish`).
+    dense: bool,
+    /// Slots answered by the linear walk.
     linear: Vec<u32>,
+}
+
+/// Per-thread buffers of [`Search`], kept between queries so that a query costs nothing per
+/// worker slot it does not touch: `level` is all `NOT_CAND` and the vectors empty between
+/// queries (a query resets only its candidates' entries).
+#[derive(Default)]
+struct Scratch {
+    level: Vec<u8>,
+    bounds: Vec<[u32; 3]>,
+    cands: Vec<u32>,
+    linear: Vec<u32>,
+}
+
+impl Scratch {
+    /// Sizes the per-slot arrays for `slots` workers (they only grow).
+    fn reset(&mut self, slots: usize) {
+        if self.level.len() < slots {
+            self.level.resize(slots, NOT_CAND);
+            self.bounds.resize(slots, [0; 3]);
+        }
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
 }
 
 /// Entries compared at once when skipping identical runs of two holder lists.
@@ -156,51 +180,59 @@ impl KvIndex {
         };
         let first = first.as_slice();
         let n = hashes.len() as u32;
+        let mut s = SCRATCH.with(|c| c.take());
+        s.reset(self.slots.len());
         let mut s = Search {
             index: self,
             hashes,
-            cand_of: vec![NOT_CAND; self.slots.len()],
-            cands: Vec::with_capacity(first.len()),
-            linear: Vec::new(),
+            level: s.level,
+            bounds: s.bounds,
+            cands: s.cands,
+            n_cands: 0,
+            dense: false,
+            linear: s.linear,
         };
+        // Few candidates among many workers: keep their slots to sort them at the end;
+        // otherwise `finish` walks the id-ordered worker list and needs no list.
+        s.dense = first.len() * 8 >= self.by_id.len();
+        // Until a change is found, a worker keeps its first level to the end: levels below it
+        // have no blocks, the others end past the prompt.
+        let init = [0u8, 1, 2, 3].map(|l0| [0, 1, 2].map(|k| if k < l0 { 0 } else { n }));
         // Holders are sorted, so a worker's entries are adjacent and its first is its level.
-        let mut prev = None;
+        let mut prev = u32::MAX;
         for &h in first {
             let slot = slot_of(h);
-            if prev == Some(slot) {
+            if slot == prev {
                 continue;
             }
-            prev = Some(slot);
-            let c = s.cands.len() as u32;
-            s.cand_of[slot as usize] = c;
-            // Until a change is found, the worker keeps its first level to the end: levels
-            // below it have no blocks, the others end past the prompt.
+            prev = slot;
             let l0 = tier_of(h);
-            let bounds = [0, 1, 2].map(|k| if k < l0 { 0 } else { n });
-            s.cands.push(Cand {
-                slot,
-                level: l0,
-                linear: false,
-                bounds,
-            });
+            s.level[slot as usize] = l0;
+            s.bounds[slot as usize] = init[l0 as usize];
+            s.n_cands += 1;
+            if !s.dense {
+                s.cands.push(slot);
+            }
             if self.non_closed_workers > 0 && self.worker(slot).non_closed {
-                s.make_linear(c);
+                s.make_linear(slot);
             }
         }
-        if s.linear.len() < s.cands.len() {
+        if s.linear.len() < s.n_cands {
             s.solve(0, n - 1, first, s.holders_at(n - 1));
         }
         s.walk_linear();
-        s.finish()
+        let (scores, scratch) = s.finish();
+        SCRATCH.with(|c| c.set(scratch));
+        scores
     }
 }
 
 impl<'a> Search<'a> {
-    fn make_linear(&mut self, c: u32) {
-        let cand = &mut self.cands[c as usize];
-        if !cand.linear {
-            cand.linear = true;
-            self.linear.push(c);
+    fn make_linear(&mut self, slot: u32) {
+        let l = &mut self.level[slot as usize];
+        if *l & LINEAR == 0 {
+            *l |= LINEAR;
+            self.linear.push(slot);
         }
     }
 
@@ -233,14 +265,14 @@ impl<'a> Search<'a> {
     /// Merges the holder lists of positions `pos - 1` (`a`) and `pos` (`b`): every candidate
     /// whose level differs between them crosses its boundaries at `pos`.
     fn diff(&mut self, pos: u32, a: &[u32], b: &[u32]) {
-        let (mut i, mut j) = (0, 0);
         // The merge always stands at the first entry of a slot in both lists, so a worker's
         // level on each side is the entry under the cursor; its further entries (slower
         // copies of the same block) are skipped.
-        while i < a.len() && j < b.len() {
+        let (mut i, mut j) = (0, 0);
+        while i < a.len() {
             // Adjacent blocks mostly have the same holders: skip identical runs a chunk at a
             // time (branch-free, vectorized), then step past the rest of the run's last worker.
-            if a[i] == b[j] {
+            if j < b.len() && a[i] == b[j] {
                 let start = i;
                 while i + CHUNK <= a.len() && j + CHUNK <= b.len() && same(&a[i..], &b[j..]) {
                     i += CHUNK;
@@ -257,65 +289,85 @@ impl<'a> Search<'a> {
                     continue;
                 }
             }
-            let (x, y) = (a[i], b[j]);
-            let slot = slot_of(x).min(slot_of(y));
-            let from = if slot_of(x) == slot {
-                tier_of(x)
-            } else {
-                MISSING
-            };
-            let to = if slot_of(y) == slot {
-                tier_of(y)
-            } else {
-                MISSING
-            };
-            i += (slot_of(x) == slot) as usize;
-            j += (slot_of(y) == slot) as usize;
-            while i < a.len() && slot_of(a[i]) == slot {
-                i += 1;
+            let next_b = b.get(j).map_or(u32::MAX, |&y| slot_of(y));
+            let slot = slot_of(a[i]);
+            if slot < next_b {
+                // The common bulk case (a shared prefix ends here): a run of workers that hold
+                // the previous block and not this one, in a tight loop.
+                i = self.disappear_run(pos, a, i, next_b);
+                continue;
             }
-            while j < b.len() && slot_of(b[j]) == slot {
-                j += 1;
+            if next_b < slot {
+                j = self.appear(pos, b, j);
+                continue;
             }
+            let (from, to) = (tier_of(a[i]), tier_of(b[j]));
             if from != to {
                 self.change(slot, from, to, pos);
             }
+            i += 1;
+            while i < a.len() && slot_of(a[i]) == slot {
+                i += 1;
+            }
+            j += 1;
+            while j < b.len() && slot_of(b[j]) == slot {
+                j += 1;
+            }
         }
-        // What is left is on one side only: present at `pos - 1` and gone at `pos`, or new.
+        while j < b.len() {
+            j = self.appear(pos, b, j);
+        }
+    }
+
+    /// Workers of `a` from `i` on with slots below `until` hold the block at `pos - 1` but
+    /// not at `pos`. Returns the index of the first entry not handled.
+    #[inline]
+    fn disappear_run(&mut self, pos: u32, a: &[u32], mut i: usize, until: u32) -> usize {
         let mut prev = u32::MAX;
         for &x in &a[i..] {
-            if slot_of(x) != prev {
-                prev = slot_of(x);
-                self.change(prev, tier_of(x), MISSING, pos);
+            let slot = slot_of(x);
+            if slot >= until {
+                break;
             }
-        }
-        for &y in &b[j..] {
-            if slot_of(y) != prev {
-                prev = slot_of(y);
-                self.change(prev, MISSING, tier_of(y), pos);
+            if slot != prev {
+                prev = slot;
+                self.change(slot, tier_of(x), MISSING, pos);
             }
+            i += 1;
         }
+        i
+    }
+
+    /// The worker of `b[j]` is not in the previous list: it appears at `pos`. Returns the
+    /// index past its entries.
+    #[inline]
+    fn appear(&mut self, pos: u32, b: &[u32], mut j: usize) -> usize {
+        let slot = slot_of(b[j]);
+        self.change(slot, MISSING, tier_of(b[j]), pos);
+        j += 1;
+        while j < b.len() && slot_of(b[j]) == slot {
+            j += 1;
+        }
+        j
     }
 
     /// A worker's level goes from `from` at `pos - 1` to `to` at `pos`.
     #[inline]
     fn change(&mut self, slot: u32, from: u8, to: u8, pos: u32) {
         // Non-candidates do not hold block 0: their answer is zero whatever they hold.
-        let c = self.cand_of[slot as usize];
-        if c == NOT_CAND || self.cands[c as usize].linear {
+        let level = self.level[slot as usize];
+        if level == NOT_CAND || level & LINEAR != 0 {
             return;
         }
-        let cand = &mut self.cands[c as usize];
-        if to < from || from != cand.level {
+        if to < from || from != level {
             // The level went down, or changed somewhere a skipped range hid: this worker is not
             // prefix-closed after all.
-            self.make_linear(c);
+            self.make_linear(slot);
             return;
         }
-        cand.level = to;
-        for k in from..to {
-            cand.bounds[k as usize] = pos;
-        }
+        self.level[slot as usize] = to;
+        // Levels from..to end here.
+        self.bounds[slot as usize][from as usize..to as usize].fill(pos);
     }
 
     /// Exact answers for the linear candidates: one pass over the prompt, dropping each worker
@@ -325,61 +377,74 @@ impl<'a> Search<'a> {
             return;
         }
         let mut active = self.linear.clone();
-        for &c in &active {
-            self.cands[c as usize].bounds = [0; 3];
+        for &slot in &active {
+            self.bounds[slot as usize] = [0; 3];
         }
         for pos in 0..self.hashes.len() as u32 {
             if active.is_empty() {
                 break;
             }
             let list = self.holders_at(pos);
-            let cands = &mut self.cands;
-            active.retain(|&c| {
-                let cand = &mut cands[c as usize];
-                let level = level_in(list, cand.slot);
+            let bounds = &mut self.bounds;
+            active.retain(|&slot| {
+                let level = level_in(list, slot);
                 if level == MISSING {
                     return false;
                 }
-                cand.bounds[level as usize] += 1;
+                bounds[slot as usize][level as usize] += 1;
                 true
             });
         }
         // The walk counted per level; turn counts into cumulative boundaries like the search's.
-        for &c in &self.linear {
-            let b = &mut self.cands[c as usize].bounds;
+        for &slot in &self.linear {
+            let b = &mut self.bounds[slot as usize];
             b[1] += b[0];
             b[2] += b[1];
         }
     }
 
-    fn finish(self) -> OverlapScores {
+    /// The answer, and the buffers back for the next query (candidates' entries reset).
+    fn finish(mut self) -> (OverlapScores, Scratch) {
         // Bounds are non-decreasing by construction (see `change`); saturating keeps a broken
         // invariant from panicking the router instead of returning a wrong count.
-        let counts = |c: &Cand| TierCounts {
-            device: c.bounds[0],
-            host: c.bounds[1].saturating_sub(c.bounds[0]),
-            disk: c.bounds[2].saturating_sub(c.bounds[1]),
+        let counts = |b: &[u32; 3]| TierCounts {
+            device: b[0],
+            host: b[1].saturating_sub(b[0]),
+            disk: b[2].saturating_sub(b[1]),
         };
         let by_id = &self.index.by_id;
+        let mut scores = Vec::with_capacity(self.n_cands);
         // Every candidate holds block 0, so every one is in the answer. Sorting k candidates
         // costs k·log k; walking the id-ordered worker list costs one probe per known worker.
-        let scores = if self.cands.len() * 8 >= by_id.len() {
-            by_id
-                .iter()
-                .filter_map(|&(id, slot)| {
-                    let c = self.cand_of[slot as usize];
-                    (c != NOT_CAND).then(|| (id, counts(&self.cands[c as usize])))
-                })
-                .collect()
+        if self.dense {
+            // This pass also resets the candidates' levels for the next query.
+            for &(id, slot) in by_id {
+                let level = &mut self.level[slot as usize];
+                if *level != NOT_CAND {
+                    *level = NOT_CAND;
+                    scores.push((id, counts(&self.bounds[slot as usize])));
+                }
+            }
         } else {
-            let mut v: Vec<_> = self
-                .cands
-                .iter()
-                .map(|c| (self.index.worker(c.slot).id, counts(c)))
-                .collect();
-            v.sort_unstable_by_key(|&(id, _)| id);
-            v
+            scores.extend(self.cands.iter().map(|&slot| {
+                (
+                    self.index.worker(slot).id,
+                    counts(&self.bounds[slot as usize]),
+                )
+            }));
+            scores.sort_unstable_by_key(|&(id, _)| id);
+            for &slot in &self.cands {
+                self.level[slot as usize] = NOT_CAND;
+            }
+        }
+        self.cands.clear();
+        self.linear.clear();
+        let scratch = Scratch {
+            level: self.level,
+            bounds: self.bounds,
+            cands: self.cands,
+            linear: self.linear,
         };
-        OverlapScores { scores }
+        (OverlapScores { scores }, scratch)
     }
 }

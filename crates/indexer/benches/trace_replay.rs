@@ -1,0 +1,324 @@
+//! The index at cluster scale, on a real trace.
+//!
+//! Replays `shared/traces/conversation_trace.jsonl` (each 512-token hash id expanded to 32
+//! blocks of 16 tokens) through 1,000 real block pools of bounded capacity, each request routed
+//! to a worker by its conversation (the trace's second hash id), `--passes` times with a
+//! different cache salt per pass, so that the pools evict and the event stream holds both
+//! stored and removed blocks. Then it measures, on one core:
+//! - apply: block events per second into a fresh `KvIndex`;
+//! - memory: heap bytes per resident (block, worker) entry, counted by the global allocator;
+//! - find_matches latency (p50/p99/max) for prompts cut to 256, 1,024 and 8,192 blocks;
+//! - concurrency: find_matches latency while a writer applies the stream, `ShardedIndex` with
+//!   1 shard against 16.
+//!
+//! Run: `cargo bench -p tandem-indexer --bench trace_replay` (flags after `--`: `--workers N`,
+//! `--capacity BLOCKS`, `--passes N`, `--limit REQUESTS`, `--trace PATH`).
+
+use std::alloc::System;
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+use tandem_engine::{BlockPool, BlockPoolConfig};
+use tandem_indexer::{ApplyOutcome, KvIndex, ShardedIndex};
+use tandem_protocol::hashing::compute_block_hashes;
+use tandem_protocol::{BlockSize, HashSeed, KvEvent, RequestId, SequenceHash, WorkerId};
+use tandem_workload::{expand_tokens, load_trace};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+struct Opts {
+    workers: u32,
+    capacity: u32,
+    passes: u64,
+    limit: usize,
+    trace: String,
+}
+
+fn opts() -> Opts {
+    let mut o = Opts {
+        workers: 1000,
+        capacity: 8192,
+        passes: 2,
+        limit: 0,
+        trace: concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/traces/conversation_trace.jsonl"
+        )
+        .to_string(),
+    };
+    let args: Vec<String> = std::env::args().collect();
+    let mut i = 1;
+    while i < args.len() {
+        let val = args.get(i + 1).cloned().unwrap_or_default();
+        match args[i].as_str() {
+            "--workers" => o.workers = val.parse().expect("--workers N"),
+            "--capacity" => o.capacity = val.parse().expect("--capacity BLOCKS"),
+            "--passes" => o.passes = val.parse().expect("--passes N"),
+            "--limit" => o.limit = val.parse().expect("--limit N"),
+            "--trace" => o.trace = val,
+            // cargo bench passes `--bench`; ignore flags we do not know.
+            _ => {
+                i += 1;
+                continue;
+            }
+        }
+        i += 2;
+    }
+    o
+}
+
+/// One request's events, all from one worker.
+struct Batch {
+    events: Vec<KvEvent>,
+}
+
+struct Workload {
+    batches: Vec<Batch>,
+    block_events: u64,
+    stored: u64,
+    removed: u64,
+    /// Prompts of the last pass, as sequence hashes.
+    prompts: Vec<Vec<SequenceHash>>,
+}
+
+fn generate(o: &Opts) -> Workload {
+    let mut trace = load_trace(&o.trace).expect("trace");
+    if o.limit > 0 {
+        trace.truncate(o.limit);
+    }
+    let bs = BlockSize::DEFAULT;
+    let mut pools: Vec<BlockPool> = (0..o.workers)
+        .map(|w| {
+            let mut cfg = BlockPoolConfig::new(WorkerId(u64::from(w)), o.capacity);
+            cfg.event_ring = 1 << 16;
+            BlockPool::new(cfg).expect("pool")
+        })
+        .collect();
+    let mut taken = vec![0u64; o.workers as usize];
+    let mut w = Workload {
+        batches: Vec::new(),
+        block_events: 0,
+        stored: 0,
+        removed: 0,
+        prompts: Vec::new(),
+    };
+    let mut seq = 0u64;
+    for pass in 0..o.passes {
+        let seed = HashSeed::from_salt(Some(&pass.to_le_bytes()));
+        for rec in &trace {
+            let tokens = expand_tokens(rec);
+            let hashes = compute_block_hashes(&tokens, bs, seed);
+            let key = rec.hash_ids.get(1).unwrap_or(&rec.hash_ids[0]);
+            let wi = (xxh3_64_with_seed(&key.to_le_bytes(), pass) % u64::from(o.workers)) as usize;
+            let pool = &mut pools[wi];
+            seq += 1;
+            let id = RequestId(seq);
+            // Longer than the pool: keep what fits, like a worker would refuse the rest.
+            let fit = hashes.len().min(o.capacity as usize);
+            pool.acquire_prefix(id, &hashes[..fit], fit)
+                .expect("acquire");
+            if pool.allocate(id, fit * bs.tokens()).is_ok() {
+                pool.commit(id, &hashes[..fit]).expect("commit");
+            }
+            pool.free(id).expect("free");
+            let events = pool
+                .events_since(taken[wi])
+                .expect("ring holds one request's events");
+            taken[wi] = pool.last_event_id();
+            for e in &events {
+                let n = e.block_count() as u64;
+                w.block_events += n;
+                match e.kind {
+                    tandem_protocol::KvEventKind::Stored { .. } => w.stored += n,
+                    tandem_protocol::KvEventKind::Removed { .. } => w.removed += n,
+                    tandem_protocol::KvEventKind::Cleared => {}
+                }
+            }
+            w.batches.push(Batch { events });
+            if pass + 1 == o.passes {
+                w.prompts.push(hashes.iter().map(|h| h.sequence).collect());
+            }
+        }
+    }
+    w
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// Latency percentiles of find_matches over `queries`, in microseconds, and mean matches.
+fn time_queries(index: &KvIndex, queries: &[Vec<SequenceHash>]) -> (f64, f64, f64, f64) {
+    let mut lat = Vec::with_capacity(queries.len());
+    let mut matched = 0usize;
+    let rounds = std::env::var("TANDEM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    for _ in 0..rounds {
+        lat.clear();
+        matched = 0;
+        for q in queries {
+            let t = Instant::now();
+            let s = black_box(index.find_matches(black_box(q)));
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+            matched += s.len();
+        }
+    }
+    lat.sort_by(f64::total_cmp);
+    (
+        percentile(&lat, 0.5),
+        percentile(&lat, 0.99),
+        *lat.last().unwrap_or(&0.0),
+        matched as f64 / queries.len().max(1) as f64,
+    )
+}
+
+/// Queries of exactly `n` blocks: prompts of at least `min` blocks, cut to `n`, or extended
+/// with blocks nobody holds (a long prompt whose tail is new).
+fn queries(
+    prompts: &[Vec<SequenceHash>],
+    n: usize,
+    min: usize,
+    max_queries: usize,
+) -> Vec<Vec<SequenceHash>> {
+    let mut out: Vec<Vec<SequenceHash>> = prompts
+        .iter()
+        .filter(|p| p.len() >= min)
+        .map(|p| {
+            let mut q: Vec<SequenceHash> = p.iter().take(n).copied().collect();
+            let mut fresh = 0u64;
+            while q.len() < n {
+                fresh += 1;
+                q.push(SequenceHash(xxh3_64_with_seed(
+                    &fresh.to_le_bytes(),
+                    q.len() as u64 ^ 0xfeed,
+                )));
+            }
+            q
+        })
+        .collect();
+    // Spread the sample over the whole trace.
+    if out.len() > max_queries {
+        let step = out.len() / max_queries;
+        out = out.into_iter().step_by(step).take(max_queries).collect();
+    }
+    out
+}
+
+/// A writer applies the second half of the stream while a reader queries (the first half is
+/// loaded beforehand, so the reader works on a populated index).
+fn concurrent(workload: &Workload, shards: usize, qs: &[Vec<SequenceHash>]) -> (f64, f64, f64) {
+    let index = ShardedIndex::new(shards);
+    let (before, during) = workload.batches.split_at(workload.batches.len() / 2);
+    for b in before {
+        assert!(
+            index.apply_batch(&b.events).1.is_none(),
+            "contiguous stream"
+        );
+    }
+    let during_events: u64 = during
+        .iter()
+        .flat_map(|b| &b.events)
+        .map(|e| e.block_count() as u64)
+        .sum();
+    let done = AtomicBool::new(false);
+    let mut lat = Vec::new();
+    let mut write_secs = 0.0;
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let t = Instant::now();
+            for b in during {
+                let (_, gap) = index.apply_batch(&b.events);
+                assert!(gap.is_none(), "contiguous stream");
+            }
+            done.store(true, Ordering::Release);
+            t.elapsed().as_secs_f64()
+        });
+        let mut i = 0;
+        while !done.load(Ordering::Acquire) {
+            let t = Instant::now();
+            black_box(index.find_matches(&qs[i % qs.len()]));
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+            i += 1;
+        }
+        write_secs = writer.join().expect("writer");
+    });
+    lat.sort_by(f64::total_cmp);
+    (
+        during_events as f64 / write_secs / 1e6,
+        percentile(&lat, 0.5),
+        percentile(&lat, 0.99),
+    )
+}
+
+fn main() {
+    let o = opts();
+    let t = Instant::now();
+    let w = generate(&o);
+    println!(
+        "workload: {} workers x {} blocks, {} passes: {} batches, {} block events ({} stored, {} removed), generated in {:.1} s",
+        o.workers,
+        o.capacity,
+        o.passes,
+        w.batches.len(),
+        w.block_events,
+        w.stored,
+        w.removed,
+        t.elapsed().as_secs_f64()
+    );
+
+    // Apply, single-threaded, with the allocator counting what the index keeps.
+    let region = Region::new(GLOBAL);
+    let mut index = KvIndex::new();
+    let t = Instant::now();
+    for b in &w.batches {
+        for e in &b.events {
+            let out = index.apply(e);
+            debug_assert_eq!(out, ApplyOutcome::Applied);
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let stats = region.change();
+    let live = stats.bytes_allocated as i64 - stats.bytes_deallocated as i64
+        + stats.bytes_reallocated as i64;
+    let entries = index.num_entries();
+    println!(
+        "apply: {:.2} M block events/s ({} events in {:.2} s)",
+        w.block_events as f64 / secs / 1e6,
+        w.block_events,
+        secs
+    );
+    println!(
+        "memory: {} resident (block, worker) entries over {} blocks; {:.1} bytes/entry counted by the allocator, {:.1} bytes/entry by heap_bytes()",
+        entries,
+        index.num_blocks(),
+        live as f64 / entries as f64,
+        index.heap_bytes() as f64 / entries as f64
+    );
+
+    let q256 = queries(&w.prompts, 256, 1, 4000);
+    let q1k = queries(&w.prompts, 1024, 1024, 2000);
+    let q8k = queries(&w.prompts, 8192, 4096, 500);
+    println!("| prompt blocks | queries | mean workers matched | p50 µs | p99 µs | max µs |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for (n, qs) in [(256, &q256), (1024, &q1k), (8192, &q8k)] {
+        let (p50, p99, max, m) = time_queries(&index, qs);
+        println!(
+            "| {n} | {} | {m:.1} | {p50:.2} | {p99:.2} | {max:.1} |",
+            qs.len()
+        );
+    }
+
+    println!("| shards | writer M block events/s | reader find_matches p50 µs | p99 µs |");
+    println!("|---:|---:|---:|---:|");
+    for shards in [1, 16] {
+        let (rate, p50, p99) = concurrent(&w, shards, &q256);
+        println!("| {shards} | {rate:.2} | {p50:.2} | {p99:.2} |");
+    }
+}
