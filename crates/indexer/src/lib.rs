@@ -22,7 +22,9 @@
 //! # Layout
 //!
 //! - `index/`: [`KvIndex`]. `holders.rs` packs (worker slot, tier) pairs into sorted `u32`s,
-//!   inline for up to three holders per block; `matches.rs` is `find_matches`.
+//!   two inline in the block map's 8-byte value and longer lists in a side arena;
+//!   `tier_log.rs` is the per-worker, per-tier log of stored blocks; `matches.rs` is
+//!   `find_matches`.
 //! - `sharded.rs`, `approx.rs`, `reseq.rs`: the wrappers above.
 //! - `hash.rs`: the hasher for keys that are already xxh3 hashes.
 //! - `error.rs`: [`IndexError`].
@@ -31,8 +33,9 @@
 //!
 //! - Per worker, events are applied in id order 1, 2, 3, … with no holes; a dump resets the
 //!   worker to exactly its contents and its `last_event_id`.
-//! - The per-worker block sets and the block → holders map always agree; no block is kept with
-//!   zero holders.
+//! - The block → holders map is the truth about who holds what; every holder is also in its
+//!   worker's log for that tier, whose live count matches the map; no block is kept with zero
+//!   holders.
 //! - **Prefix closure with monotone tiers.** `find_matches` assumes each worker keeps the blocks
 //!   it holds on Device prefix-closed (a block's parent is held whenever the block is), and
 //!   likewise Device ∪ Host and Device ∪ Host ∪ Disk, as a block pool that evicts leaves first
@@ -45,10 +48,28 @@
 //!
 //! # Cost
 //!
-//! Applying a block event is two hash-table operations. Resident state is one 24-byte map entry
-//! per block (plus spilled holder lists for blocks with more than three holders) and one 8-byte
-//! set entry per (block, worker, tier), plus hash-table slack; [`KvIndex::heap_bytes`] reports
-//! the estimate.
+//! Applying a block event is one hash-table operation on the block map (a `Stored` event also
+//! looks up its parent once, for the closure check) plus an append to, or a counter decrement
+//! of, the worker's tier log; compacting the logs adds at most two map lookups per removal,
+//! amortized and done in batches.
+//!
+//! Resident state, per entry when most blocks have one holder (an entry is a
+//! (block, worker, tier) triple):
+//! - block map: a 16-byte slot (8-byte hash, 8-byte holder list) plus hashbrown's
+//!   1 control byte, in a power-of-two table at most 7/8 full: 17 / (7/8) = 19.4 bytes per
+//!   block just before the table doubles, 17 / (7/16) = 38.9 just after;
+//! - tier logs: 8 bytes per logged hash; in a steady state (a store per removal) a log's
+//!   capacity is at most 2.25 × its live entries plus 72 (see `index/tier_log.rs`): up to
+//!   18 bytes per entry, less while a worker is still filling up;
+//! - blocks with more than two holders also own a spilled list: 24 bytes of arena slot plus
+//!   4 bytes per holder (capacity).
+//!
+//! That is about 36 bytes per entry at best and 57 at worst. Measured on the Mooncake trace
+//! replay (`cargo bench -p tandem-indexer --bench trace_replay -- --passes 2`: 1,000 workers ×
+//! 8,192 blocks, 7.48 M entries over 7.42 M blocks, map at 44 % load; 2-core AMD EPYC VM,
+//! 2026-11-29): 51.9 bytes per entry by [`KvIndex::heap_bytes`], and the same by the
+//! allocator's allocated − deallocated bytes. A worker that shrinks without storing keeps a
+//! log of up to 2.25 × (2 × live + 64) hashes until its next store or until it is empty.
 
 mod approx;
 mod error;

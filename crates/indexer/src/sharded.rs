@@ -19,14 +19,24 @@
 //!   different shards in parallel.
 //!
 //! The cost: a block held by workers of several shards has a map entry in each, and a query
-//! does its few lookups once per shard.
+//! does its few lookups once per shard, then merges the shards' answers.
+//!
+//! # How many shards (measured, `benches/trace_replay.rs`, crates/indexer/BENCHMARKS.md)
+//!
+//! Readers never wait for each other: a shard is a reader-writer lock. A writer holds a shard
+//! for one event at a time (`apply_batch` hands the lock to waiting readers between events),
+//! so a query waits at most for one event being applied. With the event rate of a large
+//! cluster (1 M block events/s) a query on one shard costs about what it costs alone, while
+//! 16 shards cost every query 16 sets of lookups and a merge (4-6× slower at 1,000 workers).
+//! Shards pay off only when several threads apply events at once (a standalone indexer with
+//! several subscribers); a frontend with one subscriber uses one, the default.
 
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockWriteGuard};
 use tandem_protocol::{KvDump, KvEvent, SequenceHash, WorkerId};
 
 use crate::error::IndexError;
 use crate::hash::BuildMix;
-use crate::index::{ApplyOutcome, KvIndex, OverlapScores, WorkerBlocks};
+use crate::index::{ApplyOutcome, KvIndex, OverlapScores, TierCounts, WorkerBlocks};
 
 /// A [`KvIndex`] sharded by worker for concurrent use (`Send + Sync`).
 #[derive(Debug)]
@@ -78,6 +88,9 @@ impl ShardedIndex {
                     ApplyOutcome::Duplicate => {}
                     gap @ ApplyOutcome::Gap { .. } => return (applied, Some(gap)),
                 }
+                // Between events, hand the lock to a waiting reader (free when none waits):
+                // a query never waits for more than one event, however long the batch.
+                RwLockWriteGuard::bump(&mut shard);
             }
             rest = &rest[run..];
         }
@@ -99,15 +112,23 @@ impl ShardedIndex {
     /// answer reflects one point of its event stream; different workers may be seen at slightly
     /// different moments, which no caller can tell apart from a query a moment earlier or later.
     pub fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
-        let mut scores = Vec::new();
-        for shard in self.shards.iter() {
-            let part = shard.read().find_matches(hashes);
-            scores.extend(part.scores);
+        let mut parts = Vec::with_capacity(self.shards.len());
+        // Shards a writer holds right now are visited last: by then the writer has most
+        // likely moved on, and the query never queues behind a write while other shards are
+        // free. Only the second pass may wait.
+        let mut busy = Vec::new();
+        for (i, shard) in self.shards.iter().enumerate() {
+            match shard.try_read() {
+                Some(guard) => parts.push(guard.find_matches(hashes).scores),
+                None => busy.push(i),
+            }
         }
-        if self.shards.len() > 1 {
-            scores.sort_unstable_by_key(|&(w, _)| w);
+        for i in busy {
+            parts.push(self.shards[i].read().find_matches(hashes).scores);
         }
-        OverlapScores { scores }
+        OverlapScores {
+            scores: merge_sorted(parts),
+        }
     }
 
     pub fn last_event_id(&self, worker: WorkerId) -> Option<u64> {
@@ -150,9 +171,43 @@ impl ShardedIndex {
 }
 
 impl Default for ShardedIndex {
+    /// One shard: the best choice with one event subscriber (see the module docs).
     fn default() -> Self {
-        Self::new(16)
+        Self::new(1)
     }
+}
+
+/// Merges per-shard answers, each sorted by worker id (a worker lives in one shard), by
+/// merging pairs until one list is left: n·log2(shards) moves instead of an n·log n sort.
+fn merge_sorted(mut parts: Vec<Vec<(WorkerId, TierCounts)>>) -> Vec<(WorkerId, TierCounts)> {
+    parts.retain(|p| !p.is_empty());
+    while parts.len() > 1 {
+        let mut next = Vec::with_capacity(parts.len().div_ceil(2));
+        let mut it = parts.into_iter();
+        while let Some(a) = it.next() {
+            match it.next() {
+                None => next.push(a),
+                Some(b) => {
+                    let mut out = Vec::with_capacity(a.len() + b.len());
+                    let (mut i, mut j) = (0, 0);
+                    while i < a.len() && j < b.len() {
+                        if a[i].0 <= b[j].0 {
+                            out.push(a[i]);
+                            i += 1;
+                        } else {
+                            out.push(b[j]);
+                            j += 1;
+                        }
+                    }
+                    out.extend_from_slice(&a[i..]);
+                    out.extend_from_slice(&b[j..]);
+                    next.push(out);
+                }
+            }
+        }
+        parts = next;
+    }
+    parts.pop().unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@
 use tandem_protocol::{SequenceHash, StorageTier, WorkerId};
 
 use super::KvIndex;
-use super::holders::{Holders, slot_of, tier_of};
+use super::holders::{MISSING, level_in, slot_of, tier_of};
 
 /// How many leading blocks of a prompt a worker holds, split by the tier it holds them in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -82,8 +82,6 @@ impl OverlapScores {
     }
 }
 
-/// Level of a block the worker does not hold.
-const MISSING: u8 = 3;
 /// `level` of a slot that is not a candidate (does not hold block 0).
 const NOT_CAND: u8 = u8::MAX;
 /// `level` flag of a candidate answered by the linear walk.
@@ -147,16 +145,6 @@ fn same(a: &[u32], b: &[u32]) -> bool {
         == 0
 }
 
-/// The level of `slot` in a sorted holder list: its first entry is its fastest tier.
-#[inline]
-fn level_in(list: &[u32], slot: u32) -> u8 {
-    let i = list.partition_point(|&h| slot_of(h) < slot);
-    match list.get(i) {
-        Some(&h) if slot_of(h) == slot => tier_of(h),
-        _ => MISSING,
-    }
-}
-
 impl KvIndex {
     /// Per worker, the number of leading blocks of `hashes` it holds and in which tier; a
     /// worker's walk stops at its first block missing from all its tiers. A block held in
@@ -175,10 +163,10 @@ impl KvIndex {
     pub fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
         // Positions are u32; a prompt of 4 billion blocks is cut rather than mis-indexed.
         let hashes = &hashes[..hashes.len().min(u32::MAX as usize)];
-        let Some(first) = hashes.first().and_then(|h| self.blocks.get(&h.0)) else {
+        let first = hashes.first().map_or(&[][..], |h| self.holders(h.0));
+        if first.is_empty() {
             return OverlapScores::default();
-        };
-        let first = first.as_slice();
+        }
         let n = hashes.len() as u32;
         let mut s = SCRATCH.with(|c| c.take());
         s.reset(self.slots.len());
@@ -239,10 +227,7 @@ impl<'a> Search<'a> {
     #[inline]
     fn holders_at(&self, pos: u32) -> &'a [u32] {
         let index: &'a KvIndex = self.index;
-        index
-            .blocks
-            .get(&self.hashes[pos as usize].0)
-            .map_or(&[], Holders::as_slice)
+        index.holders(self.hashes[pos as usize].0)
     }
 
     /// Records the level changes between positions `lo` and `hi`, whose holder lists are `a`
@@ -322,20 +307,34 @@ impl<'a> Search<'a> {
     /// Workers of `a` from `i` on with slots below `until` hold the block at `pos - 1` but
     /// not at `pos`. Returns the index of the first entry not handled.
     #[inline]
-    fn disappear_run(&mut self, pos: u32, a: &[u32], mut i: usize, until: u32) -> usize {
+    fn disappear_run(&mut self, pos: u32, a: &[u32], i: usize, until: u32) -> usize {
+        let end = i + a[i..].partition_point(|&h| slot_of(h) < until);
         let mut prev = u32::MAX;
-        for &x in &a[i..] {
+        for &x in &a[i..end] {
             let slot = slot_of(x);
-            if slot >= until {
-                break;
+            if slot == prev {
+                continue;
             }
-            if slot != prev {
-                prev = slot;
-                self.change(slot, tier_of(x), MISSING, pos);
+            prev = slot;
+            let from = tier_of(x);
+            let level = self.level[slot as usize];
+            if level == from {
+                // The bulk case, inlined: a candidate at its expected level leaves the
+                // prompt here, so every level from `from` up ends at `pos`.
+                self.level[slot as usize] = MISSING;
+                let b = &mut self.bounds[slot as usize];
+                if from == 0 {
+                    b[0] = pos;
+                }
+                if from <= 1 {
+                    b[1] = pos;
+                }
+                b[2] = pos;
+            } else {
+                self.change(slot, from, MISSING, pos);
             }
-            i += 1;
         }
-        i
+        end
     }
 
     /// The worker of `b[j]` is not in the previous list: it appears at `pos`. Returns the
@@ -413,18 +412,29 @@ impl<'a> Search<'a> {
             disk: b[2].saturating_sub(b[1]),
         };
         let by_id = &self.index.by_id;
-        let mut scores = Vec::with_capacity(self.n_cands);
+        let mut scores = Vec::with_capacity(if self.dense {
+            by_id.len()
+        } else {
+            self.n_cands
+        });
         // Every candidate holds block 0, so every one is in the answer. Sorting k candidates
         // costs k·log k; walking the id-ordered worker list costs one probe per known worker.
         if self.dense {
-            // This pass also resets the candidates' levels for the next query.
-            for &(id, slot) in by_id {
-                let level = &mut self.level[slot as usize];
-                if *level != NOT_CAND {
-                    *level = NOT_CAND;
-                    scores.push((id, counts(&self.bounds[slot as usize])));
-                }
-            }
+            // One entry per known worker (an exact-size, branch-light pass that also resets
+            // the candidates' levels for the next query), then the non-candidates dropped:
+            // a candidate holds block 0, so its total is never zero.
+            let (level, bounds) = (&mut self.level, &self.bounds);
+            scores.extend(by_id.iter().map(|&(id, slot)| {
+                let l = &mut level[slot as usize];
+                let c = if *l != NOT_CAND {
+                    *l = NOT_CAND;
+                    counts(&bounds[slot as usize])
+                } else {
+                    TierCounts::default()
+                };
+                (id, c)
+            }));
+            scores.retain(|(_, c)| c.total() > 0);
         } else {
             scores.extend(self.cands.iter().map(|&slot| {
                 (

@@ -1,21 +1,28 @@
 //! [`KvIndex`]: the single-threaded core of the global KV index.
 //!
 //! Layout:
-//! - `blocks`: sequence hash → [`Holders`] (packed (worker slot, tier) pairs). This is what
-//!   `find_matches` reads.
-//! - `slots`: dense worker slots. Each worker's state keeps its last applied event id, one set of
-//!   block hashes per tier (so `Cleared`, `remove_worker` and `replace_worker` cost
-//!   O(the worker's blocks), not O(all blocks)) and the `non_closed` flag.
+//! - `blocks`: sequence hash → [`Holders`] (sorted, packed (worker slot, tier) pairs; two
+//!   inline in the 16-byte map slot, more in the `spills` arena). The holder lists are the
+//!   source of truth: "does worker w hold block h in tier t" is a lookup in `blocks`, and
+//!   they are what `find_matches` reads.
+//! - `slots`: dense worker slots. Each worker's state keeps its last applied event id, one
+//!   [`TierLog`] per tier (an append-only list of the block hashes it stored there, so that
+//!   `Cleared`, `remove_worker` and `replace_worker` cost O(the worker's blocks), not
+//!   O(all blocks)) and the `non_closed` flag.
 //! - `slot_of` / `by_id`: worker id → slot, and the workers sorted by id for ordered output.
 //!
-//! Invariant: `(h, w, t)` is in `slots[w].tiers[t]` exactly when `pack(w, t)` is in
-//! `blocks[h]`, and no `Holders` in `blocks` is empty. The per-worker sets are the source of
-//! truth; `blocks` is their inverted index.
+//! Invariants: no holder list in `blocks` is empty; `pack(w, t)` is in `blocks[h]` only if `h`
+//! is in `slots[w].tiers[t]`'s log, and that log's `live` count is the number of blocks whose
+//! list holds `pack(w, t)`. Log entries whose holder is gone are stale and skipped.
+//!
+//! Per block event, `apply` touches the block map once (plus the parent's holder list once per
+//! `Stored` event for the closure check), and the end of one log, which is in cache.
 
 mod holders;
 mod matches;
 #[cfg(test)]
 mod tests;
+mod tier_log;
 
 use std::collections::BTreeSet;
 
@@ -23,8 +30,9 @@ use tandem_protocol::{KvDump, KvEvent, KvEventKind, SequenceHash, StorageTier, W
 
 use crate::error::IndexError;
 use crate::hash::{MixMap, MixSet};
-use holders::{Holders, MAX_SLOTS, pack};
+use holders::{Holders, MAX_SLOTS, Removal, Spills, level_in, pack};
 pub use matches::{OverlapScores, TierCounts};
+use tier_log::TierLog;
 
 /// What [`KvIndex::apply`] did with an event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,8 +78,9 @@ impl WorkerBlocks {
 struct WorkerState {
     id: WorkerId,
     last_event_id: u64,
-    /// Block hashes held per tier index.
-    tiers: [MixSet<u64>; 3],
+    /// The blocks held per tier index, as logs to enumerate them (membership is the holder
+    /// lists' job).
+    tiers: [TierLog; 3],
     /// The worker's stream broke prefix closure at least once since its last clean dump (or
     /// since it last held nothing): `find_matches` walks it linearly instead of bisecting.
     non_closed: bool,
@@ -87,14 +96,8 @@ impl WorkerState {
         }
     }
 
-    /// Whether the worker holds `hash` at level `tier` or better.
-    #[inline]
-    fn holds_at_or_below(&self, hash: u64, tier: usize) -> bool {
-        self.tiers[..=tier].iter().any(|s| s.contains(&hash))
-    }
-
     fn is_empty(&self) -> bool {
-        self.tiers.iter().all(|s| s.is_empty())
+        self.tiers.iter().all(|t| t.live() == 0)
     }
 }
 
@@ -104,6 +107,8 @@ impl WorkerState {
 #[derive(Debug, Default)]
 pub struct KvIndex {
     blocks: MixMap<u64, Holders>,
+    /// Holder lists of blocks with more than two holders.
+    spills: Spills,
     slots: Vec<Option<WorkerState>>,
     free_slots: Vec<u32>,
     slot_of: MixMap<WorkerId, u32>,
@@ -114,11 +119,24 @@ pub struct KvIndex {
     /// Workers flagged `non_closed`; when zero (the normal case) queries skip the per-worker
     /// flag check, which would touch every candidate's state.
     non_closed_workers: usize,
+    /// Scratch set for deduplicating a log while compacting it; empty between calls.
+    seen: MixSet<u64>,
 }
 
 impl KvIndex {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An index with room for `blocks` distinct blocks before its block map grows. A frontend
+    /// knows the cluster's KV capacity from the worker records (the sum of their blocks per
+    /// tier bounds what can be resident); reserving it up front spares the event path the
+    /// rehashes (and the page faults of each new table) while the cluster warms up.
+    pub fn with_capacity(blocks: usize) -> Self {
+        KvIndex {
+            blocks: MixMap::with_capacity_and_hasher(blocks, Default::default()),
+            ..Self::default()
+        }
     }
 
     /// Applies one event if it is the next one for its worker (see [`ApplyOutcome`]).
@@ -169,11 +187,10 @@ impl KvIndex {
         for e in &dump.events {
             self.apply_kind(slot, e.tier, &e.kind, false);
         }
-        let w = self.worker(slot);
         let closed = dump.events.iter().all(|e| match &e.kind {
             KvEventKind::Stored {
                 parent: Some(p), ..
-            } => w.holds_at_or_below(p.0, e.tier.index()),
+            } => self.holds_at_or_below(slot, p.0, e.tier.index()),
             _ => true,
         });
         self.set_non_closed(slot, !closed);
@@ -216,11 +233,19 @@ impl KvIndex {
 
     /// The blocks a worker holds per tier, `None` if the index does not know it.
     pub fn worker_blocks(&self, worker: WorkerId) -> Option<WorkerBlocks> {
-        let w = self.worker(*self.slot_of.get(&worker)?);
+        let slot = *self.slot_of.get(&worker)?;
+        let w = self.worker(slot);
         let mut out = WorkerBlocks::default();
         for tier in StorageTier::ALL {
-            out.tier_mut(tier)
-                .extend(w.tiers[tier.index()].iter().map(|&h| SequenceHash(h)));
+            let t = tier.index();
+            let holder = pack(slot, t);
+            let live = w.tiers[t]
+                .entries()
+                .iter()
+                .filter(|&&h| self.holds(holder, h))
+                .map(|&h| SequenceHash(h));
+            // The set drops repeated log entries.
+            out.tier_mut(tier).extend(live);
         }
         Some(out)
     }
@@ -236,20 +261,20 @@ impl KvIndex {
         self.blocks.len()
     }
 
-    /// Estimated heap bytes owned by the index, from table capacities (O(blocks): it visits
-    /// spilled holder sets). Divide by [`KvIndex::num_entries`] for the per-entry cost.
+    /// Estimated heap bytes owned by the index, from table and vector capacities
+    /// (O(workers + spilled lists)). Divide by [`KvIndex::num_entries`] for the per-entry cost.
     pub fn heap_bytes(&self) -> usize {
-        let spilled: usize = self.blocks.values().map(Holders::heap_bytes).sum();
-        let sets: usize = self
+        let logs: usize = self
             .slots
             .iter()
             .flatten()
             .flat_map(|w| w.tiers.iter())
-            .map(|s| table_bytes(s.capacity(), size_of::<u64>()))
+            .map(TierLog::heap_bytes)
             .sum();
         table_bytes(self.blocks.capacity(), size_of::<(u64, Holders)>())
-            + spilled
-            + sets
+            + self.spills.heap_bytes()
+            + logs
+            + table_bytes(self.seen.capacity(), size_of::<u64>())
             + table_bytes(self.slot_of.capacity(), size_of::<(WorkerId, u32)>())
             + self.slots.capacity() * size_of::<Option<WorkerState>>()
             + self.by_id.capacity() * size_of::<(WorkerId, u32)>()
@@ -271,6 +296,28 @@ impl KvIndex {
         if let Some(&slot) = self.slot_of.get(&worker) {
             self.remove_entry(slot, tier.index(), hash);
         }
+    }
+
+    /// The sorted holder list of a block (empty when nobody holds it).
+    #[inline(always)]
+    fn holders(&self, hash: u64) -> &[u32] {
+        self.blocks
+            .get(&hash)
+            .map_or(&[], |hs| hs.as_slice(&self.spills))
+    }
+
+    /// Whether the block's holder list contains `holder`.
+    #[inline]
+    fn holds(&self, holder: u32, hash: u64) -> bool {
+        self.blocks
+            .get(&hash)
+            .is_some_and(|hs| hs.contains(holder, &self.spills))
+    }
+
+    /// Whether the worker holds `hash` at level `tier` or better.
+    #[inline]
+    fn holds_at_or_below(&self, slot: u32, hash: u64, tier: usize) -> bool {
+        usize::from(level_in(self.holders(hash), slot)) <= tier
     }
 
     #[inline(always)]
@@ -312,7 +359,7 @@ impl KvIndex {
         match kind {
             KvEventKind::Stored { parent, blocks } => {
                 if let (true, Some(p)) = (check, parent) {
-                    if !self.worker(slot).holds_at_or_below(p.0, t) {
+                    if !self.holds_at_or_below(slot, p.0, t) {
                         self.set_non_closed(slot, true);
                     }
                 }
@@ -327,10 +374,7 @@ impl KvIndex {
                 self.reset_flag_if_empty(slot);
             }
             KvEventKind::Cleared => {
-                let set = std::mem::take(&mut self.worker_mut(slot).tiers[t]);
-                for h in set {
-                    self.unlink(slot, t, h);
-                }
+                self.clear_tier(slot, t);
                 self.reset_flag_if_empty(slot);
             }
         }
@@ -356,50 +400,83 @@ impl KvIndex {
         }
     }
 
+    /// Adds (slot, t) to the block's holders, and the block to the worker's log if it was not
+    /// there.
     #[inline]
     fn insert_entry(&mut self, slot: u32, t: usize, hash: u64) {
-        let w = self.slots[slot as usize]
+        let holder = pack(slot, t);
+        match self.blocks.entry(hash) {
+            hashbrown::hash_map::Entry::Occupied(mut e) => {
+                if !e.get_mut().insert(holder, &mut self.spills) {
+                    return;
+                }
+            }
+            hashbrown::hash_map::Entry::Vacant(e) => {
+                e.insert(Holders::one(holder));
+            }
+        }
+        self.entries += 1;
+        let (blocks, spills) = (&self.blocks, &self.spills);
+        let log = &mut self.slots[slot as usize]
             .as_mut()
-            .expect("slot maps to a live worker");
-        if !w.tiers[t].insert(hash) {
+            .expect("slot maps to a live worker")
+            .tiers[t];
+        log.push(hash, &mut self.seen, |h| {
+            blocks.get(&h).is_some_and(|hs| hs.contains(holder, spills))
+        });
+    }
+
+    /// Removes (slot, t) from the block's holders and marks the worker's log entry stale; a
+    /// holder that is not there is a no-op.
+    #[inline]
+    fn remove_entry(&mut self, slot: u32, t: usize, hash: u64) {
+        if !self.unlink(slot, t, hash) {
             return;
         }
         let holder = pack(slot, t);
-        self.blocks
-            .entry(hash)
-            .and_modify(|hs| hs.push(holder))
-            .or_insert_with(|| Holders::one(holder));
-        self.entries += 1;
+        let (blocks, spills) = (&self.blocks, &self.spills);
+        let log = &mut self.slots[slot as usize]
+            .as_mut()
+            .expect("slot maps to a live worker")
+            .tiers[t];
+        log.removed(&mut self.seen, |h| {
+            blocks.get(&h).is_some_and(|hs| hs.contains(holder, spills))
+        });
     }
 
+    /// Removes the holder from `blocks` without touching the worker's log; returns whether it
+    /// was there.
     #[inline]
-    fn remove_entry(&mut self, slot: u32, t: usize, hash: u64) {
-        if self.worker_mut(slot).tiers[t].remove(&hash) {
-            self.unlink(slot, t, hash);
-        }
-    }
-
-    /// Removes the holder from `blocks` (the worker's set was already updated).
-    #[inline]
-    fn unlink(&mut self, slot: u32, t: usize, hash: u64) {
-        // No let-chains: the workspace's rust-version (1.85) predates them.
-        if let hashbrown::hash_map::Entry::Occupied(mut e) = self.blocks.entry(hash) {
-            if e.get_mut().remove(pack(slot, t)) {
-                self.entries -= 1;
-                if e.get().is_empty() {
-                    e.remove();
-                }
+    fn unlink(&mut self, slot: u32, t: usize, hash: u64) -> bool {
+        let hashbrown::hash_map::Entry::Occupied(mut e) = self.blocks.entry(hash) else {
+            return false;
+        };
+        match e.get_mut().remove(pack(slot, t), &mut self.spills) {
+            Removal::Absent => return false,
+            Removal::Removed => {}
+            Removal::Emptied => {
+                e.remove();
             }
         }
+        self.entries -= 1;
+        true
+    }
+
+    /// Drops every block of one tier of a worker. Stale and repeated log entries unlink
+    /// nothing.
+    fn clear_tier(&mut self, slot: u32, t: usize) {
+        let (hashes, live) = self.worker_mut(slot).tiers[t].take();
+        let mut unlinked = 0;
+        for h in hashes {
+            unlinked += usize::from(self.unlink(slot, t, h));
+        }
+        debug_assert_eq!(unlinked, live, "log and holder lists disagree");
     }
 
     /// Drops every block of a worker, keeping its slot.
     fn clear_worker(&mut self, slot: u32) {
         for t in 0..3 {
-            let set = std::mem::take(&mut self.worker_mut(slot).tiers[t]);
-            for h in set {
-                self.unlink(slot, t, h);
-            }
+            self.clear_tier(slot, t);
         }
         self.set_non_closed(slot, false);
     }
@@ -407,29 +484,44 @@ impl KvIndex {
 
 #[cfg(test)]
 impl KvIndex {
-    /// Panics unless the block map is exactly the inverse of the per-worker sets.
+    /// Panics unless the block map, the spill arena and the per-worker logs agree.
     pub(crate) fn check_invariants(&self) {
-        let mut expected: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+        let mut live = std::collections::BTreeMap::<u32, usize>::new();
         let mut entries = 0;
+        let mut spilled = 0;
+        for (&h, hs) in &self.blocks {
+            let list = hs.as_slice(&self.spills);
+            assert!(!list.is_empty(), "empty holder list of {h}");
+            assert!(list.windows(2).all(|p| p[0] < p[1]), "holders of {h}");
+            spilled += usize::from(hs.is_spilled());
+            entries += list.len();
+            for &holder in list {
+                let slot = holders::slot_of(holder);
+                let t = holders::tier_of(holder) as usize;
+                let w = self.slots[slot as usize]
+                    .as_ref()
+                    .expect("holder is a live worker");
+                assert!(
+                    w.tiers[t].entries().contains(&h),
+                    "{h} missing from its log"
+                );
+                *live.entry(holder).or_default() += 1;
+            }
+        }
+        assert_eq!(entries, self.entries);
+        assert_eq!(spilled, self.spills.len(), "leaked or shared spilled lists");
         let mut flagged = 0;
         for (slot, w) in self.slots.iter().enumerate() {
             let Some(w) = w else { continue };
             assert_eq!(self.slot_of.get(&w.id), Some(&(slot as u32)));
             flagged += usize::from(w.non_closed);
-            for (t, set) in w.tiers.iter().enumerate() {
-                for &h in set {
-                    expected.entry(h).or_default().push(pack(slot as u32, t));
-                    entries += 1;
-                }
+            for (t, log) in w.tiers.iter().enumerate() {
+                let holder = pack(slot as u32, t);
+                assert_eq!(log.live(), live.get(&holder).copied().unwrap_or(0));
             }
         }
-        assert_eq!(entries, self.entries);
         assert_eq!(flagged, self.non_closed_workers);
-        assert_eq!(expected.len(), self.blocks.len());
-        for (h, mut holders) in expected {
-            holders.sort_unstable();
-            assert_eq!(self.blocks[&h].as_slice(), &holders[..], "holders of {h}");
-        }
+        assert!(self.seen.is_empty());
         let ids: Vec<WorkerId> = self.by_id.iter().map(|&(id, _)| id).collect();
         assert!(ids.windows(2).all(|p| p[0] < p[1]));
         assert_eq!(ids.len(), self.slot_of.len());

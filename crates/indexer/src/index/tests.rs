@@ -597,3 +597,49 @@ proptest! {
         prop_assert_eq!(idx.workers().map(|w| w.0).collect::<Vec<_>>(), model.keys().copied().collect::<Vec<_>>());
     }
 }
+
+/// Long store/remove churn on a few workers sharing blocks: the tier logs are compacted many
+/// times (stale entries and repeats of re-stored blocks) and must keep agreeing with the holder
+/// lists; `Cleared` and `remove_worker` then walk logs full of stale entries.
+#[test]
+fn log_compaction_under_churn() {
+    let mut idx = KvIndex::new();
+    let mut model: [std::collections::BTreeSet<u64>; 3] = Default::default();
+    let mut ids = [0u64; 3];
+    for i in 0..6_000u64 {
+        let w = (i % 3) as usize;
+        ids[w] += 1;
+        // 300 distinct blocks, shared between workers so that some lists spill.
+        let b = (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) % 300;
+        let ev = if model[w].len() < 120 || i % 2 == 0 && !model[w].contains(&b) {
+            model[w].insert(b);
+            stored(w as u64, ids[w], D, None, &[b])
+        } else {
+            let victim = *model[w]
+                .iter()
+                .nth((i as usize / 3) % model[w].len())
+                .unwrap();
+            model[w].remove(&victim);
+            removed(w as u64, ids[w], D, &[victim])
+        };
+        assert_eq!(idx.apply(&ev), ApplyOutcome::Applied);
+        if i % 500 == 0 {
+            idx.check_invariants();
+        }
+    }
+    idx.check_invariants();
+    for (w, blocks) in model.iter().enumerate() {
+        let got = idx.worker_blocks(WorkerId(w as u64)).unwrap().device;
+        assert_eq!(got, blocks.iter().copied().map(sh).collect());
+    }
+    assert_eq!(
+        idx.num_entries(),
+        model.iter().map(|m| m.len()).sum::<usize>()
+    );
+    ids[0] += 1;
+    idx.apply(&cleared(0, ids[0], D));
+    assert!(idx.remove_worker(WorkerId(1)));
+    idx.check_invariants();
+    assert_eq!(idx.num_entries(), model[2].len());
+    assert!(idx.worker_blocks(WorkerId(0)).unwrap().device.is_empty());
+}
