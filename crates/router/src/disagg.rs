@@ -1,0 +1,296 @@
+//! Conditional disaggregation (DESIGN.md §6) as a pure function: given both pools, a request
+//! and a mode, which decode worker, and whether (and where) to prefill remotely.
+//!
+//! The decode worker D is chosen first by the `kv` cost over the decode pool:
+//! - under `always`, with no overlap credit at all: the prompt is prefilled elsewhere and
+//!   pushed into D, so D's cache is never used for it and only D's load matters;
+//! - under every other mode with the normal credit, since a local prefill on D uses D's cache
+//!   and that is exactly what makes local prefill cheap.
+//!
+//! Then:
+//! - `isl-bounding`: local when the effective prompt on D (prompt tokens not cached on D, in
+//!   any tier) is below `isl_max_local_tokens` **and** below `isl_max_local_fraction` of the
+//!   prompt; otherwise remote;
+//! - `prefill-load`: remote unless the best prefill worker's pending prefill tokens exceed
+//!   `prefill_busy_tokens` (then waiting for it costs more than prefilling on D);
+//! - `isl-or-load`: local if either rule says local;
+//! - `always` / `never`: always remote / always local.
+//!
+//! The prefill worker is chosen by `kv` over the prefill pool, where prefix overlap dominates.
+//! An empty prefill pool means local prefill whatever the mode.
+
+use std::fmt;
+use std::str::FromStr;
+
+use tandem_protocol::WorkerId;
+
+use crate::error::{ConfigError, RouteError, non_negative};
+use crate::kv::{KvConfig, kv_decide};
+use crate::pool::{PoolConfig, prepare_candidates};
+use crate::rng::Rng;
+use crate::view::{Decision, RouteRequest, WorkerView};
+
+/// When to prefill on a separate worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DisaggMode {
+    #[default]
+    IslBounding,
+    PrefillLoad,
+    IslOrLoad,
+    Always,
+    Never,
+}
+
+impl DisaggMode {
+    pub const ALL: [DisaggMode; 5] = [
+        DisaggMode::IslBounding,
+        DisaggMode::PrefillLoad,
+        DisaggMode::IslOrLoad,
+        DisaggMode::Always,
+        DisaggMode::Never,
+    ];
+
+    pub const VALID_NAMES: &'static str = "isl-bounding, prefill-load, isl-or-load, always, never";
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            DisaggMode::IslBounding => "isl-bounding",
+            DisaggMode::PrefillLoad => "prefill-load",
+            DisaggMode::IslOrLoad => "isl-or-load",
+            DisaggMode::Always => "always",
+            DisaggMode::Never => "never",
+        }
+    }
+}
+
+impl fmt::Display for DisaggMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DisaggMode {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        DisaggMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| ConfigError::UnknownDisaggMode {
+                got: s.to_owned(),
+                valid: DisaggMode::VALID_NAMES,
+            })
+    }
+}
+
+/// Knobs of the disaggregation rule and of the two pools' selection.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DisaggConfig {
+    pub mode: DisaggMode,
+    /// `isl-bounding`: local only below this many uncached prompt tokens…
+    pub isl_max_local_tokens: u64,
+    /// …and below this fraction of the prompt.
+    pub isl_max_local_fraction: f64,
+    /// `prefill-load`: local when the best prefill worker has more pending prefill tokens.
+    pub prefill_busy_tokens: u64,
+    /// `kv` knobs for the decode pool (credit removed under `always`).
+    pub decode_kv: KvConfig,
+    /// `kv` knobs for the prefill pool.
+    pub prefill_kv: KvConfig,
+    pub decode_pool: PoolConfig,
+    pub prefill_pool: PoolConfig,
+}
+
+impl Default for DisaggConfig {
+    fn default() -> Self {
+        DisaggConfig {
+            mode: DisaggMode::IslBounding,
+            isl_max_local_tokens: 2048,
+            isl_max_local_fraction: 0.7,
+            // About one long prompt queued: beyond it, a remote prefill waits longer than a
+            // local one takes on a decode worker.
+            prefill_busy_tokens: 8192,
+            decode_kv: KvConfig::default(),
+            prefill_kv: KvConfig::default(),
+            decode_pool: PoolConfig::default(),
+            prefill_pool: PoolConfig::default(),
+        }
+    }
+}
+
+impl DisaggConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        non_negative("isl max local fraction", self.isl_max_local_fraction)?;
+        self.decode_kv.validate()?;
+        self.prefill_kv.validate()?;
+        self.decode_pool.validate()?;
+        self.prefill_pool.validate()
+    }
+
+    /// Whether `isl-bounding` says local for this effective prompt.
+    pub fn isl_says_local(&self, effective_tokens: u64, prompt_tokens: u64) -> bool {
+        effective_tokens < self.isl_max_local_tokens
+            && (effective_tokens as f64) < self.isl_max_local_fraction * prompt_tokens as f64
+    }
+
+    /// Whether `prefill-load` says local for this backlog on the best prefill worker.
+    pub fn load_says_local(&self, backlog_tokens: u64) -> bool {
+        backlog_tokens > self.prefill_busy_tokens
+    }
+}
+
+/// Why the request prefills where it does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DisaggReason {
+    /// No prefill workers: local.
+    NoPrefillPool,
+    /// Mode `never`: local.
+    Never,
+    /// Mode `always`: remote.
+    Always,
+    /// `isl-bounding` (or `isl-or-load`) said local.
+    ShortEffectivePrompt { effective_tokens: u64 },
+    /// `isl-bounding` said remote.
+    LongEffectivePrompt { effective_tokens: u64 },
+    /// `prefill-load` (or `isl-or-load`) said local.
+    PrefillBusy { backlog_tokens: u64 },
+    /// `prefill-load` said remote.
+    PrefillAvailable { backlog_tokens: u64 },
+    /// `isl-or-load`: both rules said remote.
+    LongPromptPrefillAvailable {
+        effective_tokens: u64,
+        backlog_tokens: u64,
+    },
+}
+
+/// Where a request goes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DisaggDecision {
+    pub decode: Decision,
+    /// The prefill worker's decision when prefill is remote.
+    pub prefill: Option<Decision>,
+    pub why: DisaggReason,
+}
+
+impl DisaggDecision {
+    pub fn decode_worker(&self) -> WorkerId {
+        self.decode.worker
+    }
+
+    pub fn prefill_worker(&self) -> Option<WorkerId> {
+        self.prefill.as_ref().map(|d| d.worker)
+    }
+
+    pub fn is_remote(&self) -> bool {
+        self.prefill.is_some()
+    }
+}
+
+/// Prompt tokens not cached on a worker with `overlap_blocks` leading blocks in any tier.
+pub fn effective_prompt_tokens(req: &RouteRequest, overlap_blocks: u32) -> u64 {
+    let cached = u64::from(overlap_blocks) * u64::from(req.block_size.get());
+    req.prompt_tokens.saturating_sub(cached)
+}
+
+/// `kv` over one pool after its warm-up and busy rules; the pick's prepared view comes along
+/// (its load as the rule saw it).
+fn pick(
+    kv: &KvConfig,
+    pool: &PoolConfig,
+    req: &RouteRequest,
+    views: &[WorkerView],
+    rng: &mut Rng,
+) -> Result<(Decision, WorkerView), RouteError> {
+    crate::policy::check_candidates(views)?;
+    let c = prepare_candidates(pool, views);
+    let mut d = kv_decide(kv, req, &c.views, rng)?;
+    d.excluded_busy = c.excluded_busy;
+    let view = c
+        .views
+        .iter()
+        .find(|v| v.id == d.worker)
+        .copied()
+        .ok_or(RouteError::NoWorkers)?;
+    Ok((d, view))
+}
+
+/// Picks the decode worker, and the prefill worker when prefill is remote. `cfg` should have
+/// passed [`DisaggConfig::validate`].
+pub fn decide(
+    cfg: &DisaggConfig,
+    req: &RouteRequest,
+    decode: &[WorkerView],
+    prefill: &[WorkerView],
+    rng: &mut Rng,
+) -> Result<DisaggDecision, RouteError> {
+    req.overrides.validate()?;
+    let local = |decode: Decision, why| DisaggDecision {
+        decode,
+        prefill: None,
+        why,
+    };
+    if cfg.mode == DisaggMode::Always && !prefill.is_empty() {
+        // D's cache plays no part: credit 0 for every tier, whatever the request asks.
+        let mut load_only = *req;
+        load_only.overrides.overlap_credit = None;
+        let kv = cfg.decode_kv.without_credit();
+        let (d, _) = pick(&kv, &cfg.decode_pool, &load_only, decode, rng)?;
+        let (p, _) = pick(&cfg.prefill_kv, &cfg.prefill_pool, req, prefill, rng)?;
+        return Ok(DisaggDecision {
+            decode: d,
+            prefill: Some(p),
+            why: DisaggReason::Always,
+        });
+    }
+    let (d, d_view) = pick(&cfg.decode_kv, &cfg.decode_pool, req, decode, rng)?;
+    if prefill.is_empty() {
+        return Ok(local(d, DisaggReason::NoPrefillPool));
+    }
+    let effective = effective_prompt_tokens(req, d_view.overlap.total());
+    let isl_local = cfg.isl_says_local(effective, req.prompt_tokens);
+    match cfg.mode {
+        DisaggMode::Never => return Ok(local(d, DisaggReason::Never)),
+        DisaggMode::IslBounding | DisaggMode::IslOrLoad if isl_local => {
+            let why = DisaggReason::ShortEffectivePrompt {
+                effective_tokens: effective,
+            };
+            return Ok(local(d, why));
+        }
+        DisaggMode::IslBounding => {
+            let (p, _) = pick(&cfg.prefill_kv, &cfg.prefill_pool, req, prefill, rng)?;
+            return Ok(DisaggDecision {
+                decode: d,
+                prefill: Some(p),
+                why: DisaggReason::LongEffectivePrompt {
+                    effective_tokens: effective,
+                },
+            });
+        }
+        _ => {}
+    }
+    // prefill-load, or isl-or-load whose length rule said remote.
+    let (p, p_view) = pick(&cfg.prefill_kv, &cfg.prefill_pool, req, prefill, rng)?;
+    let backlog = p_view.load.active_prefill_tokens;
+    if cfg.load_says_local(backlog) {
+        return Ok(local(
+            d,
+            DisaggReason::PrefillBusy {
+                backlog_tokens: backlog,
+            },
+        ));
+    }
+    let why = if cfg.mode == DisaggMode::IslOrLoad {
+        DisaggReason::LongPromptPrefillAvailable {
+            effective_tokens: effective,
+            backlog_tokens: backlog,
+        }
+    } else {
+        DisaggReason::PrefillAvailable {
+            backlog_tokens: backlog,
+        }
+    };
+    Ok(DisaggDecision {
+        decode: d,
+        prefill: Some(p),
+        why,
+    })
+}

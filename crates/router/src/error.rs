@@ -1,0 +1,69 @@
+//! Typed errors of the router core, each with the class that decides what the caller does.
+
+use tandem_protocol::WorkerId;
+
+/// How a caller should treat an error: decides retry and the HTTP status upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// The input is wrong; retrying it unchanged cannot help (4xx).
+    InvalidRequest,
+    /// No capacity right now; retry later (429).
+    Overloaded,
+    /// Nothing to route to at the moment (503).
+    Unavailable,
+    /// A bug or a broken invariant (500).
+    Internal,
+}
+
+/// Why no decision could be made.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RouteError {
+    /// The candidate list was empty. Class: unavailable.
+    #[error("no workers to route to")]
+    NoWorkers,
+    /// The same worker appeared twice among the candidates. Class: internal (the caller
+    /// built the list wrong).
+    #[error("worker {0} appears more than once among the candidates")]
+    DuplicateWorker(WorkerId),
+    /// A per-request override was negative, NaN or infinite. Class: invalid request.
+    #[error("override {name} must be a finite number >= 0, got {value}")]
+    InvalidOverride { name: &'static str, value: f64 },
+}
+
+impl RouteError {
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            RouteError::NoWorkers => ErrorClass::Unavailable,
+            RouteError::DuplicateWorker(_) => ErrorClass::Internal,
+            RouteError::InvalidOverride { .. } => ErrorClass::InvalidRequest,
+        }
+    }
+}
+
+/// A configuration the router refuses to start with. Class: invalid input, at startup.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("unknown policy {got:?}; valid policies: {valid}")]
+    UnknownPolicy { got: String, valid: &'static str },
+    #[error("unknown disaggregation mode {got:?}; valid modes: {valid}")]
+    UnknownDisaggMode { got: String, valid: &'static str },
+    #[error("{name} must be {requirement}, got {value}")]
+    OutOfRange {
+        name: &'static str,
+        requirement: &'static str,
+        value: f64,
+    },
+}
+
+/// Checks a finite number >= 0 (every weight, scale and temperature).
+pub(crate) fn non_negative(name: &'static str, value: f64) -> Result<(), ConfigError> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(ConfigError::OutOfRange {
+            name,
+            requirement: "a finite number >= 0",
+            value,
+        })
+    }
+}

@@ -1,0 +1,201 @@
+use tandem_protocol::WorkerId;
+
+use super::{req, tiers, view};
+use crate::disagg::{decide, effective_prompt_tokens};
+use crate::{
+    ConfigError, DisaggConfig, DisaggDecision, DisaggMode, DisaggReason, Rng, RouteError,
+    RouteRequest, WorkerView,
+};
+
+fn run(mode: DisaggMode, r: &RouteRequest, d: &[WorkerView], p: &[WorkerView]) -> DisaggDecision {
+    let cfg = DisaggConfig {
+        mode,
+        ..DisaggConfig::default()
+    };
+    cfg.validate().unwrap();
+    decide(&cfg, r, d, p, &mut Rng::seed_from_u64(5)).unwrap()
+}
+
+fn idle(id: u64) -> WorkerView {
+    view(id, tiers(0, 0, 0), 0, 0, 0)
+}
+
+/// A prefill worker with `backlog` pending prefill tokens.
+fn prefill(id: u64, backlog: u64) -> WorkerView {
+    view(id, tiers(0, 0, 0), backlog, 0, 0)
+}
+
+#[test]
+fn modes_parse_by_name() {
+    for m in DisaggMode::ALL {
+        assert_eq!(m.name().parse::<DisaggMode>().unwrap(), m);
+    }
+    assert_eq!(DisaggMode::default(), DisaggMode::IslBounding);
+    let e = "sometimes".parse::<DisaggMode>().unwrap_err();
+    assert!(matches!(e, ConfigError::UnknownDisaggMode { .. }));
+    assert!(
+        e.to_string()
+            .contains("isl-bounding, prefill-load, isl-or-load, always, never")
+    );
+}
+
+#[test]
+fn no_prefill_pool_or_never_means_local() {
+    let r = req(10_000, 16);
+    for mode in DisaggMode::ALL {
+        let d = run(mode, &r, &[idle(1)], &[]);
+        assert_eq!(d.why, DisaggReason::NoPrefillPool);
+        assert!(!d.is_remote());
+    }
+    let d = run(DisaggMode::Never, &r, &[idle(1)], &[prefill(9, 0)]);
+    assert_eq!((d.why, d.prefill_worker()), (DisaggReason::Never, None));
+    let cfg = DisaggConfig::default();
+    let e = decide(&cfg, &r, &[], &[prefill(9, 0)], &mut Rng::seed_from_u64(0)).unwrap_err();
+    assert_eq!(e, RouteError::NoWorkers);
+}
+
+#[test]
+fn always_picks_decode_on_load_alone_and_prefill_by_overlap() {
+    // 4096-token prompt = 256 blocks. D1 caches it all but has 5 decode blocks; D2 is empty.
+    let decode = [view(1, tiers(256, 0, 0), 0, 5, 0), idle(2)];
+    let pool = [prefill(8, 0), view(9, tiers(200, 40, 16), 0, 0, 0)];
+    let mut r = req(4096, 16);
+    r.overrides.overlap_credit = Some(1.0); // ignored for D under `always`
+    let d = run(DisaggMode::Always, &r, &decode, &pool);
+    assert_eq!(d.why, DisaggReason::Always);
+    assert_eq!(d.decode_worker(), WorkerId(2));
+    assert_eq!(d.decode.explain[0].credit, 0.0);
+    assert_eq!(d.decode.explain[0].cost, 256.0 + 5.0);
+    assert_eq!(d.decode.explain[1].cost, 256.0);
+    // P9: credit 200 + 30 + 4 = 234, cost 22; P8: 256.
+    assert_eq!(d.prefill_worker(), Some(WorkerId(9)));
+    assert_eq!(d.prefill.as_ref().unwrap().explain[1].cost, 22.0);
+    // The conditional modes use D's cache: D1 wins (cost 5) and prefills locally (all cached).
+    let d = run(DisaggMode::IslBounding, &req(4096, 16), &decode, &pool);
+    assert_eq!(d.decode_worker(), WorkerId(1));
+    assert_eq!(
+        d.why,
+        DisaggReason::ShortEffectivePrompt {
+            effective_tokens: 0
+        }
+    );
+    assert!(!d.is_remote());
+}
+
+#[test]
+fn isl_bounding_needs_a_short_and_mostly_cached_prompt() {
+    let pool = [prefill(9, 0)];
+    // 1000 uncached tokens: under 2048 but not under 0.7 × 1000.
+    let d = run(DisaggMode::IslBounding, &req(1000, 16), &[idle(1)], &pool);
+    assert_eq!(
+        d.why,
+        DisaggReason::LongEffectivePrompt {
+            effective_tokens: 1000
+        }
+    );
+    assert_eq!(d.prefill_worker(), Some(WorkerId(9)));
+    // 3000 tokens with 125 blocks (2000 tokens) cached: 1000 < 2048 and < 2100.
+    let cached = [view(1, tiers(100, 20, 5), 0, 0, 0)];
+    let d = run(DisaggMode::IslBounding, &req(3000, 16), &cached, &pool);
+    assert_eq!(
+        d.why,
+        DisaggReason::ShortEffectivePrompt {
+            effective_tokens: 1000
+        }
+    );
+    assert!(!d.is_remote());
+    // 10,000 tokens with the same 2000 cached: 8000 uncached.
+    let d = run(DisaggMode::IslBounding, &req(10_000, 16), &cached, &pool);
+    assert_eq!(
+        d.why,
+        DisaggReason::LongEffectivePrompt {
+            effective_tokens: 8000
+        }
+    );
+    // Exactly at the bounds is not below them.
+    let cfg = DisaggConfig::default();
+    assert!(!cfg.isl_says_local(2048, 100_000));
+    assert!(cfg.isl_says_local(2047, 100_000));
+    assert!(!cfg.isl_says_local(70, 100));
+    assert!(cfg.isl_says_local(69, 100));
+    assert_eq!(effective_prompt_tokens(&req(40, 16), 5), 0);
+}
+
+#[test]
+fn prefill_load_goes_local_when_the_best_prefill_worker_is_busy() {
+    let r = req(1000, 16);
+    // The kv pick is P8 (9000 backlog beats 10,000), and 9000 > 8192: local.
+    let busy = [prefill(8, 9000), prefill(9, 10_000)];
+    let d = run(DisaggMode::PrefillLoad, &r, &[idle(1)], &busy);
+    assert_eq!(
+        d.why,
+        DisaggReason::PrefillBusy {
+            backlog_tokens: 9000
+        }
+    );
+    assert!(!d.is_remote());
+    // At the threshold: remote.
+    let d = run(DisaggMode::PrefillLoad, &r, &[idle(1)], &[prefill(8, 8192)]);
+    assert_eq!(
+        d.why,
+        DisaggReason::PrefillAvailable {
+            backlog_tokens: 8192
+        }
+    );
+    assert_eq!(d.prefill_worker(), Some(WorkerId(8)));
+    // Short prompts go remote too under prefill-load: only the load counts.
+    let d = run(
+        DisaggMode::PrefillLoad,
+        &req(16, 16),
+        &[idle(1)],
+        &[prefill(8, 0)],
+    );
+    assert!(d.is_remote());
+}
+
+#[test]
+fn isl_or_load_is_local_if_either_rule_says_so() {
+    let cached = [view(1, tiers(125, 0, 0), 0, 0, 0)];
+    // Length says local (1000 of 3000 uncached) even with an idle prefill pool.
+    let d = run(
+        DisaggMode::IslOrLoad,
+        &req(3000, 16),
+        &cached,
+        &[prefill(9, 0)],
+    );
+    assert_eq!(
+        d.why,
+        DisaggReason::ShortEffectivePrompt {
+            effective_tokens: 1000
+        }
+    );
+    // Length says remote, load says local.
+    let d = run(
+        DisaggMode::IslOrLoad,
+        &req(10_000, 16),
+        &cached,
+        &[prefill(9, 9000)],
+    );
+    assert_eq!(
+        d.why,
+        DisaggReason::PrefillBusy {
+            backlog_tokens: 9000
+        }
+    );
+    assert!(!d.is_remote());
+    // Both say remote.
+    let d = run(
+        DisaggMode::IslOrLoad,
+        &req(10_000, 16),
+        &cached,
+        &[prefill(9, 100)],
+    );
+    assert_eq!(
+        d.why,
+        DisaggReason::LongPromptPrefillAvailable {
+            effective_tokens: 8000,
+            backlog_tokens: 100
+        }
+    );
+    assert_eq!(d.prefill_worker(), Some(WorkerId(9)));
+}

@@ -1,0 +1,416 @@
+//! The active-sequence tracker: per worker, what the routers have sent it that is not
+//! finished (DESIGN.md §5), shared between router replicas by [`SyncMessage`]s.
+//!
+//! # What it counts
+//!
+//! - `active_prefill_tokens`: prompt tokens routed and not yet prefilled. The caller passes the
+//!   tokens the worker must compute (prompt minus what it has cached), since cached tokens
+//!   cost no prefill time. They leave at the first token ([`ActiveSequences::prefill_done`]).
+//! - `potential_decode_blocks`: the KV blocks the worker's in-flight requests hold or will hold:
+//!   their distinct full prompt blocks — a block shared by several requests on one worker is
+//!   one block in its pool, so it is counted once, reference counted by sequence hash — plus
+//!   each request's *private* blocks: its trailing partial prompt block and the blocks its
+//!   expected output will fill ([`NewSequence::private_blocks_for`]). Counting the expected
+//!   output is deliberate: a long generation holds its KV until the end, and a worker full of
+//!   them is about to preempt or stall. A caller with no estimate passes 0 expected tokens.
+//! - `active_requests`: requests added and not freed, queued ones included.
+//!
+//! # Replica sync
+//!
+//! Every local change returns the [`SyncMessage`] to publish; peers feed theirs to
+//! [`ActiveSequences::apply`]. A sequence's state only moves up a lattice — unknown → added →
+//! prefill done → freed, where "prefill done" and "freed" may arrive before the add — and an
+//! add's content is fixed by the first add seen. Applying messages is therefore idempotent,
+//! commutative and associative: duplicates, replays and reorderings yield the same loads as
+//! applying each message once in order. A freed sequence is kept as a tombstone for one TTL so
+//! that a late or replayed add cannot resurrect it; hence a request routed again (a retry, a
+//! migration) must be tracked under a fresh request id. A replica ignores its own messages
+//! coming back from the event plane.
+//!
+//! # Expiry
+//!
+//! A sequence whose end was never seen (a lost free, a crashed peer) expires one TTL after it
+//! was first seen, and becomes a tombstone for one more TTL. Time is passed in; a clock that
+//! goes backwards is treated as the latest time seen.
+
+use std::collections::{HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+use tandem_protocol::{BlockSize, RequestId, SequenceHash, WorkerId};
+
+use crate::view::WorkerLoad;
+
+/// A router replica's identity, unique among the replicas sharing one view.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+pub struct RouterId(pub u64);
+
+/// One change of the shared view, published on the event plane.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SyncMessage {
+    /// A request was routed to `worker`.
+    Add {
+        router: RouterId,
+        request: RequestId,
+        worker: WorkerId,
+        blocks: Vec<SequenceHash>,
+        prefill_tokens: u64,
+        private_blocks: u64,
+    },
+    /// The request's first token arrived: its prefill load is gone.
+    PrefillDone {
+        router: RouterId,
+        request: RequestId,
+    },
+    /// The request ended (finished, cancelled, failed): all its load is gone.
+    Free {
+        router: RouterId,
+        request: RequestId,
+    },
+}
+
+impl SyncMessage {
+    /// The replica that made the change.
+    pub fn router(&self) -> RouterId {
+        match self {
+            SyncMessage::Add { router, .. }
+            | SyncMessage::PrefillDone { router, .. }
+            | SyncMessage::Free { router, .. } => *router,
+        }
+    }
+
+    pub fn request(&self) -> RequestId {
+        match self {
+            SyncMessage::Add { request, .. }
+            | SyncMessage::PrefillDone { request, .. }
+            | SyncMessage::Free { request, .. } => *request,
+        }
+    }
+}
+
+/// A request just routed, as the local router records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewSequence {
+    pub request: RequestId,
+    pub worker: WorkerId,
+    /// Sequence hashes of the prompt's full blocks.
+    pub blocks: Vec<SequenceHash>,
+    /// Prompt tokens the worker must compute (not cached there).
+    pub prefill_tokens: u64,
+    /// Blocks only this request uses ([`NewSequence::private_blocks_for`]).
+    pub private_blocks: u64,
+}
+
+impl NewSequence {
+    /// Blocks of a request beyond its full prompt blocks: the partial last prompt block and
+    /// the blocks `expected_output_tokens` will fill.
+    pub fn private_blocks_for(
+        prompt_tokens: u64,
+        expected_output_tokens: u64,
+        block_size: BlockSize,
+    ) -> u64 {
+        let bs = u64::from(block_size.get());
+        (prompt_tokens + expected_output_tokens).div_ceil(bs) - prompt_tokens / bs
+    }
+}
+
+/// Knobs of the tracker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrackerConfig {
+    /// How long a sequence may stay without its free before it is dropped, and how long a
+    /// freed one is remembered, in milliseconds. Longer than any request should live.
+    pub ttl_ms: u64,
+}
+
+impl Default for TrackerConfig {
+    fn default() -> Self {
+        TrackerConfig { ttl_ms: 600_000 }
+    }
+}
+
+/// One worker's tracked load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrackedLoad {
+    pub active_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    pub active_requests: u64,
+}
+
+impl TrackedLoad {
+    /// As a [`WorkerLoad`] with no report folded in yet.
+    pub fn to_worker_load(self) -> WorkerLoad {
+        WorkerLoad {
+            active_prefill_tokens: self.active_prefill_tokens,
+            potential_decode_blocks: self.potential_decode_blocks,
+            active_requests: self.active_requests,
+            kv_usage: 0.0,
+        }
+    }
+}
+
+type Key = (RouterId, RequestId);
+
+#[derive(Clone, Debug)]
+struct AddInfo {
+    worker: WorkerId,
+    blocks: Vec<SequenceHash>,
+    prefill_tokens: u64,
+    private_blocks: u64,
+}
+
+/// One sequence's place in the lattice.
+#[derive(Clone, Debug)]
+struct Entry {
+    add: Option<AddInfo>,
+    prefill_done: bool,
+    freed: bool,
+    /// When the entry next moves on (live → tombstone → gone); matches its queue item.
+    deadline_ms: u64,
+}
+
+impl Entry {
+    fn active(&self) -> bool {
+        self.add.is_some() && !self.freed
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+struct WorkerState {
+    /// Prompt block → in-flight requests on this worker holding it.
+    blocks: HashMap<SequenceHash, u32>,
+    private_blocks: u64,
+    prefill_tokens: u64,
+    requests: u64,
+}
+
+/// A change to one entry, the lattice's join operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Add,
+    PrefillDone,
+    Free,
+}
+
+/// The active-sequence tracker of one router replica.
+#[derive(Debug)]
+pub struct ActiveSequences {
+    me: RouterId,
+    config: TrackerConfig,
+    entries: HashMap<Key, Entry>,
+    workers: HashMap<WorkerId, WorkerState>,
+    /// (deadline, key), in deadline order since time never goes backwards inside.
+    expiry: VecDeque<(u64, Key)>,
+    now_ms: u64,
+}
+
+impl ActiveSequences {
+    pub fn new(me: RouterId, config: TrackerConfig) -> Self {
+        ActiveSequences {
+            me,
+            config,
+            entries: HashMap::new(),
+            workers: HashMap::new(),
+            expiry: VecDeque::new(),
+            now_ms: 0,
+        }
+    }
+
+    pub fn router_id(&self) -> RouterId {
+        self.me
+    }
+
+    /// Records a request routed by this replica; returns the message to publish.
+    pub fn add(&mut self, seq: NewSequence, now_ms: u64) -> SyncMessage {
+        let msg = SyncMessage::Add {
+            router: self.me,
+            request: seq.request,
+            worker: seq.worker,
+            blocks: seq.blocks,
+            prefill_tokens: seq.prefill_tokens,
+            private_blocks: seq.private_blocks,
+        };
+        self.merge(&msg, now_ms);
+        msg
+    }
+
+    /// Records this replica's request's first token; returns the message to publish.
+    pub fn prefill_done(&mut self, request: RequestId, now_ms: u64) -> SyncMessage {
+        let msg = SyncMessage::PrefillDone {
+            router: self.me,
+            request,
+        };
+        self.merge(&msg, now_ms);
+        msg
+    }
+
+    /// Records the end of this replica's request; returns the message to publish.
+    pub fn free(&mut self, request: RequestId, now_ms: u64) -> SyncMessage {
+        let msg = SyncMessage::Free {
+            router: self.me,
+            request,
+        };
+        self.merge(&msg, now_ms);
+        msg
+    }
+
+    /// Applies a peer's message. Returns whether the loads changed; our own messages (echoed
+    /// by the event plane) are ignored.
+    pub fn apply(&mut self, msg: &SyncMessage, now_ms: u64) -> bool {
+        if msg.router() == self.me {
+            return false;
+        }
+        self.merge(msg, now_ms)
+    }
+
+    /// A worker's tracked load (zero for a worker with nothing in flight).
+    pub fn load(&self, worker: WorkerId) -> TrackedLoad {
+        self.workers
+            .get(&worker)
+            .map_or_else(TrackedLoad::default, |w| TrackedLoad {
+                active_prefill_tokens: w.prefill_tokens,
+                potential_decode_blocks: w.blocks.len() as u64 + w.private_blocks,
+                active_requests: w.requests,
+            })
+    }
+
+    /// Requests in flight on all workers.
+    pub fn active_requests(&self) -> u64 {
+        self.workers.values().map(|w| w.requests).sum()
+    }
+
+    /// Entries held, tombstones included (memory use).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Drops a worker that left the pool: its sequences become tombstones.
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        let keys: Vec<Key> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.active() && e.add.as_ref().is_some_and(|a| a.worker == worker))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            self.step(k, Step::Free, None);
+        }
+        self.workers.remove(&worker);
+    }
+
+    /// Moves on every entry whose deadline has passed at `now_ms`.
+    pub fn expire(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        while let Some(&(deadline, key)) = self.expiry.front() {
+            if deadline > self.now_ms {
+                break;
+            }
+            self.expiry.pop_front();
+            let Some(e) = self.entries.get(&key) else {
+                continue;
+            };
+            if e.deadline_ms != deadline {
+                continue; // superseded queue item
+            }
+            if e.freed {
+                self.entries.remove(&key);
+            } else {
+                // Also covers a prefill-done whose add never came.
+                self.step(key, Step::Free, None);
+            }
+        }
+    }
+
+    fn merge(&mut self, msg: &SyncMessage, now_ms: u64) -> bool {
+        self.expire(now_ms);
+        let key = (msg.router(), msg.request());
+        match msg {
+            SyncMessage::Add {
+                worker,
+                blocks,
+                prefill_tokens,
+                private_blocks,
+                ..
+            } => {
+                let info = AddInfo {
+                    worker: *worker,
+                    blocks: blocks.clone(),
+                    prefill_tokens: *prefill_tokens,
+                    private_blocks: *private_blocks,
+                };
+                self.step(key, Step::Add, Some(info))
+            }
+            SyncMessage::PrefillDone { .. } => self.step(key, Step::PrefillDone, None),
+            SyncMessage::Free { .. } => self.step(key, Step::Free, None),
+        }
+    }
+
+    /// Joins one step into an entry and moves the worker counts by the difference.
+    fn step(&mut self, key: Key, step: Step, info: Option<AddInfo>) -> bool {
+        let deadline = self.now_ms.saturating_add(self.config.ttl_ms);
+        let mut fresh = false;
+        let e = self.entries.entry(key).or_insert_with(|| {
+            fresh = true;
+            Entry {
+                add: None,
+                prefill_done: false,
+                freed: false,
+                deadline_ms: deadline,
+            }
+        });
+        let (was_active, was_pending) = (e.active(), e.active() && !e.prefill_done);
+        match step {
+            Step::Add if e.add.is_none() => e.add = info,
+            Step::PrefillDone => e.prefill_done = true,
+            Step::Free if !e.freed => {
+                e.freed = true;
+                // A tombstone lives one TTL from its free.
+                e.deadline_ms = deadline;
+                fresh = true;
+            }
+            _ => {}
+        }
+        let (now_active, now_pending) = (e.active(), e.active() && !e.prefill_done);
+        if fresh {
+            self.expiry.push_back((deadline, key));
+        }
+        let changed = was_active != now_active || was_pending != now_pending;
+        let Some(add) = e.add.as_ref().filter(|_| changed) else {
+            return false;
+        };
+        let w = self.workers.entry(add.worker).or_default();
+        if !was_active && now_active {
+            for b in &add.blocks {
+                *w.blocks.entry(*b).or_insert(0) += 1;
+            }
+            w.private_blocks += add.private_blocks;
+            w.requests += 1;
+        }
+        if !was_pending && now_pending {
+            w.prefill_tokens += add.prefill_tokens;
+        }
+        if was_pending && !now_pending {
+            w.prefill_tokens -= add.prefill_tokens;
+        }
+        if was_active && !now_active {
+            for b in &add.blocks {
+                if let Some(n) = w.blocks.get_mut(b) {
+                    *n -= 1;
+                    if *n == 0 {
+                        w.blocks.remove(b);
+                    }
+                }
+            }
+            w.private_blocks -= add.private_blocks;
+            w.requests -= 1;
+            if w.requests == 0 {
+                self.workers.remove(&add.worker);
+            }
+        }
+        true
+    }
+}
