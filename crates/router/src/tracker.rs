@@ -33,7 +33,10 @@
 //! was first seen, and becomes a tombstone for one more TTL. Time is passed in; a clock that
 //! goes backwards is treated as the latest time seen.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use hashbrown::HashMap;
 
 use serde::{Deserialize, Serialize};
 use tandem_protocol::{BlockSize, RequestId, SequenceHash, WorkerId};
@@ -151,6 +154,33 @@ impl TrackedLoad {
 
 type Key = (RouterId, RequestId);
 
+/// Hasher for keys made of u64 words (sequence hashes are xxh3 outputs already; ids are
+/// counters): a multiply-fold per word. SipHash would cost most of a routing decision, which
+/// touches every prompt block twice (add and free).
+#[derive(Default)]
+struct WordHasher(u64);
+
+impl Hasher for WordHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(w));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        let m = u128::from(self.0 ^ n) * 0x9E37_79B9_7F4A_7C15;
+        self.0 = (m as u64) ^ ((m >> 64) as u64);
+    }
+}
+
+type WordMap<K, V> = HashMap<K, V, BuildHasherDefault<WordHasher>>;
+
 #[derive(Clone, Debug)]
 struct AddInfo {
     worker: WorkerId,
@@ -178,7 +208,7 @@ impl Entry {
 #[derive(Clone, Debug, Default)]
 struct WorkerState {
     /// Prompt block → in-flight requests on this worker holding it.
-    blocks: HashMap<SequenceHash, u32>,
+    blocks: WordMap<SequenceHash, u32>,
     private_blocks: u64,
     prefill_tokens: u64,
     requests: u64,
@@ -197,8 +227,8 @@ enum Step {
 pub struct ActiveSequences {
     me: RouterId,
     config: TrackerConfig,
-    entries: HashMap<Key, Entry>,
-    workers: HashMap<WorkerId, WorkerState>,
+    entries: WordMap<Key, Entry>,
+    workers: WordMap<WorkerId, WorkerState>,
     /// (deadline, key), in deadline order since time never goes backwards inside.
     expiry: VecDeque<(u64, Key)>,
     now_ms: u64,
@@ -209,8 +239,8 @@ impl ActiveSequences {
         ActiveSequences {
             me,
             config,
-            entries: HashMap::new(),
-            workers: HashMap::new(),
+            entries: WordMap::default(),
+            workers: WordMap::default(),
             expiry: VecDeque::new(),
             now_ms: 0,
         }
@@ -406,10 +436,9 @@ impl ActiveSequences {
                 }
             }
             w.private_blocks -= add.private_blocks;
+            // An idle worker keeps its (empty) state: dropping it would reallocate its block
+            // map on its next request. Departed workers go through `remove_worker`.
             w.requests -= 1;
-            if w.requests == 0 {
-                self.workers.remove(&add.worker);
-            }
         }
         true
     }
