@@ -21,8 +21,8 @@ use tandem_protocol::{
     WorkerId,
 };
 use tandem_router::{
-    ActiveSequences, NewSequence, PolicyConfig, PolicyKind, RouteRequest, Router, RouterConfig,
-    RouterId, Rng, TrackerConfig, WorkerView,
+    ActiveSequences, NewSequence, PolicyConfig, PolicyKind, Rng, RouteRequest, Router,
+    RouterConfig, RouterId, TrackerConfig, WorkerView,
 };
 
 const WORKERS: u64 = 64;
@@ -32,7 +32,15 @@ const IN_FLIGHT: usize = 256;
 
 fn conversation(c: u32) -> Vec<u32> {
     // 512 shared tokens (32 blocks), then the conversation's own.
-    (0..PROMPT_TOKENS).map(|i| if i < 512 { i } else { 1_000_000 + c * 10_000 + i }).collect()
+    (0..PROMPT_TOKENS)
+        .map(|i| {
+            if i < 512 {
+                i
+            } else {
+                1_000_000 + c * 10_000 + i
+            }
+        })
+        .collect()
 }
 
 fn store(index: &mut KvIndex, worker: WorkerId, hashes: &[SequenceHash]) {
@@ -44,7 +52,10 @@ fn store(index: &mut KvIndex, worker: WorkerId, hashes: &[SequenceHash]) {
             parent: None,
             blocks: hashes
                 .iter()
-                .map(|&h| StoredBlock { sequence_hash: h, local_hash: tandem_protocol::LocalBlockHash(h.0) })
+                .map(|&h| StoredBlock {
+                    sequence_hash: h,
+                    local_hash: tandem_protocol::LocalBlockHash(h.0),
+                })
                 .collect(),
         },
     };
@@ -80,13 +91,17 @@ fn main() {
     let prompts: Vec<Vec<u32>> = (0..CONVERSATIONS).map(conversation).collect();
     let mut index = KvIndex::new();
     for (c, p) in prompts.iter().enumerate() {
-        let hs: Vec<SequenceHash> =
-            compute_block_hashes(p, bs, seed).iter().map(|h| h.sequence).collect();
+        let hs: Vec<SequenceHash> = compute_block_hashes(p, bs, seed)
+            .iter()
+            .map(|h| h.sequence)
+            .collect();
         store(&mut index, WorkerId(c as u64 % WORKERS), &hs);
     }
     for w in 0..WORKERS {
-        let hs: Vec<SequenceHash> =
-            compute_block_hashes(&prompts[0][..512], bs, seed).iter().map(|h| h.sequence).collect();
+        let hs: Vec<SequenceHash> = compute_block_hashes(&prompts[0][..512], bs, seed)
+            .iter()
+            .map(|h| h.sequence)
+            .collect();
         store(&mut index, WorkerId(w), &hs);
     }
     let mut router = Router::new(RouterConfig {
@@ -109,7 +124,10 @@ fn main() {
         let scores = index.find_matches(&seq);
         views(&scores, &tracker, &mut buf);
         let d = router.select(&req, &buf, &mut rng).expect("decision");
-        let cached = buf.iter().find(|v| v.id == d.worker).map_or(0, |v| v.overlap.total());
+        let cached = buf
+            .iter()
+            .find(|v| v.id == d.worker)
+            .map_or(0, |v| v.overlap.total());
         let prefill = u64::from(PROMPT_TOKENS) - u64::from(cached) * 16;
         tracker.add(
             NewSequence {

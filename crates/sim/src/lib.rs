@@ -1,0 +1,92 @@
+//! `tandem sim`: a discrete-event simulation of a tandem cluster in virtual time.
+//!
+//! # Job
+//!
+//! Every worker is a real [`tandem_engine::MockEngine`] (block pool, continuous-batching
+//! scheduler, mocker step timing; timing-only KV). Every router replica is the real router
+//! code: its own [`tandem_indexer::KvIndex`], its own [`tandem_router::ActiveSequences`]
+//! tracker, a [`tandem_router::Router`] (aggregated) or [`tandem_router::disagg::decide`]
+//! (with a prefill pool). Between them a simulated event plane carries KV events, load
+//! reports and replica-sync messages after a configurable delay, either streamed or as
+//! periodic snapshots (phase-aligned or staggered across routers). [`run`] returns the
+//! figures as a [`SimReport`]; [`sweep`] runs the same workload at several rates and finds the
+//! capacity; [`svg`] draws plots.
+//!
+//! # Layout
+//!
+//! - `config.rs`: [`SimConfig`] and its parts, validated once.
+//! - `workload.rs`: Mooncake trace and synthetic workloads (Poisson, gamma, constant arrivals;
+//!   random, shared-prefix, multi-turn prompts), expanded to tokens at arrival.
+//! - `queue.rs`: the event heap. `sim.rs`: the event loop and the request lifecycle.
+//!   `replica.rs`: one router replica. `stats.rs`, `metrics.rs`: counters and [`SimReport`].
+//! - `sweep.rs`: rate sweeps. `svg.rs`: hand-written SVG plots.
+//!
+//! # Model, and where it is approximate
+//!
+//! - A request's lifecycle in the tracker: `add` at routing, `prefill_done` at its first
+//!   token, `free` at its last (or at refusal). Routers learn first and last tokens at once
+//!   (they stream the response); only KV events, load reports and peers' sync messages pay
+//!   the event-plane delay.
+//! - Streaming mode (snapshot interval 0): a worker's new KV events are sent after each of
+//!   its engine steps; routers use their trackers as the load signal (no load reports).
+//!   Snapshot mode: every T, each router gets every worker's events since its last snapshot
+//!   and every worker's load report, merged into the tracker's load (`WorkerLoad::merge_report`).
+//! - Remote prefill: the prefill worker runs the prompt as a one-token request; the KV of the
+//!   prompt blocks the decode worker does not cache already travels for `bytes / bandwidth`;
+//!   then the received blocks are put into the decode worker's prefix cache through the
+//!   pool's public operations (a temporary sequence acquires, allocates, commits and frees
+//!   them) and the request is added to the decode engine with its full prompt, where it finds
+//!   all of it cached but the last token (the scheduler always computes at least one token).
+//!   TTFT ends at the decode worker's first token. If the decode pool has no room for the
+//!   blocks, the decode worker recomputes the prompt (`transfer_fallbacks`).
+//! - Time is integer microseconds; ties are broken by scheduling order; every random draw
+//!   comes from [`tandem_router::Rng`] seeded from [`SimConfig::seed`]. Same config, same
+//!   report, byte for byte. Nothing reads a clock.
+//!
+//! Metric definitions are in `metrics.rs` ([`SimReport`]).
+
+mod config;
+mod error;
+mod metrics;
+mod queue;
+mod replica;
+mod sim;
+mod stats;
+pub mod svg;
+mod sweep;
+mod workload;
+
+pub use config::{
+    ArrivalProcess, EngineSettings, EventPlaneConfig, LengthDist, PromptShape, SimConfig,
+    SloConfig, SyntheticConfig, TopologyConfig, TraceWorkload, TransferConfig, WorkloadConfig,
+};
+pub use error::SimError;
+pub use metrics::{SimReport, Spread};
+pub use sweep::{SweepPoint, SweepReport, sweep};
+/// The router's names and knobs a [`SimConfig`] is made of, for callers that build one.
+pub use tandem_router::{DisaggConfig, DisaggMode, KvConfig, PolicyConfig, PolicyKind};
+
+/// Runs one simulation to the end of its last request.
+pub fn run(config: SimConfig) -> Result<SimReport, SimError> {
+    config.validate()?;
+    let specs = workload::build(&config.workload, config.seed)?;
+    run_specs(&config, &specs)
+}
+
+pub(crate) fn run_specs(
+    config: &SimConfig,
+    specs: &[workload::RequestSpec],
+) -> Result<SimReport, SimError> {
+    let mut sim = sim::Sim::new(config, specs)?;
+    let end = sim.run()?;
+    Ok(stats::report(config, specs, sim, end))
+}
+
+/// Writes `value` as pretty JSON to `path`.
+pub fn write_json(path: &std::path::Path, value: &impl serde::Serialize) -> Result<(), SimError> {
+    let bytes = serde_json::to_vec_pretty(value)?;
+    std::fs::write(path, bytes).map_err(|source| SimError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}

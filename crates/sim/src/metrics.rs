@@ -1,0 +1,341 @@
+//! Per-request timings gathered during a run, and the [`SimReport`] made from them.
+//!
+//! Definitions (also in the crate docs):
+//! - TTFT: arrival at the router to the first token leaving the (decode) engine.
+//! - ITL: the gap between two consecutive tokens of a request; every gap of every request is
+//!   one sample. TPOT: a request's mean ITL, `(last − first token) / (tokens − 1)`.
+//! - E2E: arrival to the last token.
+//! - A request *meets the SLO* when it completed, its TTFT ≤ `slo_ttft_ms` and its TPOT ≤
+//!   `slo_itl_ms`. Goodput is the number of such requests per second of the run (first
+//!   arrival to last completion); `slo_attainment` is their fraction of all requests.
+//! - Prefix hit rate: prompt tokens the engines served from their prefix cache, over all
+//!   prompt tokens, from the `cached_tokens` of each request's first token on the engine that
+//!   prefilled it (the prefill worker for a remote prefill: the decode side's reuse of the
+//!   transferred KV is counted as transferred, not as a hit).
+
+use serde::Serialize;
+
+use crate::config::SloConfig;
+
+/// Nearest-rank percentile of sorted samples; 0 for none.
+pub(crate) fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// p50, p90, p95, p99 and max of samples in ms.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Summary {
+    pub p50: f64,
+    pub p90: f64,
+    pub p95: f64,
+    pub p99: f64,
+    pub max: f64,
+    pub mean: f64,
+}
+
+impl Summary {
+    pub(crate) fn of(mut xs: Vec<f64>) -> (Summary, Vec<f64>) {
+        xs.sort_by(f64::total_cmp);
+        let mean = if xs.is_empty() {
+            0.0
+        } else {
+            xs.iter().sum::<f64>() / xs.len() as f64
+        };
+        let s = Summary {
+            p50: percentile(&xs, 0.50),
+            p90: percentile(&xs, 0.90),
+            p95: percentile(&xs, 0.95),
+            p99: percentile(&xs, 0.99),
+            max: xs.last().copied().unwrap_or(0.0),
+            mean,
+        };
+        (s, xs)
+    }
+}
+
+/// Spread of a per-worker count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Spread {
+    pub min: u64,
+    pub max: u64,
+    pub mean: f64,
+    /// Coefficient of variation (standard deviation / mean); 0 when the mean is 0.
+    pub cv: f64,
+}
+
+impl Spread {
+    pub(crate) fn of(xs: &[u64]) -> Spread {
+        if xs.is_empty() {
+            return Spread::default();
+        }
+        let n = xs.len() as f64;
+        let mean = xs.iter().sum::<u64>() as f64 / n;
+        let var = xs.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        Spread {
+            min: xs.iter().copied().min().unwrap_or(0),
+            max: xs.iter().copied().max().unwrap_or(0),
+            mean,
+            cv: if mean > 0.0 { var.sqrt() / mean } else { 0.0 },
+        }
+    }
+}
+
+/// What one run measured. Serialized as the `--json` record; keys name their units.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SimReport {
+    pub workload: String,
+    pub policy: String,
+    /// `aggregated`, or the disaggregation mode.
+    pub topology: String,
+    pub workers: u32,
+    pub prefill_workers: u32,
+    pub routers: u32,
+    pub replica_sync: bool,
+    pub event_delay_ms: f64,
+    pub snapshot_interval_ms: f64,
+    pub seed: u64,
+    pub requests: u64,
+    pub completed: u64,
+    /// Refused by an engine (prompt longer than its KV memory, or its queue full).
+    pub rejected: u64,
+    /// Arrivals per second over the arrival span (0 with a single request).
+    pub offered_rate_rps: f64,
+    /// First arrival to last completion.
+    pub virtual_seconds: f64,
+    pub throughput_rps: f64,
+    pub output_tokens_per_s: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p95_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub ttft_max_ms: f64,
+    pub ttft_mean_ms: f64,
+    pub tpot_p50_ms: f64,
+    pub tpot_p90_ms: f64,
+    pub tpot_p95_ms: f64,
+    pub tpot_p99_ms: f64,
+    pub tpot_max_ms: f64,
+    pub tpot_mean_ms: f64,
+    pub itl_p50_ms: f64,
+    pub itl_p90_ms: f64,
+    pub itl_p95_ms: f64,
+    pub itl_p99_ms: f64,
+    pub itl_max_ms: f64,
+    pub itl_mean_ms: f64,
+    pub e2e_p50_ms: f64,
+    pub e2e_p90_ms: f64,
+    pub e2e_p95_ms: f64,
+    pub e2e_p99_ms: f64,
+    pub e2e_max_ms: f64,
+    pub e2e_mean_ms: f64,
+    pub slo_ttft_ms: f64,
+    pub slo_itl_ms: f64,
+    /// Requests meeting the SLO, over all requests.
+    pub slo_attainment: f64,
+    /// Requests meeting the SLO per second.
+    pub goodput_rps: f64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub prefix_hit_rate: f64,
+    /// Requests prefilled on a prefill worker.
+    pub remote_prefills: u64,
+    pub local_prefills: u64,
+    /// Prompt tokens whose KV went from a prefill to a decode worker.
+    pub transferred_tokens: u64,
+    pub transfer_p50_ms: f64,
+    pub transfer_max_ms: f64,
+    /// Remote prefills whose KV the decode worker could not take in (no free blocks): it
+    /// recomputed the prompt instead.
+    pub transfer_fallbacks: u64,
+    /// Requests per aggregated (or decode) worker.
+    pub worker_requests: Spread,
+    pub prefill_worker_requests: Spread,
+    /// Max over mean of the requests in each (decode) worker, sampled every interval while
+    /// requests are in flight: mean and max over the samples.
+    pub load_imbalance_mean: f64,
+    pub load_imbalance_max: f64,
+    pub preemptions: u64,
+    pub kv_events_applied: u64,
+    pub index_gaps_repaired: u64,
+    /// TTFT at each percent 0, 1, …, 100 (the CDF, for plots).
+    pub ttft_cdf_ms: Vec<f64>,
+    /// `(virtual second, imbalance)` samples.
+    pub load_imbalance_series: Vec<(f64, f64)>,
+}
+
+impl SimReport {
+    /// Whether the run meets the SLO at the configured attainment.
+    pub fn meets_slo(&self, slo: &SloConfig) -> bool {
+        self.slo_attainment >= slo.attainment
+    }
+
+    /// A two-column markdown table of the main figures.
+    pub fn to_markdown(&self) -> String {
+        let mut s = String::new();
+        let mut row = |k: &str, v: String| s.push_str(&format!("| {k} | {v} |\n"));
+        row("workload", self.workload.clone());
+        row(
+            "topology",
+            format!(
+                "{} ({} workers, {} prefill, {} routers{})",
+                self.topology,
+                self.workers,
+                self.prefill_workers,
+                self.routers,
+                if self.routers > 1 && self.replica_sync {
+                    ", synced"
+                } else {
+                    ""
+                }
+            ),
+        );
+        row("policy", self.policy.clone());
+        row(
+            "requests",
+            format!(
+                "{} ({} completed, {} rejected) at {:.2} req/s over {:.1} s",
+                self.requests,
+                self.completed,
+                self.rejected,
+                self.offered_rate_rps,
+                self.virtual_seconds
+            ),
+        );
+        let lat = |p50: f64, p90: f64, p95: f64, p99: f64, max: f64| {
+            format!("{p50:.1} / {p90:.1} / {p95:.1} / {p99:.1} / {max:.1}")
+        };
+        s.push_str("| **latency, ms** | **p50 / p90 / p95 / p99 / max** |\n");
+        let mut row = |k: &str, v: String| s.push_str(&format!("| {k} | {v} |\n"));
+        row(
+            "TTFT",
+            lat(
+                self.ttft_p50_ms,
+                self.ttft_p90_ms,
+                self.ttft_p95_ms,
+                self.ttft_p99_ms,
+                self.ttft_max_ms,
+            ),
+        );
+        row(
+            "TPOT",
+            lat(
+                self.tpot_p50_ms,
+                self.tpot_p90_ms,
+                self.tpot_p95_ms,
+                self.tpot_p99_ms,
+                self.tpot_max_ms,
+            ),
+        );
+        row(
+            "ITL",
+            lat(
+                self.itl_p50_ms,
+                self.itl_p90_ms,
+                self.itl_p95_ms,
+                self.itl_p99_ms,
+                self.itl_max_ms,
+            ),
+        );
+        row(
+            "E2E",
+            lat(
+                self.e2e_p50_ms,
+                self.e2e_p90_ms,
+                self.e2e_p95_ms,
+                self.e2e_p99_ms,
+                self.e2e_max_ms,
+            ),
+        );
+        row(
+            "goodput",
+            format!(
+                "{:.2} req/s ({:.1} % of requests meet TTFT ≤ {} ms and TPOT ≤ {} ms)",
+                self.goodput_rps,
+                100.0 * self.slo_attainment,
+                self.slo_ttft_ms,
+                self.slo_itl_ms
+            ),
+        );
+        row(
+            "prefix hit rate",
+            format!("{:.1} %", 100.0 * self.prefix_hit_rate),
+        );
+        if self.prefill_workers > 0 {
+            row(
+                "remote / local prefills",
+                format!(
+                    "{} / {} ({} tokens transferred, p50 {:.2} ms, {} fallbacks)",
+                    self.remote_prefills,
+                    self.local_prefills,
+                    self.transferred_tokens,
+                    self.transfer_p50_ms,
+                    self.transfer_fallbacks
+                ),
+            );
+        }
+        let spread = |sp: &Spread| {
+            format!(
+                "min {} / mean {:.1} / max {} (CV {:.3})",
+                sp.min, sp.mean, sp.max, sp.cv
+            )
+        };
+        row("requests per worker", spread(&self.worker_requests));
+        if self.prefill_workers > 0 {
+            row(
+                "requests per prefill worker",
+                spread(&self.prefill_worker_requests),
+            );
+        }
+        row(
+            "load imbalance (max/mean)",
+            format!(
+                "mean {:.2}, max {:.2}",
+                self.load_imbalance_mean, self.load_imbalance_max
+            ),
+        );
+        row(
+            "throughput",
+            format!(
+                "{:.2} req/s, {:.0} output tokens/s",
+                self.throughput_rps, self.output_tokens_per_s
+            ),
+        );
+        row(
+            "preemptions / KV events applied / gaps",
+            format!(
+                "{} / {} / {}",
+                self.preemptions, self.kv_events_applied, self.index_gaps_repaired
+            ),
+        );
+        format!("| figure | value |\n|---|---|\n{s}")
+    }
+}
+
+/// TTFT at each percent from sorted samples.
+pub(crate) fn cdf(sorted: &[f64]) -> Vec<f64> {
+    if sorted.is_empty() {
+        return Vec::new();
+    }
+    (0..=100)
+        .map(|p| percentile(sorted, f64::from(p) / 100.0))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles_and_spread() {
+        let (s, _) = Summary::of(vec![5.0, 1.0, 4.0, 2.0, 3.0]);
+        assert_eq!((s.p50, s.p90, s.max, s.mean), (3.0, 5.0, 5.0, 3.0));
+        assert_eq!(Summary::of(Vec::new()).0, Summary::default());
+        let sp = Spread::of(&[2, 2, 2]);
+        assert_eq!((sp.min, sp.max, sp.cv), (2, 2, 0.0));
+        assert!(Spread::of(&[0, 4]).cv > 0.99);
+    }
+}

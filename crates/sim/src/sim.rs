@@ -1,0 +1,582 @@
+//! The simulation proper: workers, router replicas and the event plane, driven by one event
+//! queue in virtual microseconds.
+//!
+//! Worker ids: the aggregated (or decode) workers are `0 .. workers`, the prefill workers
+//! follow. Request `i` is `RequestId(i)` everywhere; the prefill half of a remote prefill is
+//! tracked by the routers as `RequestId(i | PREFILL_BIT)` (the tracker keys one entry per
+//! request id and the request occupies two workers).
+
+use std::rc::Rc;
+
+use std::collections::BTreeMap as Map;
+use tandem_engine::{
+    BlockPoolConfig, EngineRequest, ErrorClass, KvShape, MockEngine, MockEngineConfig,
+    MockerConfig, RequestOutput, SchedulerConfig,
+};
+use tandem_protocol::hashing::compute_block_hashes;
+use tandem_protocol::{
+    BlockHashes, BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId,
+};
+use tandem_router::{NewSequence, RouteRequest, SyncMessage, disagg};
+
+use crate::config::SimConfig;
+use crate::error::SimError;
+use crate::queue::EventQueue;
+use crate::replica::{KvPayload, Replica};
+use crate::stats::Stats;
+use crate::workload::RequestSpec;
+
+const PREFILL_BIT: u64 = 1 << 63;
+/// Engine request ids of injected transfers (never seen by a scheduler).
+const INJECT_BIT: u64 = 1 << 62;
+
+#[derive(Debug)]
+enum Ev {
+    Arrival(u32),
+    StepDone(u32),
+    /// KV events (or a dump) of one worker reaching one router.
+    Kv {
+        router: u32,
+        worker: u32,
+        payload: Rc<KvPayload>,
+    },
+    Sync {
+        router: u32,
+        msg: Rc<SyncMessage>,
+    },
+    /// Router's snapshot timer: gather events and reports now, deliver them after the delay.
+    SnapshotTick(u32),
+    Reports {
+        router: u32,
+        reports: Vec<LoadReport>,
+    },
+    TransferDone(u32),
+    Sample,
+}
+
+struct Worker {
+    engine: MockEngine,
+    busy: bool,
+    /// Last event id taken from the engine for streaming delivery.
+    published: u64,
+    routed: u64,
+}
+
+/// One request's progress.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ReqState {
+    pub arrival_us: u64,
+    pub router: u32,
+    pub worker: u32,
+    pub remote: bool,
+    pub first_token_us: Option<u64>,
+    pub last_token_us: u64,
+    pub tokens: u32,
+    pub done: bool,
+    pub rejected: bool,
+}
+
+/// A remote prefill between its prefill's end and its decode's start.
+struct Pending {
+    tokens: Vec<u32>,
+    hashes: Vec<BlockHashes>,
+}
+
+pub(crate) struct Sim<'a> {
+    cfg: &'a SimConfig,
+    specs: &'a [RequestSpec],
+    block_size: BlockSize,
+    workers: Vec<Worker>,
+    /// Aggregated / decode workers: `0 .. n_decode`.
+    n_decode: u32,
+    replicas: Vec<Replica>,
+    /// Per router, per worker: last event id sent in a snapshot.
+    snap_sent: Vec<Vec<u64>>,
+    queue: EventQueue<Ev>,
+    pub reqs: Vec<ReqState>,
+    pending: Map<u32, Pending>,
+    outstanding: usize,
+    pub stats: Stats,
+}
+
+impl<'a> Sim<'a> {
+    pub fn new(cfg: &'a SimConfig, specs: &'a [RequestSpec]) -> Result<Self, SimError> {
+        let block_size = BlockSize::new(cfg.engine.block_size)
+            .map_err(|e| SimError::InvalidConfig(format!("--block-size: {e}")))?;
+        let total = (cfg.topology.workers + cfg.topology.prefill_workers) as usize;
+        let mut workers = Vec::with_capacity(total);
+        for w in 0..total {
+            let mut pool = BlockPoolConfig::new(WorkerId(w as u64), cfg.engine.device_blocks);
+            pool.block_size = block_size;
+            pool.host_blocks = cfg.engine.host_blocks;
+            let ecfg = MockEngineConfig {
+                pool,
+                scheduler: SchedulerConfig {
+                    max_num_batched_tokens: cfg.engine.max_num_batched_tokens,
+                    max_num_seqs: cfg.engine.max_num_seqs,
+                    ..SchedulerConfig::default()
+                },
+                mocker: MockerConfig {
+                    kv_shape: KvShape::TIMING_ONLY,
+                    speedup_ratio: cfg.engine.speedup_ratio,
+                    ..MockerConfig::default()
+                },
+            };
+            workers.push(Worker {
+                engine: MockEngine::new(ecfg)?,
+                busy: false,
+                published: 0,
+                routed: 0,
+            });
+        }
+        let routers = cfg.topology.routers;
+        let replicas = (0..routers)
+            .map(|r| Replica::new(cfg, r, total))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Sim {
+            cfg,
+            specs,
+            block_size,
+            workers,
+            n_decode: cfg.topology.workers,
+            replicas,
+            snap_sent: vec![vec![0; total]; routers as usize],
+            queue: EventQueue::new(),
+            reqs: vec![ReqState::default(); specs.len()],
+            pending: Map::new(),
+            outstanding: specs.len(),
+            stats: Stats::default(),
+        })
+    }
+
+    /// Runs every request to its end; returns the virtual time of the last event.
+    pub fn run(&mut self) -> Result<u64, SimError> {
+        for (i, s) in self.specs.iter().enumerate() {
+            self.queue.push(s.arrival_us, Ev::Arrival(i as u32));
+        }
+        let ep = self.cfg.event_plane;
+        if ep.snapshot_interval_us > 0 {
+            let r_n = u64::from(self.cfg.topology.routers);
+            for r in 0..self.cfg.topology.routers {
+                let phase = if ep.snapshot_stagger {
+                    ep.snapshot_interval_us * u64::from(r) / r_n
+                } else {
+                    0
+                };
+                self.queue.push(phase, Ev::SnapshotTick(r));
+            }
+        }
+        self.queue.push(0, Ev::Sample);
+        let mut end = 0;
+        while let Some((now, ev)) = self.queue.pop() {
+            if self.outstanding == 0 && matches!(ev, Ev::SnapshotTick(_) | Ev::Sample) {
+                continue; // periodic timers stop once every request has ended
+            }
+            end = now;
+            self.handle(now, ev)?;
+        }
+        Ok(end)
+    }
+
+    fn handle(&mut self, now: u64, ev: Ev) -> Result<(), SimError> {
+        match ev {
+            Ev::Arrival(i) => self.arrive(i, now)?,
+            Ev::StepDone(w) => {
+                self.workers[w as usize].busy = false;
+                let outs = self.workers[w as usize].engine.finish_step(now);
+                for o in &outs {
+                    self.on_output(w, o, now)?;
+                }
+                self.kick(w, now)?;
+            }
+            Ev::Kv {
+                router,
+                worker,
+                payload,
+            } => {
+                let engine = &self.workers[worker as usize].engine;
+                self.replicas[router as usize].apply(&payload, || engine.dump())?;
+            }
+            Ev::Sync { router, msg } => {
+                self.replicas[router as usize]
+                    .tracker
+                    .apply(&msg, now / 1000);
+            }
+            Ev::SnapshotTick(r) => self.snapshot(r, now)?,
+            Ev::Reports { router, reports } => {
+                let rep = &mut self.replicas[router as usize];
+                for report in reports {
+                    let w = report.worker_id.0 as usize;
+                    rep.reports[w] = Some(report);
+                }
+            }
+            Ev::TransferDone(i) => self.transfer_done(i, now)?,
+            Ev::Sample => {
+                let loads: Vec<u64> = self.workers[..self.n_decode as usize]
+                    .iter()
+                    .map(|w| (w.engine.num_waiting() + w.engine.num_running()) as u64)
+                    .collect();
+                self.stats.sample_imbalance(now, &loads);
+                self.queue
+                    .push(now + self.cfg.sample_interval_us, Ev::Sample);
+            }
+        }
+        Ok(())
+    }
+
+    /// Routes request `i` through its replica and hands it to the engine(s).
+    fn arrive(&mut self, i: u32, now: u64) -> Result<(), SimError> {
+        let specs = self.specs;
+        let spec = &specs[i as usize];
+        let tokens = spec.prompt.tokens();
+        let hashes = compute_block_hashes(&tokens, self.block_size, HashSeed::UNSALTED);
+        let seq: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
+        let r = i % self.cfg.topology.routers;
+        let now_ms = now / 1000;
+        let route = RouteRequest::from_tokens(&tokens, self.block_size, HashSeed::UNSALTED);
+        let rep = &mut self.replicas[r as usize];
+        rep.tracker.expire(now_ms);
+        let scores = rep.index.find_matches(&seq);
+        let decode_views = rep.views(0..self.n_decode, &scores);
+        let (decode, prefill) = if self.cfg.topology.prefill_workers == 0 {
+            let d = rep.router.select(&route, &decode_views, &mut rep.rng)?;
+            (d, None)
+        } else {
+            let total = self.workers.len() as u32;
+            let prefill_views = rep.views(self.n_decode..total, &scores);
+            let d = disagg::decide(
+                &self.cfg.disagg,
+                &route,
+                &decode_views,
+                &prefill_views,
+                &mut rep.rng,
+            )?;
+            (d.decode, d.prefill)
+        };
+        let dw = decode.worker.0 as u32;
+        let bs = u64::from(self.block_size.get());
+        let prompt = tokens.len() as u64;
+        let private =
+            NewSequence::private_blocks_for(prompt, u64::from(spec.max_tokens), self.block_size);
+        let overlap = |d: &tandem_router::Decision| {
+            d.chosen_terms().map_or(0, |t| u64::from(t.overlap.total()))
+        };
+        let st = &mut self.reqs[i as usize];
+        st.arrival_us = now;
+        st.router = r;
+        st.worker = dw;
+        st.remote = prefill.is_some();
+        self.workers[dw as usize].routed += 1;
+        let mut msgs = Vec::with_capacity(2);
+        let decode_prefill_tokens = if prefill.is_some() {
+            0
+        } else {
+            prompt.saturating_sub(overlap(&decode) * bs)
+        };
+        msgs.push(rep.tracker.add(
+            NewSequence {
+                request: RequestId(u64::from(i)),
+                worker: decode.worker,
+                blocks: seq.clone(),
+                prefill_tokens: decode_prefill_tokens,
+                private_blocks: private,
+            },
+            now_ms,
+        ));
+        let target = if let Some(p) = &prefill {
+            msgs.push(rep.tracker.add(
+                NewSequence {
+                    request: RequestId(u64::from(i) | PREFILL_BIT),
+                    worker: p.worker,
+                    blocks: seq,
+                    prefill_tokens: prompt.saturating_sub(overlap(p) * bs),
+                    private_blocks: 1,
+                },
+                now_ms,
+            ));
+            let pw = p.worker.0 as u32;
+            self.workers[pw as usize].routed += 1;
+            self.stats.remote_prefills += 1;
+            self.pending.insert(
+                i,
+                Pending {
+                    tokens: tokens.clone(),
+                    hashes,
+                },
+            );
+            (pw, EngineRequest::new(RequestId(u64::from(i)), tokens, 1))
+        } else {
+            self.stats.local_prefills += 1;
+            let req = EngineRequest::new(RequestId(u64::from(i)), tokens, spec.max_tokens);
+            (dw, req)
+        };
+        for m in msgs {
+            self.sync(r, m, now);
+        }
+        self.stats.prompt_tokens += prompt;
+        self.submit(i, target.0, target.1, now)
+    }
+
+    /// Adds a request to an engine; a refusal ends the request as rejected.
+    fn submit(&mut self, i: u32, w: u32, req: EngineRequest, now: u64) -> Result<(), SimError> {
+        match self.workers[w as usize].engine.add_request(req, now) {
+            Ok(()) => self.kick(w, now),
+            Err(e)
+                if matches!(
+                    e.class(),
+                    ErrorClass::InvalidRequest | ErrorClass::Overloaded
+                ) =>
+            {
+                self.pending.remove(&i);
+                let st = &mut self.reqs[i as usize];
+                st.rejected = true;
+                let r = st.router;
+                self.end_tracking(i, r, now);
+                self.outstanding -= 1;
+                Ok(())
+            }
+            Err(e) => Err(SimError::Internal(format!("request {i}: {e}"))),
+        }
+    }
+
+    /// Frees every tracker entry of request `i` on its router (and tells the peers).
+    fn end_tracking(&mut self, i: u32, r: u32, now: u64) {
+        let now_ms = now / 1000;
+        let mut ids = vec![RequestId(u64::from(i))];
+        if self.reqs[i as usize].remote {
+            ids.push(RequestId(u64::from(i) | PREFILL_BIT));
+        }
+        for id in ids {
+            let m = self.replicas[r as usize].tracker.free(id, now_ms);
+            self.sync(r, m, now);
+        }
+    }
+
+    /// Sends a tracker delta to the other replicas when replica sync is on.
+    fn sync(&mut self, from: u32, msg: SyncMessage, now: u64) {
+        let routers = self.cfg.topology.routers;
+        if routers == 1 || !self.cfg.topology.replica_sync {
+            return;
+        }
+        let msg = Rc::new(msg);
+        let at = now + self.cfg.event_plane.delay_us;
+        for r in (0..routers).filter(|&r| r != from) {
+            self.queue.push(
+                at,
+                Ev::Sync {
+                    router: r,
+                    msg: Rc::clone(&msg),
+                },
+            );
+        }
+    }
+
+    /// Starts the worker's next step if it is idle and has work, then publishes its events.
+    fn kick(&mut self, w: u32, now: u64) -> Result<(), SimError> {
+        let worker = &mut self.workers[w as usize];
+        if !worker.busy
+            && let Some(step) = worker.engine.begin_step(now)
+        {
+            worker.busy = true;
+            self.queue
+                .push(now + step.duration_us().max(1), Ev::StepDone(w));
+        }
+        self.publish(w, now)
+    }
+
+    /// Streams the worker's new KV events to every router (streaming mode only).
+    fn publish(&mut self, w: u32, now: u64) -> Result<(), SimError> {
+        if self.cfg.event_plane.snapshot_interval_us > 0 {
+            return Ok(());
+        }
+        let worker = &mut self.workers[w as usize];
+        let payload = match worker.engine.events_since(worker.published) {
+            Ok(evs) if evs.is_empty() => return Ok(()),
+            Ok(evs) => {
+                worker.published = evs.last().map_or(worker.published, |e| e.event_id);
+                KvPayload::Events(evs)
+            }
+            Err(_) => {
+                let d = worker.engine.dump();
+                worker.published = d.last_event_id;
+                KvPayload::Dump(d)
+            }
+        };
+        let delay = self.cfg.event_plane.delay_us;
+        if delay == 0 {
+            let engine = &self.workers[w as usize].engine;
+            for rep in &mut self.replicas {
+                rep.apply(&payload, || engine.dump())?;
+            }
+            return Ok(());
+        }
+        let payload = Rc::new(payload);
+        for r in 0..self.cfg.topology.routers {
+            self.queue.push(
+                now + delay,
+                Ev::Kv {
+                    router: r,
+                    worker: w,
+                    payload: Rc::clone(&payload),
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// A router's snapshot: every worker's events since the last one and its load report,
+    /// delivered after the event delay.
+    fn snapshot(&mut self, r: u32, now: u64) -> Result<(), SimError> {
+        let at = now + self.cfg.event_plane.delay_us;
+        let mut reports = Vec::with_capacity(self.workers.len());
+        for (w, worker) in self.workers.iter().enumerate() {
+            let sent = &mut self.snap_sent[r as usize][w];
+            let payload = match worker.engine.events_since(*sent) {
+                Ok(evs) if evs.is_empty() => None,
+                Ok(evs) => {
+                    *sent = evs.last().map_or(*sent, |e| e.event_id);
+                    Some(KvPayload::Events(evs))
+                }
+                Err(_) => {
+                    let d = worker.engine.dump();
+                    *sent = d.last_event_id;
+                    Some(KvPayload::Dump(d))
+                }
+            };
+            if let Some(p) = payload {
+                self.queue.push(
+                    at,
+                    Ev::Kv {
+                        router: r,
+                        worker: w as u32,
+                        payload: Rc::new(p),
+                    },
+                );
+            }
+            reports.push(worker.engine.load_report(now));
+        }
+        self.queue.push(at, Ev::Reports { router: r, reports });
+        self.queue.push(
+            now + self.cfg.event_plane.snapshot_interval_us,
+            Ev::SnapshotTick(r),
+        );
+        Ok(())
+    }
+
+    fn on_output(&mut self, w: u32, o: &RequestOutput, now: u64) -> Result<(), SimError> {
+        let i = o.id.0 as u32;
+        let st = &self.reqs[i as usize];
+        let r = st.router;
+        let now_ms = now / 1000;
+        if w >= self.n_decode {
+            // The prefill half of a remote prefill: max_tokens 1, so first and last token.
+            if o.first_token {
+                self.stats.cached_tokens += o.cached_tokens as u64;
+                let id = RequestId(u64::from(i) | PREFILL_BIT);
+                let m = self.replicas[r as usize].tracker.prefill_done(id, now_ms);
+                self.sync(r, m, now);
+                let m = self.replicas[r as usize].tracker.free(id, now_ms);
+                self.sync(r, m, now);
+                self.start_transfer(i, now);
+            }
+            return Ok(());
+        }
+        let st = &mut self.reqs[i as usize];
+        st.tokens += 1;
+        let mut msgs = Vec::new();
+        if o.first_token {
+            st.first_token_us = Some(now);
+            if st.remote {
+                self.stats.transferred_tokens += o.cached_tokens as u64;
+            } else {
+                self.stats.cached_tokens += o.cached_tokens as u64;
+            }
+            let id = RequestId(u64::from(i));
+            msgs.push(self.replicas[r as usize].tracker.prefill_done(id, now_ms));
+        } else {
+            self.stats.itl_us.push((now - st.last_token_us) as u32);
+        }
+        st.last_token_us = now;
+        if o.finish.is_some() {
+            st.done = true;
+            self.outstanding -= 1;
+            let id = RequestId(u64::from(i));
+            msgs.push(self.replicas[r as usize].tracker.free(id, now_ms));
+        }
+        for m in msgs {
+            self.sync(r, m, now);
+        }
+        Ok(())
+    }
+
+    /// The prefill finished: the KV goes to the decode worker, `bytes / bandwidth` later. Only
+    /// the blocks the decode worker does not already cache travel.
+    fn start_transfer(&mut self, i: u32, now: u64) {
+        let Some(p) = self.pending.get(&i) else {
+            return;
+        };
+        let d = self.reqs[i as usize].worker;
+        let seq: Vec<SequenceHash> = p.hashes.iter().map(|h| h.sequence).collect();
+        let held = self.workers[d as usize].engine.pool().lookup(&seq).total();
+        let cached = held * self.block_size.tokens();
+        let tokens = p.tokens.len().saturating_sub(cached) as u64;
+        let t = &self.cfg.transfer;
+        let secs = (tokens * t.kv_bytes_per_token) as f64 / (t.transfer_gbps * 1e9);
+        let us = (secs * 1e6).ceil() as u64;
+        self.stats.transfer_us.push(us);
+        self.queue.push(now + us, Ev::TransferDone(i));
+    }
+
+    /// The KV arrived: the decode worker takes the received blocks into its prefix cache
+    /// (see `inject`) and then runs the request, which finds its whole prompt cached but the
+    /// last token.
+    fn transfer_done(&mut self, i: u32, now: u64) -> Result<(), SimError> {
+        let Some(p) = self.pending.remove(&i) else {
+            return Ok(());
+        };
+        let d = self.reqs[i as usize].worker;
+        if !self.inject(d, i, &p.hashes) {
+            self.stats.transfer_fallbacks += 1;
+        }
+        let max_tokens = self.specs[i as usize].max_tokens;
+        let req = EngineRequest::new(RequestId(u64::from(i)), p.tokens, max_tokens);
+        self.submit(i, d, req, now)
+    }
+
+    /// Puts received blocks into a worker's prefix cache through the pool's own operations:
+    /// a temporary sequence reuses what is cached, allocates the rest, commits them under the
+    /// prompt's hashes (publishing them as stored) and is freed, leaving the blocks cached and
+    /// unreferenced (evictable, like any cached prefix). False when the pool had no room.
+    fn inject(&mut self, w: u32, i: u32, hashes: &[BlockHashes]) -> bool {
+        if hashes.is_empty() {
+            return true;
+        }
+        let pool = self.workers[w as usize].engine.pool_mut();
+        let tmp = RequestId(u64::from(i) | INJECT_BIT);
+        let bs = self.block_size.tokens();
+        let ok = pool.acquire_prefix(tmp, hashes, hashes.len()).is_ok()
+            && pool.allocate(tmp, hashes.len() * bs).is_ok()
+            && pool.commit(tmp, hashes).is_ok();
+        let _ = pool.free(tmp); // absent only if acquire failed, which left nothing behind
+        ok
+    }
+
+    pub fn workers_routed(&self) -> (Vec<u64>, Vec<u64>) {
+        let routed: Vec<u64> = self.workers.iter().map(|w| w.routed).collect();
+        let (d, p) = routed.split_at(self.n_decode as usize);
+        (d.to_vec(), p.to_vec())
+    }
+
+    pub fn preemptions(&self) -> u64 {
+        self.workers
+            .iter()
+            .map(|w| w.engine.stats().preemptions)
+            .sum()
+    }
+
+    pub fn index_counters(&self) -> (u64, u64) {
+        let applied = self.replicas.iter().map(|r| r.events_applied).sum();
+        let gaps = self.replicas.iter().map(|r| r.gaps_repaired).sum();
+        (applied, gaps)
+    }
+}

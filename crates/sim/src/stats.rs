@@ -1,0 +1,195 @@
+//! Counters gathered during a run, and the [`SimReport`] made from them at the end.
+
+use crate::config::{SimConfig, WorkloadConfig};
+use crate::metrics::{SimReport, Spread, Summary, cdf};
+use crate::sim::Sim;
+use crate::workload::RequestSpec;
+
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub transferred_tokens: u64,
+    pub remote_prefills: u64,
+    pub local_prefills: u64,
+    pub transfer_fallbacks: u64,
+    pub transfer_us: Vec<u64>,
+    /// Every inter-token gap, µs.
+    pub itl_us: Vec<u32>,
+    pub imbalance: Vec<(f64, f64)>,
+}
+
+impl Stats {
+    /// Records max/mean of the per-worker loads, when anything is in flight.
+    pub fn sample_imbalance(&mut self, now_us: u64, loads: &[u64]) {
+        let total: u64 = loads.iter().sum();
+        if total == 0 || loads.is_empty() {
+            return;
+        }
+        let mean = total as f64 / loads.len() as f64;
+        let max = loads.iter().copied().max().unwrap_or(0) as f64;
+        self.imbalance.push((now_us as f64 / 1e6, max / mean));
+    }
+}
+
+fn workload_name(cfg: &SimConfig) -> String {
+    match &cfg.workload {
+        WorkloadConfig::Trace(t) => format!(
+            "trace {} ×{}",
+            t.path.file_name().map_or_else(
+                || t.path.display().to_string(),
+                |n| n.to_string_lossy().into()
+            ),
+            t.arrival_speedup
+        ),
+        WorkloadConfig::Synthetic(s) => format!(
+            "synthetic {:?} {:?} {} req/s, ISL {}±{:.0}%, OSL {}±{:.0}%",
+            s.shape,
+            s.arrival,
+            s.rate,
+            s.isl.mean,
+            100.0 * s.isl.spread,
+            s.osl.mean,
+            100.0 * s.osl.spread
+        ),
+    }
+}
+
+pub(crate) fn report(
+    cfg: &SimConfig,
+    specs: &[RequestSpec],
+    sim: Sim<'_>,
+    end_us: u64,
+) -> SimReport {
+    let slo = cfg.slo;
+    let (mut ttft, mut tpot, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut completed, mut rejected, mut good, mut out_tokens) = (0u64, 0u64, 0u64, 0u64);
+    for st in &sim.reqs {
+        if st.rejected {
+            rejected += 1;
+            continue;
+        }
+        let Some(first) = st.first_token_us.filter(|_| st.done) else {
+            continue;
+        };
+        completed += 1;
+        out_tokens += u64::from(st.tokens);
+        let t = (first - st.arrival_us) as f64 / 1000.0;
+        let p = if st.tokens > 1 {
+            (st.last_token_us - first) as f64 / 1000.0 / f64::from(st.tokens - 1)
+        } else {
+            0.0
+        };
+        ttft.push(t);
+        tpot.push(p);
+        e2e.push((st.last_token_us - st.arrival_us) as f64 / 1000.0);
+        if t <= slo.ttft_ms && p <= slo.itl_ms {
+            good += 1;
+        }
+    }
+    let stats = &sim.stats;
+    let itl: Vec<f64> = stats
+        .itl_us
+        .iter()
+        .map(|&u| f64::from(u) / 1000.0)
+        .collect();
+    let (ttft_s, ttft_sorted) = Summary::of(ttft);
+    let (tpot_s, _) = Summary::of(tpot);
+    let (itl_s, _) = Summary::of(itl);
+    let (e2e_s, _) = Summary::of(e2e);
+    let (transfer_s, _) = Summary::of(
+        stats
+            .transfer_us
+            .iter()
+            .map(|&u| u as f64 / 1000.0)
+            .collect(),
+    );
+    let secs = (end_us as f64 / 1e6).max(1e-6);
+    let span = specs.last().map_or(0, |s| s.arrival_us) as f64 / 1e6;
+    let offered = if specs.len() > 1 && span > 0.0 {
+        (specs.len() - 1) as f64 / span
+    } else {
+        0.0
+    };
+    let imb: Vec<f64> = stats.imbalance.iter().map(|&(_, x)| x).collect();
+    let (decode_routed, prefill_routed) = sim.workers_routed();
+    let (applied, gaps) = sim.index_counters();
+    let n = specs.len() as u64;
+    SimReport {
+        workload: workload_name(cfg),
+        policy: if cfg.topology.prefill_workers > 0 {
+            "kv (disagg)".to_owned()
+        } else {
+            cfg.policy.kind.name().to_owned()
+        },
+        topology: if cfg.topology.prefill_workers > 0 {
+            format!("disaggregated, {}", cfg.disagg.mode)
+        } else {
+            "aggregated".to_owned()
+        },
+        workers: cfg.topology.workers,
+        prefill_workers: cfg.topology.prefill_workers,
+        routers: cfg.topology.routers,
+        replica_sync: cfg.topology.replica_sync,
+        event_delay_ms: cfg.event_plane.delay_us as f64 / 1000.0,
+        snapshot_interval_ms: cfg.event_plane.snapshot_interval_us as f64 / 1000.0,
+        seed: cfg.seed,
+        requests: n,
+        completed,
+        rejected,
+        offered_rate_rps: offered,
+        virtual_seconds: secs,
+        throughput_rps: completed as f64 / secs,
+        output_tokens_per_s: out_tokens as f64 / secs,
+        ttft_p50_ms: ttft_s.p50,
+        ttft_p90_ms: ttft_s.p90,
+        ttft_p95_ms: ttft_s.p95,
+        ttft_p99_ms: ttft_s.p99,
+        ttft_max_ms: ttft_s.max,
+        ttft_mean_ms: ttft_s.mean,
+        tpot_p50_ms: tpot_s.p50,
+        tpot_p90_ms: tpot_s.p90,
+        tpot_p95_ms: tpot_s.p95,
+        tpot_p99_ms: tpot_s.p99,
+        tpot_max_ms: tpot_s.max,
+        tpot_mean_ms: tpot_s.mean,
+        itl_p50_ms: itl_s.p50,
+        itl_p90_ms: itl_s.p90,
+        itl_p95_ms: itl_s.p95,
+        itl_p99_ms: itl_s.p99,
+        itl_max_ms: itl_s.max,
+        itl_mean_ms: itl_s.mean,
+        e2e_p50_ms: e2e_s.p50,
+        e2e_p90_ms: e2e_s.p90,
+        e2e_p95_ms: e2e_s.p95,
+        e2e_p99_ms: e2e_s.p99,
+        e2e_max_ms: e2e_s.max,
+        e2e_mean_ms: e2e_s.mean,
+        slo_ttft_ms: slo.ttft_ms,
+        slo_itl_ms: slo.itl_ms,
+        slo_attainment: good as f64 / n.max(1) as f64,
+        goodput_rps: good as f64 / secs,
+        prompt_tokens: stats.prompt_tokens,
+        cached_tokens: stats.cached_tokens,
+        prefix_hit_rate: stats.cached_tokens as f64 / stats.prompt_tokens.max(1) as f64,
+        remote_prefills: stats.remote_prefills,
+        local_prefills: stats.local_prefills,
+        transferred_tokens: stats.transferred_tokens,
+        transfer_p50_ms: transfer_s.p50,
+        transfer_max_ms: transfer_s.max,
+        transfer_fallbacks: stats.transfer_fallbacks,
+        worker_requests: Spread::of(&decode_routed),
+        prefill_worker_requests: Spread::of(&prefill_routed),
+        load_imbalance_mean: if imb.is_empty() {
+            0.0
+        } else {
+            imb.iter().sum::<f64>() / imb.len() as f64
+        },
+        load_imbalance_max: imb.iter().copied().fold(0.0, f64::max),
+        preemptions: sim.preemptions(),
+        kv_events_applied: applied,
+        index_gaps_repaired: gaps,
+        ttft_cdf_ms: cdf(&ttft_sorted),
+        load_imbalance_series: stats.imbalance.clone(),
+    }
+}

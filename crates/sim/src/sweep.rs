@@ -1,0 +1,92 @@
+//! Rate sweeps: the same workload at several rates (synthetic: requests per second; trace:
+//! arrival speedups), the goodput curve, and the capacity: the highest rate whose SLO
+//! attainment reaches [`crate::SloConfig::attainment`].
+
+use serde::Serialize;
+
+use crate::config::{SimConfig, WorkloadConfig};
+use crate::error::SimError;
+use crate::metrics::SimReport;
+
+/// One rate of a sweep.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SweepPoint {
+    /// Requests per second (synthetic) or arrival speedup (trace).
+    pub rate: f64,
+    pub meets_slo: bool,
+    pub report: SimReport,
+}
+
+/// A whole sweep.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SweepReport {
+    /// `requests_per_second` or `arrival_speedup`.
+    pub rate_unit: &'static str,
+    pub points: Vec<SweepPoint>,
+    /// Highest rate meeting the SLO; None when none does.
+    pub capacity: Option<f64>,
+}
+
+impl SweepReport {
+    pub fn to_markdown(&self) -> String {
+        let mut s = format!(
+            "| {} | goodput req/s | SLO attainment | TTFT p90 ms | ITL p90 ms | prefix hit rate | meets SLO |\n|---:|---:|---:|---:|---:|---:|---|\n",
+            self.rate_unit
+        );
+        for p in &self.points {
+            let r = &p.report;
+            s.push_str(&format!(
+                "| {} | {:.2} | {:.1} % | {:.1} | {:.1} | {:.1} % | {} |\n",
+                p.rate,
+                r.goodput_rps,
+                100.0 * r.slo_attainment,
+                r.ttft_p90_ms,
+                r.itl_p90_ms,
+                100.0 * r.prefix_hit_rate,
+                if p.meets_slo { "yes" } else { "no" }
+            ));
+        }
+        match self.capacity {
+            Some(c) => s.push_str(&format!("\ncapacity: {c} {}\n", self.rate_unit)),
+            None => s.push_str("\ncapacity: no rate of the sweep meets the SLO\n"),
+        }
+        s
+    }
+}
+
+/// Runs `config` once per rate, in the order given.
+pub fn sweep(config: &SimConfig, rates: &[f64]) -> Result<SweepReport, SimError> {
+    if rates.is_empty() {
+        return Err(SimError::InvalidConfig(
+            "--sweep-rate needs at least one rate".into(),
+        ));
+    }
+    let rate_unit = match config.workload {
+        WorkloadConfig::Trace(_) => "arrival_speedup",
+        WorkloadConfig::Synthetic(_) => "requests_per_second",
+    };
+    let mut points = Vec::with_capacity(rates.len());
+    for &rate in rates {
+        let mut cfg = config.clone();
+        match &mut cfg.workload {
+            WorkloadConfig::Trace(t) => t.arrival_speedup = rate,
+            WorkloadConfig::Synthetic(s) => s.rate = rate,
+        }
+        let report = crate::run(cfg)?;
+        points.push(SweepPoint {
+            rate,
+            meets_slo: report.meets_slo(&config.slo),
+            report,
+        });
+    }
+    let capacity = points
+        .iter()
+        .filter(|p| p.meets_slo)
+        .map(|p| p.rate)
+        .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))));
+    Ok(SweepReport {
+        rate_unit,
+        points,
+        capacity,
+    })
+}

@@ -1,0 +1,277 @@
+//! The requests of a run: arrival times, output lengths and compact prompt descriptions, turned
+//! into token ids only when a request arrives (100,000 prompts held as tokens would take GBs).
+//!
+//! Synthetic prompts are made of *streams*: token `i` of stream `s` is a fixed function of
+//! `(s, i)`, so two prompts that start with the same stream share exactly that prefix. A
+//! shared-prefix request is its group's stream then its own; a multi-turn request is the first
+//! `n` tokens of its session's stream, `n` growing turn by turn.
+
+use tandem_router::Rng;
+use tandem_workload::{TraceRecord, expand_tokens, load_trace};
+
+use crate::config::{ArrivalProcess, LengthDist, PromptShape, SyntheticConfig, WorkloadConfig};
+use crate::error::SimError;
+
+/// Vocabulary of synthetic tokens (the mocker's default).
+const VOCAB: u64 = 32_000;
+
+/// One request before it arrives.
+#[derive(Clone, Debug)]
+pub(crate) struct RequestSpec {
+    pub arrival_us: u64,
+    pub max_tokens: u32,
+    pub prompt: PromptSpec,
+}
+
+/// A prompt, to be expanded into tokens at arrival.
+#[derive(Clone, Debug)]
+pub(crate) enum PromptSpec {
+    Trace(TraceRecord),
+    /// Up to two streams back to back: `(stream id, tokens)`; a zero length is skipped.
+    Streams([(u64, u32); 2]),
+}
+
+impl PromptSpec {
+    pub fn len(&self) -> usize {
+        match self {
+            PromptSpec::Trace(r) => r.input_length as usize,
+            PromptSpec::Streams(s) => s.iter().map(|&(_, n)| n as usize).sum(),
+        }
+    }
+
+    pub fn tokens(&self) -> Vec<u32> {
+        match self {
+            PromptSpec::Trace(r) => expand_tokens(r),
+            PromptSpec::Streams(streams) => {
+                let mut out = Vec::with_capacity(self.len());
+                for &(s, n) in streams {
+                    out.extend((0..u64::from(n)).map(|i| stream_token(s, i)));
+                }
+                out
+            }
+        }
+    }
+}
+
+/// SplitMix64's finalizer: a cheap, well-mixed function of one word.
+pub(crate) fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn stream_token(stream: u64, i: u64) -> u32 {
+    (mix(stream ^ mix(i)) % VOCAB) as u32
+}
+
+/// Stream ids of different kinds never collide: the kind sits in the top byte.
+fn stream_id(seed: u64, kind: u8, n: u64) -> u64 {
+    (mix(seed ^ (u64::from(kind) << 56) ^ n) & 0x00ff_ffff_ffff_ffff) | (u64::from(kind) << 56)
+}
+
+/// The requests of a workload, ordered by arrival (ties by generation order).
+pub(crate) fn build(cfg: &WorkloadConfig, seed: u64) -> Result<Vec<RequestSpec>, SimError> {
+    let mut specs = match cfg {
+        WorkloadConfig::Trace(t) => {
+            let mut recs = load_trace(&t.path)?;
+            if let Some(limit) = t.limit {
+                recs.truncate(limit);
+            }
+            recs.into_iter()
+                .map(|r| RequestSpec {
+                    arrival_us: (r.timestamp as f64 * 1000.0 / t.arrival_speedup).round() as u64,
+                    max_tokens: r.output_length.max(1),
+                    prompt: PromptSpec::Trace(r),
+                })
+                .collect()
+        }
+        WorkloadConfig::Synthetic(s) => synthetic(s, seed),
+    };
+    if specs.is_empty() {
+        return Err(SimError::EmptyWorkload);
+    }
+    specs.sort_by_key(|s| s.arrival_us); // stable: ties keep generation order
+    let first = specs[0].arrival_us;
+    for s in &mut specs {
+        s.arrival_us -= first;
+    }
+    Ok(specs)
+}
+
+fn synthetic(cfg: &SyntheticConfig, seed: u64) -> Vec<RequestSpec> {
+    let mut rng = Rng::seed_from_u64(seed ^ 0x574f_524b_4c4f_4144);
+    let mut arrivals = Arrivals {
+        process: cfg.arrival,
+        rate: cfg.rate,
+        t: 0.0,
+    };
+    let mut out = Vec::with_capacity(cfg.requests);
+    match cfg.shape {
+        PromptShape::Random | PromptShape::SharedPrefix { .. } => {
+            for i in 0..cfg.requests as u64 {
+                let at = arrivals.next(&mut rng);
+                let own = (stream_id(seed, 1, i), draw(cfg.isl, &mut rng));
+                let prefix = match cfg.shape {
+                    PromptShape::SharedPrefix { groups, prefix_len } => {
+                        let g = rng.below(groups as usize) as u64;
+                        (stream_id(seed, 2, g), prefix_len)
+                    }
+                    _ => (0, 0),
+                };
+                out.push(RequestSpec {
+                    arrival_us: at,
+                    max_tokens: draw(cfg.osl, &mut rng),
+                    prompt: PromptSpec::Streams([prefix, own]),
+                });
+            }
+        }
+        PromptShape::MultiTurn {
+            turns,
+            think_time_us,
+        } => {
+            let mut session = 0u64;
+            while out.len() < cfg.requests {
+                let start = arrivals.next(&mut rng);
+                let stream = stream_id(seed, 3, session);
+                let mut history = 0u32;
+                for k in 0..turns {
+                    if out.len() == cfg.requests {
+                        break;
+                    }
+                    let user = draw(cfg.isl, &mut rng);
+                    let answer = draw(cfg.osl, &mut rng);
+                    out.push(RequestSpec {
+                        arrival_us: start + u64::from(k) * think_time_us,
+                        max_tokens: answer,
+                        prompt: PromptSpec::Streams([(stream, history + user), (0, 0)]),
+                    });
+                    history += user + answer;
+                }
+                session += 1;
+            }
+        }
+    }
+    out
+}
+
+fn draw(d: LengthDist, rng: &mut Rng) -> u32 {
+    if d.spread == 0.0 {
+        return d.mean;
+    }
+    let m = f64::from(d.mean);
+    let x = m * (1.0 - d.spread) + rng.unit_f64() * 2.0 * d.spread * m;
+    (x.round() as u32).max(1)
+}
+
+/// The arrival process, in µs from the first arrival.
+struct Arrivals {
+    process: ArrivalProcess,
+    rate: f64,
+    t: f64,
+}
+
+impl Arrivals {
+    fn next(&mut self, rng: &mut Rng) -> u64 {
+        let at = self.t;
+        let mean_gap = 1e6 / self.rate;
+        self.t += match self.process {
+            ArrivalProcess::Constant => mean_gap,
+            ArrivalProcess::Poisson => -(1.0 - rng.unit_f64()).ln() * mean_gap,
+            ArrivalProcess::Gamma { shape } => gamma(shape, rng) / shape * mean_gap,
+        };
+        at.round() as u64
+    }
+}
+
+/// A Gamma(shape, 1) draw (Marsaglia–Tsang; shapes below 1 boosted by `U^(1/shape)`).
+fn gamma(shape: f64, rng: &mut Rng) -> f64 {
+    if shape < 1.0 {
+        let u = 1.0 - rng.unit_f64();
+        return gamma(shape + 1.0, rng) * u.powf(1.0 / shape);
+    }
+    let d = shape - 1.0 / 3.0;
+    let c = 1.0 / (9.0 * d).sqrt();
+    loop {
+        let x = normal(rng);
+        let v = (1.0 + c * x).powi(3);
+        if v <= 0.0 {
+            continue;
+        }
+        let u = 1.0 - rng.unit_f64();
+        if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+            return d * v;
+        }
+    }
+}
+
+/// A standard normal draw (Box–Muller).
+fn normal(rng: &mut Rng) -> f64 {
+    let u1 = 1.0 - rng.unit_f64();
+    let u2 = rng.unit_f64();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(shape: PromptShape, arrival: ArrivalProcess) -> WorkloadConfig {
+        WorkloadConfig::Synthetic(SyntheticConfig {
+            requests: 2000,
+            rate: 100.0,
+            arrival,
+            isl: LengthDist {
+                mean: 64,
+                spread: 0.5,
+            },
+            osl: LengthDist::fixed(8),
+            shape,
+        })
+    }
+
+    #[test]
+    fn poisson_and_gamma_rates_are_close_to_the_target() {
+        for arrival in [
+            ArrivalProcess::Poisson,
+            ArrivalProcess::Gamma { shape: 0.25 },
+            ArrivalProcess::Constant,
+        ] {
+            let specs = build(&cfg(PromptShape::Random, arrival), 1).unwrap();
+            let span_s = specs.last().unwrap().arrival_us as f64 / 1e6;
+            let rate = 1999.0 / span_s;
+            assert!((70.0..130.0).contains(&rate), "{arrival:?}: {rate}");
+        }
+    }
+
+    #[test]
+    fn shared_prefix_groups_share_exactly_the_prefix() {
+        let shape = PromptShape::SharedPrefix {
+            groups: 2,
+            prefix_len: 32,
+        };
+        let specs = build(&cfg(shape, ArrivalProcess::Poisson), 3).unwrap();
+        let toks: Vec<Vec<u32>> = specs.iter().take(20).map(|s| s.prompt.tokens()).collect();
+        let heads: std::collections::BTreeSet<&[u32]> = toks.iter().map(|t| &t[..32]).collect();
+        assert_eq!(heads.len(), 2);
+        assert!(toks.iter().all(|t| (32 + 32..=32 + 96).contains(&t.len())));
+    }
+
+    #[test]
+    fn multi_turn_prompts_extend_the_previous_turn() {
+        let shape = PromptShape::MultiTurn {
+            turns: 3,
+            think_time_us: 1_000_000,
+        };
+        let specs = build(&cfg(shape, ArrivalProcess::Constant), 3).unwrap();
+        assert_eq!(specs.len(), 2000);
+        let mut by_stream: std::collections::BTreeMap<u64, Vec<Vec<u32>>> = Default::default();
+        for s in specs.iter().take(900) {
+            if let PromptSpec::Streams([(id, _), _]) = s.prompt {
+                by_stream.entry(id).or_default().push(s.prompt.tokens());
+            }
+        }
+        let turns = by_stream.values().find(|v| v.len() == 3).unwrap();
+        assert!(turns[1].starts_with(&turns[0]) && turns[2].starts_with(&turns[1]));
+    }
+}

@@ -1,0 +1,169 @@
+//! `tandem_sim::run` end to end on small workloads (debug build, seconds).
+
+use tandem_sim::{
+    ArrivalProcess, DisaggMode, LengthDist, PolicyConfig, PolicyKind, PromptShape, SimConfig,
+    SimError, SyntheticConfig, TraceWorkload, WorkloadConfig, run, sweep,
+};
+
+fn shared_prefix(requests: usize, rate: f64) -> SyntheticConfig {
+    SyntheticConfig {
+        requests,
+        rate,
+        arrival: ArrivalProcess::Poisson,
+        isl: LengthDist {
+            mean: 256,
+            spread: 0.5,
+        },
+        osl: LengthDist {
+            mean: 16,
+            spread: 0.5,
+        },
+        shape: PromptShape::SharedPrefix {
+            groups: 24,
+            prefix_len: 1024,
+        },
+    }
+}
+
+fn small(workers: u32) -> SimConfig {
+    let mut cfg = SimConfig::synthetic(workers, shared_prefix(200, 40.0));
+    cfg.engine.device_blocks = 1024;
+    cfg
+}
+
+#[test]
+fn same_seed_gives_byte_identical_json_and_another_seed_differs() {
+    let mut cfg = small(4);
+    cfg.seed = 7;
+    cfg.topology.routers = 2;
+    cfg.event_plane.delay_us = 20_000;
+    cfg.engine.host_blocks = 256;
+    let a = serde_json::to_vec(&run(cfg.clone()).unwrap()).unwrap();
+    let b = serde_json::to_vec(&run(cfg.clone()).unwrap()).unwrap();
+    assert_eq!(a, b);
+    cfg.seed = 8;
+    let c = serde_json::to_vec(&run(cfg).unwrap()).unwrap();
+    assert_ne!(a, c);
+}
+
+#[test]
+fn kv_policy_hits_the_prefix_cache_more_than_round_robin() {
+    let hit = |kind| {
+        let mut cfg = small(4);
+        cfg.policy = PolicyConfig::new(kind);
+        let r = run(cfg).unwrap();
+        assert_eq!(r.completed, 200);
+        r.prefix_hit_rate
+    };
+    let (rr, kv) = (hit(PolicyKind::RoundRobin), hit(PolicyKind::Kv));
+    assert!(kv > rr + 0.05, "kv {kv} vs round-robin {rr}");
+}
+
+#[test]
+fn disaggregated_run_completes_every_request_with_remote_prefills() {
+    for mode in [DisaggMode::IslBounding, DisaggMode::Always] {
+        let mut cfg = small(3);
+        cfg.topology.prefill_workers = 2;
+        cfg.disagg.mode = mode;
+        let r = run(cfg).unwrap();
+        assert_eq!((r.completed, r.rejected), (200, 0), "{mode}");
+        assert!(r.remote_prefills > 0, "{mode}");
+        assert_eq!(r.remote_prefills + r.local_prefills, 200);
+        assert!(r.transferred_tokens > 0 && r.transfer_p50_ms > 0.0);
+        assert_eq!(r.transfer_fallbacks, 0);
+        assert_eq!(
+            r.prefill_worker_requests.mean * 2.0,
+            r.remote_prefills as f64
+        );
+    }
+}
+
+#[test]
+fn multi_router_runs_complete_with_and_without_sync_and_with_snapshots() {
+    for (sync, snapshot_us, stagger) in [
+        (true, 0, false),
+        (false, 0, false),
+        (true, 100_000, false),
+        (false, 100_000, true),
+    ] {
+        let mut cfg = small(4);
+        cfg.topology.routers = 3;
+        cfg.topology.replica_sync = sync;
+        cfg.event_plane.delay_us = 10_000;
+        cfg.event_plane.snapshot_interval_us = snapshot_us;
+        cfg.event_plane.snapshot_stagger = stagger;
+        let r = run(cfg).unwrap();
+        assert_eq!(r.completed, 200, "sync {sync}, snapshot {snapshot_us}");
+        assert!(r.kv_events_applied > 0);
+    }
+}
+
+#[test]
+fn trace_workload_with_limit_and_speedup() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/traces/conversation_trace.jsonl");
+    let mut cfg = SimConfig::synthetic(4, SyntheticConfig::default());
+    cfg.workload = WorkloadConfig::Trace(TraceWorkload {
+        path,
+        arrival_speedup: 4.0,
+        limit: Some(60),
+    });
+    let r = run(cfg).unwrap();
+    assert_eq!((r.requests, r.completed), (60, 60));
+    assert!(r.ttft_p50_ms > 0.0 && r.ttft_p50_ms <= r.ttft_p99_ms);
+    assert_eq!(r.ttft_cdf_ms.len(), 101);
+}
+
+#[test]
+fn multi_turn_and_gamma_workloads_run() {
+    let mut syn = shared_prefix(120, 10.0);
+    syn.arrival = ArrivalProcess::Gamma { shape: 0.3 };
+    syn.shape = PromptShape::MultiTurn {
+        turns: 3,
+        think_time_us: 2_000_000,
+    };
+    let r = run(SimConfig::synthetic(3, syn)).unwrap();
+    assert_eq!(r.completed, 120);
+    assert!(r.prefix_hit_rate > 0.2, "{}", r.prefix_hit_rate);
+}
+
+#[test]
+fn sweep_reports_a_curve_and_the_capacity() {
+    let mut cfg = small(2);
+    cfg.slo.ttft_ms = 500.0;
+    let s = sweep(&cfg, &[5.0, 400.0]).unwrap();
+    assert_eq!(s.points.len(), 2);
+    assert!(s.points[0].meets_slo && !s.points[1].meets_slo);
+    assert_eq!(s.capacity, Some(5.0));
+    assert!(s.to_markdown().contains("capacity: 5"));
+}
+
+#[test]
+fn bad_configs_are_refused_clearly() {
+    let bad = |f: &dyn Fn(&mut SimConfig)| {
+        let mut cfg = small(2);
+        f(&mut cfg);
+        let e = run(cfg).unwrap_err();
+        assert!(e.is_invalid_input(), "{e}");
+        e.to_string()
+    };
+    assert!(bad(&|c| c.topology.workers = 0).contains("--workers"));
+    assert!(bad(&|c| c.topology.routers = 0).contains("--routers"));
+    assert!(bad(&|c| c.transfer.transfer_gbps = 0.0).contains("--transfer-gbps"));
+    assert!(bad(&|c| c.slo.attainment = 1.5).contains("--slo-attainment"));
+    assert!(bad(&|c| c.policy.kv.overlap_credit = -1.0).contains("policy"));
+    assert!(
+        bad(&|c| if let WorkloadConfig::Synthetic(s) = &mut c.workload {
+            s.rate = f64::NAN;
+        })
+        .contains("--rate")
+    );
+    let mut cfg = small(2);
+    cfg.workload = WorkloadConfig::Trace(TraceWorkload {
+        path: "/nonexistent/trace.jsonl".into(),
+        arrival_speedup: 1.0,
+        limit: None,
+    });
+    assert!(matches!(run(cfg), Err(SimError::Trace(_))));
+    assert!(sweep(&small(2), &[]).is_err());
+}
