@@ -1,6 +1,5 @@
 //! The [`Policy`] trait, the policy names ([`PolicyKind`]) and their configuration.
 
-use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
 
@@ -10,6 +9,8 @@ use crate::kv::{KvConfig, KvPolicy};
 use crate::prefix_hash::{PrefixHashConfig, PrefixHashPolicy};
 use crate::rng::Rng;
 use crate::simple::{LeastLoaded, PowerOfTwo, RandomPolicy, RoundRobin};
+use tandem_protocol::WorkerId;
+
 use crate::view::{Decision, RouteRequest, WorkerView};
 
 /// A worker-selection policy. Implementations are deterministic given the candidates, their
@@ -33,13 +34,17 @@ pub(crate) fn check_candidates(candidates: &[WorkerView]) -> Result<(), RouteErr
     if candidates.is_empty() {
         return Err(RouteError::NoWorkers);
     }
-    let mut seen = HashSet::with_capacity(candidates.len());
-    for v in candidates {
-        if !seen.insert(v.id) {
-            return Err(RouteError::DuplicateWorker(v.id));
-        }
+    // Callers usually pass workers in id order (the indexer's answers and discovery lists are
+    // sorted): then one pass over adjacent ids proves uniqueness with no allocation.
+    if candidates.windows(2).all(|w| w[0].id < w[1].id) {
+        return Ok(());
     }
-    Ok(())
+    let mut ids: Vec<WorkerId> = candidates.iter().map(|v| v.id).collect();
+    ids.sort_unstable();
+    match ids.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(RouteError::DuplicateWorker(w[0])),
+        None => Ok(()),
+    }
 }
 
 /// The policies, by their flag names.
