@@ -6,7 +6,9 @@
 //! - [`arena`]: per tier one contiguous, block-major byte region.
 //! - [`scheduler`]: continuous batching over the pool (vLLM v1 style): a token budget per
 //!   step, chunked prefill, FCFS admission on the cached prefix, preemption by recompute under
-//!   memory pressure. It plans a step; a model computes it; the scheduler completes it.
+//!   memory pressure. It plans a step; a model computes it; the scheduler completes it. The
+//!   decode side of a remote prefill reserves destination blocks, then continues the request
+//!   as if prefilled locally, or falls back to a local prefill.
 //! - [`mocker`]: a model without a GPU: polynomial step timing, deterministic KV bytes, and
 //!   tokens derived from the KV read back from the arena. [`MockEngine`] ties pool, scheduler
 //!   and mocker together for the simulator and the worker services.
@@ -30,7 +32,7 @@ pub use mocker::{
 };
 pub use pool::{BlockPool, BlockPoolConfig, PoolError, PoolStats, PrefixHit};
 pub use scheduler::{
-    EngineRequest, ErrorClass, FinishReason, ModelView, RequestOutput, RequestPhase, SampledToken,
-    ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError, SchedulerStats, Sequence,
-    StepKind, StepPlan,
+    EngineRequest, ErrorClass, FinishReason, ModelView, RemotePrefill, RequestOutput, RequestPhase,
+    SampledToken, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError, SchedulerStats,
+    Sequence, StepKind, StepPlan,
 };

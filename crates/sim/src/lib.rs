@@ -31,14 +31,15 @@
 //!   its engine steps; routers use their trackers as the load signal (no load reports).
 //!   Snapshot mode: every T, each router gets every worker's events since its last snapshot
 //!   and every worker's load report, merged into the tracker's load (`WorkerLoad::merge_report`).
-//! - Remote prefill: the prefill worker runs the prompt as a one-token request; the KV of the
-//!   prompt blocks the decode worker does not cache already travels for `bytes / bandwidth`;
-//!   then the received blocks are put into the decode worker's prefix cache through the
-//!   pool's public operations (a temporary sequence acquires, allocates, commits and frees
-//!   them) and the request is added to the decode engine with its full prompt, where it finds
-//!   all of it cached but the last token (the scheduler always computes at least one token).
-//!   TTFT ends at the decode worker's first token. If the decode pool has no room for the
-//!   blocks, the decode worker recomputes the prompt (`transfer_fallbacks`).
+//! - Remote prefill: at routing, the decode worker reserves blocks for the prompt tokens it
+//!   does not cache (`MockEngine::begin_remote_prefill`; they are held, not evictable, until
+//!   the KV is in); the prefill worker runs the prompt as a one-token request; the KV of the
+//!   reserved blocks travels for `bytes / bandwidth`; then the decode worker commits them to
+//!   its prefix cache and takes the prefill worker's token as its first
+//!   (`finish_remote_prefill`), and decodes on. TTFT ends when the KV is in. If the decode
+//!   pool has no room for the reservation at routing, the request is prefilled locally on the
+//!   decode worker instead (`transfer_fallbacks`, counted as a local prefill). Transfers
+//!   never fail in the simulation.
 //! - Time is integer microseconds; ties are broken by scheduling order; every random draw
 //!   comes from [`tandem_router::Rng`] seeded from [`SimConfig::seed`]. Same config, same
 //!   report, byte for byte. Nothing reads a clock.

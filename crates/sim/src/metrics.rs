@@ -148,8 +148,8 @@ pub struct SimReport {
     pub transferred_tokens: u64,
     pub transfer_p50_ms: f64,
     pub transfer_max_ms: f64,
-    /// Remote prefills whose KV the decode worker could not take in (no free blocks): it
-    /// recomputed the prompt instead.
+    /// Requests chosen for a remote prefill whose decode worker could not reserve blocks for
+    /// the KV at routing: prefilled locally there instead (and counted in `local_prefills`).
     pub transfer_fallbacks: u64,
     /// Requests per aggregated (or decode) worker.
     pub worker_requests: Spread,

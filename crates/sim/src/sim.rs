@@ -14,9 +14,7 @@ use tandem_engine::{
     MockerConfig, RequestOutput, SchedulerConfig,
 };
 use tandem_protocol::hashing::compute_block_hashes;
-use tandem_protocol::{
-    BlockHashes, BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId,
-};
+use tandem_protocol::{BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId};
 use tandem_router::{NewSequence, RouteRequest, SyncMessage, disagg};
 
 use crate::config::SimConfig;
@@ -27,8 +25,6 @@ use crate::stats::Stats;
 use crate::workload::RequestSpec;
 
 const PREFILL_BIT: u64 = 1 << 63;
-/// Engine request ids of injected transfers (never seen by a scheduler).
-const INJECT_BIT: u64 = 1 << 62;
 
 #[derive(Debug)]
 enum Ev {
@@ -50,7 +46,12 @@ enum Ev {
         router: u32,
         reports: Vec<LoadReport>,
     },
-    TransferDone(u32),
+    /// The KV of request `i` is in its decode worker's blocks; `first_token` came from the
+    /// prefill worker.
+    TransferDone {
+        i: u32,
+        first_token: u32,
+    },
     Sample,
 }
 
@@ -76,12 +77,6 @@ pub(crate) struct ReqState {
     pub rejected: bool,
 }
 
-/// A remote prefill between its prefill's end and its decode's start.
-struct Pending {
-    tokens: Vec<u32>,
-    hashes: Vec<BlockHashes>,
-}
-
 pub(crate) struct Sim<'a> {
     cfg: &'a SimConfig,
     specs: &'a [RequestSpec],
@@ -94,7 +89,9 @@ pub(crate) struct Sim<'a> {
     snap_sent: Vec<Vec<u64>>,
     queue: EventQueue<Ev>,
     pub reqs: Vec<ReqState>,
-    pending: Map<u32, Pending>,
+    /// Remote prefills in flight: prompt tokens the decode worker does not cache, whose KV
+    /// travels once the prefill is done.
+    pending: Map<u32, u64>,
     outstanding: usize,
     pub stats: Stats,
 }
@@ -210,11 +207,14 @@ impl<'a> Sim<'a> {
                     rep.reports[w] = Some(report);
                 }
             }
-            Ev::TransferDone(i) => self.transfer_done(i, now)?,
+            Ev::TransferDone { i, first_token } => self.transfer_done(i, first_token, now)?,
             Ev::Sample => {
                 let loads: Vec<u64> = self.workers[..self.n_decode as usize]
                     .iter()
-                    .map(|w| (w.engine.num_waiting() + w.engine.num_running()) as u64)
+                    .map(|w| {
+                        let e = &w.engine;
+                        (e.num_waiting() + e.num_running() + e.num_awaiting_kv()) as u64
+                    })
                     .collect();
                 self.stats.sample_imbalance(now, &loads);
                 self.queue
@@ -254,6 +254,30 @@ impl<'a> Sim<'a> {
             (d.decode, d.prefill)
         };
         let dw = decode.worker.0 as u32;
+        // The decode worker reserves blocks for the KV it does not cache, now; when it cannot,
+        // the request is prefilled locally there instead.
+        let mut prefill = prefill;
+        let mut transfer_tokens = 0;
+        if prefill.is_some() {
+            let req = EngineRequest::new(RequestId(u64::from(i)), tokens.clone(), spec.max_tokens);
+            match self.workers[dw as usize]
+                .engine
+                .begin_remote_prefill(req, now)
+            {
+                Ok(rp) => transfer_tokens = rp.transfer().len() as u64,
+                Err(e) => match e.class() {
+                    ErrorClass::Overloaded => {
+                        self.stats.transfer_fallbacks += 1;
+                        prefill = None;
+                    }
+                    // Refused as a local request too, by `submit`.
+                    ErrorClass::InvalidRequest => prefill = None,
+                    ErrorClass::Internal => {
+                        return Err(SimError::Internal(format!("request {i}: {e}")));
+                    }
+                },
+            }
+        }
         let bs = u64::from(self.block_size.get());
         let prompt = tokens.len() as u64;
         let private =
@@ -297,13 +321,7 @@ impl<'a> Sim<'a> {
             let pw = p.worker.0 as u32;
             self.workers[pw as usize].routed += 1;
             self.stats.remote_prefills += 1;
-            self.pending.insert(
-                i,
-                Pending {
-                    tokens: tokens.clone(),
-                    hashes,
-                },
-            );
+            self.pending.insert(i, transfer_tokens);
             (pw, EngineRequest::new(RequestId(u64::from(i)), tokens, 1))
         } else {
             self.stats.local_prefills += 1;
@@ -327,7 +345,13 @@ impl<'a> Sim<'a> {
                     ErrorClass::InvalidRequest | ErrorClass::Overloaded
                 ) =>
             {
-                self.pending.remove(&i);
+                if self.pending.remove(&i).is_some() {
+                    // The prefill worker refused: release the decode worker's reservation.
+                    let d = self.reqs[i as usize].worker;
+                    self.workers[d as usize]
+                        .engine
+                        .abort(RequestId(u64::from(i)));
+                }
                 let st = &mut self.reqs[i as usize];
                 st.rejected = true;
                 let r = st.router;
@@ -477,7 +501,7 @@ impl<'a> Sim<'a> {
                 self.sync(r, m, now);
                 let m = self.replicas[r as usize].tracker.free(id, now_ms);
                 self.sync(r, m, now);
-                self.start_transfer(i, now);
+                self.start_transfer(i, o.token, now);
             }
             return Ok(());
         }
@@ -486,9 +510,8 @@ impl<'a> Sim<'a> {
         let mut msgs = Vec::new();
         if o.first_token {
             st.first_token_us = Some(now);
-            if st.remote {
-                self.stats.transferred_tokens += o.cached_tokens as u64;
-            } else {
+            // A remote prefill's cache hit is the prefill worker's, counted at its token.
+            if !st.remote {
                 self.stats.cached_tokens += o.cached_tokens as u64;
             }
             let id = RequestId(u64::from(i));
@@ -510,55 +533,33 @@ impl<'a> Sim<'a> {
     }
 
     /// The prefill finished: the KV goes to the decode worker, `bytes / bandwidth` later. Only
-    /// the blocks the decode worker does not already cache travel.
-    fn start_transfer(&mut self, i: u32, now: u64) {
-        let Some(p) = self.pending.get(&i) else {
+    /// the blocks the decode worker did not cache when it reserved them travel.
+    fn start_transfer(&mut self, i: u32, first_token: u32, now: u64) {
+        let Some(&tokens) = self.pending.get(&i) else {
             return;
         };
-        let d = self.reqs[i as usize].worker;
-        let seq: Vec<SequenceHash> = p.hashes.iter().map(|h| h.sequence).collect();
-        let held = self.workers[d as usize].engine.pool().lookup(&seq).total();
-        let cached = held * self.block_size.tokens();
-        let tokens = p.tokens.len().saturating_sub(cached) as u64;
         let t = &self.cfg.transfer;
         let secs = (tokens * t.kv_bytes_per_token) as f64 / (t.transfer_gbps * 1e9);
         let us = (secs * 1e6).ceil() as u64;
+        self.stats.transferred_tokens += tokens;
         self.stats.transfer_us.push(us);
-        self.queue.push(now + us, Ev::TransferDone(i));
+        self.queue
+            .push(now + us, Ev::TransferDone { i, first_token });
     }
 
-    /// The KV arrived: the decode worker takes the received blocks into its prefix cache
-    /// (see `inject`) and then runs the request, which finds its whole prompt cached but the
-    /// last token.
-    fn transfer_done(&mut self, i: u32, now: u64) -> Result<(), SimError> {
-        let Some(p) = self.pending.remove(&i) else {
+    /// The KV arrived: the decode worker commits the received blocks to its prefix cache,
+    /// takes the prefill worker's first token (TTFT ends here) and decodes on.
+    fn transfer_done(&mut self, i: u32, first_token: u32, now: u64) -> Result<(), SimError> {
+        if self.pending.remove(&i).is_none() {
             return Ok(());
-        };
+        }
         let d = self.reqs[i as usize].worker;
-        if !self.inject(d, i, &p.hashes) {
-            self.stats.transfer_fallbacks += 1;
-        }
-        let max_tokens = self.specs[i as usize].max_tokens;
-        let req = EngineRequest::new(RequestId(u64::from(i)), p.tokens, max_tokens);
-        self.submit(i, d, req, now)
-    }
-
-    /// Puts received blocks into a worker's prefix cache through the pool's own operations:
-    /// a temporary sequence reuses what is cached, allocates the rest, commits them under the
-    /// prompt's hashes (publishing them as stored) and is freed, leaving the blocks cached and
-    /// unreferenced (evictable, like any cached prefix). False when the pool had no room.
-    fn inject(&mut self, w: u32, i: u32, hashes: &[BlockHashes]) -> bool {
-        if hashes.is_empty() {
-            return true;
-        }
-        let pool = self.workers[w as usize].engine.pool_mut();
-        let tmp = RequestId(u64::from(i) | INJECT_BIT);
-        let bs = self.block_size.tokens();
-        let ok = pool.acquire_prefix(tmp, hashes, hashes.len()).is_ok()
-            && pool.allocate(tmp, hashes.len() * bs).is_ok()
-            && pool.commit(tmp, hashes).is_ok();
-        let _ = pool.free(tmp); // absent only if acquire failed, which left nothing behind
-        ok
+        let out = self.workers[d as usize]
+            .engine
+            .finish_remote_prefill(RequestId(u64::from(i)), first_token, now)
+            .map_err(|e| SimError::Internal(format!("request {i}: {e}")))?;
+        self.on_output(d, &out, now)?;
+        self.kick(d, now)
     }
 
     pub fn workers_routed(&self) -> (Vec<u64>, Vec<u64>) {

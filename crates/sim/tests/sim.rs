@@ -167,3 +167,22 @@ fn bad_configs_are_refused_clearly() {
     assert!(matches!(run(cfg), Err(SimError::Trace(_))));
     assert!(sweep(&small(2), &[]).is_err());
 }
+
+#[test]
+fn decode_workers_without_room_for_the_kv_prefill_locally() {
+    let mut syn = shared_prefix(200, 400.0);
+    syn.shape = PromptShape::Random;
+    let mut cfg = SimConfig::synthetic(2, syn);
+    cfg.topology.prefill_workers = 2;
+    cfg.disagg.mode = DisaggMode::Always;
+    // 48 blocks of 16 tokens: two or three prompts' KV per decode worker at once.
+    cfg.engine.device_blocks = 48;
+    let r = run(cfg).unwrap();
+    assert_eq!((r.completed, r.rejected), (200, 0));
+    assert!(r.remote_prefills > 0 && r.transfer_fallbacks > 0, "{r:?}");
+    assert_eq!(r.remote_prefills + r.local_prefills, 200);
+    assert_eq!(
+        r.prefill_worker_requests.mean * 2.0,
+        r.remote_prefills as f64
+    );
+}

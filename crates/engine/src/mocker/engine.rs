@@ -8,8 +8,8 @@ use super::kv::{self, KvLayout, SeqDigest};
 use crate::event_log::EventsTooOld;
 use crate::pool::{BlockPool, BlockPoolConfig, PoolError};
 use crate::scheduler::{
-    EngineRequest, RequestOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerError,
-    SchedulerStats, StepPlan,
+    EngineRequest, RemotePrefill, RequestOutput, SampledToken, Scheduler, SchedulerConfig,
+    SchedulerError, SchedulerStats, StepPlan,
 };
 
 /// Everything a mock engine is made from.
@@ -115,6 +115,50 @@ impl MockEngine {
         self.sched.add_request(req, now_us)
     }
 
+    /// Starts the decode side of a remote prefill (see [`Scheduler::begin_remote_prefill`]):
+    /// the caller has the prefill worker write the prompt's KV from
+    /// [`RemotePrefill::transfer`] on into [`RemotePrefill::blocks`] of this engine's device
+    /// arena, then calls `finish_remote_prefill` or `fail_remote_prefill`.
+    pub fn begin_remote_prefill(
+        &mut self,
+        req: EngineRequest,
+        now_us: u64,
+    ) -> Result<RemotePrefill, SchedulerError> {
+        let id = req.id;
+        let rp = self.sched.begin_remote_prefill(req, now_us)?;
+        // A fresh KV state: the model folds the received blocks from the arena at its first
+        // decode step, exactly as it folds blocks it computed or reused from the cache.
+        self.digests.remove(&id);
+        Ok(rp)
+    }
+
+    /// The transferred KV is in place: the request continues with the prefill worker's
+    /// `first_token` (see [`Scheduler::finish_remote_prefill`]).
+    pub fn finish_remote_prefill(
+        &mut self,
+        id: RequestId,
+        first_token: u32,
+        now_us: u64,
+    ) -> Result<RequestOutput, SchedulerError> {
+        let out = self.sched.finish_remote_prefill(id, first_token, now_us)?;
+        if out.finish.is_some() {
+            self.digests.remove(&id);
+        }
+        Ok(out)
+    }
+
+    /// The transfer failed: the request prefills here instead (see
+    /// [`Scheduler::fail_remote_prefill`]).
+    pub fn fail_remote_prefill(
+        &mut self,
+        id: RequestId,
+        now_us: u64,
+    ) -> Result<(), SchedulerError> {
+        self.sched.fail_remote_prefill(id, now_us)?;
+        self.digests.remove(&id);
+        Ok(())
+    }
+
     /// Drops a request wherever it is, freeing its blocks; false when unknown.
     pub fn abort(&mut self, id: RequestId) -> bool {
         self.digests.remove(&id);
@@ -204,7 +248,7 @@ impl MockEngine {
         outputs
     }
 
-    /// Whether any request is waiting or running.
+    /// Whether any request is tracked (waiting, running, or in a remote prefill).
     pub fn has_work(&self) -> bool {
         self.sched.has_work()
     }
@@ -241,6 +285,11 @@ impl MockEngine {
 
     pub fn num_running(&self) -> usize {
         self.sched.num_running()
+    }
+
+    /// Requests awaiting KV from a remote prefill.
+    pub fn num_awaiting_kv(&self) -> usize {
+        self.sched.num_awaiting_kv()
     }
 
     /// KV events after `after` (see [`BlockPool::events_since`]).

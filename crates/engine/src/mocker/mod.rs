@@ -9,7 +9,9 @@
 //! - **Tokens**: each sequence keeps a digest of its KV *as read back from the arena*, one
 //!   complete block at a time, in block order; the next token is a function of that digest,
 //!   the partial last block, the sampling seed and the sequence length. Any corruption of KV
-//!   bytes, local or transferred, changes the tokens that follow.
+//!   bytes, local or transferred, changes the tokens that follow. A remotely prefilled
+//!   sequence folds the received blocks at its first decode step, so it continues the token
+//!   chain exactly as a locally prefilled one (`remote_tests.rs`).
 //!
 //! [`MockEngine`] ties the pool, the scheduler and this model together behind a two-call step
 //! (`begin_step` → duration, `finish_step` → tokens) that a virtual-time simulator and an
@@ -19,6 +21,8 @@ mod engine;
 pub mod kv;
 #[cfg(test)]
 mod proptests;
+#[cfg(test)]
+mod remote_tests;
 #[cfg(test)]
 mod tests;
 

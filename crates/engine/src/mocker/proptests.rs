@@ -1,15 +1,19 @@
-//! Property test: random arrivals, aborts and steps on small pools keep the pool consistent,
-//! and every request that is not aborted finishes with the tokens it gets when run alone.
+//! Property test: random arrivals (prefilled here or remotely), transfers that end or fail,
+//! aborts and steps on small pools keep the pool consistent, and every request that is not
+//! aborted finishes with the tokens it gets when run alone.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use proptest::prelude::*;
 use tandem_protocol::{BlockSize, RequestId, WorkerId};
 
+use super::remote_tests::prefill_on;
 use super::tests::{drain, engine, request};
 use super::*;
 use crate::pool::BlockPoolConfig;
-use crate::scheduler::SchedulerConfig;
+use crate::scheduler::{
+    EngineRequest, RemotePrefill, RequestOutput, SchedulerConfig, SchedulerError,
+};
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -18,6 +22,16 @@ enum Op {
         family: u8,
         len: u8,
         max_tokens: u8,
+    },
+    /// The same, prefilled by another engine: the KV is reserved now and arrives later.
+    ArriveRemote {
+        family: u8,
+        len: u8,
+        max_tokens: u8,
+    },
+    /// The oldest pending transfer ends: its bytes are written and it finishes, or it fails.
+    Transfer {
+        ok: bool,
     },
     Abort {
         nth: u8,
@@ -29,6 +43,9 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0u8..3, 1u8..20, 1u8..12)
             .prop_map(|(family, len, max_tokens)| Op::Arrive { family, len, max_tokens }),
+        2 => (0u8..3, 1u8..20, 1u8..12)
+            .prop_map(|(family, len, max_tokens)| Op::ArriveRemote { family, len, max_tokens }),
+        2 => prop_oneof![4 => Just(true), 1 => Just(false)].prop_map(|ok| Op::Transfer { ok }),
         1 => any::<u8>().prop_map(|nth| Op::Abort { nth }),
         5 => Just(Op::Step),
     ]
@@ -44,6 +61,41 @@ fn family_prompt(family: u8, len: u8, id: u64) -> Vec<u32> {
             }
         })
         .collect()
+}
+
+/// A transfer in flight: the request's destination blocks and what the prefill worker made.
+struct Pending {
+    rp: RemotePrefill,
+    first_token: u32,
+    /// KV bytes of every prompt block, as the prefill worker computed them.
+    blocks: Vec<Vec<u8>>,
+}
+
+fn remote_prefill(r: &EngineRequest, rp: RemotePrefill) -> Pending {
+    let mut p = engine(64, 4, SchedulerConfig::default(), KvShape::MOCKER_DEFAULT);
+    let (first_token, table) = prefill_on(&mut p, r.clone());
+    let blocks = table
+        .iter()
+        .map(|&b| p.pool().device_arena().block(b).to_vec())
+        .collect();
+    Pending {
+        rp,
+        first_token,
+        blocks,
+    }
+}
+
+/// Writes the transferred blocks into the decode engine and finishes the remote prefill.
+fn land(e: &mut MockEngine, t: Pending, now: u64) -> RequestOutput {
+    let first = t.rp.cached_tokens / 4;
+    for (k, &dst) in t.rp.blocks.iter().enumerate() {
+        e.pool_mut()
+            .device_arena_mut()
+            .block_mut(dst)
+            .copy_from_slice(&t.blocks[first + k]);
+    }
+    e.finish_remote_prefill(t.rp.id, t.first_token, now)
+        .unwrap()
 }
 
 fn tight_engine(device: u32, host: u32, budget: usize, seqs: usize) -> MockEngine {
@@ -76,6 +128,7 @@ proptest! {
         let mut aborted = BTreeSet::new();
         let mut reqs = BTreeMap::new();
         let mut got: BTreeMap<RequestId, Vec<u32>> = BTreeMap::new();
+        let mut transfers: VecDeque<Pending> = VecDeque::new();
         for op in ops {
             match op {
                 Op::Arrive { family, len, max_tokens } => {
@@ -85,9 +138,33 @@ proptest! {
                     live.push(next_id);
                     next_id += 1;
                 }
+                Op::ArriveRemote { family, len, max_tokens } => {
+                    let r = request(next_id, family_prompt(family, len, next_id), u32::from(max_tokens));
+                    match e.begin_remote_prefill(r.clone(), now) {
+                        Ok(rp) => transfers.push_back(remote_prefill(&r, rp)),
+                        Err(SchedulerError::NoRoomForKv { .. }) => {
+                            e.add_request(r.clone(), now).unwrap();
+                        }
+                        Err(err) => return Err(TestCaseError::fail(err.to_string())),
+                    }
+                    reqs.insert(r.id, r);
+                    live.push(next_id);
+                    next_id += 1;
+                }
+                Op::Transfer { ok } => {
+                    if let Some(t) = transfers.pop_front() {
+                        if ok {
+                            let o = land(&mut e, t, now);
+                            got.entry(o.id).or_default().push(o.token);
+                        } else {
+                            e.fail_remote_prefill(t.rp.id, now).unwrap();
+                        }
+                    }
+                }
                 Op::Abort { nth } => {
                     if !live.is_empty() {
                         let id = live.remove(nth as usize % live.len());
+                        transfers.retain(|t| t.rp.id != RequestId(id));
                         if e.abort(RequestId(id)) {
                             aborted.insert(RequestId(id));
                         }
@@ -105,6 +182,11 @@ proptest! {
             if let Err(msg) = e.pool().check_invariants() {
                 return Err(TestCaseError::fail(msg));
             }
+        }
+        prop_assert_eq!(e.num_awaiting_kv(), transfers.len());
+        for t in std::mem::take(&mut transfers) {
+            let o = land(&mut e, t, now);
+            got.entry(o.id).or_default().push(o.token);
         }
         for (id, tokens) in drain(&mut e, &mut now) {
             got.entry(id).or_default().extend(tokens);

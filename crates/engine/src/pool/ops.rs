@@ -47,6 +47,59 @@ impl BlockPool {
         Ok(hit)
     }
 
+    /// [`acquire_prefix`](Self::acquire_prefix) then [`allocate`](Self::allocate), all or
+    /// nothing: when the pool cannot give the sequence its cached prefix and room for
+    /// `total_tokens` now, `OutOfBlocks` and nothing changed (no promotion, no eviction, no
+    /// event). For reservations that cannot wait for room, such as the destination of a KV
+    /// transfer.
+    pub fn acquire_and_allocate(
+        &mut self,
+        seq: RequestId,
+        hashes: &[BlockHashes],
+        max_blocks: usize,
+        total_tokens: usize,
+    ) -> Result<PrefixHit, PoolError> {
+        if self.seqs.contains_key(&seq) {
+            return Err(PoolError::DuplicateSequence(seq));
+        }
+        // What the two calls take from the available blocks: each unreferenced cached device
+        // block of the prefix (it leaves the LRU), each host block (promoted into a device
+        // block), and each fresh block. Device hits come before host hits (the device set is
+        // prefix-closed), so a promotion's eviction never takes a block of this prefix.
+        let (mut reused, mut pinned, mut promoted) = (0, 0, 0);
+        for h in hashes.iter().take(max_blocks) {
+            match self.cached.get(&h.sequence) {
+                Some(Location::Device(b)) => {
+                    reused += 1;
+                    pinned += usize::from(self.device[*b as usize].refs == 0);
+                }
+                Some(Location::Host(_)) => {
+                    reused += 1;
+                    promoted += 1;
+                }
+                None => break,
+            }
+        }
+        let fresh = self
+            .cfg
+            .block_size
+            .blocks_for(total_tokens)
+            .saturating_sub(reused);
+        let needed = pinned + promoted + fresh;
+        let available = self.available_blocks();
+        if needed > available {
+            return Err(PoolError::OutOfBlocks { needed, available });
+        }
+        let hit = self.acquire_prefix(seq, hashes, max_blocks)?;
+        debug_assert_eq!(hit.total(), reused, "every counted block was acquired");
+        if let Err(e) = self.allocate(seq, total_tokens) {
+            debug_assert!(false, "allocation after the room check failed: {e}");
+            let _ = self.free(seq);
+            return Err(e);
+        }
+        Ok(hit)
+    }
+
     /// Grows a sequence's table to hold `total_tokens` tokens, evicting cached blocks if it
     /// must. All or nothing: on `OutOfBlocks` nothing changed. Creates the sequence if new.
     pub fn allocate(&mut self, seq: RequestId, total_tokens: usize) -> Result<(), PoolError> {

@@ -124,6 +124,53 @@ fn out_of_blocks_changes_nothing() {
 }
 
 #[test]
+fn acquire_and_allocate_is_all_or_nothing() {
+    // 4 device blocks, 8 host slots. `a` (2 blocks) ends up on host, `b` (2 blocks) on device,
+    // cached and unreferenced.
+    let mut p = pool(4, 8);
+    let a: Vec<u32> = (0..8).collect();
+    let b: Vec<u32> = (100..108).collect();
+    let c: Vec<u32> = (200..216).collect();
+    run_seq(&mut p, 1, &a).unwrap();
+    run_seq(&mut p, 2, &c).unwrap(); // evicts a to host
+    run_seq(&mut p, 3, &b).unwrap();
+    let mut a_long = a.clone();
+    a_long.extend(300..306); // 14 tokens: a's 2 blocks + 1 full + 1 partial
+    let ha = hashes(&a_long);
+    assert_eq!(
+        p.lookup(&sequence_hashes(&ha)),
+        PrefixHit { device: 0, host: 2 }
+    );
+    // Hold 1 block elsewhere: 3 available, 4 needed (2 promotions + 2 fresh).
+    p.allocate(RequestId(8), 4).unwrap();
+    let before = (p.last_event_id(), p.available_blocks(), p.stats());
+    assert_eq!(
+        p.acquire_and_allocate(RequestId(4), &ha, 3, 14),
+        Err(PoolError::OutOfBlocks {
+            needed: 4,
+            available: 3
+        })
+    );
+    assert_eq!(
+        (p.last_event_id(), p.available_blocks(), p.stats()),
+        before,
+        "a refused reservation promotes, evicts and publishes nothing"
+    );
+    assert!(p.block_table(RequestId(4)).is_none());
+    p.check_invariants().unwrap();
+    p.free(RequestId(8)).unwrap();
+    let hit = p.acquire_and_allocate(RequestId(4), &ha, 3, 14).unwrap();
+    assert_eq!(hit, PrefixHit { device: 0, host: 2 });
+    assert_eq!(p.block_table(RequestId(4)).unwrap().len(), 4);
+    assert_eq!(p.committed_blocks(RequestId(4)), Some(2));
+    assert_eq!(
+        p.acquire_and_allocate(RequestId(4), &ha, 3, 14),
+        Err(PoolError::DuplicateSequence(RequestId(4)))
+    );
+    p.check_invariants().unwrap();
+}
+
+#[test]
 fn host_tier_takes_evicted_blocks_and_gives_them_back() {
     let mut p = pool(3, 4);
     let a: Vec<u32> = (0..12).collect(); // 3 blocks fill the device

@@ -17,6 +17,7 @@ impl Scheduler {
         let step = self.stats.steps + 1;
         self.plan.reset(step, now_us);
         let mut budget = self.cfg.max_num_batched_tokens;
+        self.seat_prefilled();
         self.schedule_running(&mut budget);
         // As in vLLM: a step that had to preempt admits no one, or the admitted request would
         // take the blocks just freed and the preempted one would thrash.
@@ -30,6 +31,17 @@ impl Scheduler {
             self.stats.steps += 1;
         }
         &self.plan
+    }
+
+    /// Seats remotely prefilled requests (they hold their KV and decode) while seats last,
+    /// before any waiting request is admitted.
+    fn seat_prefilled(&mut self) {
+        while self.running.len() < self.cfg.max_num_seqs {
+            let Some(id) = self.prefilled.pop_front() else {
+                break;
+            };
+            self.running.push(id);
+        }
     }
 
     /// Gives each running request, in admission order, its next tokens while budget lasts.

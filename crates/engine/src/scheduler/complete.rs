@@ -77,9 +77,7 @@ impl Scheduler {
     }
 
     fn is_running(&self, id: tandem_protocol::RequestId) -> bool {
-        self.seqs
-            .get(&id)
-            .is_some_and(|s| s.phase != RequestPhase::Waiting)
+        self.seqs.get(&id).is_some_and(|s| s.phase.is_scheduled())
     }
 
     /// Applies one entry's results; true when the request finished.
@@ -91,11 +89,7 @@ impl Scheduler {
         emitted: &mut Vec<RequestOutput>,
     ) -> Result<bool, SchedulerError> {
         let id = entry.id;
-        let Some(seq) = self
-            .seqs
-            .get_mut(&id)
-            .filter(|s| s.phase != RequestPhase::Waiting)
-        else {
+        let Some(seq) = self.seqs.get_mut(&id).filter(|s| s.phase.is_scheduled()) else {
             return Ok(false); // aborted during the step
         };
         let range = entry.tokens();

@@ -13,9 +13,21 @@
 //! [`Scheduler::complete_step`], which advances every request, commits full blocks to the
 //! prefix cache, and finishes requests on their length limit or stop token.
 //!
+//! # Remote prefill (the decode side)
+//! A decode worker whose request is prefilled by another worker calls
+//! [`Scheduler::begin_remote_prefill`]: the request takes its cached prefix and blocks for the
+//! rest of its prompt at once, and waits in [`RequestPhase::AwaitingKv`] while the transport
+//! writes the prompt's KV into those blocks. [`Scheduler::finish_remote_prefill`] then commits
+//! the blocks to the prefix cache, takes the prefill worker's first token as generated and
+//! seats the request to decode; [`Scheduler::fail_remote_prefill`] drops the blocks and queues
+//! the request at the front for a local prefill. See `remote.rs`.
+//!
 //! # Invariants
 //! - A request is in exactly one of: the waiting queue (holding no blocks), the running list
-//!   (holding a block table in the pool), or nowhere (finished or aborted, holding nothing).
+//!   (holding a block table in the pool), awaiting KV (holding its prompt's block table, never
+//!   scheduled), the prefilled queue (holding its prompt's KV, decoding as soon as a seat is
+//!   free; seated before any waiting request is admitted), or nowhere (finished or aborted,
+//!   holding nothing).
 //! - `computed ≤ tokens.len()` for every request; a request samples a token exactly when a step
 //!   brings `computed` to `tokens.len()`, so at most one token's KV is ever missing.
 //! - At least one token is computed on every admission (the prefix reuse is capped), so the
@@ -25,6 +37,9 @@
 
 mod admit;
 mod complete;
+mod remote;
+#[cfg(test)]
+mod remote_tests;
 mod sequence;
 #[cfg(test)]
 mod tests;
@@ -38,6 +53,7 @@ use tandem_protocol::{HashSeed, LoadReport, RequestId, WorkerId};
 use crate::arena::KvArena;
 use crate::pool::{BlockPool, PoolError};
 
+pub use remote::RemotePrefill;
 pub use sequence::{RequestPhase, Sequence};
 
 /// Scheduling limits.
@@ -139,6 +155,17 @@ pub enum SchedulerError {
     DuplicateRequest(RequestId),
     #[error("waiting queue is full ({0} requests)")]
     QueueFull(usize),
+    #[error(
+        "request {id}: no room for its prompt's KV now: needs {needed} blocks, {available} \
+         can be had"
+    )]
+    NoRoomForKv {
+        id: RequestId,
+        needed: usize,
+        available: usize,
+    },
+    #[error("request {0} is not awaiting KV")]
+    NotAwaitingKv(RequestId),
     #[error("no step is in flight")]
     NoStepInFlight,
     #[error("step outputs do not match the plan: expected a token for {expected:?}, got {got:?}")]
@@ -158,8 +185,11 @@ impl SchedulerError {
             | SchedulerError::TooLong { .. }
             | SchedulerError::ExceedsStepBudget { .. }
             | SchedulerError::DuplicateRequest(_) => ErrorClass::InvalidRequest,
-            SchedulerError::QueueFull(_) => ErrorClass::Overloaded,
+            SchedulerError::QueueFull(_) | SchedulerError::NoRoomForKv { .. } => {
+                ErrorClass::Overloaded
+            }
             SchedulerError::InvalidConfig(_)
+            | SchedulerError::NotAwaitingKv(_)
             | SchedulerError::NoStepInFlight
             | SchedulerError::OutputMismatch { .. }
             | SchedulerError::Pool(_) => ErrorClass::Internal,
@@ -276,14 +306,16 @@ pub struct RequestOutput {
     /// The request's first token (time to first token ends here).
     pub first_token: bool,
     /// Prompt tokens served from the prefix cache (device and host) at the admission that
-    /// produced the first token: what usage reports as cached.
+    /// produced the first token: what usage reports as cached. For a remote prefill, what
+    /// this worker held already (the rest was transferred).
     pub cached_tokens: usize,
     pub prompt_tokens: usize,
     /// Tokens generated so far, this one included.
     pub completion_tokens: u32,
     /// Set on the request's last token.
     pub finish: Option<FinishReason>,
-    /// On the first token: microseconds from `add_request` to the end of this step.
+    /// On the first token: microseconds from `add_request` (or `begin_remote_prefill`) to the
+    /// end of this step (or to `finish_remote_prefill`).
     pub time_to_first_token_us: Option<u64>,
 }
 
@@ -302,6 +334,10 @@ pub struct SchedulerStats {
     pub admissions: u64,
     pub finished: u64,
     pub aborted: u64,
+    /// Remote prefills begun (`begin_remote_prefill` accepted).
+    pub remote_prefills: u64,
+    /// Remote prefills that failed and fell back to a local prefill.
+    pub remote_prefill_fallbacks: u64,
 }
 
 /// Read access to the running requests, for a model computing the in-flight step.
@@ -313,9 +349,7 @@ pub struct RunningSequences<'a> {
 impl<'a> RunningSequences<'a> {
     /// The request, if it is running (aborted ones are gone).
     pub fn get(&self, id: RequestId) -> Option<&'a Sequence> {
-        self.seqs
-            .get(&id)
-            .filter(|s| s.phase() != RequestPhase::Waiting)
+        self.seqs.get(&id).filter(|s| s.phase().is_scheduled())
     }
 }
 
@@ -337,6 +371,11 @@ pub struct Scheduler {
     waiting: VecDeque<RequestId>,
     /// In admission order: the last one is the first to be preempted.
     running: Vec<RequestId>,
+    /// Remote prefills finished while every seat was taken: decoding, holding their KV,
+    /// seated (in order) before any waiting request is admitted.
+    prefilled: VecDeque<RequestId>,
+    /// Requests in [`RequestPhase::AwaitingKv`].
+    awaiting_kv: usize,
     plan: StepPlan,
     in_flight: bool,
     stats: SchedulerStats,
@@ -370,6 +409,8 @@ impl Scheduler {
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            prefilled: VecDeque::new(),
+            awaiting_kv: 0,
             in_flight: false,
             stats: SchedulerStats::default(),
             last_now_us: 0,
@@ -378,6 +419,20 @@ impl Scheduler {
 
     /// Validates a request and queues it behind the others.
     pub fn add_request(&mut self, req: EngineRequest, now_us: u64) -> Result<(), SchedulerError> {
+        self.validate(&req)?;
+        if self.waiting.len() >= self.cfg.max_waiting {
+            return Err(SchedulerError::QueueFull(self.waiting.len()));
+        }
+        self.last_now_us = self.last_now_us.max(now_us);
+        let id = req.id;
+        let seq = Sequence::new(req, self.pool.block_size(), now_us);
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// The checks every new request passes, wherever it is prefilled.
+    fn validate(&self, req: &EngineRequest) -> Result<(), SchedulerError> {
         let id = req.id;
         if req.prompt.is_empty() {
             return Err(SchedulerError::EmptyPrompt(id));
@@ -405,17 +460,10 @@ impl Scheduler {
         if self.seqs.contains_key(&id) {
             return Err(SchedulerError::DuplicateRequest(id));
         }
-        if self.waiting.len() >= self.cfg.max_waiting {
-            return Err(SchedulerError::QueueFull(self.waiting.len()));
-        }
-        self.last_now_us = self.last_now_us.max(now_us);
-        let seq = Sequence::new(req, self.pool.block_size(), now_us);
-        self.seqs.insert(id, seq);
-        self.waiting.push_back(id);
         Ok(())
     }
 
-    /// Drops a request wherever it is and frees its blocks. Safe while a step is in flight: the
+    /// Drops a request wherever it is (awaiting KV included) and frees its blocks. Safe while a step is in flight: the
     /// request's entry is skipped when the step completes. False when the request is unknown
     /// (finished already, or never added).
     pub fn abort(&mut self, id: RequestId) -> bool {
@@ -427,11 +475,15 @@ impl Scheduler {
                 self.waiting.remove(pos);
             }
         } else {
-            if let Some(pos) = self.running.iter().position(|r| *r == id) {
+            if seq.phase() == RequestPhase::AwaitingKv {
+                self.awaiting_kv -= 1;
+            } else if let Some(pos) = self.running.iter().position(|r| *r == id) {
                 self.running.remove(pos);
+            } else if let Some(pos) = self.prefilled.iter().position(|r| *r == id) {
+                self.prefilled.remove(pos);
             }
             let freed = self.pool.free(id);
-            debug_assert!(freed.is_ok(), "running request {id} had no block table");
+            debug_assert!(freed.is_ok(), "request {id} had no block table");
         }
         self.stats.aborted += 1;
         true
@@ -494,13 +546,25 @@ impl Scheduler {
         self.running.len()
     }
 
-    /// Whether any request is waiting or running.
+    /// Requests awaiting their prompt's KV from a remote prefill.
+    pub fn num_awaiting_kv(&self) -> usize {
+        self.awaiting_kv
+    }
+
+    /// Remotely prefilled requests waiting for a seat to decode.
+    pub fn num_prefilled_queued(&self) -> usize {
+        self.prefilled.len()
+    }
+
+    /// Whether any request is tracked: waiting, running, awaiting KV or prefilled and queued.
+    /// With only requests awaiting KV, `schedule` plans nothing until their transfers end.
     pub fn has_work(&self) -> bool {
         !self.seqs.is_empty()
     }
 
-    /// Tokens still to prefill: all of each waiting request (its cache hit is not known before
-    /// admission) and the rest of each running prefill. O(requests).
+    /// Tokens still to prefill here: all of each waiting request (its cache hit is not known
+    /// before admission) and the rest of each running prefill; none of a remote prefill's.
+    /// O(requests).
     pub fn pending_prefill_tokens(&self) -> usize {
         let waiting: usize = self
             .waiting
@@ -522,12 +586,15 @@ impl Scheduler {
         self.running.iter().map(|id| self.seqs[id].computed()).sum()
     }
 
-    /// A load report as of `now_us` (the latest time seen when older).
+    /// A load report as of `now_us` (the latest time seen when older). Requests awaiting KV
+    /// and prefilled ones queued for a seat count as running: they hold KV here and decode
+    /// here next, and their prefill is not this worker's work.
     pub fn load_report(&self, worker_id: WorkerId, now_us: u64) -> LoadReport {
+        let running = self.running.len() + self.prefilled.len() + self.awaiting_kv;
         LoadReport {
             worker_id,
             timestamp_ms: now_us.max(self.last_now_us) / 1000,
-            running_requests: self.running.len() as u32,
+            running_requests: running as u32,
             waiting_requests: self.waiting.len() as u32,
             pending_prefill_tokens: self.pending_prefill_tokens() as u64,
             kv_active_blocks: self.pool.active_blocks() as u64,

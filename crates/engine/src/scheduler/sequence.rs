@@ -12,8 +12,18 @@ pub enum RequestPhase {
     Waiting,
     /// Admitted, computing its prompt (after a preemption: prompt and generated tokens).
     Prefilling,
-    /// Generating one token per step.
+    /// Generating one token per step (running, or remotely prefilled and queued for a seat).
     Decoding,
+    /// Remote prefill: holding blocks for its prompt while another worker's KV is written into
+    /// them; neither waiting nor running, never scheduled, its blocks not evictable.
+    AwaitingKv,
+}
+
+impl RequestPhase {
+    /// Whether a request in this phase may have entries in a step plan.
+    pub fn is_scheduled(self) -> bool {
+        matches!(self, RequestPhase::Prefilling | RequestPhase::Decoding)
+    }
 }
 
 /// A request as the scheduler tracks it.
@@ -38,8 +48,8 @@ pub struct Sequence {
     pub(super) committed: usize,
     pub(super) generated: u32,
     pub(super) cached_tokens: usize,
-    /// Times admitted from the waiting queue: a model keeping per-request state resets it
-    /// when this changes (the KV was dropped by a preemption).
+    /// Times admitted from the waiting queue or given blocks by a remote prefill: a model
+    /// keeping per-request state resets it when this changes (the KV was dropped and rebuilt).
     pub(super) admissions: u32,
     pub(super) arrival_us: u64,
 }

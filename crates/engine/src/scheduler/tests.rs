@@ -5,15 +5,15 @@ use tandem_protocol::{BlockSize, RequestId, WorkerId};
 use super::*;
 use crate::pool::BlockPoolConfig;
 
-const BS: u32 = 4;
+pub(super) const BS: u32 = 4;
 
-fn sched(device_blocks: u32, cfg: SchedulerConfig) -> Scheduler {
+pub(super) fn sched(device_blocks: u32, cfg: SchedulerConfig) -> Scheduler {
     let mut p = BlockPoolConfig::new(WorkerId(7), device_blocks);
     p.block_size = BlockSize::new(BS).unwrap();
     Scheduler::new(cfg, BlockPool::new(p).unwrap()).unwrap()
 }
 
-fn req(id: u64, prompt_len: u32, max_tokens: u32) -> EngineRequest {
+pub(super) fn req(id: u64, prompt_len: u32, max_tokens: u32) -> EngineRequest {
     EngineRequest::new(
         RequestId(id),
         (0..prompt_len).map(|t| t + 1000 * id as u32).collect(),
@@ -22,7 +22,7 @@ fn req(id: u64, prompt_len: u32, max_tokens: u32) -> EngineRequest {
 }
 
 /// A stand-in model: the token is a function of the request and its length.
-fn fake_tokens(s: &Scheduler) -> Vec<SampledToken> {
+pub(super) fn fake_tokens(s: &Scheduler) -> Vec<SampledToken> {
     s.plan()
         .entries
         .iter()
@@ -35,7 +35,7 @@ fn fake_tokens(s: &Scheduler) -> Vec<SampledToken> {
 }
 
 /// One step with the fake model.
-fn step(s: &mut Scheduler, now: u64) -> Vec<RequestOutput> {
+pub(super) fn step(s: &mut Scheduler, now: u64) -> Vec<RequestOutput> {
     if s.schedule(now).is_empty() {
         return Vec::new();
     }
@@ -43,7 +43,7 @@ fn step(s: &mut Scheduler, now: u64) -> Vec<RequestOutput> {
     s.complete_step(&toks, now + 1).unwrap()
 }
 
-fn run_to_end(s: &mut Scheduler) -> Vec<RequestOutput> {
+pub(super) fn run_to_end(s: &mut Scheduler) -> Vec<RequestOutput> {
     let mut all = Vec::new();
     for t in 0..10_000 {
         if !s.has_work() {

@@ -1,0 +1,258 @@
+//! Remote prefill between mock engines, byte for byte: a prefill engine P runs the prompt as a
+//! one-token request, the test moves P's KV bytes into the blocks a decode engine D names, and
+//! D must then produce exactly the tokens of an engine A that prefilled locally.
+
+use tandem_protocol::{RequestId, StorageTier, WorkerId};
+
+use super::tests::{drain, engine, prompt, request};
+use super::*;
+use crate::pool::BlockPoolConfig;
+use crate::scheduler::{EngineRequest, RemotePrefill, SchedulerConfig, SchedulerError};
+
+const BS: usize = 4;
+const ID: RequestId = RequestId(1);
+
+fn small(device_blocks: u32) -> MockEngine {
+    engine(
+        device_blocks,
+        BS as u32,
+        SchedulerConfig::default(),
+        KvShape::MOCKER_DEFAULT,
+    )
+}
+
+/// Tokens of `r` prefilled and decoded locally on a fresh engine.
+fn local(r: EngineRequest) -> Vec<u32> {
+    let mut a = small(64);
+    let id = r.id;
+    a.add_request(r, 0).unwrap();
+    drain(&mut a, &mut 0).remove(&id).unwrap()
+}
+
+/// The prefill worker's side: runs the prompt of `r` with max_tokens 1. Returns the first
+/// token and the block table the prompt's KV was written into (its bytes stay in P's arena
+/// after the request is freed, as nothing else runs on P).
+pub(super) fn prefill_on(p: &mut MockEngine, mut r: EngineRequest) -> (u32, Vec<u32>) {
+    r.max_tokens = 1;
+    let id = r.id;
+    p.add_request(r, 0).unwrap();
+    let (mut now, mut table, mut first) = (0, Vec::new(), None);
+    while let Some(step) = p.begin_step(now) {
+        table = p.pool().block_table(id).unwrap().to_vec();
+        now += step.duration_us();
+        for o in p.finish_step(now) {
+            assert!(o.first_token && o.finish.is_some());
+            first = Some(o.token);
+        }
+    }
+    (first.expect("the prefill produced a token"), table)
+}
+
+/// The transport: P's blocks for the transferred positions into D's destination blocks.
+fn transfer(p: &MockEngine, p_table: &[u32], d: &mut MockEngine, rp: &RemotePrefill) {
+    let first = rp.cached_tokens / BS;
+    for (k, &dst) in rp.blocks.iter().enumerate() {
+        let bytes = p.pool().device_arena().block(p_table[first + k]).to_vec();
+        d.pool_mut()
+            .device_arena_mut()
+            .block_mut(dst)
+            .copy_from_slice(&bytes);
+    }
+}
+
+/// Finishes the remote prefill on D with P's first token and decodes to the end.
+fn finish_and_decode(d: &mut MockEngine, id: RequestId, first: u32) -> Vec<u32> {
+    let out = d.finish_remote_prefill(id, first, 1_000).unwrap();
+    assert!(out.first_token);
+    d.pool().check_invariants().unwrap();
+    let mut tokens = vec![out.token];
+    if out.finish.is_none() {
+        tokens.extend(drain(d, &mut 1_000).remove(&id).unwrap());
+    }
+    tokens
+}
+
+#[test]
+fn a_remote_prefill_decodes_exactly_like_a_local_one() {
+    for len in [23, 24, 3] {
+        let expected = local(request(1, prompt(5, len), 12));
+        for p_budget in [8192, 8] {
+            let mut p = engine(
+                64,
+                BS as u32,
+                SchedulerConfig {
+                    max_num_batched_tokens: p_budget,
+                    ..Default::default()
+                },
+                KvShape::MOCKER_DEFAULT,
+            );
+            let (first, p_table) = prefill_on(&mut p, request(1, prompt(5, len), 12));
+            assert_eq!(first, expected[0], "P's first token is A's");
+            let mut d = small(64);
+            let rp = d
+                .begin_remote_prefill(request(1, prompt(5, len), 12), 0)
+                .unwrap();
+            assert_eq!((rp.cached_tokens, rp.blocks.len()), (0, len.div_ceil(BS)));
+            assert!(
+                d.begin_step(0).is_none(),
+                "nothing to compute while awaiting KV"
+            );
+            transfer(&p, &p_table, &mut d, &rp);
+            let got = finish_and_decode(&mut d, ID, first);
+            assert_eq!(got, expected, "prompt {len}, P budget {p_budget}");
+            assert_eq!(d.stats().prefill_tokens, 0, "D computed no prompt token");
+            assert_eq!(d.pool().active_blocks(), 0);
+            // The received blocks are in D's prefix cache with the right bytes: a later local
+            // run of the prompt on D reuses them and still gives A's tokens.
+            assert_eq!(
+                d.pool().cached_count(StorageTier::Device),
+                (len + 11) / BS,
+                "the prompt's and the decoded tokens' full blocks"
+            );
+            d.add_request(request(2, prompt(5, len), 12), 2_000)
+                .unwrap();
+            let again = drain(&mut d, &mut 2_000).remove(&RequestId(2)).unwrap();
+            assert_eq!(again, expected);
+        }
+    }
+}
+
+#[test]
+fn a_corrupted_transferred_byte_changes_the_tokens() {
+    let expected = local(request(1, prompt(5, 23), 12));
+    let mut p = small(64);
+    let (first, p_table) = prefill_on(&mut p, request(1, prompt(5, 23), 12));
+    // A full block (any byte is folded) and the partial last block (its first token's bytes
+    // are read when sampling, and folded once the block fills).
+    for (block, byte) in [(1, 77), (5, 0)] {
+        let mut d = small(64);
+        let rp = d
+            .begin_remote_prefill(request(1, prompt(5, 23), 12), 0)
+            .unwrap();
+        transfer(&p, &p_table, &mut d, &rp);
+        d.pool_mut().device_arena_mut().block_mut(rp.blocks[block])[byte] ^= 1;
+        let got = finish_and_decode(&mut d, ID, first);
+        assert_eq!(got[0], expected[0], "the first token is P's");
+        assert_ne!(got[1..], expected[1..], "block {block} byte {byte}");
+    }
+}
+
+#[test]
+fn a_failed_transfer_falls_back_to_a_local_prefill_with_the_same_tokens() {
+    let expected = local(request(1, prompt(5, 23), 12));
+    let mut p = small(64);
+    let (_, p_table) = prefill_on(&mut p, request(1, prompt(5, 23), 12));
+    let mut d = small(64);
+    let rp = d
+        .begin_remote_prefill(request(1, prompt(5, 23), 12), 0)
+        .unwrap();
+    // Half a transfer, then garbage: none of it may survive.
+    transfer(&p, &p_table, &mut d, &rp);
+    for &b in &rp.blocks[3..] {
+        d.pool_mut().device_arena_mut().block_mut(b).fill(0xAB);
+    }
+    d.fail_remote_prefill(ID, 10).unwrap();
+    assert_eq!(d.pool().active_blocks(), 0);
+    assert_eq!(d.pool().cached_count(StorageTier::Device), 0);
+    d.pool().check_invariants().unwrap();
+    let got = drain(&mut d, &mut 10).remove(&ID).unwrap();
+    assert_eq!(got, expected);
+    assert_eq!(d.stats().remote_prefill_fallbacks, 1);
+    assert_eq!(d.stats().prefill_tokens, 23);
+}
+
+#[test]
+fn a_prefix_cached_on_the_decode_worker_is_not_transferred() {
+    let expected = local(request(1, prompt(5, 23), 12));
+    let mut p = small(64);
+    let (first, p_table) = prefill_on(&mut p, request(1, prompt(5, 23), 12));
+    // D caches the first 3 blocks (a 12-token prefix of the prompt).
+    let mut d = small(64);
+    d.add_request(request(7, prompt(5, 12), 1), 0).unwrap();
+    drain(&mut d, &mut 0);
+    let rp = d
+        .begin_remote_prefill(request(1, prompt(5, 23), 12), 0)
+        .unwrap();
+    assert_eq!(rp.cached_tokens, 12);
+    assert_eq!(rp.transfer(), 12..23);
+    assert_eq!(rp.blocks.len(), 3);
+    transfer(&p, &p_table, &mut d, &rp);
+    let got = finish_and_decode(&mut d, ID, first);
+    assert_eq!(got, expected);
+
+    // A prompt cached whole on D (block-aligned): nothing travels but the first token.
+    let expected = local(request(1, prompt(6, 16), 5));
+    let (first, _) = prefill_on(&mut small(64), request(1, prompt(6, 16), 5));
+    let mut d = small(64);
+    d.add_request(request(7, prompt(6, 16), 1), 0).unwrap();
+    drain(&mut d, &mut 0);
+    let rp = d
+        .begin_remote_prefill(request(1, prompt(6, 16), 5), 0)
+        .unwrap();
+    assert_eq!((rp.cached_tokens, rp.blocks.len()), (16, 0));
+    assert_eq!(finish_and_decode(&mut d, ID, first), expected);
+}
+
+#[test]
+fn a_prefix_on_the_host_tier_is_promoted_and_not_transferred() {
+    let expected = local(request(1, prompt(5, 23), 12));
+    let mut p = small(64);
+    let (first, p_table) = prefill_on(&mut p, request(1, prompt(5, 23), 12));
+    let mut pool = BlockPoolConfig::new(WorkerId(4), 10);
+    pool.block_size = tandem_protocol::BlockSize::new(BS as u32).unwrap();
+    pool.host_blocks = 16;
+    let mut d = MockEngine::new(MockEngineConfig::new(pool)).unwrap();
+    d.add_request(request(7, prompt(5, 12), 1), 0).unwrap();
+    drain(&mut d, &mut 0);
+    // Another prompt fills the device: the cached prefix moves to host.
+    d.add_request(request(8, prompt(9, 40), 1), 0).unwrap();
+    drain(&mut d, &mut 0);
+    assert_eq!(d.pool().cached_count(StorageTier::Host), 3);
+    let rp = d
+        .begin_remote_prefill(request(1, prompt(5, 23), 12), 0)
+        .unwrap();
+    assert_eq!(rp.cached_tokens, 12);
+    assert_eq!(d.pool().stats().host_promotions, 3);
+    transfer(&p, &p_table, &mut d, &rp);
+    assert_eq!(finish_and_decode(&mut d, ID, first), expected);
+}
+
+#[test]
+fn abort_while_awaiting_kv_leaves_no_active_blocks() {
+    let mut d = small(64);
+    d.add_request(request(2, prompt(1, 9), 4), 0).unwrap();
+    d.begin_step(0).unwrap();
+    d.begin_remote_prefill(request(1, prompt(5, 23), 12), 0)
+        .unwrap();
+    assert!(d.abort(ID));
+    d.finish_step(10);
+    drain(&mut d, &mut 10);
+    assert_eq!(d.pool().active_blocks(), 0);
+    assert_eq!(d.num_awaiting_kv(), 0);
+    assert!(!d.has_work());
+    d.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn a_full_pool_refuses_the_reservation_and_a_local_prefill_still_serves() {
+    let expected = local(request(1, prompt(5, 23), 12));
+    // 10 blocks; a running request holds 5 of them.
+    let mut d = small(10);
+    d.add_request(request(2, prompt(1, 17), 4), 0).unwrap();
+    let mut now = d.begin_step(0).unwrap().duration_us();
+    d.finish_step(now);
+    let before = (d.pool().last_event_id(), d.pool().available_blocks());
+    let e = d
+        .begin_remote_prefill(request(1, prompt(5, 23), 12), now)
+        .unwrap_err();
+    assert!(matches!(e, SchedulerError::NoRoomForKv { needed: 6, .. }));
+    assert_eq!(
+        (d.pool().last_event_id(), d.pool().available_blocks()),
+        before
+    );
+    assert_eq!(d.num_awaiting_kv(), 0);
+    d.pool().check_invariants().unwrap();
+    d.add_request(request(1, prompt(5, 23), 12), now).unwrap();
+    let got = drain(&mut d, &mut now).remove(&ID).unwrap();
+    assert_eq!(got, expected);
+}
