@@ -91,6 +91,19 @@ pub struct SimArgs {
     /// Disaggregation rule: isl-bounding, prefill-load, isl-or-load, always, never.
     #[arg(long, env = "TANDEM_SIM_DISAGG", default_value = "isl-bounding")]
     disagg: String,
+    /// isl-bounding, isl-or-load: prefill locally only when the prompt tokens not cached on
+    /// the decode worker are below this many (and below --isl-max-local-fraction).
+    #[arg(long, env = "TANDEM_SIM_ISL_MAX_LOCAL_TOKENS", default_value_t = DisaggConfig::default().isl_max_local_tokens)]
+    isl_max_local_tokens: u64,
+    /// isl-bounding, isl-or-load: prefill locally only when the prompt tokens not cached on
+    /// the decode worker are below this fraction of the prompt, in [0, 1] (and below
+    /// --isl-max-local-tokens).
+    #[arg(long, env = "TANDEM_SIM_ISL_MAX_LOCAL_FRACTION", default_value_t = DisaggConfig::default().isl_max_local_fraction)]
+    isl_max_local_fraction: f64,
+    /// prefill-load, isl-or-load: prefill locally when the best prefill worker has more
+    /// pending prefill tokens than this.
+    #[arg(long, env = "TANDEM_SIM_PREFILL_BUSY_TOKENS", default_value_t = DisaggConfig::default().prefill_busy_tokens)]
+    prefill_busy_tokens: u64,
     /// Device KV blocks per worker.
     #[arg(long, env = "TANDEM_SIM_DEVICE_BLOCKS", default_value_t = 16_384)]
     device_blocks: u32,
@@ -133,7 +146,7 @@ pub struct SimArgs {
     /// A rate meets the SLO when this fraction of requests do.
     #[arg(long, env = "TANDEM_SIM_SLO_ATTAINMENT", default_value_t = 0.9)]
     slo_attainment: f64,
-    /// Load-imbalance sampling interval.
+    /// Interval of the in-flight load-imbalance samples (`inflight_imbalance_*`).
     #[arg(long, env = "TANDEM_SIM_SAMPLE_INTERVAL_MS", default_value_t = 1000.0)]
     sample_interval_ms: f64,
     /// Seed of every random draw.
@@ -246,6 +259,9 @@ impl SimArgs {
         policy.kv.active_request_weight = self.active_request_weight;
         let mut disagg = DisaggConfig {
             mode: self.disagg.parse::<DisaggMode>().context("--disagg")?,
+            isl_max_local_tokens: self.isl_max_local_tokens,
+            isl_max_local_fraction: self.isl_max_local_fraction,
+            prefill_busy_tokens: self.prefill_busy_tokens,
             ..Default::default()
         };
         disagg.decode_kv = policy.kv;

@@ -46,7 +46,9 @@ fn sim_writes_table_json_and_plots() {
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        stdout.contains("| TTFT |") && stdout.contains("prefix hit rate"),
+        stdout.contains("| TTFT |")
+            && stdout.contains("prefix hit rate")
+            && stdout.contains("max−min requests per worker"),
         "{stdout}"
     );
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
@@ -57,6 +59,9 @@ fn sim_writes_table_json_and_plots() {
         "e2e_max_ms",
         "goodput_rps",
         "prefix_hit_rate",
+        "inflight_imbalance_max_minus_min_mean",
+        "inflight_imbalance_max_minus_min_max",
+        "inflight_imbalance_max_over_mean_mean",
     ] {
         assert!(v[key].is_number(), "{key}");
     }
@@ -75,10 +80,64 @@ fn sim_refuses_bad_flags_with_a_clear_message() {
         (&["--workers", "0"][..], "--workers must be at least 1"),
         (&["--sweep-rate", "1,x"][..], "--sweep-rate"),
         (&["--event-delay-ms=-1"][..], "--event-delay-ms"),
+        (
+            &["--isl-max-local-fraction", "70"][..],
+            "--isl-max-local-fraction",
+        ),
+        (&["--isl-max-local-tokens=-1"][..], "--isl-max-local-tokens"),
+        (
+            &["--prefill-busy-tokens", "lots"][..],
+            "--prefill-busy-tokens",
+        ),
     ] {
         let out = tandem(args);
         assert!(!out.status.success(), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(expect), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn disagg_threshold_flags_reach_the_rule() {
+    let dir = std::env::temp_dir().join(format!("tandem-sim-disagg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let split = |extra: &[&str], env: &[(&str, &str)]| {
+        let json = dir.join("out.json");
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["sim", "--workload", "shared-prefix", "--requests", "40"])
+            .args(["--rate", "20", "--workers", "2", "--prefill-workers", "1"])
+            .args(["--isl", "64", "--prefix-len", "256", "--prefix-groups", "2"])
+            .args(["--osl", "4", "--json", json.to_str().unwrap()])
+            .args(extra)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        (
+            v["remote_prefills"].as_u64().unwrap(),
+            v["local_prefills"].as_u64().unwrap(),
+        )
+    };
+    // Defaults: prompts with a cached prefix on their decode worker prefill locally.
+    let (remote, local) = split(&[], &[]);
+    assert!(remote > 0 && local > 0, "{remote} / {local}");
+    // No effective prompt is below 0 tokens, or below 0 × the prompt: all remote.
+    assert_eq!(split(&["--isl-max-local-tokens", "0"], &[]), (40, 0));
+    assert_eq!(split(&["--isl-max-local-fraction", "0"], &[]), (40, 0));
+    assert_eq!(
+        split(&[], &[("TANDEM_SIM_ISL_MAX_LOCAL_TOKENS", "0")]),
+        (40, 0)
+    );
+    // prefill-load: no prefill backlog reaches 8192 tokens here; any backlog exceeds 0.
+    assert_eq!(split(&["--disagg", "prefill-load"], &[]), (40, 0));
+    let (remote, local) = split(
+        &["--disagg", "prefill-load", "--prefill-busy-tokens", "0"],
+        &[],
+    );
+    assert!(remote > 0 && local > 0, "{remote} / {local}");
 }

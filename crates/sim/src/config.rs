@@ -17,12 +17,14 @@ pub struct SimConfig {
     pub engine: EngineSettings,
     /// Policy of the aggregated pool (ignored with a prefill pool: see `disagg`).
     pub policy: PolicyConfig,
-    /// Disaggregation rule and the `kv` knobs of both pools, used when `prefill_workers > 0`.
+    /// Disaggregation rule, its thresholds (`isl_max_local_tokens`, `isl_max_local_fraction`,
+    /// `prefill_busy_tokens`) and the `kv` knobs of both pools, used when `prefill_workers > 0`.
     pub disagg: DisaggConfig,
     pub event_plane: EventPlaneConfig,
     pub transfer: TransferConfig,
     pub slo: SloConfig,
-    /// How often the per-worker load is sampled for the imbalance-over-time figures (µs).
+    /// How often the requests in flight per (decode) worker are sampled for the
+    /// `inflight_imbalance_*` figures (µs).
     pub sample_interval_us: u64,
 }
 
@@ -92,6 +94,12 @@ impl SimConfig {
         self.policy
             .build()
             .map_err(|e| SimError::InvalidConfig(format!("policy: {e}")))?;
+        let f = self.disagg.isl_max_local_fraction;
+        if !(f.is_finite() && (0.0..=1.0).contains(&f)) {
+            return Err(SimError::InvalidConfig(format!(
+                "--isl-max-local-fraction must be a fraction of the prompt in [0, 1], got {f}"
+            )));
+        }
         self.disagg
             .validate()
             .map_err(|e| SimError::InvalidConfig(format!("disaggregation: {e}")))?;

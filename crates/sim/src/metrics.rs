@@ -12,6 +12,15 @@
 //!   prompt tokens, from the `cached_tokens` of each request's first token on the engine that
 //!   prefilled it (the prefill worker for a remote prefill: the decode side's reuse of the
 //!   transferred KV is counted as transferred, not as a hit).
+//! - In-flight load imbalance (`inflight_imbalance_*`): every `sample_interval_us` of virtual
+//!   time (`--sample-interval-ms`, from t = 0, until the last request ends), the requests in
+//!   flight on each aggregated (or decode) worker are counted: waiting, running, or awaiting
+//!   the KV of a remote prefill in its engine. Samples where no request is in flight anywhere
+//!   are skipped. Per sample, two figures: **max − min** over workers (the imbalance of the
+//!   router experiments; 0 means perfectly even), and max / mean (the worker count whenever a
+//!   single request is in flight, so it mostly measures how light the load is). The report
+//!   gives the mean and the max of each over the samples, the number of samples, and every
+//!   sample as a `(virtual second, value)` series. Prefill workers are not sampled.
 
 use serde::Serialize;
 
@@ -154,17 +163,28 @@ pub struct SimReport {
     /// Requests per aggregated (or decode) worker.
     pub worker_requests: Spread,
     pub prefill_worker_requests: Spread,
-    /// Max over mean of the requests in each (decode) worker, sampled every interval while
-    /// requests are in flight: mean and max over the samples.
-    pub load_imbalance_mean: f64,
-    pub load_imbalance_max: f64,
+    /// Samples of the requests in flight per (decode) worker (see the module docs): one every
+    /// `sample_interval_us` of virtual time while at least one request is in flight.
+    pub inflight_imbalance_samples: u64,
+    /// Most minus fewest requests in flight on a worker: mean over the samples…
+    pub inflight_imbalance_max_minus_min_mean: f64,
+    /// …and max over the samples.
+    pub inflight_imbalance_max_minus_min_max: u64,
+    /// Most requests in flight on a worker over the mean per worker: mean over the samples…
+    /// (equals the worker count whenever a single request is in flight, so it overstates
+    /// imbalance at low load; prefer max−min).
+    pub inflight_imbalance_max_over_mean_mean: f64,
+    /// …and max over the samples.
+    pub inflight_imbalance_max_over_mean_max: f64,
     pub preemptions: u64,
     pub kv_events_applied: u64,
     pub index_gaps_repaired: u64,
     /// TTFT at each percent 0, 1, …, 100 (the CDF, for plots).
     pub ttft_cdf_ms: Vec<f64>,
-    /// `(virtual second, imbalance)` samples.
-    pub load_imbalance_series: Vec<(f64, f64)>,
+    /// `(virtual second, max − min)` of every sample.
+    pub inflight_imbalance_max_minus_min_series: Vec<(f64, u64)>,
+    /// `(virtual second, max / mean)` of every sample.
+    pub inflight_imbalance_max_over_mean_series: Vec<(f64, f64)>,
 }
 
 impl SimReport {
@@ -291,10 +311,20 @@ impl SimReport {
             );
         }
         row(
-            "load imbalance (max/mean)",
+            "in-flight imbalance, max−min requests per worker",
+            format!(
+                "mean {:.2}, max {} (samples: {})",
+                self.inflight_imbalance_max_minus_min_mean,
+                self.inflight_imbalance_max_minus_min_max,
+                self.inflight_imbalance_samples
+            ),
+        );
+        row(
+            "in-flight imbalance, max/mean requests per worker",
             format!(
                 "mean {:.2}, max {:.2}",
-                self.load_imbalance_mean, self.load_imbalance_max
+                self.inflight_imbalance_max_over_mean_mean,
+                self.inflight_imbalance_max_over_mean_max
             ),
         );
         row(

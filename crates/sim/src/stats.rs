@@ -16,19 +16,44 @@ pub(crate) struct Stats {
     pub transfer_us: Vec<u64>,
     /// Every inter-token gap, µs.
     pub itl_us: Vec<u32>,
-    pub imbalance: Vec<(f64, f64)>,
+    /// One sample per `sample_interval_us` while requests are in flight.
+    pub imbalance: Vec<ImbalanceSample>,
+}
+
+/// The requests in flight per (decode) worker at one sample.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ImbalanceSample {
+    pub secs: f64,
+    /// Most minus fewest requests in flight on a worker.
+    pub max_minus_min: u64,
+    /// Most requests in flight on a worker over the mean.
+    pub max_over_mean: f64,
 }
 
 impl Stats {
-    /// Records max/mean of the per-worker loads, when anything is in flight.
+    /// Records max−min and max/mean of the per-worker loads, when anything is in flight.
     pub fn sample_imbalance(&mut self, now_us: u64, loads: &[u64]) {
         let total: u64 = loads.iter().sum();
         if total == 0 || loads.is_empty() {
             return;
         }
         let mean = total as f64 / loads.len() as f64;
-        let max = loads.iter().copied().max().unwrap_or(0) as f64;
-        self.imbalance.push((now_us as f64 / 1e6, max / mean));
+        let max = loads.iter().copied().max().unwrap_or(0);
+        let min = loads.iter().copied().min().unwrap_or(0);
+        self.imbalance.push(ImbalanceSample {
+            secs: now_us as f64 / 1e6,
+            max_minus_min: max - min,
+            max_over_mean: max as f64 / mean,
+        });
+    }
+}
+
+fn mean(xs: impl ExactSizeIterator<Item = f64>) -> f64 {
+    let n = xs.len();
+    if n == 0 {
+        0.0
+    } else {
+        xs.sum::<f64>() / n as f64
     }
 }
 
@@ -111,7 +136,7 @@ pub(crate) fn report(
     } else {
         0.0
     };
-    let imb: Vec<f64> = stats.imbalance.iter().map(|&(_, x)| x).collect();
+    let imb = &stats.imbalance;
     let (decode_routed, prefill_routed) = sim.workers_routed();
     let (applied, gaps) = sim.index_counters();
     let n = specs.len() as u64;
@@ -180,16 +205,48 @@ pub(crate) fn report(
         transfer_fallbacks: stats.transfer_fallbacks,
         worker_requests: Spread::of(&decode_routed),
         prefill_worker_requests: Spread::of(&prefill_routed),
-        load_imbalance_mean: if imb.is_empty() {
-            0.0
-        } else {
-            imb.iter().sum::<f64>() / imb.len() as f64
-        },
-        load_imbalance_max: imb.iter().copied().fold(0.0, f64::max),
+        inflight_imbalance_samples: imb.len() as u64,
+        inflight_imbalance_max_minus_min_mean: mean(imb.iter().map(|x| x.max_minus_min as f64)),
+        inflight_imbalance_max_minus_min_max: imb
+            .iter()
+            .map(|x| x.max_minus_min)
+            .max()
+            .unwrap_or(0),
+        inflight_imbalance_max_over_mean_mean: mean(imb.iter().map(|x| x.max_over_mean)),
+        inflight_imbalance_max_over_mean_max: imb
+            .iter()
+            .map(|x| x.max_over_mean)
+            .fold(0.0, f64::max),
         preemptions: sim.preemptions(),
         kv_events_applied: applied,
         index_gaps_repaired: gaps,
         ttft_cdf_ms: cdf(&ttft_sorted),
-        load_imbalance_series: stats.imbalance.clone(),
+        inflight_imbalance_max_minus_min_series: imb
+            .iter()
+            .map(|x| (x.secs, x.max_minus_min))
+            .collect(),
+        inflight_imbalance_max_over_mean_series: imb
+            .iter()
+            .map(|x| (x.secs, x.max_over_mean))
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn imbalance_samples_give_max_minus_min_and_max_over_mean() {
+        let mut s = Stats::default();
+        s.sample_imbalance(500_000, &[1, 0, 0, 0]);
+        s.sample_imbalance(1_000_000, &[0, 0, 0, 0]); // nothing in flight: skipped
+        s.sample_imbalance(1_500_000, &[5, 2, 3, 2]);
+        let got: Vec<_> = s
+            .imbalance
+            .iter()
+            .map(|x| (x.secs, x.max_minus_min, x.max_over_mean))
+            .collect();
+        assert_eq!(got, [(0.5, 1, 4.0), (1.5, 3, 5.0 / 3.0)]);
     }
 }

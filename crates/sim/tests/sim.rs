@@ -152,6 +152,9 @@ fn bad_configs_are_refused_clearly() {
     assert!(bad(&|c| c.transfer.transfer_gbps = 0.0).contains("--transfer-gbps"));
     assert!(bad(&|c| c.slo.attainment = 1.5).contains("--slo-attainment"));
     assert!(bad(&|c| c.policy.kv.overlap_credit = -1.0).contains("policy"));
+    for f in [-0.1, 1.5, f64::NAN] {
+        assert!(bad(&|c| c.disagg.isl_max_local_fraction = f).contains("--isl-max-local-fraction"));
+    }
     assert!(
         bad(&|c| if let WorkloadConfig::Synthetic(s) = &mut c.workload {
             s.rate = f64::NAN;
@@ -184,5 +187,58 @@ fn decode_workers_without_room_for_the_kv_prefill_locally() {
     assert_eq!(
         r.prefill_worker_requests.mean * 2.0,
         r.remote_prefills as f64
+    );
+}
+
+#[test]
+fn disagg_thresholds_change_the_remote_local_split() {
+    let split = |f: &dyn Fn(&mut SimConfig)| {
+        let mut cfg = small(3);
+        cfg.topology.prefill_workers = 2;
+        f(&mut cfg);
+        let r = run(cfg).unwrap();
+        assert_eq!((r.completed, r.rejected), (200, 0));
+        assert_eq!(r.remote_prefills + r.local_prefills, 200);
+        (r.remote_prefills, r.local_prefills)
+    };
+    // isl-bounding at the defaults (2048 tokens, 0.7): prompts whose shared prefix is cached on
+    // the decode worker prefill there, the others remotely.
+    let (remote, local) = split(&|_| {});
+    assert!(remote > 0 && local > 0, "{remote} / {local}");
+    // No effective prompt is below 0 tokens, or below 0 × the prompt: all remote.
+    assert_eq!(split(&|c| c.disagg.isl_max_local_tokens = 0), (200, 0));
+    assert_eq!(split(&|c| c.disagg.isl_max_local_fraction = 0.0), (200, 0));
+    // prefill-load: this light load never queues 8192 prefill tokens on a prefill worker, so
+    // all remote; with a threshold of 0 any backlog sends the prompt to its decode worker.
+    let load = |busy: u64| {
+        split(&|c| {
+            c.disagg.mode = DisaggMode::PrefillLoad;
+            c.disagg.prefill_busy_tokens = busy;
+        })
+    };
+    assert_eq!(load(8192), (200, 0));
+    let (remote, local) = load(0);
+    assert!(remote > 0 && local > 0, "{remote} / {local}");
+}
+
+#[test]
+fn one_request_in_flight_is_an_imbalance_of_one_not_the_worker_count() {
+    let mut syn = shared_prefix(3, 1.0);
+    syn.arrival = ArrivalProcess::Constant;
+    syn.shape = PromptShape::Random;
+    let mut cfg = SimConfig::synthetic(4, syn);
+    cfg.sample_interval_us = 10_000;
+    let r = run(cfg).unwrap();
+    assert_eq!(r.completed, 3);
+    assert!(r.inflight_imbalance_samples > 0);
+    assert_eq!(r.inflight_imbalance_max_minus_min_max, 1);
+    assert_eq!(r.inflight_imbalance_max_minus_min_mean, 1.0);
+    assert_eq!(r.inflight_imbalance_max_over_mean_max, 4.0);
+    let n = r.inflight_imbalance_samples as usize;
+    assert_eq!(r.inflight_imbalance_max_minus_min_series.len(), n);
+    assert_eq!(r.inflight_imbalance_max_over_mean_series.len(), n);
+    assert!(
+        r.to_markdown()
+            .contains("max−min requests per worker | mean 1.00, max 1")
     );
 }
