@@ -21,6 +21,11 @@ pub struct SimArgs {
     /// Trace: only the first N requests.
     #[arg(long, env = "TANDEM_SIM_LIMIT")]
     limit: Option<usize>,
+    /// Move each arrival later by a seeded offset uniform in [0, J) ms (µs resolution), so
+    /// requests sharing a trace timestamp no longer reach the routers at one instant. Applies
+    /// to synthetic workloads too. 0: arrivals as generated.
+    #[arg(long, env = "TANDEM_SIM_ARRIVAL_JITTER_MS", default_value_t = 0.0)]
+    arrival_jitter_ms: f64,
     /// Synthetic prompt shape.
     #[arg(long, env = "TANDEM_SIM_WORKLOAD", value_enum, default_value_t = Shape::Random)]
     workload: Shape,
@@ -302,6 +307,7 @@ impl SimArgs {
                 attainment: self.slo_attainment,
             },
             sample_interval_us: ms_to_us("--sample-interval-ms", self.sample_interval_ms)?,
+            arrival_jitter_us: ms_to_us("--arrival-jitter-ms", self.arrival_jitter_ms)?,
         })
     }
 }

@@ -80,6 +80,9 @@ fn sim_refuses_bad_flags_with_a_clear_message() {
         (&["--workers", "0"][..], "--workers must be at least 1"),
         (&["--sweep-rate", "1,x"][..], "--sweep-rate"),
         (&["--event-delay-ms=-1"][..], "--event-delay-ms"),
+        (&["--arrival-jitter-ms=-1"][..], "--arrival-jitter-ms"),
+        (&["--arrival-jitter-ms", "NaN"][..], "--arrival-jitter-ms"),
+        (&["--arrival-jitter-ms", "inf"][..], "--arrival-jitter-ms"),
         (
             &["--isl-max-local-fraction", "70"][..],
             "--isl-max-local-fraction",
@@ -140,4 +143,48 @@ fn disagg_threshold_flags_reach_the_rule() {
         &[],
     );
     assert!(remote > 0 && local > 0, "{remote} / {local}");
+}
+
+#[test]
+fn arrival_jitter_zero_is_byte_identical_to_no_flag_and_positive_is_repeatable() {
+    let dir = std::env::temp_dir().join(format!("tandem-sim-jitter-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/traces/conversation_trace.jsonl");
+    let json = |name: &str, extra: &[&str], env: &[(&str, &str)]| {
+        let path = dir.join(name);
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["sim", "--trace", trace.to_str().unwrap(), "--limit", "60"])
+            .args(["--workers", "3", "--routers", "2", "--seed", "4"])
+            .args(["--json", path.to_str().unwrap()])
+            .args(extra)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::read(&path).unwrap()
+    };
+    let plain = json("plain.json", &[], &[]);
+    assert_eq!(plain, json("zero.json", &["--arrival-jitter-ms", "0"], &[]));
+    assert_eq!(
+        plain,
+        json(
+            "zero-env.json",
+            &[],
+            &[("TANDEM_SIM_ARRIVAL_JITTER_MS", "0")]
+        )
+    );
+    let a = json("a.json", &["--arrival-jitter-ms", "250"], &[]);
+    let b = json("b.json", &[], &[("TANDEM_SIM_ARRIVAL_JITTER_MS", "250")]);
+    assert_eq!(a, b);
+    assert_ne!(a, plain);
+    let v: serde_json::Value = serde_json::from_slice(&a).unwrap();
+    assert_eq!(
+        v["completed"].as_u64().unwrap() + v["rejected"].as_u64().unwrap(),
+        60
+    );
 }

@@ -26,6 +26,12 @@ pub struct SimConfig {
     /// How often the requests in flight per (decode) worker are sampled for the
     /// `inflight_imbalance_*` figures (µs).
     pub sample_interval_us: u64,
+    /// Each request's arrival is moved later by an offset drawn uniformly from
+    /// `[0, arrival_jitter_us)` µs (trace and synthetic workloads alike), in virtual time after
+    /// `arrival_speedup` / `rate` are applied. Breaks up the Mooncake trace's 3-second buckets,
+    /// whose ~10 requests would otherwise be routed at one instant, before any sync message or
+    /// KV event can arrive. 0 (the default): arrivals as generated, no draw made.
+    pub arrival_jitter_us: u64,
 }
 
 impl SimConfig {
@@ -48,6 +54,7 @@ impl SimConfig {
             transfer: TransferConfig::default(),
             slo: SloConfig::default(),
             sample_interval_us: 1_000_000,
+            arrival_jitter_us: 0,
         }
     }
 

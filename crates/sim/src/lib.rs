@@ -16,7 +16,8 @@
 //!
 //! - `config.rs`: [`SimConfig`] and its parts, validated once.
 //! - `workload.rs`: Mooncake trace and synthetic workloads (Poisson, gamma, constant arrivals;
-//!   random, shared-prefix, multi-turn prompts), expanded to tokens at arrival.
+//!   random, shared-prefix, multi-turn prompts; optional seeded arrival jitter), expanded to
+//!   tokens at arrival.
 //! - `queue.rs`: the event heap. `sim.rs`: the event loop and the request lifecycle.
 //!   `replica.rs`: one router replica. `stats.rs`, `metrics.rs`: counters and [`SimReport`].
 //! - `sweep.rs`: rate sweeps. `svg.rs`: hand-written SVG plots.
@@ -43,6 +44,17 @@
 //! - Time is integer microseconds; ties are broken by scheduling order; every random draw
 //!   comes from [`tandem_router::Rng`] seeded from [`SimConfig::seed`]. Same config, same
 //!   report, byte for byte. Nothing reads a clock.
+//! - What that tie rule means for arrivals: every arrival is queued before the run starts, so
+//!   at an equal microsecond an arrival is handled before any sync message, KV event (snapshot
+//!   mode, or streaming with a delay), load report or timer queued during the run. Sync
+//!   messages always go through the queue, at `now + delay_us`; with delay 0 they land on the
+//!   microsecond of the arrival that sent them, hence *after* every other arrival of that
+//!   microsecond. Streamed KV events with delay 0 skip the queue: every replica applies them
+//!   when the worker publishes them (after each step, and when a request is added). So
+//!   requests that share an arrival time (the Mooncake trace's ~10 per 3-second bucket) are
+//!   routed back to back from the same view, without their peers' sync messages;
+//!   [`SimConfig::arrival_jitter_us`] spreads them out so that messages sent at one arrival
+//!   are handled before the next.
 //!
 //! Metric definitions are in `metrics.rs` ([`SimReport`]).
 
@@ -70,7 +82,7 @@ pub use tandem_router::{DisaggConfig, DisaggMode, KvConfig, PolicyConfig, Policy
 /// Runs one simulation to the end of its last request.
 pub fn run(config: SimConfig) -> Result<SimReport, SimError> {
     config.validate()?;
-    let specs = workload::build(&config.workload, config.seed)?;
+    let specs = workload::build(&config.workload, config.seed, config.arrival_jitter_us)?;
     run_specs(&config, &specs)
 }
 

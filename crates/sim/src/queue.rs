@@ -1,5 +1,7 @@
 //! The event queue: a binary heap of timed events, earliest first, ties broken by the order
-//! in which they were scheduled, so a run is a pure function of its inputs.
+//! in which they were scheduled, so a run is a pure function of its inputs. (The simulation
+//! queues every arrival first, so an arrival wins a tie against anything queued during the
+//! run: see the crate docs.)
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;

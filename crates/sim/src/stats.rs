@@ -58,7 +58,7 @@ fn mean(xs: impl ExactSizeIterator<Item = f64>) -> f64 {
 }
 
 fn workload_name(cfg: &SimConfig) -> String {
-    match &cfg.workload {
+    let name = match &cfg.workload {
         WorkloadConfig::Trace(t) => format!(
             "trace {} ×{}",
             t.path.file_name().map_or_else(
@@ -77,6 +77,11 @@ fn workload_name(cfg: &SimConfig) -> String {
             s.osl.mean,
             100.0 * s.osl.spread
         ),
+    };
+    // Named only when on, so runs without jitter report exactly as before.
+    match cfg.arrival_jitter_us {
+        0 => name,
+        j => format!("{name}, arrival jitter {} ms", j as f64 / 1000.0),
     }
 }
 
@@ -129,8 +134,10 @@ pub(crate) fn report(
             .map(|&u| u as f64 / 1000.0)
             .collect(),
     );
-    let secs = (end_us as f64 / 1e6).max(1e-6);
-    let span = specs.last().map_or(0, |s| s.arrival_us) as f64 / 1e6;
+    // The first arrival is at 0 unless `arrival_jitter_us` moved it later.
+    let first_us = specs.first().map_or(0, |s| s.arrival_us);
+    let secs = (end_us.saturating_sub(first_us) as f64 / 1e6).max(1e-6);
+    let span = specs.last().map_or(0, |s| s.arrival_us - first_us) as f64 / 1e6;
     let offered = if specs.len() > 1 && span > 0.0 {
         (specs.len() - 1) as f64 / span
     } else {

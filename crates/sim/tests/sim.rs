@@ -115,6 +115,36 @@ fn trace_workload_with_limit_and_speedup() {
 }
 
 #[test]
+fn jittered_trace_with_four_synced_routers_completes_and_repeats_byte_for_byte() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/traces/conversation_trace.jsonl");
+    let mut cfg = SimConfig::synthetic(4, SyntheticConfig::default());
+    cfg.workload = WorkloadConfig::Trace(TraceWorkload {
+        path,
+        arrival_speedup: 1.0,
+        limit: Some(200),
+    });
+    cfg.topology.routers = 4;
+    cfg.topology.replica_sync = true;
+    cfg.seed = 11;
+    let plain = run(cfg.clone()).unwrap();
+    cfg.arrival_jitter_us = 500_000;
+    let a = run(cfg.clone()).unwrap();
+    assert_eq!((a.requests, a.completed + a.rejected), (200, 200));
+    assert!(
+        a.workload.ends_with("arrival jitter 500 ms"),
+        "{}",
+        a.workload
+    );
+    assert!(!plain.workload.contains("jitter"));
+    let b = run(cfg).unwrap();
+    assert_eq!(
+        serde_json::to_vec(&a).unwrap(),
+        serde_json::to_vec(&b).unwrap()
+    );
+}
+
+#[test]
 fn multi_turn_and_gamma_workloads_run() {
     let mut syn = shared_prefix(120, 10.0);
     syn.arrival = ArrivalProcess::Gamma { shape: 0.3 };
