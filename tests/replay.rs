@@ -1,24 +1,23 @@
 //! The main job end to end: `tandem replay` over the built binary and a bundled trace.
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
+
+use common::{run_ok, temp_dir, trace};
 
 /// Runs `tandem replay` with `args` and returns its JSON results.
 fn replay(dir: &Path, name: &str, args: &[&str]) -> serde_json::Value {
     let json = dir.join(name);
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .arg("replay")
-        .args(args)
-        .arg("--trace")
-        .arg(trace("conversation_trace.jsonl"))
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_ok(
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .arg("replay")
+            .args(args)
+            .arg("--trace")
+            .arg(trace("conversation_trace.jsonl"))
+            .arg("--json")
+            .arg(&json),
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -26,18 +25,6 @@ fn replay(dir: &Path, name: &str, args: &[&str]) -> serde_json::Value {
         "{stdout}"
     );
     serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
-}
-
-fn temp_dir(tag: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn trace(name: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces")
-        .join(name)
 }
 
 #[test]

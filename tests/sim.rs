@@ -1,6 +1,10 @@
 //! `tandem sim` over the built binary: flags, the markdown table, the JSON record, plots.
 
+mod common;
+
 use std::process::Command;
+
+use common::{run_ok, temp_dir, trace};
 
 fn tandem(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_tandem"))
@@ -12,8 +16,7 @@ fn tandem(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn sim_writes_table_json_and_plots() {
-    let dir = std::env::temp_dir().join(format!("tandem-sim-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = temp_dir("sim");
     let json = dir.join("out.json");
     let out = tandem(&[
         "--workload",
@@ -102,23 +105,17 @@ fn sim_refuses_bad_flags_with_a_clear_message() {
 
 #[test]
 fn disagg_threshold_flags_reach_the_rule() {
-    let dir = std::env::temp_dir().join(format!("tandem-sim-disagg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = temp_dir("sim-disagg");
     let split = |extra: &[&str], env: &[(&str, &str)]| {
         let json = dir.join("out.json");
-        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args(["sim", "--workload", "shared-prefix", "--requests", "40"])
-            .args(["--rate", "20", "--workers", "2", "--prefill-workers", "1"])
-            .args(["--isl", "64", "--prefix-len", "256", "--prefix-groups", "2"])
-            .args(["--osl", "4", "--json", json.to_str().unwrap()])
-            .args(extra)
-            .envs(env.iter().copied())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        run_ok(
+            Command::new(env!("CARGO_BIN_EXE_tandem"))
+                .args(["sim", "--workload", "shared-prefix", "--requests", "40"])
+                .args(["--rate", "20", "--workers", "2", "--prefill-workers", "1"])
+                .args(["--isl", "64", "--prefix-len", "256", "--prefix-groups", "2"])
+                .args(["--osl", "4", "--json", json.to_str().unwrap()])
+                .args(extra)
+                .envs(env.iter().copied()),
         );
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
         (
@@ -147,24 +144,17 @@ fn disagg_threshold_flags_reach_the_rule() {
 
 #[test]
 fn arrival_jitter_zero_is_byte_identical_to_no_flag_and_positive_is_repeatable() {
-    let dir = std::env::temp_dir().join(format!("tandem-sim-jitter-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let trace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces/conversation_trace.jsonl");
+    let dir = temp_dir("sim-jitter");
+    let trace = trace("conversation_trace.jsonl");
     let json = |name: &str, extra: &[&str], env: &[(&str, &str)]| {
         let path = dir.join(name);
-        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args(["sim", "--trace", trace.to_str().unwrap(), "--limit", "60"])
-            .args(["--workers", "3", "--routers", "2", "--seed", "4"])
-            .args(["--json", path.to_str().unwrap()])
-            .args(extra)
-            .envs(env.iter().copied())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        run_ok(
+            Command::new(env!("CARGO_BIN_EXE_tandem"))
+                .args(["sim", "--trace", trace.to_str().unwrap(), "--limit", "60"])
+                .args(["--workers", "3", "--routers", "2", "--seed", "4"])
+                .args(["--json", path.to_str().unwrap()])
+                .args(extra)
+                .envs(env.iter().copied()),
         );
         std::fs::read(&path).unwrap()
     };

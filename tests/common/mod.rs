@@ -1,0 +1,31 @@
+//! Helpers shared by the tests that drive the built `tandem` binary.
+
+#![allow(dead_code)] // each test crate uses its own subset
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// A fresh directory for one test's files, unique per process.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tandem-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A bundled trace: shared/ sits beside the repository.
+pub fn trace(name: &str) -> PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/traces")
+        .join(name)
+}
+
+/// Runs a command and asserts it succeeded, showing its stderr when it did not.
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
