@@ -4,10 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages the build and tests need. Empty today (issue 2 needs only the Rust
-# toolchain); etcd-server, nats-server, protobuf-compiler and libucx-dev join this list with
-# the services that use them.
-APT_PACKAGES=()
+# System packages the build and tests need: protoc for etcd-client's build, and the real etcd
+# and nats-server the runtime and integration tests start on free loopback ports.
+APT_PACKAGES=(protobuf-compiler etcd-server nats-server)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -1,9 +1,12 @@
 //! The `tandem` binary: parses flags and hands them to the library code that does the work.
 
 mod replay;
+mod serve;
 mod sim;
+mod up;
 
 use clap::{Parser, Subcommand};
+use tandem_protocol::WorkerRole;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -25,6 +28,18 @@ enum Command {
     /// KV index, tracker, disaggregation), a simulated event plane; latency percentiles,
     /// goodput under an SLO, prefix hit rate, load spread; rate sweeps and SVG plots.
     Sim(Box<sim::SimArgs>),
+    /// A whole cluster on this machine: frontend, prefill and decode mocker workers in one
+    /// process (in-memory discovery and events, real gRPC), or each as its own process on
+    /// etcd and NATS with `--processes`.
+    Up(Box<up::UpArgs>),
+    /// The OpenAI-compatible frontend with the KV-aware router, on etcd and NATS.
+    Frontend(Box<serve::FrontendArgs>),
+    /// A prefill worker (mocker engine), on etcd and NATS.
+    Prefill(Box<serve::WorkerArgs>),
+    /// A decode worker (mocker engine), on etcd and NATS.
+    Decode(Box<serve::WorkerArgs>),
+    /// The global KV index as a standalone gRPC service shared by frontend replicas.
+    Indexer(Box<serve::IndexerArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,5 +47,17 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Replay(args) => replay::run(args),
         Command::Sim(args) => sim::run(*args),
+        Command::Up(args) => block_on(up::run(*args)),
+        Command::Frontend(args) => block_on(serve::run_frontend(*args)),
+        Command::Prefill(args) => block_on(serve::run_worker(*args, WorkerRole::Prefill)),
+        Command::Decode(args) => block_on(serve::run_worker(*args, WorkerRole::Decode)),
+        Command::Indexer(args) => block_on(serve::run_indexer(*args)),
     }
+}
+
+fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(f: F) -> anyhow::Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(f)
 }

@@ -28,7 +28,8 @@ pub mod scheduler;
 pub use arena::{KvArena, KvShape};
 pub use event_log::EventsTooOld;
 pub use mocker::{
-    EngineError, MockEngine, MockEngineConfig, MockerConfig, PlannedStep, TimingModel,
+    EngineError, ExportedBlock, MockEngine, MockEngineConfig, MockerConfig, PlannedStep,
+    TimingModel,
 };
 pub use pool::{BlockPool, BlockPoolConfig, PoolError, PoolStats, PrefixHit};
 pub use scheduler::{

@@ -24,6 +24,8 @@ pub enum MessageKind {
     KvDump = 2,
     LoadReport = 3,
     WorkerRecord = 4,
+    /// Router replica sync (the router crate's `SyncMessage`).
+    RouterSync = 5,
 }
 
 /// Why bytes could not be decoded.

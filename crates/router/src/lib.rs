@@ -39,6 +39,8 @@
 //! - `tracker.rs`: [`ActiveSequences`] and replica sync.
 //! - `disagg.rs`: conditional disaggregation.
 //! - `rng.rs`: [`Rng`]. `error.rs`: [`RouteError`], [`ConfigError`].
+//! - `http/`: the OpenAI-compatible HTTP edge of the frontend (async, axum): [`http::app`],
+//!   [`http::serve`], and the [`http::Backend`] trait the routing glue implements.
 //!
 //! # Invariants
 //!
@@ -50,8 +52,10 @@
 //!   on one worker counts once there.
 
 pub mod cache_aware;
+pub mod cluster;
 pub mod disagg;
 mod error;
+pub mod http;
 pub mod kv;
 mod policy;
 mod pool;

@@ -67,6 +67,54 @@ impl PlannedStep {
     }
 }
 
+/// One exported prompt block: `index` 0 is the block holding the export's first token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportedBlock {
+    pub index: usize,
+    pub bytes: Vec<u8>,
+}
+
+/// Export progress of one request (see [`MockEngine::export_kv`]).
+#[derive(Debug)]
+struct KvExport {
+    first_block: usize,
+    /// Next prompt block (absolute index) to copy.
+    next_block: usize,
+    ready: Vec<ExportedBlock>,
+    finished: bool,
+}
+
+impl KvExport {
+    /// Copies the prompt blocks complete once the request's KV reaches `end` tokens: whole
+    /// blocks, and the partial last block when the prompt is done. Blocks are copied once;
+    /// a preempted request recomputes identical bytes (KV is a function of the token prefix).
+    fn copy_ready(
+        &mut self,
+        arena: &crate::arena::KvArena,
+        table: &[u32],
+        end: usize,
+        prompt_len: usize,
+        bs: usize,
+    ) {
+        let end = end.min(prompt_len);
+        let upto = if end == prompt_len {
+            prompt_len.div_ceil(bs)
+        } else {
+            end / bs
+        };
+        while self.next_block < upto {
+            let Some(&block) = table.get(self.next_block) else {
+                return;
+            };
+            self.ready.push(ExportedBlock {
+                index: self.next_block - self.first_block,
+                bytes: arena.block(block).to_vec(),
+            });
+            self.next_block += 1;
+        }
+    }
+}
+
 /// A worker's engine with the mocker as its model. Drive it with `begin_step` and, after the
 /// step's duration, `finish_step`; `add_request` and `abort` may come at any time.
 #[derive(Debug)]
@@ -77,6 +125,8 @@ pub struct MockEngine {
     /// KV capacity in tokens, the denominator of the decode timing's KV usage.
     kv_capacity_tokens: usize,
     digests: HashMap<RequestId, SeqDigest>,
+    /// Requests whose prompt KV is copied out as it is computed (prefill workers).
+    exports: HashMap<RequestId, KvExport>,
     // Reused from step to step.
     sampled: Vec<SampledToken>,
 }
@@ -106,6 +156,7 @@ impl MockEngine {
             cfg: mocker,
             kv_capacity_tokens,
             digests: HashMap::new(),
+            exports: HashMap::new(),
             sampled: Vec::new(),
         })
     }
@@ -162,6 +213,7 @@ impl MockEngine {
     /// Drops a request wherever it is, freeing its blocks; false when unknown.
     pub fn abort(&mut self, id: RequestId) -> bool {
         self.digests.remove(&id);
+        self.exports.remove(&id);
         self.sched.abort(id)
     }
 
@@ -220,6 +272,10 @@ impl MockEngine {
             let end = range.end;
             kv::write_tokens(view.arena, &self.layout, table, seq, range, state);
             kv::fold_complete_blocks(view.arena, table, seq.block_hashes(), end / bs, state);
+            if let Some(export) = self.exports.get_mut(&entry.id) {
+                // Before `complete_step`: a request that finishes now frees its blocks there.
+                export.copy_ready(view.arena, table, end, seq.prompt_len(), bs);
+            }
             if entry.samples {
                 let token = kv::sample(
                     view.arena,
@@ -243,9 +299,44 @@ impl MockEngine {
         for o in &outputs {
             if o.finish.is_some() {
                 self.digests.remove(&o.id);
+                if let Some(export) = self.exports.get_mut(&o.id) {
+                    export.finished = true;
+                }
             }
         }
         outputs
+    }
+
+    /// Copies the prompt KV of request `id` out of the arena as it is computed, from token
+    /// `from_token` (rounded down to a block) on: after every step, each prompt block that
+    /// became complete (or was found in the cache), and at the end of the prompt its partial
+    /// last block. Collect them with [`take_exported`](Self::take_exported). Call right after
+    /// `add_request`. This is the prefill worker's side of a remote prefill: the bytes are
+    /// exactly what a decode engine's [`begin_remote_prefill`](Self::begin_remote_prefill)
+    /// blocks must receive.
+    pub fn export_kv(&mut self, id: RequestId, from_token: usize) {
+        let bs = self.sched.pool().block_size().tokens();
+        self.exports.insert(
+            id,
+            KvExport {
+                first_block: from_token / bs,
+                next_block: from_token / bs,
+                ready: Vec::new(),
+                finished: false,
+            },
+        );
+    }
+
+    /// The blocks exported since the last call, in prompt order, and whether the request has
+    /// finished (then its export is forgotten and later calls return None).
+    pub fn take_exported(&mut self, id: RequestId) -> Option<(Vec<ExportedBlock>, bool)> {
+        let export = self.exports.get_mut(&id)?;
+        let blocks = std::mem::take(&mut export.ready);
+        let finished = export.finished;
+        if finished {
+            self.exports.remove(&id);
+        }
+        Some((blocks, finished))
     }
 
     /// Whether any request is tracked (waiting, running, or in a remote prefill).

@@ -26,7 +26,7 @@ mod remote_tests;
 #[cfg(test)]
 mod tests;
 
-pub use engine::{EngineError, MockEngine, MockEngineConfig, PlannedStep};
+pub use engine::{EngineError, ExportedBlock, MockEngine, MockEngineConfig, PlannedStep};
 
 use crate::arena::KvShape;
 

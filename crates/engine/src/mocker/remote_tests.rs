@@ -256,3 +256,68 @@ fn a_full_pool_refuses_the_reservation_and_a_local_prefill_still_serves() {
     let got = drain(&mut d, &mut now).remove(&ID).unwrap();
     assert_eq!(got, expected);
 }
+
+/// The prefill worker's export path: blocks copied out step by step (a small token budget
+/// makes the prompt span several chunks), from the decode worker's first uncached block on,
+/// while other requests run on P and reuse freed blocks.
+#[test]
+fn exported_blocks_decode_exactly_like_a_local_prefill() {
+    let expected = local(request(1, prompt(5, 23), 12));
+    let mut p = engine(
+        64,
+        BS as u32,
+        SchedulerConfig {
+            max_num_batched_tokens: 5,
+            ..Default::default()
+        },
+        KvShape::MOCKER_DEFAULT,
+    );
+    // P caches the first 2 blocks already: exported from its cache, not recomputed.
+    p.add_request(request(9, prompt(5, 8), 1), 0).unwrap();
+    drain(&mut p, &mut 0);
+    // D caches the first 3 blocks: only blocks 3.. travel.
+    let mut d = small(64);
+    d.add_request(request(7, prompt(5, 12), 1), 0).unwrap();
+    drain(&mut d, &mut 0);
+    let rp = d
+        .begin_remote_prefill(request(1, prompt(5, 23), 12), 0)
+        .unwrap();
+    assert_eq!(rp.cached_tokens, 12);
+
+    let mut r = request(1, prompt(5, 23), 12);
+    r.max_tokens = 1;
+    p.add_request(r, 0).unwrap();
+    p.export_kv(ID, rp.cached_tokens);
+    p.add_request(request(3, prompt(8, 30), 6), 0).unwrap();
+    let (mut now, mut got_blocks, mut first, mut steps_with_blocks) = (0, Vec::new(), None, 0);
+    while let Some(step) = p.begin_step(now) {
+        now += step.duration_us();
+        for o in p.finish_step(now) {
+            if o.id == ID {
+                first = Some(o.token);
+            }
+        }
+        if let Some((blocks, finished)) = p.take_exported(ID) {
+            steps_with_blocks += usize::from(!blocks.is_empty());
+            got_blocks.extend(blocks);
+            if finished {
+                assert!(p.take_exported(ID).is_none(), "forgotten once finished");
+            }
+        }
+    }
+    assert!(steps_with_blocks > 1, "blocks leave as chunks finish");
+    let idx: Vec<usize> = got_blocks.iter().map(|b| b.index).collect();
+    assert_eq!(
+        idx,
+        vec![0, 1, 2],
+        "blocks 3, 4 and the partial 5, in order"
+    );
+    for (b, &dst) in got_blocks.iter().zip(&rp.blocks) {
+        d.pool_mut()
+            .device_arena_mut()
+            .block_mut(dst)
+            .copy_from_slice(&b.bytes);
+    }
+    let got = finish_and_decode(&mut d, ID, first.unwrap());
+    assert_eq!(got, expected);
+}

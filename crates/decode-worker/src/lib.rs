@@ -1,0 +1,280 @@
+//! tandem's decode worker (DESIGN.md §1, §6, §7): serves `Generate`. A request prefills
+//! here, or — when the frontend names a prefill worker — reserves blocks for the part of the
+//! prompt it does not cache, has the prefill worker compute them and stream their KV in
+//! (inline on the gRPC stream in this version), checks the digest, adds them to its prefix
+//! cache (published as stored) and decodes. If the prefill worker fails, times out, sends
+//! bad KV, or there is no room for the reservation, the request prefills here instead: it
+//! completes either way, and the first chunk says which way it went.
+//!
+//! The aggregated role is this worker without a prefill pool. `Prefill` is not served here.
+//!
+//! A client that goes away drops the response stream: the request is aborted here and its
+//! remote prefill, if running, is cancelled, which aborts it on the prefill worker too.
+
+pub mod remote;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+
+use futures::{Stream, stream};
+use tandem_engine::{EngineRequest, FinishReason};
+use tandem_protocol::grpc::{
+    self, GenerateChunk, GenerateRequest, HealthReply, HealthRequest, KvEventsReply,
+    KvEventsRequest, PrefillChunk, PrefillOutcome, PrefillRequest, worker_server,
+};
+use tandem_protocol::{HashSeed, RequestId, WorkerRole};
+use tandem_worker::{
+    HostOutput, RequestHandle, WorkerConfig, WorkerContext, WorkerDeps, WorkerError,
+};
+use tokio::net::TcpListener;
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tonic::{Request, Response, Status};
+
+use crate::remote::PrefillClients;
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// Runs a decode (or aggregated) worker on `listener` until `shutdown`, then drains.
+pub async fn run(
+    config: WorkerConfig,
+    listener: TcpListener,
+    deps: WorkerDeps,
+    shutdown: CancellationToken,
+) -> Result<(), WorkerError> {
+    if config.role == WorkerRole::Prefill {
+        return Err(WorkerError::InvalidRequest(
+            "a decode worker cannot take the prefill role".into(),
+        ));
+    }
+    let ctx = WorkerContext::start(config, deps.events.clone())?;
+    let service = DecodeService::new(ctx.clone());
+    ctx.serve(listener, service, deps, shutdown).await
+}
+
+/// Counters of the decode worker.
+#[derive(Debug, Default)]
+pub struct DecodeStats {
+    pub remote_prefills: AtomicU64,
+    /// Remote prefills that failed and were done locally instead.
+    pub remote_prefill_fallbacks: AtomicU64,
+}
+
+/// The gRPC `Worker` service of a decode worker.
+#[derive(Clone, Debug)]
+pub struct DecodeService {
+    ctx: WorkerContext,
+    clients: Arc<PrefillClients>,
+    stats: Arc<DecodeStats>,
+}
+
+impl DecodeService {
+    pub fn new(ctx: WorkerContext) -> Self {
+        DecodeService {
+            ctx,
+            clients: Arc::default(),
+            stats: Arc::default(),
+        }
+    }
+
+    pub fn stats(&self) -> &DecodeStats {
+        &self.stats
+    }
+
+    /// Starts the remote prefill of `req` from `target`, or falls back to a local prefill
+    /// when this worker has no room for the reservation. Returns the handle and the shared
+    /// prefill outcome, settled when the KV is in (or the fallback is decided).
+    fn start_remote(
+        &self,
+        req: EngineRequest,
+        target: grpc::RemotePrefillTarget,
+        cancel: CancellationToken,
+    ) -> Result<(RequestHandle, Arc<AtomicI32>), WorkerError> {
+        let host = &self.ctx.host;
+        let (handle, rp) = match host.begin_remote(req.clone()) {
+            Ok(x) => x,
+            Err(WorkerError::Overloaded(why)) => {
+                tracing::debug!(%why, "no room to reserve a remote prefill: local prefill");
+                self.stats
+                    .remote_prefill_fallbacks
+                    .fetch_add(1, Ordering::Relaxed);
+                let handle = host.submit(req)?;
+                return Ok((handle, outcome(PrefillOutcome::Fallback)));
+            }
+            Err(e) => return Err(e),
+        };
+        self.stats.remote_prefills.fetch_add(1, Ordering::Relaxed);
+        let settled = outcome(PrefillOutcome::Unspecified);
+        let prefill = PrefillRequest {
+            request_id: req.id.0,
+            prompt: req.prompt,
+            hash_seed: req.hash_seed.0,
+            sampling_seed: req.sampling_seed,
+            from_token: rp.cached_tokens as u32,
+            block_size: self.ctx.config.engine.pool.block_size.get(),
+            bytes_per_block: host.bytes_per_block() as u64,
+            destination_blocks: Vec::new(),
+        };
+        let (host, clients, stats) = (host.clone(), self.clients.clone(), self.stats.clone());
+        let timeout = self.ctx.config.prefill_timeout;
+        let out = settled.clone();
+        let id = req.id;
+        self.ctx.tasks().spawn(async move {
+            let fetched = tokio::select! {
+                r = tokio::time::timeout(
+                    timeout,
+                    remote::fetch(&clients, &host, &target, prefill, &rp, timeout),
+                ) => r,
+                // The client went away: the handle's drop aborted the request already.
+                _ = cancel.cancelled() => return,
+            };
+            let result = match fetched {
+                Ok(Ok(first)) => {
+                    out.store(PrefillOutcome::Remote as i32, Ordering::Release);
+                    host.finish_remote(id, first)
+                }
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(WorkerError::BadTransfer(format!(
+                    "remote prefill timed out after {timeout:?}"
+                ))),
+            };
+            if let Err(e) = result {
+                tracing::warn!(request = id.0, error = %e, "remote prefill failed: prefilling locally");
+                stats.remote_prefill_fallbacks.fetch_add(1, Ordering::Relaxed);
+                out.store(PrefillOutcome::Fallback as i32, Ordering::Release);
+                if let Err(e) = host.fail_remote(id) {
+                    // Aborted meanwhile: nothing left to do.
+                    tracing::debug!(request = id.0, error = %e, "fallback after abort");
+                }
+            }
+        });
+        Ok((handle, settled))
+    }
+}
+
+fn outcome(o: PrefillOutcome) -> Arc<AtomicI32> {
+    Arc::new(AtomicI32::new(o as i32))
+}
+
+/// The engine request of a `Generate` call, validated.
+fn engine_request(req: &GenerateRequest) -> Result<EngineRequest, WorkerError> {
+    let sampling = req
+        .sampling
+        .as_ref()
+        .ok_or_else(|| WorkerError::InvalidRequest("sampling parameters missing".into()))?;
+    if req.prompt.is_empty() {
+        return Err(WorkerError::InvalidRequest("empty prompt".into()));
+    }
+    if sampling.max_tokens == 0 {
+        return Err(WorkerError::InvalidRequest(
+            "max_tokens must be at least 1".into(),
+        ));
+    }
+    let mut r = EngineRequest::new(
+        RequestId(req.request_id),
+        req.prompt.clone(),
+        sampling.max_tokens,
+    );
+    r.hash_seed = HashSeed(req.hash_seed);
+    r.sampling_seed = sampling.seed;
+    r.stop_token = sampling.stop_token;
+    r.ignore_eos = sampling.ignore_eos;
+    Ok(r)
+}
+
+/// The `Generate` stream: one chunk per token; the first carries how the prompt was
+/// prefilled. Holds the cancel guard of the remote prefill, if any.
+fn generate_stream(
+    handle: RequestHandle,
+    outcome: Arc<AtomicI32>,
+    guard: DropGuard,
+) -> BoxStream<GenerateChunk> {
+    let state = Some((handle, outcome, guard, true));
+    Box::pin(stream::unfold(state, |state| async move {
+        let (mut handle, outcome, guard, first) = state?;
+        loop {
+            match handle.next().await {
+                Some(HostOutput::Token(out)) => {
+                    let finish = match out.finish {
+                        None => grpc::FinishReason::Unspecified,
+                        Some(FinishReason::Length) => grpc::FinishReason::Length,
+                        Some(_) => grpc::FinishReason::Stop,
+                    };
+                    let prefill = if first {
+                        outcome.load(Ordering::Acquire)
+                    } else {
+                        PrefillOutcome::Unspecified as i32
+                    };
+                    let chunk = GenerateChunk {
+                        tokens: vec![out.token],
+                        cached_tokens: out.cached_tokens as u32,
+                        prompt_tokens: out.prompt_tokens as u32,
+                        finish: finish as i32,
+                        prefill,
+                    };
+                    let next = out
+                        .finish
+                        .is_none()
+                        .then_some((handle, outcome, guard, false));
+                    return Some((Ok(chunk), next));
+                }
+                // Decode workers never export blocks.
+                Some(HostOutput::Blocks(_)) => continue,
+                None => {
+                    return Some((Err(Status::unavailable("decode worker stopped")), None));
+                }
+            }
+        }
+    }))
+}
+
+#[tonic::async_trait]
+impl worker_server::Worker for DecodeService {
+    type GenerateStream = BoxStream<GenerateChunk>;
+    type PrefillStream = BoxStream<PrefillChunk>;
+
+    async fn generate(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        self.ctx.check_accepting()?;
+        let req = request.into_inner();
+        let engine_req = engine_request(&req)?;
+        let cancel = CancellationToken::new();
+        let (handle, outcome) = match req.remote_prefill {
+            None => (
+                self.ctx.host.submit(engine_req)?,
+                outcome(PrefillOutcome::Local),
+            ),
+            Some(target) => self.start_remote(engine_req, target, cancel.clone())?,
+        };
+        Ok(Response::new(generate_stream(
+            handle,
+            outcome,
+            cancel.drop_guard(),
+        )))
+    }
+
+    async fn prefill(
+        &self,
+        _request: Request<PrefillRequest>,
+    ) -> Result<Response<Self::PrefillStream>, Status> {
+        Err(Status::unimplemented(
+            "a decode worker does not serve remote prefills: send Prefill to a prefill worker",
+        ))
+    }
+
+    async fn kv_events(
+        &self,
+        request: Request<KvEventsRequest>,
+    ) -> Result<Response<KvEventsReply>, Status> {
+        self.ctx.kv_events(request.into_inner()).map(Response::new)
+    }
+
+    async fn health(
+        &self,
+        _request: Request<HealthRequest>,
+    ) -> Result<Response<HealthReply>, Status> {
+        Ok(Response::new(self.ctx.health()))
+    }
+}

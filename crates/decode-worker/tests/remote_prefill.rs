@@ -1,0 +1,218 @@
+//! A prefill worker and decode workers in one process, on memory discovery and events, over
+//! real gRPC on loopback: a remote prefill decodes exactly like a local one, a dead prefill
+//! worker means a local fallback, and a dropped stream frees every block it held.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_protocol::grpc::{
+    GenerateChunk, GenerateRequest, KvEventsRequest, PrefillOutcome, RemotePrefillTarget, Sampling,
+    kv_events_reply, worker_client::WorkerClient,
+};
+use tandem_protocol::{Envelope, KvEvent, WorkerId, WorkerRole};
+use tandem_runtime::discovery::MemoryDiscovery;
+use tandem_runtime::events::{MemoryEventPlane, subjects};
+use tandem_worker::{WorkerConfig, WorkerDeps};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+struct Running {
+    addr: String,
+    stop: CancellationToken,
+    task: JoinHandle<Result<(), tandem_worker::WorkerError>>,
+}
+
+fn deps() -> WorkerDeps {
+    WorkerDeps {
+        discovery: Arc::new(MemoryDiscovery::new()),
+        events: Arc::new(MemoryEventPlane::new()),
+    }
+}
+
+fn config(id: u64, role: WorkerRole) -> WorkerConfig {
+    let mut c = WorkerConfig::new(WorkerId(id), role);
+    c.engine.pool.device_blocks = 256;
+    c.engine.mocker.speedup_ratio = 20.0;
+    c.load_interval = Duration::from_millis(50);
+    c.prefill_timeout = Duration::from_secs(5);
+    c.drain_timeout = Duration::from_secs(5);
+    c
+}
+
+async fn start(id: u64, role: WorkerRole, deps: &WorkerDeps) -> Running {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let stop = CancellationToken::new();
+    let (cfg, deps, s) = (config(id, role), deps.clone(), stop.clone());
+    let task = tokio::spawn(async move {
+        match role {
+            WorkerRole::Prefill => tandem_prefill_worker::run(cfg, listener, deps, s).await,
+            _ => tandem_decode_worker::run(cfg, listener, deps, s).await,
+        }
+    });
+    Running { addr, stop, task }
+}
+
+async fn client(addr: &str) -> WorkerClient<Channel> {
+    let ch = tandem_runtime::grpc::connect_channel(addr, Duration::from_secs(5))
+        .await
+        .unwrap();
+    WorkerClient::new(ch)
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (seed.wrapping_mul(7919) + i * 31) % 32000)
+        .collect()
+}
+
+fn request(id: u64, prompt: Vec<u32>, remote: Option<&Running>) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id,
+        prompt,
+        sampling: Some(Sampling {
+            max_tokens: 24,
+            seed: 7,
+            temperature: 0.0,
+            stop_token: None,
+            ignore_eos: true,
+        }),
+        hash_seed: tandem_protocol::HashSeed::UNSALTED.0,
+        remote_prefill: remote.map(|p| RemotePrefillTarget {
+            worker_id: 1,
+            address: p.addr.clone(),
+        }),
+    }
+}
+
+async fn generate(c: &mut WorkerClient<Channel>, req: GenerateRequest) -> Vec<GenerateChunk> {
+    let mut stream = c.generate(req).await.unwrap().into_inner();
+    let mut chunks = Vec::new();
+    while let Some(chunk) = stream.message().await.unwrap() {
+        chunks.push(chunk);
+    }
+    chunks
+}
+
+fn tokens(chunks: &[GenerateChunk]) -> Vec<u32> {
+    chunks.iter().flat_map(|c| c.tokens.clone()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies() {
+    let deps = deps();
+    let p = start(1, WorkerRole::Prefill, &deps).await;
+    let d1 = start(2, WorkerRole::Decode, &deps).await;
+    let d2 = start(3, WorkerRole::Decode, &deps).await;
+    let (mut c1, mut c2) = (client(&d1.addr).await, client(&d2.addr).await);
+
+    let long = prompt(5, 300);
+    let local = generate(&mut c1, request(10, long.clone(), None)).await;
+    assert_eq!(local[0].prefill, PrefillOutcome::Local as i32);
+    assert_eq!(local.len(), 24);
+    assert_eq!(local.last().unwrap().finish, 1, "length");
+
+    let remote = generate(&mut c2, request(11, long.clone(), Some(&p))).await;
+    assert_eq!(remote[0].prefill, PrefillOutcome::Remote as i32);
+    assert_eq!(
+        tokens(&remote),
+        tokens(&local),
+        "remote prefill = local prefill"
+    );
+
+    // The received blocks are in d2's prefix cache and published as stored.
+    let mut sub_check = c2
+        .kv_events(KvEventsRequest {
+            after: 0,
+            dump: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(kv_events_reply::Body::Dump(bytes)) = sub_check.body.take() else {
+        panic!("asked for a dump");
+    };
+    let dump = tandem_protocol::KvDump::decode(&bytes).unwrap();
+    assert!(!dump.events.is_empty(), "d2 caches the prompt's blocks");
+
+    // A prefix d2 now holds: only the rest would travel; the output is still the same.
+    let again = generate(&mut c2, request(12, long.clone(), Some(&p))).await;
+    assert_eq!(again[0].cached_tokens, 288, "18 full blocks cached on d2");
+    assert_eq!(tokens(&again), tokens(&local));
+
+    // The prefill worker goes away: d1 falls back to a local prefill, same tokens.
+    let gone = Running {
+        addr: p.addr.clone(),
+        stop: p.stop.clone(),
+        task: tokio::spawn(async { Ok(()) }),
+    };
+    p.stop.cancel();
+    p.task.await.unwrap().unwrap();
+    let other = prompt(9, 200);
+    let expected = generate(&mut c1, request(13, other.clone(), None)).await;
+    let fallback = generate(&mut c2, request(14, other, Some(&gone))).await;
+    assert_eq!(fallback[0].prefill, PrefillOutcome::Fallback as i32);
+    assert_eq!(tokens(&fallback), tokens(&expected));
+
+    for w in [d1, d2] {
+        w.stop.cancel();
+        w.task.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_reach_the_event_plane_and_a_dropped_stream_frees_its_blocks() {
+    let deps = deps();
+    let mut sub = deps
+        .events
+        .subscribe(&subjects::kv_events("default"))
+        .await
+        .unwrap();
+    let d = start(2, WorkerRole::Decode, &deps).await;
+    let mut c = client(&d.addr).await;
+    let mut req = request(20, prompt(3, 160), None);
+    req.sampling.as_mut().unwrap().max_tokens = 3000;
+    let mut stream = c.generate(req).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(first.prompt_tokens, 160);
+    drop(stream);
+
+    // Events flow, numbered from 1 without gaps; after the drop, the request's blocks are
+    // released: every stored block of the prompt is eventually either still cached
+    // (evictable) or removed, and the worker reports no active blocks.
+    let mut next_id = 1;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut load_sub = deps
+        .events
+        .subscribe(&subjects::load_reports("default"))
+        .await
+        .unwrap();
+    while next_id < 2 {
+        let bytes = tokio::time::timeout_at(deadline, sub.next())
+            .await
+            .unwrap()
+            .unwrap();
+        for ev in Vec::<KvEvent>::decode(&bytes).unwrap() {
+            assert_eq!(ev.event_id, next_id);
+            next_id += 1;
+        }
+    }
+    loop {
+        let bytes = tokio::time::timeout_at(deadline, load_sub.next())
+            .await
+            .expect("an idle load report within 5 s")
+            .unwrap();
+        let report = tandem_protocol::LoadReport::decode(&bytes).unwrap();
+        if report.running_requests == 0 && report.kv_active_blocks == 0 {
+            break;
+        }
+    }
+    d.stop.cancel();
+    d.task.await.unwrap().unwrap();
+    assert!(
+        deps.discovery.list().await.unwrap().is_empty(),
+        "deregistered"
+    );
+}

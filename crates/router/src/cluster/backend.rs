@@ -1,0 +1,592 @@
+//! [`ClusterBackend`]: the HTTP edge's [`Backend`] over real workers.
+//!
+//! Per request: hash the prompt's full blocks under its cache salt, find each worker's
+//! cached prefix (embedded index or a standalone indexer), gather candidate views (overlap,
+//! the tracker's load merged with the latest load report, warm-up), decide — the policy over
+//! the decode pool, or conditional disaggregation when a prefill pool exists — record the
+//! request in the active-sequence tracker (shared with peer replicas over the event plane),
+//! and call the decode worker's `Generate`, naming the prefill worker when prefill is
+//! remote.
+//!
+//! Failures before the first token are retried on another decode worker (the frontend's is
+//! the one retry layer, DESIGN.md §10), up to `max_attempts`. A failure after the first token
+//! ends the stream with an error item; the edge closes the response cleanly.
+//!
+//! The tracker entry of a request lives in a guard owned by its output stream: the prefill
+//! load leaves at the first token, everything leaves when the stream ends or is dropped.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream;
+use parking_lot::Mutex;
+use tandem_indexer::OverlapScores;
+use tandem_protocol::grpc::{
+    self, FindMatchesRequest, GenerateChunk, GenerateRequest, RemotePrefillTarget, Sampling,
+    indexer_client::IndexerClient,
+};
+use tandem_protocol::hashing::compute_block_hashes;
+use tandem_protocol::{Envelope, HashSeed, MessageKind, RequestId, SequenceHash, WorkerId};
+use tandem_runtime::events::{EventPlane, subjects};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use super::view::{ClusterView, WorkerEntry};
+use crate::http::{
+    Backend, FinishReason, Generation, RouteInfo, ServeError, TokenChunk, ValidRequest,
+};
+use crate::{
+    ActiveSequences, DisaggConfig, NewSequence, Rng, RouteRequest, Router, RouterConfig, RouterId,
+    SyncMessage, TrackerConfig, WorkerLoad, WorkerView, disagg,
+};
+
+/// Tracker ids of a request's prefill part: the request id with the top bit flipped.
+const PREFILL_BIT: u64 = 1 << 63;
+/// Sync messages waiting to be published; beyond it they are dropped (peers expire the
+/// entries by TTL).
+const SYNC_QUEUE: usize = 4096;
+
+impl Envelope for SyncMessage {
+    const KIND: MessageKind = MessageKind::RouterSync;
+}
+
+/// How the backend routes.
+#[derive(Clone, Debug)]
+pub struct BackendConfig {
+    /// The policy over the decode pool when there is no prefill pool.
+    pub router: RouterConfig,
+    /// Conditional disaggregation, when a prefill pool exists.
+    pub disagg: DisaggConfig,
+    pub tracker: TrackerConfig,
+    /// This replica's id among the frontends sharing one view.
+    pub router_id: RouterId,
+    /// Share tracker changes with peer replicas over the event plane.
+    pub replica_sync: bool,
+    /// Standalone indexer (`tandem indexer`) address; None: the view's embedded index.
+    pub indexer_url: Option<String>,
+    /// Decode workers tried per request before giving up.
+    pub max_attempts: u32,
+    pub connect_timeout: Duration,
+    pub seed: u64,
+}
+
+impl BackendConfig {
+    pub fn new(router_id: RouterId) -> Self {
+        BackendConfig {
+            router: RouterConfig::default(),
+            disagg: DisaggConfig::default(),
+            tracker: TrackerConfig::default(),
+            router_id,
+            replica_sync: true,
+            indexer_url: None,
+            max_attempts: 3,
+            connect_timeout: Duration::from_secs(2),
+            seed: router_id.0,
+        }
+    }
+}
+
+struct RouteState {
+    router: Router,
+    tracker: ActiveSequences,
+    rng: Rng,
+}
+
+struct Shared {
+    view: Arc<ClusterView>,
+    cfg: BackendConfig,
+    state: Mutex<RouteState>,
+    indexer: Option<IndexerClient<Channel>>,
+    sync_tx: Option<mpsc::Sender<SyncMessage>>,
+}
+
+/// The frontend's backend over a live cluster. Cheap to clone.
+#[derive(Clone)]
+pub struct ClusterBackend {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for ClusterBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterBackend")
+            .field("router_id", &self.shared.cfg.router_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A routing decision for one attempt.
+struct Plan {
+    decode: WorkerEntry,
+    prefill: Option<WorkerEntry>,
+    request: RequestId,
+}
+
+impl ClusterBackend {
+    /// Builds the backend on `view`; with replica sync, publishes this replica's tracker
+    /// changes and applies its peers'.
+    pub async fn start(
+        cfg: BackendConfig,
+        view: Arc<ClusterView>,
+        events: Arc<dyn EventPlane>,
+        tasks: &TaskTracker,
+        cancel: CancellationToken,
+    ) -> Result<Self, ServeError> {
+        cfg.disagg
+            .validate()
+            .map_err(|e| ServeError::internal(format!("disaggregation config: {e}")))?;
+        let router = Router::new(cfg.router)
+            .map_err(|e| ServeError::internal(format!("router config: {e}")))?;
+        let indexer = match &cfg.indexer_url {
+            Some(url) => {
+                let ch = tandem_runtime::grpc::lazy_channel(url, cfg.connect_timeout)
+                    .map_err(|e| ServeError::internal(format!("indexer address: {e}")))?;
+                Some(IndexerClient::new(ch))
+            }
+            None => None,
+        };
+        let subject = subjects::router_sync(&view.config().namespace);
+        let sync_tx = if cfg.replica_sync {
+            let (tx, mut rx) = mpsc::channel::<SyncMessage>(SYNC_QUEUE);
+            let (ev, c) = (events.clone(), cancel.clone());
+            let subj = subject.clone();
+            tasks.spawn(async move {
+                loop {
+                    let msg = tokio::select! {
+                        m = rx.recv() => match m { Some(m) => m, None => return },
+                        _ = c.cancelled() => return,
+                    };
+                    match msg.encode() {
+                        Ok(bytes) => {
+                            if let Err(e) = ev.publish(&subj, bytes.into()).await {
+                                tracing::debug!(error = %e, "publishing router sync failed");
+                            }
+                        }
+                        Err(e) => tracing::error!(error = %e, "encoding router sync failed"),
+                    }
+                }
+            });
+            Some(tx)
+        } else {
+            None
+        };
+        let shared = Arc::new(Shared {
+            view,
+            state: Mutex::new(RouteState {
+                router,
+                tracker: ActiveSequences::new(cfg.router_id, cfg.tracker),
+                rng: Rng::seed_from_u64(cfg.seed),
+            }),
+            indexer,
+            sync_tx,
+            cfg,
+        });
+        if shared.cfg.replica_sync {
+            let mut sub = events
+                .subscribe(&subject)
+                .await
+                .map_err(|e| ServeError::unavailable(format!("event plane: {e}")))?;
+            let (s, c) = (shared.clone(), cancel.clone());
+            tasks.spawn(async move {
+                loop {
+                    let bytes = tokio::select! {
+                        m = sub.next() => match m { Some(b) => b, None => return },
+                        _ = c.cancelled() => return,
+                    };
+                    let Ok(msg) = SyncMessage::decode(&bytes) else {
+                        continue;
+                    };
+                    if msg.router() != s.cfg.router_id {
+                        let now = s.view.now_ms();
+                        s.state.lock().tracker.apply(&msg, now);
+                    }
+                }
+            });
+        }
+        let (s, c) = (shared.clone(), cancel);
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {
+                        let now = s.view.now_ms();
+                        s.state.lock().tracker.expire(now);
+                    }
+                    _ = c.cancelled() => return,
+                }
+            }
+        });
+        Ok(ClusterBackend { shared })
+    }
+
+    pub fn view(&self) -> &Arc<ClusterView> {
+        &self.shared.view
+    }
+
+    async fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
+        let Some(client) = &self.shared.indexer else {
+            return self.shared.view.find_matches(hashes);
+        };
+        let req = FindMatchesRequest {
+            sequence_hashes: hashes.iter().map(|h| h.0).collect(),
+        };
+        match client.clone().find_matches(req).await {
+            Ok(reply) => {
+                let mut scores: Vec<_> = reply
+                    .into_inner()
+                    .workers
+                    .into_iter()
+                    .map(|w| {
+                        let counts = tandem_indexer::TierCounts {
+                            device: w.device,
+                            host: w.host,
+                            disk: w.disk,
+                        };
+                        (WorkerId(w.worker_id), counts)
+                    })
+                    .collect();
+                scores.sort_by_key(|(w, _)| *w);
+                OverlapScores { scores }
+            }
+            Err(status) => {
+                // Routing on load alone beats refusing the request.
+                tracing::warn!(%status, "indexer unavailable: routing without overlap");
+                OverlapScores::default()
+            }
+        }
+    }
+
+    /// Decides where the request goes (excluding workers that already failed it) and
+    /// records it in the tracker.
+    fn plan(
+        &self,
+        route: &RouteRequest,
+        hashes: &[SequenceHash],
+        scores: &OverlapScores,
+        excluded: &[WorkerId],
+        max_tokens: u32,
+    ) -> Result<Plan, ServeError> {
+        let s = &self.shared;
+        let now = s.view.now_ms();
+        let registry = s.view.registry();
+        let mut st = s.state.lock();
+        let views = |pool: &std::collections::BTreeMap<WorkerId, WorkerEntry>, st: &RouteState| {
+            let cfg = st.router.pool_config();
+            pool.values()
+                .filter(|e| !excluded.contains(&e.record.id))
+                .map(|e| {
+                    let id = e.record.id;
+                    let mut load: WorkerLoad = st.tracker.load(id).to_worker_load();
+                    if let Some(r) = s.view.report(id) {
+                        load.merge_report(&r);
+                    }
+                    let mut v = WorkerView::new(id, load);
+                    v.overlap = scores.get(id).unwrap_or_default();
+                    v.warming_up = cfg.is_warming_up(e.joined_ms, now);
+                    v
+                })
+                .collect::<Vec<_>>()
+        };
+        let decode_views = views(&registry.decode, &st);
+        if decode_views.is_empty() {
+            return Err(ServeError::unavailable(if registry.decode.is_empty() {
+                "no decode workers are registered"
+            } else {
+                "every decode worker failed this request"
+            }));
+        }
+        let prefill_views = views(&registry.prefill, &st);
+        let st = &mut *st;
+        let (decode, prefill) = if prefill_views.is_empty() {
+            let d = st.router.select(route, &decode_views, &mut st.rng)?;
+            (d, None)
+        } else {
+            let d = disagg::decide(
+                &s.cfg.disagg,
+                route,
+                &decode_views,
+                &prefill_views,
+                &mut st.rng,
+            )?;
+            (d.decode, d.prefill)
+        };
+        let request = RequestId(st.rng.next_u64() & !PREFILL_BIT);
+        let bs = u64::from(route.block_size.get());
+        let overlap =
+            |d: &crate::Decision| d.chosen_terms().map_or(0, |t| u64::from(t.overlap.total()));
+        let mut msgs = vec![st.tracker.add(
+            NewSequence {
+                request,
+                worker: decode.worker,
+                blocks: hashes.to_vec(),
+                prefill_tokens: if prefill.is_some() {
+                    0
+                } else {
+                    route.prompt_tokens.saturating_sub(overlap(&decode) * bs)
+                },
+                private_blocks: NewSequence::private_blocks_for(
+                    route.prompt_tokens,
+                    u64::from(max_tokens),
+                    route.block_size,
+                ),
+            },
+            now,
+        )];
+        if let Some(p) = &prefill {
+            msgs.push(st.tracker.add(
+                NewSequence {
+                    request: RequestId(request.0 | PREFILL_BIT),
+                    worker: p.worker,
+                    blocks: hashes.to_vec(),
+                    prefill_tokens: route.prompt_tokens.saturating_sub(overlap(p) * bs),
+                    private_blocks: 1,
+                },
+                now,
+            ));
+        }
+        for m in msgs {
+            self.sync(m);
+        }
+        let entry = |id: WorkerId| registry.get(id).cloned();
+        let plan = Plan {
+            decode: entry(decode.worker)
+                .ok_or_else(|| ServeError::internal("the chosen worker vanished"))?,
+            prefill: prefill.and_then(|p| entry(p.worker)),
+            request,
+        };
+        Ok(plan)
+    }
+
+    fn sync(&self, msg: SyncMessage) {
+        if let Some(tx) = &self.shared.sync_tx {
+            let _ = tx.try_send(msg);
+        }
+    }
+
+    /// Starts the plan on its decode worker and waits for the first chunk.
+    async fn attempt(
+        &self,
+        plan: &Plan,
+        req: &ValidRequest,
+        seed: HashSeed,
+        sampling_seed: u64,
+    ) -> Result<(tonic::Streaming<GenerateChunk>, GenerateChunk), Status> {
+        let greq = GenerateRequest {
+            request_id: plan.request.0,
+            prompt: req.prompt_tokens.clone(),
+            sampling: Some(Sampling {
+                max_tokens: req.max_tokens,
+                seed: sampling_seed,
+                temperature: req.temperature,
+                stop_token: None,
+                ignore_eos: req.ignore_eos,
+            }),
+            hash_seed: seed.0,
+            remote_prefill: plan.prefill.as_ref().map(|p| RemotePrefillTarget {
+                worker_id: p.record.id.0,
+                address: p.record.addresses.grpc.clone(),
+            }),
+        };
+        let mut client = plan.decode.client.clone();
+        let mut stream = client.generate(greq).await?.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::unavailable("the worker ended the stream before a token"))?;
+        Ok((stream, first))
+    }
+}
+
+/// Whether another decode worker may succeed where this one failed (before any token).
+fn retryable(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unavailable
+            | Code::ResourceExhausted
+            | Code::Unknown
+            | Code::Aborted
+            | Code::Cancelled
+            | Code::DeadlineExceeded
+            | Code::Internal
+    )
+}
+
+fn status_to_error(status: &Status) -> ServeError {
+    match status.code() {
+        Code::InvalidArgument | Code::OutOfRange | Code::AlreadyExists => {
+            ServeError::invalid(status.message().to_string())
+        }
+        Code::ResourceExhausted => {
+            ServeError::overloaded(status.message().to_string(), Duration::from_secs(1))
+        }
+        _ => ServeError::unavailable(format!("worker failed: {}", status.message())),
+    }
+}
+
+fn token_chunk(c: &GenerateChunk) -> TokenChunk {
+    let finish = match grpc::FinishReason::try_from(c.finish) {
+        Ok(grpc::FinishReason::Length) => Some(FinishReason::Length),
+        Ok(grpc::FinishReason::Stop) => Some(FinishReason::Stop),
+        _ => None,
+    };
+    TokenChunk {
+        tokens: c.tokens.clone(),
+        finish,
+        cached_tokens: c.cached_tokens,
+    }
+}
+
+/// A request's place in the tracker, released when its stream ends or is dropped.
+struct Flight {
+    backend: ClusterBackend,
+    request: RequestId,
+    remote: bool,
+    prefill_done: bool,
+}
+
+impl Flight {
+    fn first_token(&mut self) {
+        if self.prefill_done {
+            return;
+        }
+        self.prefill_done = true;
+        let s = &self.backend.shared;
+        let now = s.view.now_ms();
+        let mut msgs = Vec::with_capacity(2);
+        {
+            let mut st = s.state.lock();
+            msgs.push(st.tracker.prefill_done(self.request, now));
+            if self.remote {
+                msgs.push(
+                    st.tracker
+                        .free(RequestId(self.request.0 | PREFILL_BIT), now),
+                );
+            }
+        }
+        for m in msgs {
+            self.backend.sync(m);
+        }
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        let s = &self.backend.shared;
+        let now = s.view.now_ms();
+        let mut msgs = Vec::with_capacity(2);
+        {
+            let mut st = s.state.lock();
+            msgs.push(st.tracker.free(self.request, now));
+            if self.remote && !self.prefill_done {
+                msgs.push(
+                    st.tracker
+                        .free(RequestId(self.request.0 | PREFILL_BIT), now),
+                );
+            }
+        }
+        for m in msgs {
+            self.backend.sync(m);
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Backend for ClusterBackend {
+    async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError> {
+        let view = &self.shared.view;
+        let bs = view.config().block_size;
+        let seed = HashSeed::from_salt(req.cache_salt.as_deref().map(str::as_bytes));
+        let hashes: Vec<SequenceHash> = compute_block_hashes(&req.prompt_tokens, bs, seed)
+            .iter()
+            .map(|h| h.sequence)
+            .collect();
+        let scores = self.find_matches(&hashes).await;
+        let route = RouteRequest::from_tokens(&req.prompt_tokens, bs, seed);
+        let sampling_seed = req
+            .seed
+            .unwrap_or_else(|| self.shared.state.lock().rng.next_u64());
+        let mut excluded = Vec::new();
+        let mut last = None;
+        for _ in 0..self.shared.cfg.max_attempts.max(1) {
+            let plan = self.plan(&route, &hashes, &scores, &excluded, req.max_tokens)?;
+            let mut flight = Flight {
+                backend: self.clone(),
+                request: plan.request,
+                remote: plan.prefill.is_some(),
+                prefill_done: false,
+            };
+            match self.attempt(&plan, &req, seed, sampling_seed).await {
+                Ok((rest, first)) => {
+                    flight.first_token();
+                    let route = RouteInfo {
+                        decode_worker: plan.decode.record.id.0,
+                        prefill_worker: plan.prefill.as_ref().map(|p| p.record.id.0),
+                    };
+                    return Ok(Generation {
+                        route,
+                        chunks: chunk_stream(first, rest, flight),
+                    });
+                }
+                Err(status) if retryable(&status) => {
+                    tracing::warn!(
+                        worker = plan.decode.record.id.0,
+                        %status,
+                        "decode worker failed before the first token: re-routing"
+                    );
+                    excluded.push(plan.decode.record.id);
+                    last = Some(status);
+                }
+                Err(status) => return Err(status_to_error(&status)),
+            }
+        }
+        Err(last.as_ref().map_or_else(
+            || ServeError::unavailable("no decode worker could serve the request"),
+            status_to_error,
+        ))
+    }
+
+    fn ready(&self) -> bool {
+        !self.shared.view.registry().decode.is_empty()
+    }
+}
+
+/// The output stream: the first chunk, then the rest, up to the chunk with a finish reason;
+/// the flight guard lives as long as it.
+fn chunk_stream(
+    first: GenerateChunk,
+    rest: tonic::Streaming<GenerateChunk>,
+    flight: Flight,
+) -> futures::stream::BoxStream<'static, Result<TokenChunk, ServeError>> {
+    let is_last = |c: &GenerateChunk| c.finish != grpc::FinishReason::Unspecified as i32;
+    let state = Some((Some(first), rest, flight));
+    stream::unfold(state, move |state| async move {
+        let (pending, mut rest, flight) = state?;
+        let next = match pending {
+            Some(c) => Ok(Some(c)),
+            None => rest.message().await,
+        };
+        match next {
+            Ok(Some(c)) => {
+                let item = Ok(token_chunk(&c));
+                Some((item, (!is_last(&c)).then_some((None, rest, flight))))
+            }
+            Ok(None) => Some((
+                Err(ServeError::unavailable(
+                    "the decode worker ended the stream early",
+                )),
+                None,
+            )),
+            Err(status) => Some((
+                Err(ServeError::unavailable(format!(
+                    "the decode worker failed mid-stream: {}",
+                    status.message()
+                ))),
+                None,
+            )),
+        }
+    })
+    .boxed()
+}

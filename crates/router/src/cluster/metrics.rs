@@ -1,0 +1,93 @@
+//! The cluster view's gauges on the frontend's `/metrics`: workers known per pool, the KV
+//! index's size, and the feed's counters (events applied, gaps, repairs, dumps, purges).
+//! Refreshed from the view every [`REFRESH`] by one task, so a scrape never takes the
+//! index lock.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::view::ClusterView;
+
+const REFRESH: Duration = Duration::from_millis(250);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RoleLabel {
+    role: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CounterLabel {
+    kind: &'static str,
+}
+
+/// Registers the gauges and starts the task that refreshes them.
+pub fn register(
+    registry: &mut Registry,
+    view: Arc<ClusterView>,
+    tasks: &TaskTracker,
+    cancel: CancellationToken,
+) {
+    let workers = Family::<RoleLabel, Gauge>::default();
+    let index_workers = Gauge::<i64>::default();
+    let index_entries = Gauge::<i64>::default();
+    let feed = Family::<CounterLabel, Gauge>::default();
+    registry.register(
+        "tandem_workers",
+        "Workers in discovery, by pool",
+        workers.clone(),
+    );
+    registry.register(
+        "tandem_index_workers",
+        "Workers with blocks in the KV index",
+        index_workers.clone(),
+    );
+    registry.register(
+        "tandem_index_entries",
+        "(block, worker) entries in the KV index",
+        index_entries.clone(),
+    );
+    registry.register(
+        "tandem_index_feed",
+        "KV index feed counters since start: events_applied, gaps, repairs, dumps, purges",
+        feed.clone(),
+    );
+    tasks.spawn(async move {
+        let mut tick = tokio::time::interval(REFRESH);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = cancel.cancelled() => return,
+            }
+            let (d, p) = {
+                let reg = view.registry();
+                (reg.decode.len(), reg.prefill.len())
+            };
+            workers
+                .get_or_create(&RoleLabel { role: "decode" })
+                .set(d as i64);
+            workers
+                .get_or_create(&RoleLabel { role: "prefill" })
+                .set(p as i64);
+            let (w, e) = view.index_size();
+            index_workers.set(w as i64);
+            index_entries.set(e as i64);
+            let s = view.feed_stats();
+            for (kind, v) in [
+                ("events_applied", s.events_applied),
+                ("gaps", s.gaps),
+                ("repairs", s.repairs),
+                ("dumps", s.dumps_applied),
+                ("purges", s.workers_purged),
+            ] {
+                feed.get_or_create(&CounterLabel { kind }).set(v as i64);
+            }
+        }
+    });
+}

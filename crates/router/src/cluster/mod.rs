@@ -1,0 +1,171 @@
+//! The frontend and the standalone indexer as services over a live cluster (DESIGN.md §1,
+//! §4, §8): [`run_frontend`] serves the OpenAI API ([`crate::http`]) on a
+//! [`ClusterBackend`]; [`run_indexer`] serves `FindMatches` from an index fed exactly as the
+//! frontend's embedded one ([`ClusterView`]).
+//!
+//! Layout: `view.rs` (discovery → workers and gRPC clients; event plane → KV index, load
+//! reports; gap repair), `backend.rs` (routing, tracker, replica sync, calls to decode
+//! workers, retries), `indexer.rs` (the `Indexer` gRPC service), `metrics.rs` (the view's
+//! gauges on `/metrics`).
+
+mod backend;
+mod indexer;
+mod metrics;
+mod view;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_runtime::discovery::Discovery;
+use tandem_runtime::events::EventPlane;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use backend::{BackendConfig, ClusterBackend};
+pub use indexer::IndexerService;
+pub use view::{ClusterView, FeedStats, Registry, ViewConfig, WorkerEntry};
+
+use crate::http::{self, HttpConfig, HttpState, Tokenizer, TokenizerSpec};
+
+/// The outside services the frontend and the indexer use.
+#[derive(Clone)]
+pub struct ClusterDeps {
+    pub discovery: Arc<dyn Discovery>,
+    pub events: Arc<dyn EventPlane>,
+}
+
+impl std::fmt::Debug for ClusterDeps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterDeps").finish_non_exhaustive()
+    }
+}
+
+/// Why a frontend or indexer could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("runtime: {0}")]
+    Runtime(#[from] tandem_runtime::RuntimeError),
+    #[error("serving: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Everything a frontend needs.
+#[derive(Clone, Debug)]
+pub struct FrontendConfig {
+    pub view: ViewConfig,
+    pub http: HttpConfig,
+    pub tokenizer: TokenizerSpec,
+    pub backend: BackendConfig,
+    /// How long a draining frontend lets responses in flight finish.
+    pub drain_timeout: Duration,
+}
+
+/// Serves the OpenAI API on `listener` until `shutdown`; then drains: `/health` turns 503,
+/// new requests are refused, responses in flight finish (up to the drain timeout).
+pub async fn run_frontend(
+    cfg: FrontendConfig,
+    listener: TcpListener,
+    deps: ClusterDeps,
+    shutdown: CancellationToken,
+) -> Result<(), ServiceError> {
+    let tokenizer =
+        Tokenizer::load(&cfg.tokenizer).map_err(|e| ServiceError::Config(e.to_string()))?;
+    let tasks = TaskTracker::new();
+    let stop = CancellationToken::new();
+    let mut view_cfg = cfg.view.clone();
+    view_cfg.embedded_index = cfg.backend.indexer_url.is_none();
+    let view = ClusterView::start(
+        view_cfg,
+        deps.discovery.clone(),
+        deps.events.clone(),
+        tasks.clone(),
+        stop.clone(),
+    )
+    .await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics::register(&mut registry, view.clone(), &tasks, stop.clone());
+    let backend = ClusterBackend::start(
+        cfg.backend.clone(),
+        view,
+        deps.events.clone(),
+        &tasks,
+        stop.clone(),
+    )
+    .await
+    .map_err(|e| ServiceError::Config(e.message().to_string()))?;
+    let state = HttpState::with_registry(
+        Arc::new(backend),
+        cfg.http.clone(),
+        Arc::new(tokenizer),
+        registry,
+    );
+    let server_stop = CancellationToken::new();
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(http::serve(
+        listener,
+        http::app(state.clone()),
+        server_stop.clone(),
+    ));
+    tracing::info!(%addr, model = %cfg.http.served_model_name, "frontend serving");
+
+    shutdown.cancelled().await;
+    state.start_draining();
+    tracing::info!(in_flight = state.in_flight(), "frontend draining");
+    if tokio::time::timeout(cfg.drain_timeout, state.wait_idle())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            in_flight = state.in_flight(),
+            "drain timeout: closing with requests in flight"
+        );
+    }
+    server_stop.cancel();
+    stop.cancel();
+    // Streams still open after the drain timeout end when their workers stop; do not wait
+    // for them forever.
+    let served = match tokio::time::timeout(Duration::from_secs(5), server).await {
+        Ok(r) => r,
+        Err(_) => Ok(Ok(())),
+    };
+    tasks.close();
+    tasks.wait().await;
+    match served {
+        Ok(r) => r.map_err(ServiceError::from),
+        Err(e) => Err(ServiceError::Config(format!("server task: {e}"))),
+    }
+}
+
+/// Serves `FindMatches` on `listener` from an index fed by the event plane, until
+/// `shutdown`.
+pub async fn run_indexer(
+    mut cfg: ViewConfig,
+    listener: TcpListener,
+    deps: ClusterDeps,
+    shutdown: CancellationToken,
+) -> Result<(), ServiceError> {
+    cfg.embedded_index = true;
+    let tasks = TaskTracker::new();
+    let stop = CancellationToken::new();
+    let view = ClusterView::start(
+        cfg,
+        deps.discovery,
+        deps.events,
+        tasks.clone(),
+        stop.clone(),
+    )
+    .await?;
+    let router = tonic::transport::Server::builder().add_service(
+        tandem_protocol::grpc::indexer_server::IndexerServer::new(IndexerService::new(view)),
+    );
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "indexer serving");
+    let served = tandem_runtime::grpc::serve_tonic(router, listener, shutdown).await;
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
+    served.map_err(ServiceError::from)
+}

@@ -1,0 +1,142 @@
+//! The seam between the HTTP edge and the routing glue: [`Backend`] and what crosses it.
+
+use futures::stream::BoxStream;
+
+use super::error::ServeError;
+
+/// Which OpenAI endpoint a request came in on; decides the response shapes and the id prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`: the prompt is the chat template applied to `messages`.
+    Chat,
+    /// `POST /v1/completions`: the prompt is `prompt`, as text or token ids.
+    Completion,
+}
+
+impl Endpoint {
+    /// The label used in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat",
+            Endpoint::Completion => "completion",
+        }
+    }
+
+    /// The prefix of the response id (`chatcmpl-…`, `cmpl-…`), as OpenAI names them.
+    pub fn id_prefix(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completion => "cmpl",
+        }
+    }
+}
+
+/// A request that passed validation: the only form of a request past the HTTP edge
+/// (CONVENTIONS 3). Every field is in range: `prompt_tokens` is non-empty, `max_tokens >= 1`
+/// and `prompt_tokens.len() + max_tokens <= context_length`, `temperature` in `[0, 2]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidRequest {
+    /// Unique within this frontend process (a counter); use it for tracking and cancellation.
+    pub id: u64,
+    /// The id shown to the client (`chatcmpl-<prefix>-<id>` / `cmpl-<prefix>-<id>`), also sent
+    /// as `x-request-id`.
+    pub response_id: String,
+    pub endpoint: Endpoint,
+    /// The served model name (requests naming another model were refused with 404).
+    pub model: String,
+    /// The prompt after the chat template and tokenization; never empty.
+    pub prompt_tokens: Vec<u32>,
+    /// Most tokens to generate, `>= 1`. The edge also enforces it on what the backend sends.
+    pub max_tokens: u32,
+    /// Sampling temperature in `[0, 2]`; 0 is greedy.
+    pub temperature: f32,
+    pub seed: Option<u64>,
+    /// Stop strings (non-empty ones only). The edge applies them to the text itself and drops
+    /// the stream at a match; a worker may use them too but does not have to.
+    pub stop: Vec<String>,
+    /// Keep generating past the end-of-sequence token (until `max_tokens`).
+    pub ignore_eos: bool,
+    pub stream: bool,
+    /// `stream_options.include_usage` (only ever true when `stream`).
+    pub include_usage: bool,
+    /// Separates prefix-cache namespaces between tenants: blocks hashed with different salts
+    /// never match.
+    pub cache_salt: Option<String>,
+    /// Unix time in seconds when the request arrived (the `created` field of responses).
+    pub created: u64,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// `max_tokens` reached (or the context is full).
+    Length,
+    /// End-of-sequence token, or a stop string matched.
+    Stop,
+}
+
+impl FinishReason {
+    /// OpenAI's `finish_reason` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+        }
+    }
+}
+
+/// One piece of output from the backend.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenChunk {
+    /// Newly generated tokens, in order. May be empty (e.g. a chunk that only carries the
+    /// finish). Must not contain the end-of-sequence token: these tokens are shown as text.
+    pub tokens: Vec<u32>,
+    /// Set on the last chunk only; the edge stops reading after it.
+    pub finish: Option<FinishReason>,
+    /// Prompt tokens served from cache (local prefix cache or transferred), as the worker
+    /// reports it; the same on every chunk. The edge reads it from the first chunk.
+    pub cached_tokens: u32,
+}
+
+/// Where a request went: reported in the `x-tandem-*` response headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteInfo {
+    pub decode_worker: u64,
+    /// `Some` only when the prompt is prefilled on a separate (remote) worker.
+    pub prefill_worker: Option<u64>,
+}
+
+/// A started generation: where it runs and its output.
+pub struct Generation {
+    pub route: RouteInfo,
+    /// Output chunks, the last one with `finish` set. An `Err` item ends the generation (the
+    /// edge reads nothing after it). Dropping the stream cancels the request on the workers.
+    pub chunks: BoxStream<'static, Result<TokenChunk, ServeError>>,
+}
+
+impl std::fmt::Debug for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Generation")
+            .field("route", &self.route)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the HTTP edge needs from the rest of the frontend: route a validated request to
+/// workers and stream its tokens back.
+///
+/// Errors are classified by their [`ServeError::kind`]; one returned by `generate`, or
+/// yielded before the first chunk, becomes the HTTP status of the response (e.g.
+/// [`ServeError::overloaded`] → 429 with `Retry-After`, [`ServeError::unavailable`] → 503).
+/// Retries and re-routing before the first token are the backend's job: the edge does not
+/// retry.
+#[async_trait::async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// Routes and starts the request. Dropping the returned stream cancels it on the workers.
+    async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError>;
+
+    /// Whether the backend can take requests now (e.g. at least one decode worker known).
+    /// Drives `GET /health`; generation requests are still passed to `generate`, which
+    /// answers for itself.
+    fn ready(&self) -> bool;
+}

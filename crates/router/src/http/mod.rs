@@ -1,0 +1,201 @@
+//! The OpenAI-compatible HTTP edge of the frontend (DESIGN.md §1, §9, §10). It turns HTTP requests into [`ValidRequest`]s, hands them to a
+//! [`Backend`] (the routing glue that talks to workers), and turns the backend's token
+//! chunks into OpenAI responses and SSE streams.
+//!
+//! # Endpoints ([`app`])
+//!
+//! - `POST /v1/chat/completions`, `POST /v1/completions`: streaming (`stream: true`, SSE
+//!   `data: {chunk}` … `data: [DONE]`) and whole responses, OpenAI's shapes.
+//! - `GET /v1/models`, `GET /v1/models/{model}`: the served model.
+//! - `GET /health`: 200 when the backend is ready and we are not draining, else 503.
+//! - `GET /live`: 200 while the process serves HTTP at all.
+//! - `GET /metrics`: Prometheus (OpenMetrics text), see `metrics.rs`.
+//!
+//! Response headers of generation requests: `x-request-id` (the response `id`),
+//! `x-tandem-decode-worker`, `x-tandem-prefill-worker` (only when prefill was remote),
+//! `x-tandem-cached-tokens`. The head waits for the backend's first chunk (see
+//! `generate.rs`).
+//!
+//! # Request fields
+//!
+//! Served: `model` (optional; another name is 404), `messages` (content as a string or a list
+//! of `{"type": "text", "text"}` parts; roles `system`, `developer` (as system), `user`,
+//! `assistant`, `tool`), `prompt` (string, token ids, or a one-element list of either),
+//! `max_tokens` / `max_completion_tokens` (the latter wins), `temperature` (0..=2, default
+//! 1), `seed`, `stop` (string or list; text-level, see below), `ignore_eos`, `stream`,
+//! `stream_options.include_usage`, `cache_salt`, `n` (must be 1).
+//! Refused with 400 `unsupported_parameter`: `n` ≠ 1, `logprobs` / `top_logprobs`, `tools`,
+//! `response_format` other than text, `echo`, `best_of` ≠ 1, `suffix`. Ignored: `top_p`,
+//! penalties, `user`, `logit_bias`, and any unknown field. `Content-Type` is not checked
+//! (the body is parsed as JSON whatever it says). Without `max_tokens`, a request gets
+//! [`HttpConfig::default_max_tokens`] lowered to what fits in the context.
+//!
+//! Stop strings are matched on the generated text: the text is cut before the first match,
+//! `finish_reason` is `stop`, and the backend stream is dropped so the workers stop. Empty
+//! stop strings are ignored. `completion_tokens` counts the tokens received up to the match.
+//!
+//! # Status codes (one place: `error.rs`)
+//!
+//! | case                                                        | status | `code`                    |
+//! |-------------------------------------------------------------|--------|---------------------------|
+//! | malformed JSON                                              | 400    | `invalid_json`            |
+//! | JSON of the wrong shape or types (`"max_tokens": "x"`)      | 422    | `invalid_type`            |
+//! | unknown model                                               | 404    | `model_not_found`         |
+//! | empty/missing `messages` or `prompt`, bad role or part      | 400    | `null`                    |
+//! | `max_tokens` ≤ 0, `temperature` outside 0..=2, stop limits  | 400    | `null` (`param` set)      |
+//! | unsupported parameter (`n` = 2, `logprobs`, `tools`, …)     | 400    | `unsupported_parameter`   |
+//! | prompt ≥ context, or prompt + `max_tokens` > context        | 400    | `context_length_exceeded` |
+//! | body over `max_body_bytes`                                  | 413    | `request_too_large`       |
+//! | unknown path / wrong method                                 | 404 / 405 | `not_found` / `method_not_allowed` |
+//! | draining                                                    | 503    | `draining`                |
+//! | backend: overloaded                                         | 429 + `Retry-After` | `overloaded` |
+//! | backend: unavailable (no workers)                           | 503    | `unavailable`             |
+//! | backend: cancelled                                          | 499    | `cancelled`               |
+//! | backend: internal, or a stream that ends before any output  | 500    | `internal_error`          |
+//!
+//! A backend error after the response head (streaming) is sent as `data: {"error": …}`
+//! followed by `data: [DONE]`. Non-streaming responses are sent whole, so a backend error at
+//! any point gets its own status.
+//!
+//! # Layout
+//!
+//! - `backend.rs`: [`Backend`], [`ValidRequest`], [`Generation`], [`TokenChunk`].
+//! - `error.rs`: [`ServeError`], [`ErrorKind`], the status mapping.
+//! - `state.rs`: [`HttpConfig`], [`HttpState`] (draining lives here).
+//! - `validate.rs`: bodies → [`ValidRequest`]; `openai.rs`: the wire types.
+//! - `generate.rs`: the generation handlers, SSE; `output.rs`: tokens → text with
+//!   `max_tokens` and stop strings; `stop.rs`: the stop-string matcher.
+//! - `tokenizer.rs`: [`Tokenizer`], [`Detokenizer`], [`render_chat`].
+//! - `metrics.rs`: [`HttpMetrics`]; `ids.rs`: request ids.
+//!
+//! # Invariants
+//!
+//! - Nothing past `generate::admit` sees a request that is not a [`ValidRequest`].
+//! - Every error path answers with OpenAI's error JSON; no handler panics on any input.
+//! - Every stream ends with `data: [DONE]`, or is dropped by the client; dropping the
+//!   response (or the handler future) drops the backend stream.
+//! - Memory per request is bounded: body by `max_body_bytes`, held-back stop text by
+//!   `max_stop_bytes`, pending UTF-8 by 4 bytes (tiktoken) or 4 tokens (Hugging Face).
+
+mod backend;
+mod error;
+mod generate;
+mod ids;
+mod metrics;
+mod openai;
+mod output;
+mod state;
+mod stop;
+pub mod tokenizer;
+mod validate;
+
+#[cfg(test)]
+mod tests;
+
+pub use backend::{
+    Backend, Endpoint, FinishReason, Generation, RouteInfo, TokenChunk, ValidRequest,
+};
+pub use error::{ErrorKind, ServeError};
+pub use metrics::HttpMetrics;
+pub use state::{HttpConfig, HttpState};
+pub use tokenizer::{Detokenizer, Tokenizer, TokenizerError, TokenizerSpec, render_chat};
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use tokio_util::sync::CancellationToken;
+
+/// The HTTP routes, ready to [`serve`].
+pub fn app(state: HttpState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(generate::chat_completions))
+        .route("/v1/completions", post(generate::completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{*model}", get(model))
+        .route("/health", get(health))
+        .route("/live", get(live))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        // Bodies are bounded by `max_body_bytes` in the handlers (to answer 413 in JSON).
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(state)
+}
+
+/// Serves `app` on `listener` until `shutdown` is cancelled, then stops accepting, closes
+/// idle connections and waits for responses in flight (streams included) to finish. Call
+/// [`HttpState::start_draining`] first to turn new requests away while the load balancer
+/// notices `/health`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
+}
+
+fn json(body: String) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+fn model_object(state: &HttpState) -> openai::Model<'_> {
+    openai::Model {
+        id: &state.config().served_model_name,
+        object: "model",
+        created: state.started(),
+        owned_by: "tandem",
+    }
+}
+
+async fn models(State(state): State<HttpState>) -> Response {
+    let list = openai::ModelList {
+        object: "list",
+        data: [model_object(&state)],
+    };
+    json(serde_json::to_string(&list).unwrap_or_default())
+}
+
+async fn model(State(state): State<HttpState>, Path(name): Path<String>) -> Response {
+    if name != state.config().served_model_name {
+        return ServeError::model_not_found(&name).into_response();
+    }
+    json(serde_json::to_string(&model_object(&state)).unwrap_or_default())
+}
+
+async fn health(State(state): State<HttpState>) -> Response {
+    let (status, why) = if state.is_draining() {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining")
+    } else if !state.backend().ready() {
+        (StatusCode::SERVICE_UNAVAILABLE, "backend not ready")
+    } else {
+        (StatusCode::OK, "ok")
+    };
+    let body = serde_json::json!({ "status": why }).to_string();
+    (status, json(body)).into_response()
+}
+
+async fn live() -> Response {
+    json(r#"{"status":"ok"}"#.to_string())
+}
+
+async fn metrics(State(state): State<HttpState>) -> Response {
+    let mut text = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut text, state.registry()) {
+        return ServeError::internal(format!("failed to encode metrics: {e}")).into_response();
+    }
+    let content_type =
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8");
+    ([(header::CONTENT_TYPE, content_type)], text).into_response()
+}
+
+async fn not_found(uri: Uri) -> Response {
+    ServeError::not_found(uri.path()).into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ServeError::method_not_allowed().into_response()
+}

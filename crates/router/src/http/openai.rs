@@ -1,0 +1,217 @@
+//! OpenAI wire format: request bodies as sent (loosely typed where a value must be range
+//! checked, so that `max_tokens: -1` is a 400 naming the field rather than a 422), and the
+//! response objects, serialized from borrowed data.
+//!
+//! Unknown request fields are ignored (as vLLM does; OpenAI itself refuses them).
+
+use serde::{Deserialize, Serialize};
+
+// ---------------------------------------------------------------------------------------
+// Requests
+// ---------------------------------------------------------------------------------------
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatCompletionRequest {
+    pub model: Option<String>,
+    pub messages: Option<Vec<ChatMessage>>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub ignore_eos: Option<bool>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub tools: Option<Vec<serde_json::Value>>,
+    pub response_format: Option<serde_json::Value>,
+    pub cache_salt: Option<String>,
+}
+
+/// One chat message. `name`, `tool_calls` and the like are ignored.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatMessage {
+    pub role: String,
+    pub content: Option<MessageContent>,
+}
+
+/// A message's content: a string, or a list of parts of which only `text` parts are served.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// `POST /v1/completions` body.
+#[derive(Debug, Deserialize)]
+pub(crate) struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Option<Prompt>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub ignore_eos: Option<bool>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+    pub best_of: Option<i64>,
+    pub suffix: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+/// A completions `prompt`: text, token ids, or a batch of one of either.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+// ---------------------------------------------------------------------------------------
+// Responses
+// ---------------------------------------------------------------------------------------
+
+/// Token accounting, as in every OpenAI response.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+pub(crate) struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+pub(crate) struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+impl Usage {
+    pub(crate) fn new(prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+/// `chat.completion`.
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatCompletion<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+    pub choices: [ChatChoice<'a>; 1],
+    pub usage: Usage,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatChoice<'a> {
+    pub index: u32,
+    pub message: AssistantMessage<'a>,
+    pub logprobs: Option<()>,
+    pub finish_reason: &'static str,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct AssistantMessage<'a> {
+    pub role: &'static str,
+    pub content: &'a str,
+    pub refusal: Option<()>,
+}
+
+/// `chat.completion.chunk`. `usage` is absent unless `include_usage`; then it is `null` on
+/// every chunk but the last, which has no choices.
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatChunk<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+    pub choices: Vec<ChatChunkChoice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatChunkChoice<'a> {
+    pub index: u32,
+    pub delta: Delta<'a>,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<&'a str>,
+}
+
+/// `text_completion`, whole or as a chunk (same object, `usage` as for [`ChatChunk`] when
+/// streaming).
+#[derive(Debug, Serialize)]
+pub(crate) struct Completion<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+    pub choices: Vec<CompletionChoice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct CompletionChoice<'a> {
+    pub text: &'a str,
+    pub index: u32,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Serialize)]
+pub(crate) struct ModelList<'a> {
+    pub object: &'static str,
+    pub data: [Model<'a>; 1],
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct Model<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+}

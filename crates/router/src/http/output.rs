@@ -1,0 +1,114 @@
+//! [`Output`]: backend chunks → the text a client sees, with `max_tokens` enforced, stop
+//! strings applied and UTF-8 kept whole.
+
+use std::sync::Arc;
+
+use super::backend::{FinishReason, TokenChunk};
+use super::stop::StopMatcher;
+use super::tokenizer::{Detokenizer, Tokenizer};
+
+/// What one chunk turned into.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Step {
+    /// Text to send now (maybe empty).
+    pub text: String,
+    /// Set when the output is over; feed nothing after it.
+    pub finish: Option<FinishReason>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Output {
+    detok: Detokenizer,
+    stop: StopMatcher,
+    max_tokens: u32,
+    completion_tokens: u32,
+}
+
+impl Output {
+    pub(crate) fn new(tokenizer: Arc<Tokenizer>, stop: Vec<String>, max_tokens: u32) -> Self {
+        Output {
+            detok: Detokenizer::new(tokenizer),
+            stop: StopMatcher::new(stop),
+            max_tokens,
+            completion_tokens: 0,
+        }
+    }
+
+    /// Tokens accepted so far (up to and including the one that completed a stop string).
+    pub(crate) fn completion_tokens(&self) -> u32 {
+        self.completion_tokens
+    }
+
+    pub(crate) fn feed(&mut self, chunk: &TokenChunk) -> Step {
+        let room = self.max_tokens.saturating_sub(self.completion_tokens) as usize;
+        let take = chunk.tokens.len().min(room);
+        // take <= room <= u32::MAX.
+        self.completion_tokens += take as u32;
+        let mut finish = chunk.finish;
+        // The edge enforces max_tokens even if a backend sends more.
+        if chunk.tokens.len() > room
+            || (finish.is_none() && self.completion_tokens >= self.max_tokens)
+        {
+            finish = Some(FinishReason::Length);
+        }
+        let mut text = self.detok.push(&chunk.tokens[..take]);
+        if finish.is_some() {
+            text.push_str(&self.detok.finish());
+        }
+        let released = self.stop.push(&text);
+        if released.stopped {
+            return Step {
+                text: released.text,
+                finish: Some(FinishReason::Stop),
+            };
+        }
+        let mut text = released.text;
+        if finish.is_some() {
+            text.push_str(&self.stop.flush());
+        }
+        Step { text, finish }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http::tests::cl100k;
+
+    fn chunk(tokens: Vec<u32>, finish: Option<FinishReason>) -> TokenChunk {
+        TokenChunk {
+            tokens,
+            finish,
+            cached_tokens: 0,
+        }
+    }
+
+    #[test]
+    fn max_tokens_is_enforced_on_an_overlong_backend() {
+        let tok = cl100k();
+        let ids = tok.encode("one two three four").unwrap();
+        let mut out = Output::new(tok.clone(), vec![], 2);
+        let step = out.feed(&chunk(ids.clone(), None));
+        assert_eq!(step.finish, Some(FinishReason::Length));
+        assert_eq!(step.text, tok.decode(&ids[..2]));
+        assert_eq!(out.completion_tokens(), 2);
+    }
+
+    #[test]
+    fn backend_finish_flushes_and_stop_wins() {
+        let tok = cl100k();
+        let mut out = Output::new(tok.clone(), vec!["three".into()], 100);
+        let a = out.feed(&chunk(tok.encode("one two").unwrap(), None));
+        let b = out.feed(&chunk(tok.encode(" three four").unwrap(), None));
+        assert_eq!(format!("{}{}", a.text, b.text), "one two ");
+        assert_eq!(b.finish, Some(FinishReason::Stop));
+
+        let mut out = Output::new(tok.clone(), vec![], 100);
+        let s = out.feed(&chunk(
+            tok.encode("done").unwrap(),
+            Some(FinishReason::Stop),
+        ));
+        assert_eq!(s.text, "done");
+        assert_eq!(s.finish, Some(FinishReason::Stop));
+    }
+}

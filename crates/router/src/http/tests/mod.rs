@@ -1,0 +1,272 @@
+//! Tests of the HTTP edge against a fake [`Backend`], through the real axum router
+//! (`tower::ServiceExt::oneshot`) and, for disconnects and shutdown, a loopback listener.
+
+mod errors;
+mod ops;
+mod responses;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, Response, StatusCode};
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use serde_json::Value;
+use tower::ServiceExt;
+
+use super::backend::{Backend, FinishReason, Generation, RouteInfo, TokenChunk, ValidRequest};
+use super::error::ServeError;
+use super::state::{HttpConfig, HttpState};
+use super::tokenizer::{Tokenizer, TokenizerSpec};
+
+/// cl100k_base, built once for all tests.
+pub(crate) fn cl100k() -> Arc<Tokenizer> {
+    static TOK: LazyLock<Arc<Tokenizer>> = LazyLock::new(|| {
+        Arc::new(Tokenizer::load(&TokenizerSpec::default()).expect("cl100k_base"))
+    });
+    TOK.clone()
+}
+
+/// What the fake backend does with the next request.
+#[derive(Clone, Debug)]
+pub(crate) enum Script {
+    /// Streams `text`'s tokens one per chunk, the last with `finish` (or, if `hang`, none:
+    /// then the stream stays open until dropped).
+    Text {
+        text: String,
+        finish: FinishReason,
+        hang: bool,
+    },
+    /// `generate` itself fails.
+    FailGenerate(ServeError),
+    /// The first item of the stream is this error.
+    FailFirst(ServeError),
+    /// Streams `text`'s tokens, then this error.
+    FailAfter(String, ServeError),
+    /// Never yields anything until dropped.
+    Hang,
+    /// Ends at once, without any chunk.
+    Empty,
+}
+
+pub(crate) const CACHED: u32 = 7;
+
+/// A backend that plays a [`Script`] and records what it saw and whether its stream was
+/// dropped.
+#[derive(Debug)]
+pub(crate) struct FakeBackend {
+    script: Mutex<Script>,
+    ready: AtomicBool,
+    route: RouteInfo,
+    pub seen: Mutex<Vec<ValidRequest>>,
+    dropped: Arc<AtomicBool>,
+}
+
+impl FakeBackend {
+    pub(crate) fn new(script: Script) -> Arc<Self> {
+        Arc::new(FakeBackend {
+            script: Mutex::new(script),
+            ready: AtomicBool::new(true),
+            route: RouteInfo {
+                decode_worker: 11,
+                prefill_worker: Some(22),
+            },
+            seen: Mutex::new(Vec::new()),
+            dropped: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    pub(crate) fn text(text: &str) -> Arc<Self> {
+        Self::new(Script::Text {
+            text: text.to_string(),
+            finish: FinishReason::Stop,
+            hang: false,
+        })
+    }
+
+    pub(crate) fn local(script: Script) -> Arc<Self> {
+        let mut b = Self::new(script);
+        Arc::get_mut(&mut b).unwrap().route.prefill_worker = None;
+        b
+    }
+
+    pub(crate) fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::SeqCst);
+    }
+
+    pub(crate) fn last_request(&self) -> ValidRequest {
+        self.seen
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("a request")
+    }
+
+    pub(crate) fn was_dropped(&self) -> bool {
+        self.dropped.load(Ordering::SeqCst)
+    }
+
+    /// Waits (up to 5 s) for the last stream to be dropped.
+    pub(crate) async fn wait_dropped(&self) {
+        for _ in 0..500 {
+            if self.was_dropped() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the backend stream was not dropped");
+    }
+}
+
+/// Sets a flag when dropped (moved into the fake's stream).
+struct DropFlag(Arc<AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn chunks_of(text: &str, finish: Option<FinishReason>) -> Vec<Result<TokenChunk, ServeError>> {
+    let tokens = cl100k().encode(text).unwrap();
+    let n = tokens.len();
+    tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            Ok(TokenChunk {
+                tokens: vec![t],
+                finish: if i + 1 == n { finish } else { None },
+                cached_tokens: CACHED,
+            })
+        })
+        .collect()
+}
+
+#[async_trait::async_trait]
+impl Backend for FakeBackend {
+    async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError> {
+        self.seen.lock().unwrap().push(req);
+        self.dropped.store(false, Ordering::SeqCst);
+        let script = self.script.lock().unwrap().clone();
+        let (items, hang) = match script {
+            Script::Text { text, finish, hang } => {
+                (chunks_of(&text, (!hang).then_some(finish)), hang)
+            }
+            Script::FailGenerate(e) => return Err(e),
+            Script::FailFirst(e) => (vec![Err(e)], true),
+            Script::FailAfter(text, e) => {
+                let mut items = chunks_of(&text, None);
+                items.push(Err(e));
+                (items, true)
+            }
+            Script::Hang => (Vec::new(), true),
+            Script::Empty => (Vec::new(), false),
+        };
+        let flag = DropFlag(self.dropped.clone());
+        let tail = if hang {
+            futures::stream::pending().boxed()
+        } else {
+            futures::stream::empty().boxed()
+        };
+        let chunks = futures::stream::iter(items)
+            .chain(tail)
+            .map(move |item| {
+                let _keep = &flag;
+                item
+            })
+            .boxed();
+        Ok(Generation {
+            route: self.route,
+            chunks,
+        })
+    }
+
+    fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+}
+
+pub(crate) fn config() -> HttpConfig {
+    HttpConfig {
+        served_model_name: "tandem-test".to_string(),
+        ..HttpConfig::default()
+    }
+}
+
+pub(crate) fn setup(backend: Arc<FakeBackend>, config: HttpConfig) -> (Router, HttpState) {
+    let state = HttpState::new(backend, config, cl100k());
+    (super::app(state.clone()), state)
+}
+
+pub(crate) async fn send(app: &Router, req: Request<Body>) -> Response<Body> {
+    app.clone().oneshot(req).await.expect("infallible")
+}
+
+pub(crate) fn post(path: &str, body: impl Into<Body>) -> Request<Body> {
+    Request::post(path)
+        .header("content-type", "application/json")
+        .body(body.into())
+        .unwrap()
+}
+
+pub(crate) fn post_json(path: &str, body: &Value) -> Request<Body> {
+    post(path, body.to_string())
+}
+
+pub(crate) fn get(path: &str) -> Request<Body> {
+    Request::get(path).body(Body::empty()).unwrap()
+}
+
+pub(crate) async fn body_text(resp: Response<Body>) -> String {
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+pub(crate) async fn body_json(resp: Response<Body>) -> Value {
+    let text = body_text(resp).await;
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// The `data:` payloads of an SSE body, in order.
+pub(crate) fn sse_data(body: &str) -> Vec<String> {
+    assert!(
+        body.ends_with("\n\n"),
+        "events end with a blank line: {body:?}"
+    );
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data event: {e:?}"))
+                .to_string()
+        })
+        .collect()
+}
+
+pub(crate) fn header<'a>(resp: &'a Response<Body>, name: &str) -> Option<&'a str> {
+    resp.headers().get(name).map(|v| v.to_str().unwrap())
+}
+
+/// Asserts an OpenAI error response: status, and the four fields of `error`.
+pub(crate) async fn assert_error(
+    resp: Response<Body>,
+    status: StatusCode,
+    code: Option<&str>,
+    param: Option<&str>,
+) -> Value {
+    assert_eq!(resp.status(), status);
+    assert_eq!(header(&resp, "content-type"), Some("application/json"));
+    let v = body_json(resp).await;
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert_eq!(e["code"].as_str(), code, "{v}");
+    assert_eq!(e["param"].as_str(), param, "{v}");
+    assert_eq!(e.as_object().unwrap().len(), 4, "{v}");
+    v
+}

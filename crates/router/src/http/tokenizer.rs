@@ -1,0 +1,476 @@
+//! Text ↔ tokens at the edge: the tokenizer ([`Tokenizer`], from a [`TokenizerSpec`]),
+//! incremental detokenization ([`Detokenizer`]) and the default chat template
+//! ([`render_chat`]).
+//!
+//! Invariants: encoding treats special-token strings in user text as plain text (a prompt
+//! cannot forge `<|endoftext|>`); decoding never panics, whatever the token ids (the mocker
+//! emits arbitrary ids < 32000, which may form invalid UTF-8 or be outside the vocabulary).
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+/// Which tokenizer the frontend uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenizerSpec {
+    /// A tiktoken encoding built into the binary: `cl100k_base` (the default) or `o200k_base`.
+    Tiktoken(String),
+    /// A Hugging Face `tokenizer.json` file.
+    HuggingFace(PathBuf),
+}
+
+impl Default for TokenizerSpec {
+    fn default() -> Self {
+        TokenizerSpec::Tiktoken("cl100k_base".to_string())
+    }
+}
+
+impl FromStr for TokenizerSpec {
+    type Err = TokenizerError;
+
+    /// `cl100k_base` / `o200k_base` (or `tiktoken:<name>`) name a tiktoken encoding; anything
+    /// else is a path to a `tokenizer.json` (an optional `hf:` prefix is stripped).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(name) = s.strip_prefix("tiktoken:") {
+            return Ok(TokenizerSpec::Tiktoken(name.to_string()));
+        }
+        if TIKTOKEN_NAMES.contains(&s) {
+            return Ok(TokenizerSpec::Tiktoken(s.to_string()));
+        }
+        let path = s.strip_prefix("hf:").unwrap_or(s);
+        if path.is_empty() {
+            return Err(TokenizerError::UnknownEncoding(s.to_string()));
+        }
+        Ok(TokenizerSpec::HuggingFace(PathBuf::from(path)))
+    }
+}
+
+const TIKTOKEN_NAMES: [&str; 2] = ["cl100k_base", "o200k_base"];
+
+/// Why a tokenizer could not be loaded or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("unknown tiktoken encoding {0:?}; valid: cl100k_base, o200k_base")]
+    UnknownEncoding(String),
+    #[error("failed to build tiktoken encoding {name}: {message}")]
+    Tiktoken { name: String, message: String },
+    #[error("failed to load tokenizer {path}: {message}")]
+    Load { path: PathBuf, message: String },
+    #[error("failed to encode text: {0}")]
+    Encode(String),
+}
+
+enum Inner {
+    Tiktoken(tiktoken_rs::CoreBPE),
+    HuggingFace(Box<tokenizers::Tokenizer>),
+}
+
+/// A loaded tokenizer. Cheap to share behind an `Arc`; safe to use from many threads.
+pub struct Tokenizer {
+    name: String,
+    inner: Inner,
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tokenizer {
+    /// Loads the tokenizer `spec` names (reads the file for Hugging Face).
+    pub fn load(spec: &TokenizerSpec) -> Result<Tokenizer, TokenizerError> {
+        match spec {
+            TokenizerSpec::Tiktoken(name) => {
+                let built = match name.as_str() {
+                    "cl100k_base" => tiktoken_rs::cl100k_base(),
+                    "o200k_base" => tiktoken_rs::o200k_base(),
+                    other => return Err(TokenizerError::UnknownEncoding(other.to_string())),
+                };
+                let bpe = built.map_err(|e| TokenizerError::Tiktoken {
+                    name: name.clone(),
+                    message: e.to_string(),
+                })?;
+                Ok(Tokenizer {
+                    name: name.clone(),
+                    inner: Inner::Tiktoken(bpe),
+                })
+            }
+            TokenizerSpec::HuggingFace(path) => {
+                let mut tok =
+                    tokenizers::Tokenizer::from_file(path).map_err(|e| TokenizerError::Load {
+                        path: path.clone(),
+                        message: e.to_string(),
+                    })?;
+                // Special-token strings in user text stay plain text.
+                tok.set_encode_special_tokens(true);
+                Ok(Tokenizer {
+                    name: path.display().to_string(),
+                    inner: Inner::HuggingFace(Box::new(tok)),
+                })
+            }
+        }
+    }
+
+    /// The encoding name or the file path.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Tokenizes `text`, treating special-token strings as plain text. For a Hugging Face
+    /// tokenizer the file's post-processor applies (e.g. a leading BOS).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        match &self.inner {
+            Inner::Tiktoken(bpe) => Ok(bpe.encode_ordinary(text)),
+            Inner::HuggingFace(tok) => tok
+                .encode(text, true)
+                .map(|enc| enc.get_ids().to_vec())
+                .map_err(|e| TokenizerError::Encode(e.to_string())),
+        }
+    }
+
+    /// Whether `id` is a token of this vocabulary (prompts given as ids are checked).
+    pub fn is_valid_token(&self, id: u32) -> bool {
+        match &self.inner {
+            Inner::Tiktoken(bpe) => bpe.decode_bytes(&[id]).is_ok(),
+            Inner::HuggingFace(tok) => tok.id_to_token(id).is_some(),
+        }
+    }
+
+    /// Decodes `ids` in one go, lossily (invalid UTF-8 and unknown ids become U+FFFD for
+    /// tiktoken; unknown ids are skipped for Hugging Face).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match &self.inner {
+            Inner::Tiktoken(bpe) => {
+                let mut bytes = Vec::new();
+                for &id in ids {
+                    Tokenizer::token_bytes(bpe, id, &mut bytes);
+                }
+                drain_utf8(&mut bytes, true)
+            }
+            Inner::HuggingFace(tok) => Tokenizer::hf_decode(tok, ids),
+        }
+    }
+
+    fn token_bytes(bpe: &tiktoken_rs::CoreBPE, id: u32, out: &mut Vec<u8>) {
+        match bpe.decode_bytes(&[id]) {
+            Ok(bytes) => out.extend_from_slice(&bytes),
+            Err(_) => out.extend_from_slice(REPLACEMENT.as_bytes()),
+        }
+    }
+
+    fn hf_decode(tok: &tokenizers::Tokenizer, ids: &[u32]) -> String {
+        // Unknown ids are skipped by the library; an error (none known) shows as nothing.
+        tok.decode(ids, true).unwrap_or_default()
+    }
+}
+
+const REPLACEMENT: &str = "\u{FFFD}";
+
+/// Turns a stream of token ids into text deltas that only ever contain complete UTF-8
+/// characters; what is incomplete waits for the next tokens, and [`Detokenizer::finish`]
+/// flushes the rest lossily.
+pub struct Detokenizer {
+    tokenizer: Arc<Tokenizer>,
+    /// tiktoken: bytes of an incomplete UTF-8 character (at most 3).
+    pending: Vec<u8>,
+    /// Hugging Face: ids from `prefix` on; text of `ids[..read]` was already emitted.
+    ids: Vec<u32>,
+    read: usize,
+}
+
+impl fmt::Debug for Detokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Detokenizer")
+            .field("pending", &self.pending)
+            .field("ids", &self.ids.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Detokenizer {
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
+        Detokenizer {
+            tokenizer,
+            pending: Vec::new(),
+            ids: Vec::new(),
+            read: 0,
+        }
+    }
+
+    /// Adds tokens; returns the newly complete text (maybe empty).
+    pub fn push(&mut self, tokens: &[u32]) -> String {
+        match &self.tokenizer.inner {
+            Inner::Tiktoken(bpe) => {
+                for &id in tokens {
+                    Tokenizer::token_bytes(bpe, id, &mut self.pending);
+                }
+                drain_utf8(&mut self.pending, false)
+            }
+            Inner::HuggingFace(tok) => {
+                if tokens.is_empty() {
+                    return String::new();
+                }
+                self.ids.extend_from_slice(tokens);
+                // Decode with the already-emitted tokens as context (byte-level and
+                // sentencepiece decoders depend on neighbours), emit the difference, and wait
+                // while the tail is an incomplete character.
+                let before = Tokenizer::hf_decode(tok, &self.ids[..self.read]);
+                let after = Tokenizer::hf_decode(tok, &self.ids);
+                // Bounded wait: a token that decodes to U+FFFD on its own must not hold the
+                // text back forever.
+                if after.ends_with(REPLACEMENT) && self.ids.len() - self.read < HF_MAX_PENDING {
+                    return String::new();
+                }
+                let delta = text_after(&before, &after).to_string();
+                // Keep a few tokens of context only, so memory and work stay bounded.
+                let keep_from = self.ids.len().saturating_sub(HF_CONTEXT_TOKENS);
+                self.ids.drain(..keep_from);
+                self.read = self.ids.len();
+                delta
+            }
+        }
+    }
+
+    /// Flushes what is left (incomplete bytes become U+FFFD). Call once, at the end.
+    pub fn finish(&mut self) -> String {
+        match &self.tokenizer.inner {
+            Inner::Tiktoken(_) => drain_utf8(&mut self.pending, true),
+            Inner::HuggingFace(tok) => {
+                if self.read == self.ids.len() {
+                    return String::new();
+                }
+                let before = Tokenizer::hf_decode(tok, &self.ids[..self.read]);
+                let after = Tokenizer::hf_decode(tok, &self.ids);
+                self.read = self.ids.len();
+                text_after(&before, &after).to_string()
+            }
+        }
+    }
+}
+
+/// Tokens of already-emitted context kept for Hugging Face incremental decoding.
+const HF_CONTEXT_TOKENS: usize = 6;
+/// Most tokens held back waiting for a character to complete (UTF-8 needs at most 4 bytes).
+const HF_MAX_PENDING: usize = 4;
+
+/// `after` minus its prefix shared with `before` (at a character boundary).
+fn text_after<'a>(before: &str, after: &'a str) -> &'a str {
+    if let Some(rest) = after.strip_prefix(before) {
+        return rest;
+    }
+    let common: usize = before
+        .chars()
+        .zip(after.chars())
+        .take_while(|(a, b)| a == b)
+        .map(|(a, _)| a.len_utf8())
+        .sum();
+    &after[common..]
+}
+
+/// Takes the longest valid UTF-8 prefix of `bytes` as text. Invalid sequences become U+FFFD;
+/// an incomplete character at the end stays in `bytes` unless `flush`.
+fn drain_utf8(bytes: &mut Vec<u8>, flush: bool) -> String {
+    let mut out = String::new();
+    let mut rest: &[u8] = bytes;
+    loop {
+        match std::str::from_utf8(rest) {
+            Ok(s) => {
+                out.push_str(s);
+                rest = &[];
+                break;
+            }
+            Err(e) => {
+                let (valid, tail) = rest.split_at(e.valid_up_to());
+                // `valid` is valid UTF-8 by construction.
+                out.push_str(&String::from_utf8_lossy(valid));
+                match e.error_len() {
+                    Some(n) => {
+                        out.push_str(REPLACEMENT);
+                        rest = &tail[n..];
+                    }
+                    None if flush => {
+                        out.push_str(REPLACEMENT);
+                        rest = &[];
+                        break;
+                    }
+                    None => {
+                        rest = tail;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let keep = rest.to_vec();
+    *bytes = keep;
+    out
+}
+
+/// The default chat template, ChatML-like:
+///
+/// ```text
+/// <|im_start|>{role}\n{content}<|im_end|>\n      (for each message)
+/// <|im_start|>assistant\n                        (the generation prompt)
+/// ```
+///
+/// The whole rendering is tokenized as plain text (the markers are not special tokens of
+/// cl100k_base; with a Hugging Face tokenizer they stay plain text too), which is what the
+/// mocker and prefix caching need: the same conversation always gives the same tokens.
+pub fn render_chat<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut out = String::new();
+    for (role, content) in messages {
+        out.push_str("<|im_start|>");
+        out.push_str(role);
+        out.push('\n');
+        out.push_str(content);
+        out.push_str("<|im_end|>\n");
+    }
+    out.push_str("<|im_start|>assistant\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http::tests::cl100k;
+
+    #[test]
+    fn chat_template_is_chatml() {
+        let text = render_chat([("system", "Be brief."), ("user", "Hi")]);
+        assert_eq!(
+            text,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        assert_eq!(render_chat([]), "<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn special_token_strings_are_plain_text() {
+        let tok = cl100k();
+        let ids = tok.encode("<|endoftext|>").unwrap();
+        assert!(
+            ids.len() > 1,
+            "encoded as text, not the special token: {ids:?}"
+        );
+        assert_eq!(tok.decode(&ids), "<|endoftext|>");
+    }
+
+    #[test]
+    fn round_trip_and_incremental_deltas_are_whole_characters() {
+        let tok = cl100k();
+        let text = "héllo wörld, 你好 🦀!";
+        let ids = tok.encode(text).unwrap();
+        let mut d = Detokenizer::new(tok.clone());
+        let mut out = String::new();
+        for id in &ids {
+            let delta = d.push(&[*id]);
+            out.push_str(&delta);
+        }
+        out.push_str(&d.finish());
+        assert_eq!(out, text);
+    }
+
+    #[test]
+    fn arbitrary_ids_never_panic_and_split_characters_wait() {
+        let tok = cl100k();
+        // "🦀" is 4 bytes; feed its tokens one at a time: no delta until complete.
+        let crab = tok.encode("🦀").unwrap();
+        assert!(crab.len() > 1);
+        let mut d = Detokenizer::new(tok.clone());
+        for id in &crab[..crab.len() - 1] {
+            assert_eq!(d.push(&[*id]), "");
+        }
+        assert_eq!(d.push(&crab[crab.len() - 1..]), "🦀");
+        // An incomplete character at the end is flushed lossily.
+        let mut d = Detokenizer::new(tok.clone());
+        assert_eq!(d.push(&crab[..1]), "");
+        assert_eq!(d.finish(), "\u{FFFD}");
+        // Arbitrary ids, including unknown ones.
+        let mut d = Detokenizer::new(tok.clone());
+        let mut total = String::new();
+        for id in (0..32000).step_by(97).chain([100_256, 4_000_000_000]) {
+            total.push_str(&d.push(&[id]));
+        }
+        total.push_str(&d.finish());
+        assert!(!total.is_empty());
+        assert!(!tok.is_valid_token(4_000_000_000));
+        assert!(tok.is_valid_token(31_999));
+    }
+
+    #[test]
+    fn drain_utf8_replaces_invalid_bytes_and_keeps_incomplete_tail() {
+        let mut bytes = vec![b'a', 0xFF, b'b', 0xE4, 0xBD];
+        assert_eq!(drain_utf8(&mut bytes, false), "a\u{FFFD}b");
+        assert_eq!(bytes, vec![0xE4, 0xBD]);
+        bytes.push(0xA0);
+        assert_eq!(drain_utf8(&mut bytes, false), "你");
+        assert!(bytes.is_empty());
+    }
+
+    #[test]
+    fn spec_parsing() {
+        assert_eq!(
+            "o200k_base".parse::<TokenizerSpec>().unwrap(),
+            TokenizerSpec::Tiktoken("o200k_base".into())
+        );
+        assert_eq!(
+            "/models/tokenizer.json".parse::<TokenizerSpec>().unwrap(),
+            TokenizerSpec::HuggingFace("/models/tokenizer.json".into())
+        );
+        assert!(matches!(
+            Tokenizer::load(&TokenizerSpec::Tiktoken("p99k".into())),
+            Err(TokenizerError::UnknownEncoding(_))
+        ));
+        assert!(matches!(
+            Tokenizer::load(&TokenizerSpec::HuggingFace(
+                "/nonexistent/tokenizer.json".into()
+            )),
+            Err(TokenizerError::Load { .. })
+        ));
+    }
+
+    /// A tiny word-level tokenizer.json, to exercise the Hugging Face path without a download.
+    fn tiny_hf() -> Arc<Tokenizer> {
+        let json = r#"{
+          "version": "1.0",
+          "truncation": null,
+          "padding": null,
+          "added_tokens": [
+            {"id": 0, "content": "[UNK]", "single_word": false, "lstrip": false,
+             "rstrip": false, "normalized": false, "special": true}
+          ],
+          "normalizer": null,
+          "pre_tokenizer": {"type": "Whitespace"},
+          "post_processor": null,
+          "decoder": null,
+          "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "!": 3},
+                    "unk_token": "[UNK]"}
+        }"#;
+        let dir = std::env::temp_dir().join(format!("tandem-hf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, json).unwrap();
+        Arc::new(Tokenizer::load(&TokenizerSpec::HuggingFace(path)).unwrap())
+    }
+
+    #[test]
+    fn hugging_face_encode_decode_incremental() {
+        let tok = tiny_hf();
+        assert_eq!(tok.encode("hello world !").unwrap(), vec![1, 2, 3]);
+        // "[UNK]" typed by a user is text, not the special token (here: unknown word → 0).
+        assert!(tok.is_valid_token(2));
+        assert!(!tok.is_valid_token(99));
+        let mut d = Detokenizer::new(tok.clone());
+        let mut out = d.push(&[1]);
+        out.push_str(&d.push(&[2, 99]));
+        out.push_str(&d.push(&[3]));
+        out.push_str(&d.finish());
+        assert_eq!(out, tok.decode(&[1, 2, 99, 3]));
+        assert!(out.contains("hello") && out.contains("world"));
+    }
+}

@@ -1,0 +1,399 @@
+//! Request bodies → [`ValidRequest`], in the order the module docs of `http` give: JSON
+//! syntax (400) and shape (422), model (404), unsupported parameters and out-of-range values
+//! (400), then — after tokenization — the context length (400 `context_length_exceeded`).
+
+use serde::de::DeserializeOwned;
+
+use super::backend::{Endpoint, ValidRequest};
+use super::error::ServeError;
+use super::openai::{
+    ChatCompletionRequest, CompletionRequest, MessageContent, Prompt, Stop, StreamOptions,
+};
+use super::state::HttpConfig;
+use super::tokenizer::{Tokenizer, render_chat};
+
+/// Parses a JSON body: malformed JSON is 400 (`invalid_json`), well-formed JSON of the wrong
+/// shape or types is 422.
+pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ServeError> {
+    serde_json::from_slice(body).map_err(|e| {
+        use serde_json::error::Category;
+        match e.classify() {
+            Category::Data => ServeError::unprocessable(format!("invalid request body: {e}")),
+            Category::Syntax | Category::Eof | Category::Io => {
+                ServeError::invalid(format!("request body is not valid JSON: {e}"))
+                    .with_code("invalid_json")
+            }
+        }
+    })
+}
+
+/// The prompt before tokenization.
+#[derive(Debug)]
+pub(crate) enum PromptInput {
+    /// Text to tokenize (the rendered chat template, or a completions prompt).
+    Text(String),
+    /// Token ids given by the client, checked against the vocabulary.
+    Tokens(Vec<u32>),
+}
+
+/// A request whose fields are checked, waiting for tokenization and the context check.
+#[derive(Debug)]
+pub(crate) struct Checked {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub prompt: PromptInput,
+    /// The field the prompt came from, for error messages.
+    prompt_param: &'static str,
+    /// `Some((value, field))` when the client set it (already `>= 1`).
+    max_tokens: Option<(u32, &'static str)>,
+    temperature: f32,
+    seed: Option<u64>,
+    stop: Vec<String>,
+    ignore_eos: bool,
+    stream: bool,
+    include_usage: bool,
+    cache_salt: Option<String>,
+}
+
+/// Fields both endpoints share, as sent.
+struct Common {
+    model: Option<String>,
+    max_tokens: Option<(i64, &'static str)>,
+    temperature: Option<f64>,
+    seed: Option<i64>,
+    stop: Option<Stop>,
+    ignore_eos: Option<bool>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    n: Option<i64>,
+    cache_salt: Option<String>,
+}
+
+pub(crate) fn check_chat(
+    req: ChatCompletionRequest,
+    config: &HttpConfig,
+) -> Result<Checked, ServeError> {
+    // max_completion_tokens (the newer name) wins over max_tokens.
+    let max_tokens = match (req.max_completion_tokens, req.max_tokens) {
+        (Some(v), _) => Some((v, "max_completion_tokens")),
+        (None, Some(v)) => Some((v, "max_tokens")),
+        (None, None) => None,
+    };
+    let common = Common {
+        model: req.model,
+        max_tokens,
+        temperature: req.temperature,
+        seed: req.seed,
+        stop: req.stop,
+        ignore_eos: req.ignore_eos,
+        stream: req.stream,
+        stream_options: req.stream_options,
+        n: req.n,
+        cache_salt: req.cache_salt,
+    };
+    let model = check_model(common.model.as_deref(), config)?;
+    if req.logprobs == Some(true) {
+        return Err(unsupported("logprobs", "logprobs are not supported"));
+    }
+    if req.top_logprobs.is_some_and(|n| n > 0) {
+        return Err(unsupported("top_logprobs", "logprobs are not supported"));
+    }
+    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(unsupported("tools", "tool calling is not supported"));
+    }
+    if let Some(format) = &req.response_format {
+        let kind = format.get("type").and_then(|t| t.as_str());
+        if kind != Some("text") {
+            return Err(unsupported(
+                "response_format",
+                "only response_format {\"type\": \"text\"} is supported",
+            ));
+        }
+    }
+    let messages = req.messages.filter(|m| !m.is_empty()).ok_or_else(|| {
+        ServeError::invalid("messages must be a non-empty array").with_param("messages")
+    })?;
+    let mut turns = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let role = match m.role.as_str() {
+            // OpenAI's newer name for the system role.
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            "tool" => "tool",
+            other => {
+                return Err(ServeError::invalid(format!(
+                    "unknown role {other:?}: expected system, developer, user, assistant or tool"
+                ))
+                .with_param(format!("messages[{i}].role")));
+            }
+        };
+        let content = match &m.content {
+            None => String::new(),
+            Some(MessageContent::Text(t)) => t.clone(),
+            Some(MessageContent::Parts(parts)) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for (j, part) in parts.iter().enumerate() {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(t)) => texts.push(t.as_str()),
+                        _ => {
+                            return Err(ServeError::invalid(
+                                "only content parts {\"type\": \"text\", \"text\": ...} are \
+                                 supported",
+                            )
+                            .with_param(format!("messages[{i}].content[{j}]")));
+                        }
+                    }
+                }
+                texts.join("\n")
+            }
+        };
+        turns.push((role, content));
+    }
+    let text = render_chat(turns.iter().map(|(r, c)| (*r, c.as_str())));
+    finish_common(
+        common,
+        model,
+        Endpoint::Chat,
+        PromptInput::Text(text),
+        "messages",
+        config,
+    )
+}
+
+pub(crate) fn check_completion(
+    req: CompletionRequest,
+    config: &HttpConfig,
+) -> Result<Checked, ServeError> {
+    let common = Common {
+        model: req.model,
+        max_tokens: req.max_tokens.map(|v| (v, "max_tokens")),
+        temperature: req.temperature,
+        seed: req.seed,
+        stop: req.stop,
+        ignore_eos: req.ignore_eos,
+        stream: req.stream,
+        stream_options: req.stream_options,
+        n: req.n,
+        cache_salt: req.cache_salt,
+    };
+    let model = check_model(common.model.as_deref(), config)?;
+    if req.logprobs.is_some_and(|n| n > 0) {
+        return Err(unsupported("logprobs", "logprobs are not supported"));
+    }
+    if req.echo == Some(true) {
+        return Err(unsupported("echo", "echo is not supported"));
+    }
+    if req.best_of.is_some_and(|n| n != 1) {
+        return Err(unsupported("best_of", "best_of must be 1"));
+    }
+    if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(unsupported("suffix", "suffix is not supported"));
+    }
+    let one = |what: &str| {
+        ServeError::invalid(format!("{what}: only one prompt per request is supported"))
+            .with_param("prompt")
+    };
+    let prompt = match req.prompt {
+        None => return Err(ServeError::invalid("prompt is required").with_param("prompt")),
+        Some(Prompt::Text(t)) => PromptInput::Text(t),
+        Some(Prompt::Tokens(t)) => PromptInput::Tokens(t),
+        Some(Prompt::Texts(mut v)) if v.len() == 1 => PromptInput::Text(v.remove(0)),
+        Some(Prompt::TokenLists(mut v)) if v.len() == 1 => PromptInput::Tokens(v.remove(0)),
+        Some(Prompt::Texts(_)) => return Err(one("a list of prompts")),
+        Some(Prompt::TokenLists(_)) => return Err(one("a list of token lists")),
+    };
+    let empty = match &prompt {
+        PromptInput::Text(t) => t.is_empty(),
+        PromptInput::Tokens(t) => t.is_empty(),
+    };
+    if empty {
+        return Err(ServeError::invalid("prompt must not be empty").with_param("prompt"));
+    }
+    finish_common(
+        common,
+        model,
+        Endpoint::Completion,
+        prompt,
+        "prompt",
+        config,
+    )
+}
+
+fn check_model(model: Option<&str>, config: &HttpConfig) -> Result<String, ServeError> {
+    match model {
+        None => Ok(config.served_model_name.clone()),
+        Some(m) if m == config.served_model_name => Ok(m.to_string()),
+        Some(m) => Err(ServeError::model_not_found(m)),
+    }
+}
+
+fn unsupported(param: &'static str, message: &str) -> ServeError {
+    ServeError::invalid(message)
+        .with_param(param)
+        .with_code("unsupported_parameter")
+}
+
+fn finish_common(
+    c: Common,
+    model: String,
+    endpoint: Endpoint,
+    prompt: PromptInput,
+    prompt_param: &'static str,
+    config: &HttpConfig,
+) -> Result<Checked, ServeError> {
+    if let Some(n) = c.n.filter(|&n| n != 1) {
+        return Err(ServeError::invalid(format!(
+            "n must be 1 (one choice per request is supported), got {n}"
+        ))
+        .with_param("n")
+        .with_code("unsupported_parameter"));
+    }
+    let max_tokens = match c.max_tokens {
+        None => None,
+        Some((v, param)) if v < 1 => {
+            return Err(
+                ServeError::invalid(format!("{param} must be at least 1, got {v}"))
+                    .with_param(param),
+            );
+        }
+        // Anything over u32::MAX is over any context length; the context check reports it.
+        Some((v, param)) => Some((u32::try_from(v).unwrap_or(u32::MAX), param)),
+    };
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ServeError::invalid(format!(
+            "temperature must be between 0 and 2, got {temperature}"
+        ))
+        .with_param("temperature"));
+    }
+    let stop: Vec<String> = match c.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    // Empty stop strings would match at once; they are ignored, as an empty list is.
+    let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
+    if stop.len() > config.max_stop_sequences {
+        return Err(ServeError::invalid(format!(
+            "at most {} stop sequences are supported, got {}",
+            config.max_stop_sequences,
+            stop.len()
+        ))
+        .with_param("stop"));
+    }
+    if stop.iter().any(|s| s.len() > config.max_stop_bytes) {
+        return Err(ServeError::invalid(format!(
+            "a stop sequence may be at most {} bytes long",
+            config.max_stop_bytes
+        ))
+        .with_param("stop"));
+    }
+    let stream = c.stream.unwrap_or(false);
+    // stream_options only matter when streaming; elsewhere they are ignored.
+    let include_usage = stream
+        && c.stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+    Ok(Checked {
+        endpoint,
+        model,
+        prompt,
+        prompt_param,
+        max_tokens,
+        temperature: temperature as f32,
+        // Any 64-bit seed is accepted; negative ones are taken as their two's complement.
+        seed: c.seed.map(|s| s as u64),
+        stop,
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+        stream,
+        include_usage,
+        cache_salt: c.cache_salt.filter(|s| !s.is_empty()),
+    })
+}
+
+impl Checked {
+    /// Tokenizes the prompt (and checks given ids against the vocabulary).
+    pub(crate) fn tokenize(&self, tokenizer: &Tokenizer) -> Result<Vec<u32>, ServeError> {
+        match &self.prompt {
+            PromptInput::Text(text) => tokenizer.encode(text).map_err(|e| {
+                ServeError::invalid(format!("failed to tokenize the prompt: {e}"))
+                    .with_param(self.prompt_param)
+            }),
+            PromptInput::Tokens(ids) => match ids.iter().find(|&&id| !tokenizer.is_valid_token(id))
+            {
+                Some(bad) => Err(ServeError::invalid(format!(
+                    "token id {bad} is not in the vocabulary of {}",
+                    tokenizer.name()
+                ))
+                .with_param(self.prompt_param)),
+                None => Ok(ids.clone()),
+            },
+        }
+    }
+
+    /// Whether tokenizing may take long enough to move it off the async threads.
+    pub(crate) fn is_large(&self) -> bool {
+        match &self.prompt {
+            PromptInput::Text(t) => t.len() > 64 * 1024,
+            PromptInput::Tokens(_) => false,
+        }
+    }
+
+    /// Checks the context length and picks `max_tokens`; the last step to a [`ValidRequest`].
+    pub(crate) fn into_valid(
+        self,
+        prompt_tokens: Vec<u32>,
+        config: &HttpConfig,
+        (id, response_id): (u64, String),
+        created: u64,
+    ) -> Result<ValidRequest, ServeError> {
+        let context = config.context_length;
+        let n = u32::try_from(prompt_tokens.len()).unwrap_or(u32::MAX);
+        if n == 0 {
+            return Err(
+                ServeError::invalid("the prompt is empty after tokenization")
+                    .with_param(self.prompt_param),
+            );
+        }
+        if n >= context {
+            return Err(ServeError::invalid(format!(
+                "This model's maximum context length is {context} tokens. However, your \
+                 prompt has {n} tokens, which leaves no room for the completion."
+            ))
+            .with_param(self.prompt_param)
+            .with_code("context_length_exceeded"));
+        }
+        let room = context - n;
+        let max_tokens = match self.max_tokens {
+            Some((m, param)) if m > room => {
+                return Err(ServeError::invalid(format!(
+                    "This model's maximum context length is {context} tokens. However, you \
+                     requested {} tokens ({n} in the prompt, {m} for the completion). Please \
+                     reduce the prompt or {param}.",
+                    u64::from(n) + u64::from(m)
+                ))
+                .with_param(param)
+                .with_code("context_length_exceeded"));
+            }
+            Some((m, _)) => m,
+            None => config.default_max_tokens.clamp(1, room),
+        };
+        Ok(ValidRequest {
+            id,
+            response_id,
+            endpoint: self.endpoint,
+            model: self.model,
+            prompt_tokens,
+            max_tokens,
+            temperature: self.temperature,
+            seed: self.seed,
+            stop: self.stop,
+            ignore_eos: self.ignore_eos,
+            stream: self.stream,
+            include_usage: self.include_usage,
+            cache_salt: self.cache_salt,
+            created,
+        })
+    }
+}

@@ -1,0 +1,178 @@
+//! The crate's error type and its classification.
+
+use std::time::Duration;
+
+/// How a caller should react to an error: decides retry, migration and status codes upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// The caller asked for something impossible (bad config, bad argument): do not retry.
+    InvalidRequest,
+    /// A bound was hit; retrying later may succeed.
+    Overloaded,
+    /// A dependency (etcd, NATS, a peer) cannot be reached right now; retry or fail over.
+    Unavailable,
+    /// The operation was cancelled by its owner.
+    Cancelled,
+    /// A bug or an environment problem that retrying will not fix.
+    Internal,
+}
+
+/// Boxed source error for client libraries whose error types are generic.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Everything that can go wrong in tandem-runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// A configuration value is invalid (empty endpoint list, bad namespace, bad filter...).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A call was made with arguments the operation cannot accept.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// An etcd call failed.
+    #[error("etcd {op} failed: {source}")]
+    Etcd {
+        op: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// A NATS call failed.
+    #[error("nats {op} failed: {source}")]
+    Nats {
+        op: &'static str,
+        #[source]
+        source: BoxError,
+    },
+    /// A gRPC transport operation failed (bind, serve, connect).
+    #[error("grpc transport {op} failed: {source}")]
+    Transport {
+        op: &'static str,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// An operation did not finish within its deadline.
+    #[error("{op} timed out after {after:?}")]
+    Timeout { op: &'static str, after: Duration },
+    /// A bounded buffer is full.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
+    /// A value read from discovery could not be decoded.
+    #[error("malformed worker record at {key}: {source}")]
+    Decode {
+        key: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A value could not be encoded.
+    #[error("encoding failed: {0}")]
+    Encode(#[source] serde_json::Error),
+    /// An external binary (etcd, nats-server) is not installed.
+    #[error("`{binary}` not found on PATH (Debian package `{package}`)")]
+    MissingBinary {
+        binary: String,
+        package: &'static str,
+    },
+    /// An external server process did not become ready.
+    #[error("{what} failed to start: {detail}")]
+    StartFailed { what: &'static str, detail: String },
+    /// The operation was cancelled.
+    #[error("cancelled")]
+    Cancelled,
+    /// The other side of an in-process channel has gone away.
+    #[error("closed: {0}")]
+    Closed(&'static str),
+    /// An I/O error (process spawn, files, sockets).
+    #[error("i/o error during {op}: {source}")]
+    Io {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl RuntimeError {
+    /// The class of this error: the one place that decides how callers react to it.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            RuntimeError::Config(_) | RuntimeError::InvalidRequest(_) => ErrorClass::InvalidRequest,
+            RuntimeError::Overloaded(_) => ErrorClass::Overloaded,
+            RuntimeError::Etcd { source, .. } => match source {
+                etcd_client::Error::InvalidArgs(_) | etcd_client::Error::InvalidUri(_) => {
+                    ErrorClass::InvalidRequest
+                }
+                _ => ErrorClass::Unavailable,
+            },
+            RuntimeError::Nats { .. }
+            | RuntimeError::Transport { .. }
+            | RuntimeError::Timeout { .. }
+            | RuntimeError::Closed(_) => ErrorClass::Unavailable,
+            RuntimeError::Cancelled => ErrorClass::Cancelled,
+            RuntimeError::Decode { .. }
+            | RuntimeError::Encode(_)
+            | RuntimeError::MissingBinary { .. }
+            | RuntimeError::StartFailed { .. }
+            | RuntimeError::Io { .. } => ErrorClass::Internal,
+        }
+    }
+
+    pub(crate) fn etcd(op: &'static str) -> impl FnOnce(etcd_client::Error) -> RuntimeError {
+        move |source| RuntimeError::Etcd { op, source }
+    }
+
+    pub(crate) fn nats<E>(op: &'static str) -> impl FnOnce(E) -> RuntimeError
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        move |source| RuntimeError::Nats {
+            op,
+            source: Box::new(source),
+        }
+    }
+
+    pub(crate) fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> RuntimeError {
+        move |source| RuntimeError::Io { op, source }
+    }
+}
+
+/// Runs `fut` with a deadline, mapping expiry to [`RuntimeError::Timeout`].
+pub(crate) async fn with_timeout<T, F>(
+    op: &'static str,
+    after: Duration,
+    fut: F,
+) -> Result<T, RuntimeError>
+where
+    F: std::future::Future<Output = Result<T, RuntimeError>>,
+{
+    match tokio::time::timeout(after, fut).await {
+        Ok(result) => result,
+        Err(_) => Err(RuntimeError::Timeout { op, after }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes() {
+        assert_eq!(
+            RuntimeError::Config("x".into()).class(),
+            ErrorClass::InvalidRequest
+        );
+        assert_eq!(
+            RuntimeError::Timeout {
+                op: "put",
+                after: Duration::from_secs(1)
+            }
+            .class(),
+            ErrorClass::Unavailable
+        );
+        assert_eq!(RuntimeError::Cancelled.class(), ErrorClass::Cancelled);
+        let missing = RuntimeError::MissingBinary {
+            binary: "etcd".into(),
+            package: "etcd-server",
+        };
+        assert_eq!(missing.class(), ErrorClass::Internal);
+        assert!(missing.to_string().contains("etcd-server"));
+    }
+}

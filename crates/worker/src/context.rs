@@ -1,0 +1,236 @@
+//! What every worker role shares: its configuration, the engine host, the `KvEvents` and
+//! `Health` handlers, and the serve-register-drain lifecycle.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tandem_engine::{MockEngine, MockEngineConfig};
+use tandem_protocol::grpc::{
+    HealthReply, KvEventsReply, KvEventsRequest, kv_events_reply, worker_server,
+};
+use tandem_protocol::{
+    Envelope, TierCapacity, WorkerAddresses, WorkerId, WorkerRecord, WorkerRole,
+};
+use tandem_runtime::discovery::{Discovery, role_name};
+use tandem_runtime::events::{EventPlane, subjects};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::Status;
+
+use crate::error::WorkerError;
+use crate::host::{EngineHost, HostPublishing};
+
+/// A worker's settings (the binary fills them from flags).
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    pub worker_id: WorkerId,
+    pub role: WorkerRole,
+    /// Served model name, registered in discovery.
+    pub model: String,
+    /// Discovery and event-plane namespace.
+    pub namespace: String,
+    /// The engine; its pool's `worker_id` is overwritten with `worker_id`.
+    pub engine: MockEngineConfig,
+    /// Host name other processes reach this worker at (the listener's port is appended).
+    pub advertise_host: String,
+    pub load_interval: Duration,
+    /// How long a draining worker waits for in-flight requests before it exits anyway.
+    pub drain_timeout: Duration,
+    /// Decode workers: how long a remote prefill may take before prefilling locally.
+    pub prefill_timeout: Duration,
+}
+
+impl WorkerConfig {
+    /// Defaults for `role`: 16-token blocks, 8,192 device blocks, the mocker's timing.
+    pub fn new(worker_id: WorkerId, role: WorkerRole) -> Self {
+        let pool = tandem_engine::BlockPoolConfig::new(worker_id, 8192);
+        WorkerConfig {
+            worker_id,
+            role,
+            model: "mocker".to_string(),
+            namespace: "default".to_string(),
+            engine: MockEngineConfig::new(pool),
+            advertise_host: "127.0.0.1".to_string(),
+            load_interval: Duration::from_millis(500),
+            drain_timeout: Duration::from_secs(30),
+            prefill_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The outside services a worker talks to.
+#[derive(Clone)]
+pub struct WorkerDeps {
+    pub discovery: Arc<dyn Discovery>,
+    pub events: Arc<dyn EventPlane>,
+}
+
+impl std::fmt::Debug for WorkerDeps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerDeps").finish_non_exhaustive()
+    }
+}
+
+/// State shared by a worker's request handlers.
+#[derive(Clone, Debug)]
+pub struct WorkerContext {
+    pub config: Arc<WorkerConfig>,
+    pub host: EngineHost,
+    draining: Arc<AtomicBool>,
+    /// Cancelled when the worker stops for good (after draining): ends its tasks.
+    stop: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl WorkerContext {
+    /// Builds the engine and starts its host tasks.
+    pub fn start(
+        mut config: WorkerConfig,
+        events: Arc<dyn EventPlane>,
+    ) -> Result<Self, WorkerError> {
+        config.engine.pool.worker_id = config.worker_id;
+        let engine = MockEngine::new(config.engine.clone())
+            .map_err(|e| WorkerError::InvalidRequest(format!("engine config: {e}")))?;
+        let tasks = TaskTracker::new();
+        let stop = CancellationToken::new();
+        let publishing = HostPublishing {
+            events,
+            kv_subject: subjects::kv_events(&config.namespace),
+            load_subject: subjects::load_reports(&config.namespace),
+            load_interval: config.load_interval,
+        };
+        let host = EngineHost::start(engine, publishing, &tasks, stop.clone());
+        Ok(WorkerContext {
+            config: Arc::new(config),
+            host,
+            draining: Arc::new(AtomicBool::new(false)),
+            stop,
+            tasks,
+        })
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Refuses new work once draining (the frontend routes elsewhere on `Unavailable`).
+    pub fn check_accepting(&self) -> Result<(), WorkerError> {
+        if self.is_draining() {
+            Err(WorkerError::Draining)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The tracker owning per-request tasks (remote prefill fetches), so none outlives the
+    /// worker.
+    pub fn tasks(&self) -> &TaskTracker {
+        &self.tasks
+    }
+
+    /// `KvEvents`: the range after `after`, or a dump when asked or when the ring no longer
+    /// holds the range.
+    pub fn kv_events(&self, req: KvEventsRequest) -> Result<KvEventsReply, Status> {
+        let encoded = |r: Result<Vec<u8>, tandem_protocol::CodecError>| {
+            r.map_err(|e| Status::internal(format!("encoding KV events: {e}")))
+        };
+        let body = match (req.dump, self.host.events_since(req.after)) {
+            (false, Some(events)) => kv_events_reply::Body::Events(encoded(events.encode())?),
+            _ => kv_events_reply::Body::Dump(encoded(self.host.dump().encode())?),
+        };
+        Ok(KvEventsReply { body: Some(body) })
+    }
+
+    pub fn health(&self) -> HealthReply {
+        HealthReply {
+            worker_id: self.config.worker_id.0,
+            role: role_name(self.config.role).to_string(),
+            serving: !self.is_draining(),
+            draining: self.is_draining(),
+        }
+    }
+
+    /// The record registered in discovery.
+    pub fn record(&self, addr: SocketAddr) -> WorkerRecord {
+        let pool = &self.config.engine.pool;
+        WorkerRecord {
+            id: self.config.worker_id,
+            role: self.config.role,
+            model: self.config.model.clone(),
+            block_size: pool.block_size,
+            kv_capacity: TierCapacity {
+                device_blocks: u64::from(pool.device_blocks),
+                host_blocks: u64::from(pool.host_blocks),
+                disk_blocks: 0,
+            },
+            addresses: WorkerAddresses {
+                grpc: format!("{}:{}", self.config.advertise_host, addr.port()),
+                kv_transfer: None,
+            },
+        }
+    }
+
+    /// Serves `service` on `listener`, registered in discovery, until `shutdown`; then
+    /// drains: deregisters, refuses new requests, lets in-flight ones finish (up to the
+    /// drain timeout), stops serving and ends the engine's tasks.
+    pub async fn serve<S>(
+        self,
+        listener: TcpListener,
+        service: S,
+        deps: WorkerDeps,
+        shutdown: CancellationToken,
+    ) -> Result<(), WorkerError>
+    where
+        S: worker_server::Worker,
+    {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| WorkerError::Internal(format!("listener address: {e}")))?;
+        let record = self.record(addr);
+        let server_stop = CancellationToken::new();
+        let router = tonic::transport::Server::builder()
+            .add_service(worker_server::WorkerServer::new(service));
+        let server = tokio::spawn(tandem_runtime::grpc::serve_tonic(
+            router,
+            listener,
+            server_stop.clone(),
+        ));
+        let registration = match deps.discovery.register(record).await {
+            Ok(r) => r,
+            Err(e) => {
+                server_stop.cancel();
+                self.stop.cancel();
+                return Err(e.into());
+            }
+        };
+        tracing::info!(
+            worker = self.config.worker_id.0,
+            role = role_name(self.config.role),
+            %addr,
+            "worker serving"
+        );
+        shutdown.cancelled().await;
+
+        tracing::info!(in_flight = self.host.in_flight(), "draining");
+        self.draining.store(true, Ordering::Release);
+        registration.deregister().await;
+        if !self.host.wait_idle(self.config.drain_timeout).await {
+            tracing::warn!(
+                in_flight = self.host.in_flight(),
+                "drain timeout: stopping with requests in flight"
+            );
+        }
+        server_stop.cancel();
+        let served = server.await;
+        self.stop.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+        match served {
+            Ok(r) => r.map_err(WorkerError::from),
+            Err(e) => Err(WorkerError::Internal(format!("server task: {e}"))),
+        }
+    }
+}

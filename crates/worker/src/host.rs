@@ -1,0 +1,509 @@
+//! [`EngineHost`]: a mock engine driven in real time, shared by the request handlers.
+//!
+//! One driver task steps the engine: plan a step, sleep its modelled duration, finish it, hand
+//! every output to the request it belongs to. A second task publishes the engine's KV events
+//! in id order after anything that may have produced some (steps, admissions, aborts, remote
+//! prefills): only that task reads `events_since`, so batches leave in order and coalesce
+//! under load. A third publishes a load report every interval.
+//!
+//! Requests are submitted through [`EngineHost::submit`] and friends and answered through a
+//! [`RequestHandle`]; dropping the handle before the request ends aborts it, which frees its
+//! blocks (a client that goes away costs nothing after the current step).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+use tandem_engine::{
+    EngineRequest, ErrorClass, ExportedBlock, MockEngine, RemotePrefill, RequestOutput,
+    SchedulerError,
+};
+use tandem_protocol::{Envelope, KvDump, KvEvent, RequestId, WorkerId};
+use tandem_runtime::events::EventPlane;
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::error::WorkerError;
+
+/// What a request receives from the engine.
+#[derive(Debug)]
+pub enum HostOutput {
+    /// Prompt KV blocks copied out as they were computed (exporting requests only); always
+    /// before the token of the same step.
+    Blocks(Vec<ExportedBlock>),
+    Token(RequestOutput),
+}
+
+/// Where the host publishes.
+#[derive(Clone)]
+pub struct HostPublishing {
+    pub events: Arc<dyn EventPlane>,
+    /// Subject of KV events (`tandem.<ns>.kv-events`).
+    pub kv_subject: String,
+    /// Subject of load reports (`tandem.<ns>.load`).
+    pub load_subject: String,
+    pub load_interval: Duration,
+}
+
+impl std::fmt::Debug for HostPublishing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostPublishing")
+            .field("kv_subject", &self.kv_subject)
+            .field("load_subject", &self.load_subject)
+            .field("load_interval", &self.load_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+struct State {
+    engine: MockEngine,
+    /// Per-request output channels. Unbounded, but a request sends at most `max_tokens`
+    /// tokens plus one block batch per step of its prompt: its own length bounds it.
+    outputs: HashMap<RequestId, mpsc::UnboundedSender<HostOutput>>,
+    /// Requests whose prompt KV is exported.
+    exporting: Vec<RequestId>,
+}
+
+struct Inner {
+    worker_id: WorkerId,
+    state: Mutex<State>,
+    /// New work for the driver.
+    work: Notify,
+    /// New KV events for the publisher.
+    dirty: Notify,
+    /// Requests tracked (submitted and not ended or dropped), for draining.
+    idle: Notify,
+    started: Instant,
+}
+
+/// A mock engine stepped in real time. Cheap to clone.
+#[derive(Clone)]
+pub struct EngineHost {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for EngineHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHost")
+            .field("worker_id", &self.inner.worker_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EngineHost {
+    /// Starts the driver, the event publisher and the load reporter on `tasks`; they stop
+    /// when `cancel` fires.
+    pub fn start(
+        engine: MockEngine,
+        publishing: HostPublishing,
+        tasks: &TaskTracker,
+        cancel: CancellationToken,
+    ) -> EngineHost {
+        let worker_id = engine.pool().worker_id();
+        let host = EngineHost {
+            inner: Arc::new(Inner {
+                worker_id,
+                state: Mutex::new(State {
+                    engine,
+                    outputs: HashMap::new(),
+                    exporting: Vec::new(),
+                }),
+                work: Notify::new(),
+                dirty: Notify::new(),
+                idle: Notify::new(),
+                started: Instant::now(),
+            }),
+        };
+        tasks.spawn(host.clone().drive(cancel.clone()));
+        tasks.spawn(
+            host.clone()
+                .publish_events(publishing.clone(), cancel.clone()),
+        );
+        tasks.spawn(host.clone().report_load(publishing, cancel));
+        host
+    }
+
+    pub fn worker_id(&self) -> WorkerId {
+        self.inner.worker_id
+    }
+
+    /// Microseconds since the host started: the engine's clock.
+    pub fn now_us(&self) -> u64 {
+        self.inner.started.elapsed().as_micros() as u64
+    }
+
+    /// Queues a request for a local prefill and decode.
+    pub fn submit(&self, req: EngineRequest) -> Result<RequestHandle, WorkerError> {
+        self.submit_inner(req, None)
+    }
+
+    /// Queues a request whose prompt KV from token `from_token` on is exported as it is
+    /// computed ([`HostOutput::Blocks`]); the prefill worker's side of a remote prefill.
+    pub fn submit_exporting(
+        &self,
+        req: EngineRequest,
+        from_token: usize,
+    ) -> Result<RequestHandle, WorkerError> {
+        self.submit_inner(req, Some(from_token))
+    }
+
+    fn submit_inner(
+        &self,
+        req: EngineRequest,
+        export_from: Option<usize>,
+    ) -> Result<RequestHandle, WorkerError> {
+        let id = req.id;
+        let now = self.now_us();
+        let (tx, rx) = mpsc::unbounded_channel();
+        {
+            let mut st = self.inner.state.lock();
+            if st.outputs.contains_key(&id) {
+                return Err(WorkerError::DuplicateRequest(id.0));
+            }
+            st.engine.add_request(req, now).map_err(scheduler_error)?;
+            if let Some(from) = export_from {
+                st.engine.export_kv(id, from);
+                st.exporting.push(id);
+            }
+            st.outputs.insert(id, tx);
+        }
+        self.inner.work.notify_one();
+        self.inner.dirty.notify_one();
+        Ok(self.handle(id, rx))
+    }
+
+    /// Reserves blocks for a remote prefill of `req` (the decode side). On success the
+    /// caller writes the received KV with [`write_block`](Self::write_block), then calls
+    /// [`finish_remote`](Self::finish_remote) or [`fail_remote`](Self::fail_remote); the
+    /// handle receives the first token and the rest. `Overloaded` when there is no room now.
+    pub fn begin_remote(
+        &self,
+        req: EngineRequest,
+    ) -> Result<(RequestHandle, RemotePrefill), WorkerError> {
+        let id = req.id;
+        let now = self.now_us();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let rp = {
+            let mut st = self.inner.state.lock();
+            if st.outputs.contains_key(&id) {
+                return Err(WorkerError::DuplicateRequest(id.0));
+            }
+            let rp = st
+                .engine
+                .begin_remote_prefill(req, now)
+                .map_err(scheduler_error)?;
+            st.outputs.insert(id, tx);
+            rp
+        };
+        self.inner.dirty.notify_one();
+        Ok((self.handle(id, rx), rp))
+    }
+
+    /// Writes one received block of request `id` into the device arena. `block` must be one
+    /// of the blocks [`begin_remote`](Self::begin_remote) reserved for `id`; the write is
+    /// refused once the request is no longer tracked (aborted: its blocks may belong to
+    /// someone else by now).
+    pub fn write_block(&self, id: RequestId, block: u32, bytes: &[u8]) -> Result<(), WorkerError> {
+        let mut st = self.inner.state.lock();
+        if !st.outputs.contains_key(&id) {
+            return Err(WorkerError::BadTransfer(format!(
+                "request {} is gone: block {block} not written",
+                id.0
+            )));
+        }
+        let arena = st.engine.pool_mut().device_arena_mut();
+        if block as usize >= arena.num_blocks() || bytes.len() != arena.bytes_per_block() {
+            return Err(WorkerError::BadTransfer(format!(
+                "block {block} of {} bytes does not fit an arena of {} blocks × {} bytes",
+                bytes.len(),
+                arena.num_blocks(),
+                arena.bytes_per_block()
+            )));
+        }
+        arena.block_mut(block).copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Bytes per KV block of this engine's arena.
+    pub fn bytes_per_block(&self) -> usize {
+        self.inner
+            .state
+            .lock()
+            .engine
+            .pool()
+            .device_arena()
+            .bytes_per_block()
+    }
+
+    /// The KV of a remote prefill is in: the request continues with `first_token`.
+    pub fn finish_remote(&self, id: RequestId, first_token: u32) -> Result<(), WorkerError> {
+        let now = self.now_us();
+        let idle = {
+            let mut st = self.inner.state.lock();
+            let out = st
+                .engine
+                .finish_remote_prefill(id, first_token, now)
+                .map_err(scheduler_error)?;
+            route_output(&mut st, out);
+            st.outputs.is_empty()
+        };
+        if idle {
+            self.inner.idle.notify_waiters();
+        }
+        self.inner.work.notify_one();
+        self.inner.dirty.notify_one();
+        Ok(())
+    }
+
+    /// The remote prefill failed: the request prefills here instead.
+    pub fn fail_remote(&self, id: RequestId) -> Result<(), WorkerError> {
+        let now = self.now_us();
+        self.inner
+            .state
+            .lock()
+            .engine
+            .fail_remote_prefill(id, now)
+            .map_err(scheduler_error)?;
+        self.inner.work.notify_one();
+        self.inner.dirty.notify_one();
+        Ok(())
+    }
+
+    /// KV events after `after`, or None when the ring no longer holds them (send a dump).
+    pub fn events_since(&self, after: u64) -> Option<Vec<KvEvent>> {
+        self.inner.state.lock().engine.events_since(after).ok()
+    }
+
+    pub fn dump(&self) -> KvDump {
+        self.inner.state.lock().engine.dump()
+    }
+
+    /// Requests tracked now (queued, running, awaiting KV).
+    pub fn in_flight(&self) -> usize {
+        self.inner.state.lock().outputs.len()
+    }
+
+    /// Waits until no request is tracked, or `timeout` passes; true when idle.
+    pub async fn wait_idle(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.inner.idle.notified();
+            if self.in_flight() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.in_flight() == 0;
+            }
+        }
+    }
+
+    /// Runs `f` on the engine, for tests and status pages.
+    pub fn with_engine<R>(&self, f: impl FnOnce(&MockEngine) -> R) -> R {
+        f(&self.inner.state.lock().engine)
+    }
+
+    fn handle(&self, id: RequestId, rx: mpsc::UnboundedReceiver<HostOutput>) -> RequestHandle {
+        RequestHandle {
+            id,
+            rx,
+            host: self.clone(),
+            ended: false,
+        }
+    }
+
+    /// Forgets a request: aborts it in the engine when it is still tracked (not ended).
+    fn release(&self, id: RequestId) {
+        let (aborted, now_idle) = {
+            let mut st = self.inner.state.lock();
+            let tracked = st.outputs.remove(&id).is_some();
+            st.exporting.retain(|r| *r != id);
+            if tracked {
+                st.engine.abort(id);
+            }
+            (tracked, st.outputs.is_empty())
+        };
+        if aborted {
+            self.inner.dirty.notify_one();
+            self.inner.work.notify_one();
+        }
+        if now_idle {
+            self.inner.idle.notify_waiters();
+        }
+    }
+
+    async fn drive(self, cancel: CancellationToken) {
+        loop {
+            let planned = {
+                let now = self.now_us();
+                self.inner.state.lock().engine.begin_step(now)
+            };
+            let Some(step) = planned else {
+                tokio::select! {
+                    _ = self.inner.work.notified() => continue,
+                    _ = cancel.cancelled() => return,
+                }
+            };
+            let sleep = tokio::time::sleep(Duration::from_micros(step.duration_us()));
+            tokio::select! {
+                _ = sleep => {}
+                _ = cancel.cancelled() => return,
+            }
+            let now = self.now_us();
+            let idle = {
+                let mut st = self.inner.state.lock();
+                let outputs = st.engine.finish_step(now);
+                // Blocks first: a consumer sees a prompt's last blocks before its token.
+                let exporting = std::mem::take(&mut st.exporting);
+                let mut keep = Vec::with_capacity(exporting.len());
+                for id in exporting {
+                    let Some((blocks, finished)) = st.engine.take_exported(id) else {
+                        continue;
+                    };
+                    if !blocks.is_empty()
+                        && let Some(tx) = st.outputs.get(&id)
+                    {
+                        let _ = tx.send(HostOutput::Blocks(blocks));
+                    }
+                    if !finished {
+                        keep.push(id);
+                    }
+                }
+                st.exporting = keep;
+                for out in outputs {
+                    route_output(&mut st, out);
+                }
+                st.outputs.is_empty()
+            };
+            if idle {
+                self.inner.idle.notify_waiters();
+            }
+            self.inner.dirty.notify_one();
+        }
+    }
+
+    async fn publish_events(self, p: HostPublishing, cancel: CancellationToken) {
+        let mut last = 0u64;
+        loop {
+            tokio::select! {
+                _ = self.inner.dirty.notified() => {}
+                _ = cancel.cancelled() => return,
+            }
+            let batch = {
+                let st = self.inner.state.lock();
+                match st.engine.events_since(last) {
+                    Ok(events) => events,
+                    Err(_) => {
+                        // The ring moved past us (only if publishing stalled for a long
+                        // time): consumers see the gap and repair by a dump.
+                        let newest = st.engine.pool().last_event_id();
+                        tracing::warn!(last, newest, "KV events dropped before publishing");
+                        last = newest;
+                        Vec::new()
+                    }
+                }
+            };
+            let Some(newest) = batch.last().map(|e| e.event_id) else {
+                continue;
+            };
+            match batch.encode() {
+                Ok(bytes) => {
+                    if let Err(e) = p.events.publish(&p.kv_subject, Bytes::from(bytes)).await {
+                        // Not retried here: the index sees the gap (next batch or load
+                        // report) and asks this worker for the range.
+                        tracing::warn!(error = %e, "publishing KV events failed");
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "encoding KV events failed"),
+            }
+            last = newest;
+        }
+    }
+
+    async fn report_load(self, p: HostPublishing, cancel: CancellationToken) {
+        let mut tick = tokio::time::interval(p.load_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = cancel.cancelled() => return,
+            }
+            let now = self.now_us();
+            let report = self.inner.state.lock().engine.load_report(now);
+            match report.encode() {
+                Ok(bytes) => {
+                    if let Err(e) = p.events.publish(&p.load_subject, Bytes::from(bytes)).await {
+                        tracing::debug!(error = %e, "publishing a load report failed");
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "encoding a load report failed"),
+            }
+        }
+    }
+}
+
+/// Hands an output to its request; the request's channel closes with its last token.
+fn route_output(st: &mut State, out: RequestOutput) {
+    let id = out.id;
+    let last = out.finish.is_some();
+    if let Some(tx) = st.outputs.get(&id) {
+        let _ = tx.send(HostOutput::Token(out));
+    }
+    if last {
+        // Ended: no longer tracked (a later drop of the handle aborts nothing).
+        st.outputs.remove(&id);
+    }
+}
+
+fn scheduler_error(e: SchedulerError) -> WorkerError {
+    match e.class() {
+        ErrorClass::InvalidRequest => WorkerError::InvalidRequest(e.to_string()),
+        ErrorClass::Overloaded => WorkerError::Overloaded(e.to_string()),
+        ErrorClass::Internal => WorkerError::Internal(e.to_string()),
+    }
+}
+
+/// A request's outputs. Dropping it before the last token aborts the request.
+pub struct RequestHandle {
+    id: RequestId,
+    rx: mpsc::UnboundedReceiver<HostOutput>,
+    host: EngineHost,
+    ended: bool,
+}
+
+impl std::fmt::Debug for RequestHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestHandle")
+            .field("id", &self.id)
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RequestHandle {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The next output; None after the last token (or if the host stopped).
+    pub async fn next(&mut self) -> Option<HostOutput> {
+        if self.ended {
+            return None;
+        }
+        let out = self.rx.recv().await;
+        match &out {
+            Some(HostOutput::Token(o)) if o.finish.is_some() => self.ended = true,
+            None => self.ended = true,
+            _ => {}
+        }
+        out
+    }
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        self.host.release(self.id);
+    }
+}

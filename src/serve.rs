@@ -1,0 +1,434 @@
+//! The service roles: `tandem frontend | prefill | decode | indexer`, each on etcd and NATS.
+//! Flags (each with an environment variable) become the library's config structs here; the
+//! services themselves live in the crates.
+
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{ArgAction, Args};
+use tandem_engine::SchedulerConfig;
+use tandem_protocol::{BlockSize, WorkerId, WorkerRole};
+use tandem_router::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
+use tandem_router::http::{HttpConfig, TokenizerSpec};
+use tandem_router::{DisaggConfig, DisaggMode, PolicyConfig, PolicyKind, RouterConfig, RouterId};
+use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
+use tandem_runtime::events::{EventPlane, NatsAuth, NatsConfig, NatsEventPlane};
+use tandem_worker::{WorkerConfig, WorkerDeps};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Where discovery and the event plane are.
+#[derive(Args, Debug, Clone)]
+pub struct PlaneArgs {
+    /// Namespace of keys and subjects: clusters in different namespaces never see each other.
+    #[arg(long, env = "TANDEM_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+    /// etcd client endpoints, comma-separated.
+    #[arg(
+        long,
+        env = "TANDEM_ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub etcd_endpoints: Vec<String>,
+    /// Worker lease TTL in seconds (kept alive every third of it).
+    #[arg(long, env = "TANDEM_LEASE_TTL_S", default_value_t = 10)]
+    pub lease_ttl_s: u64,
+    #[arg(long, env = "TANDEM_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    #[arg(long, env = "TANDEM_ETCD_PASSWORD", hide_env_values = true)]
+    pub etcd_password: Option<String>,
+    /// NATS server URL.
+    #[arg(long, env = "TANDEM_NATS_URL", required = true)]
+    pub nats_url: String,
+    #[arg(long, env = "TANDEM_NATS_USER")]
+    pub nats_user: Option<String>,
+    #[arg(long, env = "TANDEM_NATS_PASSWORD", hide_env_values = true)]
+    pub nats_password: Option<String>,
+    #[arg(long, env = "TANDEM_NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<String>,
+    /// NATS credentials file (JWT and nkey seed).
+    #[arg(long, env = "TANDEM_NATS_CREDS")]
+    pub nats_creds: Option<PathBuf>,
+    /// Log one JSON object per line.
+    #[arg(long, env = "TANDEM_LOG_JSON", default_value_t = false)]
+    pub log_json: bool,
+}
+
+impl PlaneArgs {
+    pub async fn connect(&self, name: &str) -> anyhow::Result<ClusterDeps> {
+        let etcd = EtcdConfig {
+            endpoints: self.etcd_endpoints.clone(),
+            namespace: self.namespace.clone(),
+            lease_ttl: Duration::from_secs(self.lease_ttl_s),
+            username: self.etcd_user.clone(),
+            password: self.etcd_password.clone(),
+            ..Default::default()
+        };
+        let discovery: Arc<dyn Discovery> = Arc::new(
+            EtcdDiscovery::connect(etcd)
+                .await
+                .context("connecting to etcd")?,
+        );
+        let auth = match (
+            &self.nats_user,
+            &self.nats_password,
+            &self.nats_token,
+            &self.nats_creds,
+        ) {
+            (Some(user), Some(password), None, None) => NatsAuth::UserPassword {
+                user: user.clone(),
+                password: password.clone(),
+            },
+            (None, None, Some(token), None) => NatsAuth::Token(token.clone()),
+            (None, None, None, Some(path)) => NatsAuth::CredsFile(path.clone()),
+            (None, None, None, None) => NatsAuth::None,
+            _ => bail!(
+                "NATS auth: give --nats-user with --nats-password, or --nats-token, or \
+                 --nats-creds (one of them)"
+            ),
+        };
+        let nats = NatsConfig {
+            url: self.nats_url.clone(),
+            auth,
+            name: Some(name.to_string()),
+            ..Default::default()
+        };
+        let events: Arc<dyn EventPlane> = Arc::new(
+            NatsEventPlane::connect(nats)
+                .await
+                .context("connecting to NATS")?,
+        );
+        Ok(ClusterDeps { discovery, events })
+    }
+}
+
+/// The engine of a worker (the mocker model).
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Tokens per KV block; the frontend refuses workers with another.
+    #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+    /// Device KV blocks.
+    #[arg(long, env = "TANDEM_DEVICE_BLOCKS", default_value_t = 8192)]
+    pub device_blocks: u32,
+    /// Host KV blocks (0: no host tier).
+    #[arg(long, env = "TANDEM_HOST_BLOCKS", default_value_t = 0)]
+    pub host_blocks: u32,
+    /// Tokens per engine step.
+    #[arg(long, env = "TANDEM_MAX_BATCHED_TOKENS", default_value_t = 8192)]
+    pub max_batched_tokens: usize,
+    /// Running requests per engine at most.
+    #[arg(long, env = "TANDEM_MAX_NUM_SEQS", default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Divide every mocker step time by this (faster than a real GPU when above 1).
+    #[arg(long, env = "TANDEM_SPEEDUP_RATIO", default_value_t = 1.0)]
+    pub speedup_ratio: f64,
+}
+
+/// One worker process.
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub plane: PlaneArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// gRPC listen address.
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Host other processes reach this worker at (the bound port is appended).
+    #[arg(long, env = "TANDEM_ADVERTISE_HOST", default_value = "127.0.0.1")]
+    pub advertise_host: String,
+    /// Worker id (random when not given).
+    #[arg(long, env = "TANDEM_WORKER_ID")]
+    pub worker_id: Option<u64>,
+    /// Model name registered in discovery; the frontend serves workers of its model only.
+    #[arg(long, env = "TANDEM_MODEL", default_value = "mocker")]
+    pub model: String,
+    /// Seconds a draining worker waits for in-flight requests.
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
+    /// Decode: milliseconds a remote prefill may take before prefilling locally.
+    #[arg(long, env = "TANDEM_PREFILL_TIMEOUT_MS", default_value_t = 5000)]
+    pub prefill_timeout_ms: u64,
+    /// Milliseconds between load reports.
+    #[arg(long, env = "TANDEM_LOAD_INTERVAL_MS", default_value_t = 500)]
+    pub load_interval_ms: u64,
+}
+
+/// A fresh random 63-bit id.
+pub fn random_id() -> u64 {
+    RandomState::new().hash_one(std::process::id()) >> 1
+}
+
+impl WorkerArgs {
+    pub fn config(&self, role: WorkerRole) -> anyhow::Result<WorkerConfig> {
+        worker_config(
+            &self.engine,
+            role,
+            WorkerId(self.worker_id.unwrap_or_else(random_id)),
+            &self.model,
+            &self.plane.namespace,
+            &self.advertise_host,
+            self,
+        )
+    }
+}
+
+/// A worker's config from engine flags and the lifecycle flags of `w`.
+pub fn worker_config(
+    engine: &EngineArgs,
+    role: WorkerRole,
+    id: WorkerId,
+    model: &str,
+    namespace: &str,
+    advertise_host: &str,
+    w: &WorkerArgs,
+) -> anyhow::Result<WorkerConfig> {
+    let mut c = engine_worker_config(engine, role, id, model, namespace, advertise_host)?;
+    c.drain_timeout = Duration::from_secs(w.drain_timeout_s);
+    c.prefill_timeout = Duration::from_millis(w.prefill_timeout_ms);
+    c.load_interval = Duration::from_millis(w.load_interval_ms);
+    Ok(c)
+}
+
+/// A worker's config from engine flags, lifecycle defaults.
+pub fn engine_worker_config(
+    engine: &EngineArgs,
+    role: WorkerRole,
+    id: WorkerId,
+    model: &str,
+    namespace: &str,
+    advertise_host: &str,
+) -> anyhow::Result<WorkerConfig> {
+    let mut c = WorkerConfig::new(id, role);
+    c.model = model.to_string();
+    c.namespace = namespace.to_string();
+    c.advertise_host = advertise_host.to_string();
+    c.engine.pool.block_size = BlockSize::new(engine.block_size).context("--block-size")?;
+    c.engine.pool.device_blocks = engine.device_blocks;
+    c.engine.pool.host_blocks = engine.host_blocks;
+    c.engine.scheduler = SchedulerConfig {
+        max_num_batched_tokens: engine.max_batched_tokens,
+        max_num_seqs: engine.max_num_seqs,
+        ..Default::default()
+    };
+    c.engine.mocker.speedup_ratio = engine.speedup_ratio;
+    Ok(c)
+}
+
+/// How the frontend routes.
+#[derive(Args, Debug, Clone)]
+pub struct RoutingArgs {
+    /// Policy over the decode pool: round-robin, random, least-loaded, power-of-two, kv,
+    /// cache-aware, prefix-hash.
+    #[arg(long, env = "TANDEM_POLICY", default_value = "kv")]
+    pub policy: String,
+    /// kv: credit per cached device block (c).
+    #[arg(long, env = "TANDEM_OVERLAP_CREDIT", default_value_t = 1.0)]
+    pub overlap_credit: f64,
+    /// kv: softmax temperature (0: minimum cost).
+    #[arg(long, env = "TANDEM_TEMPERATURE", default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Conditional disaggregation when a prefill pool exists: isl-bounding, prefill-load,
+    /// isl-or-load, always, never.
+    #[arg(long, env = "TANDEM_DISAGG", default_value = "isl-bounding")]
+    pub disagg: String,
+    /// isl-bounding: prefill locally below this many uncached prompt tokens (and below the
+    /// fraction).
+    #[arg(long, env = "TANDEM_ISL_MAX_LOCAL_TOKENS", default_value_t = DisaggConfig::default().isl_max_local_tokens)]
+    pub isl_max_local_tokens: u64,
+    /// isl-bounding: prefill locally below this fraction of the prompt uncached.
+    #[arg(long, env = "TANDEM_ISL_MAX_LOCAL_FRACTION", default_value_t = DisaggConfig::default().isl_max_local_fraction)]
+    pub isl_max_local_fraction: f64,
+    /// prefill-load: prefill locally when the best prefill worker has more pending tokens.
+    #[arg(long, env = "TANDEM_PREFILL_BUSY_TOKENS", default_value_t = DisaggConfig::default().prefill_busy_tokens)]
+    pub prefill_busy_tokens: u64,
+}
+
+impl RoutingArgs {
+    pub fn configs(&self) -> anyhow::Result<(RouterConfig, DisaggConfig)> {
+        let kind: PolicyKind = self.policy.parse().context("--policy")?;
+        let mut policy = PolicyConfig::new(kind);
+        policy.kv.overlap_credit = self.overlap_credit;
+        policy.kv.temperature = self.temperature;
+        let mut disagg = DisaggConfig {
+            mode: self.disagg.parse::<DisaggMode>().context("--disagg")?,
+            isl_max_local_tokens: self.isl_max_local_tokens,
+            isl_max_local_fraction: self.isl_max_local_fraction,
+            prefill_busy_tokens: self.prefill_busy_tokens,
+            ..Default::default()
+        };
+        disagg.decode_kv = policy.kv;
+        disagg.validate().context("disaggregation flags")?;
+        let router = RouterConfig {
+            policy,
+            ..Default::default()
+        };
+        Ok((router, disagg))
+    }
+}
+
+/// The HTTP side of a frontend.
+#[derive(Args, Debug, Clone)]
+pub struct HttpArgs {
+    /// Served model name; workers must register the same.
+    #[arg(long, env = "TANDEM_MODEL", default_value = "mocker")]
+    pub model: String,
+    /// cl100k_base, o200k_base, or a path to a tokenizer.json.
+    #[arg(long, env = "TANDEM_TOKENIZER", default_value = "cl100k_base")]
+    pub tokenizer: String,
+    /// Most prompt + completion tokens per request.
+    #[arg(long, env = "TANDEM_CONTEXT_LENGTH", default_value_t = 32_768)]
+    pub context_length: u32,
+    /// Seconds a draining frontend lets responses finish.
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
+}
+
+/// `tandem frontend`.
+#[derive(Args, Debug, Clone)]
+pub struct FrontendArgs {
+    #[command(flatten)]
+    pub plane: PlaneArgs,
+    #[command(flatten)]
+    pub routing: RoutingArgs,
+    #[command(flatten)]
+    pub http: HttpArgs,
+    /// HTTP listen address.
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:8000")]
+    pub listen: String,
+    /// Tokens per KV block (must match the workers').
+    #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+    /// A standalone `tandem indexer` to ask instead of an embedded index.
+    #[arg(long, env = "TANDEM_INDEXER_URL")]
+    pub indexer_url: Option<String>,
+    /// Share active-sequence deltas with other frontend replicas.
+    #[arg(long, env = "TANDEM_REPLICA_SYNC", default_value_t = true, action = ArgAction::Set)]
+    pub replica_sync: bool,
+}
+
+/// A frontend's config from its flags.
+pub fn frontend_config(
+    namespace: &str,
+    routing: &RoutingArgs,
+    http: &HttpArgs,
+    block_size: u32,
+    indexer_url: Option<String>,
+    replica_sync: bool,
+) -> anyhow::Result<FrontendConfig> {
+    let (router, disagg) = routing.configs()?;
+    let mut backend = BackendConfig::new(RouterId(random_id()));
+    backend.router = router;
+    backend.disagg = disagg;
+    backend.indexer_url = indexer_url;
+    backend.replica_sync = replica_sync;
+    let tokenizer: TokenizerSpec = http.tokenizer.parse().context("--tokenizer")?;
+    Ok(FrontendConfig {
+        view: ViewConfig {
+            namespace: namespace.to_string(),
+            model: Some(http.model.clone()),
+            block_size: BlockSize::new(block_size).context("--block-size")?,
+            connect_timeout: Duration::from_secs(2),
+            embedded_index: true,
+        },
+        http: HttpConfig {
+            served_model_name: http.model.clone(),
+            context_length: http.context_length,
+            ..Default::default()
+        },
+        tokenizer,
+        backend,
+        drain_timeout: Duration::from_secs(http.drain_timeout_s),
+    })
+}
+
+/// `tandem indexer`.
+#[derive(Args, Debug, Clone)]
+pub struct IndexerArgs {
+    #[command(flatten)]
+    pub plane: PlaneArgs,
+    /// gRPC listen address.
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:7000")]
+    pub listen: String,
+    /// Tokens per KV block (must match the workers').
+    #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+}
+
+async fn bind(addr: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))
+}
+
+fn init_logs(json: bool) -> anyhow::Result<()> {
+    tandem_runtime::telemetry::init(tandem_runtime::telemetry::TelemetryConfig {
+        json,
+        filter: None,
+    })?;
+    Ok(())
+}
+
+/// The root cancellation token, cancelled on SIGTERM or SIGINT.
+fn shutdown_token() -> CancellationToken {
+    let root = CancellationToken::new();
+    tandem_runtime::shutdown::shutdown_on_signals(root.clone());
+    root
+}
+
+pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()> {
+    init_logs(args.plane.log_json)?;
+    let cfg = args.config(role)?;
+    let listener = bind(&args.listen).await?;
+    let deps = args
+        .plane
+        .connect(&format!("{role:?}-{}", cfg.worker_id.0))
+        .await?;
+    let deps = WorkerDeps {
+        discovery: deps.discovery,
+        events: deps.events,
+    };
+    let shutdown = shutdown_token();
+    match role {
+        WorkerRole::Prefill => tandem_prefill_worker::run(cfg, listener, deps, shutdown).await?,
+        _ => tandem_decode_worker::run(cfg, listener, deps, shutdown).await?,
+    }
+    Ok(())
+}
+
+pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
+    init_logs(args.plane.log_json)?;
+    let cfg = frontend_config(
+        &args.plane.namespace,
+        &args.routing,
+        &args.http,
+        args.block_size,
+        args.indexer_url.clone(),
+        args.replica_sync,
+    )?;
+    let listener = bind(&args.listen).await?;
+    let deps = args.plane.connect("frontend").await?;
+    tandem_router::cluster::run_frontend(cfg, listener, deps, shutdown_token()).await?;
+    Ok(())
+}
+
+pub async fn run_indexer(args: IndexerArgs) -> anyhow::Result<()> {
+    init_logs(args.plane.log_json)?;
+    let listener = bind(&args.listen).await?;
+    let deps = args.plane.connect("indexer").await?;
+    let cfg = ViewConfig {
+        namespace: args.plane.namespace.clone(),
+        model: None,
+        block_size: BlockSize::new(args.block_size).context("--block-size")?,
+        connect_timeout: Duration::from_secs(2),
+        embedded_index: true,
+    };
+    tandem_router::cluster::run_indexer(cfg, listener, deps, shutdown_token()).await?;
+    Ok(())
+}

@@ -1,0 +1,234 @@
+//! `tandem up`: a whole cluster on one machine.
+//!
+//! - Default: one process, in-memory discovery and event plane, real gRPC on loopback between
+//!   the frontend and `--prefill` prefill and `--decode` decode workers.
+//! - `--processes`: starts etcd and nats-server (from PATH) on free loopback ports with
+//!   temporary data directories, then every role as its own `tandem` process on them.
+//!
+//! Ctrl-C (or SIGTERM) stops everything: the frontend drains first, then the workers.
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tandem_protocol::{WorkerId, WorkerRole};
+use tandem_runtime::discovery::MemoryDiscovery;
+use tandem_runtime::events::MemoryEventPlane;
+use tandem_runtime::external::{EtcdOptions, EtcdServer, NatsOptions, NatsServer};
+use tandem_worker::WorkerDeps;
+use tokio::net::TcpListener;
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+use crate::serve::{EngineArgs, HttpArgs, RoutingArgs, engine_worker_config, frontend_config};
+
+#[derive(Args, Debug, Clone)]
+pub struct UpArgs {
+    /// HTTP port of the frontend (0: any free port).
+    #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Address the frontend binds.
+    #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Prefill workers (0: aggregated serving).
+    #[arg(long, env = "TANDEM_PREFILL", default_value_t = 2)]
+    pub prefill: u32,
+    /// Decode workers.
+    #[arg(long, env = "TANDEM_DECODE", default_value_t = 2)]
+    pub decode: u32,
+    /// Each role as its own process, on etcd and nats-server started from PATH.
+    #[arg(long, default_value_t = false)]
+    pub processes: bool,
+    #[command(flatten)]
+    pub routing: RoutingArgs,
+    #[command(flatten)]
+    pub http: HttpArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Log one JSON object per line.
+    #[arg(long, env = "TANDEM_LOG_JSON", default_value_t = false)]
+    pub log_json: bool,
+}
+
+pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    tandem_runtime::telemetry::init(tandem_runtime::telemetry::TelemetryConfig {
+        json: args.log_json,
+        filter: None,
+    })?;
+    if args.decode == 0 {
+        anyhow::bail!("--decode must be at least 1");
+    }
+    let root = CancellationToken::new();
+    tandem_runtime::shutdown::shutdown_on_signals(root.clone());
+    if args.processes {
+        run_processes(args, root).await
+    } else {
+        run_embedded(args, root).await
+    }
+}
+
+async fn run_embedded(args: UpArgs, root: CancellationToken) -> anyhow::Result<()> {
+    let discovery = Arc::new(MemoryDiscovery::new());
+    let events = Arc::new(MemoryEventPlane::new());
+    let deps = WorkerDeps {
+        discovery: discovery.clone(),
+        events: events.clone(),
+    };
+    let workers_stop = CancellationToken::new();
+    let mut workers = tokio::task::JoinSet::new();
+    let roles = (0..args.prefill)
+        .map(|_| WorkerRole::Prefill)
+        .chain((0..args.decode).map(|_| WorkerRole::Decode));
+    for (i, role) in roles.enumerate() {
+        let cfg = engine_worker_config(
+            &args.engine,
+            role,
+            WorkerId(i as u64 + 1),
+            &args.http.model,
+            "default",
+            "127.0.0.1",
+        )?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let (deps, stop) = (deps.clone(), workers_stop.clone());
+        workers.spawn(async move {
+            match role {
+                WorkerRole::Prefill => tandem_prefill_worker::run(cfg, listener, deps, stop).await,
+                _ => tandem_decode_worker::run(cfg, listener, deps, stop).await,
+            }
+        });
+    }
+    let cfg = frontend_config(
+        "default",
+        &args.routing,
+        &args.http,
+        args.engine.block_size,
+        None,
+        false,
+    )?;
+    let listener = TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    println!(
+        "tandem up: http://{addr}/v1  ({} prefill, {} decode workers, policy {}, disagg {}; Ctrl-C stops)",
+        args.prefill, args.decode, args.routing.policy, args.routing.disagg
+    );
+    let cluster = tandem_router::cluster::ClusterDeps { discovery, events };
+    let served = tandem_router::cluster::run_frontend(cfg, listener, cluster, root).await;
+    workers_stop.cancel();
+    while let Some(r) = workers.join_next().await {
+        if let Ok(Err(e)) = r {
+            tracing::warn!(error = %e, "worker stopped with an error");
+        }
+    }
+    served?;
+    Ok(())
+}
+
+/// A child `tandem` process, stopped with SIGTERM then killed.
+struct Role {
+    name: String,
+    child: Child,
+}
+
+async fn run_processes(args: UpArgs, root: CancellationToken) -> anyhow::Result<()> {
+    let etcd = EtcdServer::start(EtcdOptions::default()).await?;
+    let nats = NatsServer::start(NatsOptions::default()).await?;
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let plane = [
+        "--etcd-endpoints".to_string(),
+        etcd.endpoint(),
+        "--nats-url".to_string(),
+        nats.url(),
+    ];
+    let engine = [
+        format!("--block-size={}", args.engine.block_size),
+        format!("--device-blocks={}", args.engine.device_blocks),
+        format!("--host-blocks={}", args.engine.host_blocks),
+        format!("--max-batched-tokens={}", args.engine.max_batched_tokens),
+        format!("--max-num-seqs={}", args.engine.max_num_seqs),
+        format!("--speedup-ratio={}", args.engine.speedup_ratio),
+        format!("--model={}", args.http.model),
+    ];
+    let mut roles = Vec::new();
+    let spawn = |name: String, cmd: &[String]| -> anyhow::Result<Role> {
+        let child = Command::new(&exe)
+            .args(cmd)
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        Ok(Role { name, child })
+    };
+    for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
+        for i in 0..n {
+            let mut cmd = vec![role.to_string()];
+            cmd.extend(plane.iter().cloned());
+            cmd.extend(engine.iter().cloned());
+            roles.push(spawn(format!("{role}-{i}"), &cmd)?);
+        }
+    }
+    let mut cmd = vec![
+        "frontend".to_string(),
+        format!("--listen={}:{}", args.host, args.port),
+        format!("--policy={}", args.routing.policy),
+        format!("--disagg={}", args.routing.disagg),
+        format!("--block-size={}", args.engine.block_size),
+        format!("--model={}", args.http.model),
+        format!("--tokenizer={}", args.http.tokenizer),
+    ];
+    cmd.extend(plane.iter().cloned());
+    roles.push(spawn("frontend".to_string(), &cmd)?);
+    println!(
+        "tandem up --processes: http://{}:{}/v1  (etcd {}, nats {}; {} prefill, {} decode \
+         processes; Ctrl-C stops)",
+        args.host,
+        args.port,
+        etcd.endpoint(),
+        nats.url(),
+        args.prefill,
+        args.decode
+    );
+    tokio::select! {
+        _ = root.cancelled() => {}
+        exited = wait_any(&mut roles) => {
+            tracing::error!(role = %exited, "a role exited: stopping the cluster");
+        }
+    }
+    // Frontend first (last in the list), then the workers.
+    for role in roles.iter_mut().rev() {
+        stop_role(role).await;
+    }
+    drop((etcd, nats));
+    Ok(())
+}
+
+/// Resolves with the name of the first role that exits.
+async fn wait_any(roles: &mut [Role]) -> String {
+    loop {
+        for r in roles.iter_mut() {
+            if let Ok(Some(_)) = r.child.try_wait() {
+                return r.name.clone();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn stop_role(role: &mut Role) {
+    if let Some(pid) = role.child.id() {
+        let _ = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .await;
+    }
+    if tokio::time::timeout(Duration::from_secs(35), role.child.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(role = %role.name, "did not stop in time: killing");
+        let _ = role.child.kill().await;
+    }
+}
