@@ -42,10 +42,15 @@ fn config(id: u64, role: WorkerRole) -> WorkerConfig {
 }
 
 async fn start(id: u64, role: WorkerRole, deps: &WorkerDeps) -> Running {
+    start_with(config(id, role), deps).await
+}
+
+async fn start_with(cfg: WorkerConfig, deps: &WorkerDeps) -> Running {
+    let role = cfg.role;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let stop = CancellationToken::new();
-    let (cfg, deps, s) = (config(id, role), deps.clone(), stop.clone());
+    let (deps, s) = (deps.clone(), stop.clone());
     let task = tokio::spawn(async move {
         match role {
             WorkerRole::Prefill => tandem_prefill_worker::run(cfg, listener, deps, s).await,
@@ -215,4 +220,67 @@ async fn kv_events_reach_the_event_plane_and_a_dropped_stream_frees_its_blocks()
         deps.discovery.list().await.unwrap().is_empty(),
         "deregistered"
     );
+}
+
+/// Waits for a load report of `worker` satisfying `f`, for at most `within`.
+async fn report_where(
+    sub: &mut tandem_runtime::events::Subscription,
+    worker: u64,
+    within: Duration,
+    f: impl Fn(&tandem_protocol::LoadReport) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let bytes = tokio::time::timeout_at(deadline, sub.next())
+            .await
+            .expect("a matching load report in time")
+            .unwrap();
+        let r = tandem_protocol::LoadReport::decode(&bytes).unwrap();
+        if r.worker_id.0 == worker && f(&r) {
+            return;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_mid_transfer_frees_the_blocks_on_both_workers() {
+    let deps = deps();
+    let mut loads = deps
+        .events
+        .subscribe(&subjects::load_reports("default"))
+        .await
+        .unwrap();
+    // A slow prefill worker: 12 chunks of 256 tokens, about 0.2 s each.
+    let mut pcfg = config(1, WorkerRole::Prefill);
+    pcfg.engine.mocker.speedup_ratio = 0.1;
+    pcfg.engine.scheduler.max_num_batched_tokens = 256;
+    let p = start_with(pcfg, &deps).await;
+    let d = start(2, WorkerRole::Decode, &deps).await;
+    let mut c = client(&d.addr).await;
+    let stream = c
+        .generate(request(30, prompt(4, 3000), Some(&p)))
+        .await
+        .unwrap()
+        .into_inner();
+    // Both hold blocks for it: the prefill is under way, the decode worker awaits the KV.
+    report_where(&mut loads, 1, Duration::from_secs(2), |r| {
+        r.kv_active_blocks > 0
+    })
+    .await;
+    report_where(&mut loads, 2, Duration::from_secs(2), |r| {
+        r.kv_active_blocks == 188
+    })
+    .await;
+    drop(stream);
+    // Long before the prefill would have finished (~2.4 s), both are empty again.
+    for w in [1, 2] {
+        report_where(&mut loads, w, Duration::from_millis(1500), |r| {
+            r.kv_active_blocks == 0 && r.running_requests == 0 && r.waiting_requests == 0
+        })
+        .await;
+    }
+    for w in [p, d] {
+        w.stop.cancel();
+        w.task.await.unwrap().unwrap();
+    }
 }

@@ -10,7 +10,9 @@
 //!
 //! Failures before the first token are retried on another decode worker (the frontend's is
 //! the one retry layer, DESIGN.md §10), up to `max_attempts`. A failure after the first token
-//! ends the stream with an error item; the edge closes the response cleanly.
+//! migrates the request (DESIGN.md §1): prompt + tokens generated so far go to another decode
+//! worker for the rest of the token budget, up to `max_migrations` times; beyond that the
+//! stream ends with an error item and the edge closes the response cleanly.
 //!
 //! The tracker entry of a request lives in a guard owned by its output stream: the prefill
 //! load leaves at the first token, everything leaves when the stream ends or is dropped.
@@ -70,6 +72,9 @@ pub struct BackendConfig {
     pub indexer_url: Option<String>,
     /// Decode workers tried per request before giving up.
     pub max_attempts: u32,
+    /// Times a request may move to another decode worker after its first token, when its
+    /// worker fails mid-stream.
+    pub max_migrations: u32,
     pub connect_timeout: Duration,
     pub seed: u64,
 }
@@ -84,6 +89,7 @@ impl BackendConfig {
             replica_sync: true,
             indexer_url: None,
             max_attempts: 3,
+            max_migrations: 3,
             connect_timeout: Duration::from_secs(2),
             seed: router_id.0,
         }
@@ -370,21 +376,19 @@ impl ClusterBackend {
     async fn attempt(
         &self,
         plan: &Plan,
-        req: &ValidRequest,
-        seed: HashSeed,
-        sampling_seed: u64,
+        job: &Job,
     ) -> Result<(tonic::Streaming<GenerateChunk>, GenerateChunk), Status> {
         let greq = GenerateRequest {
             request_id: plan.request.0,
-            prompt: req.prompt_tokens.clone(),
+            prompt: job.prompt.clone(),
             sampling: Some(Sampling {
-                max_tokens: req.max_tokens,
-                seed: sampling_seed,
-                temperature: req.temperature,
+                max_tokens: job.max_tokens,
+                seed: job.sampling_seed,
+                temperature: job.temperature,
                 stop_token: None,
-                ignore_eos: req.ignore_eos,
+                ignore_eos: job.ignore_eos,
             }),
-            hash_seed: seed.0,
+            hash_seed: job.seed.0,
             remote_prefill: plan.prefill.as_ref().map(|p| RemotePrefillTarget {
                 worker_id: p.record.id.0,
                 address: p.record.addresses.grpc.clone(),
@@ -397,6 +401,85 @@ impl ClusterBackend {
             .await?
             .ok_or_else(|| Status::unavailable("the worker ended the stream before a token"))?;
         Ok((stream, first))
+    }
+}
+
+/// What is sent to a decode worker: the request, or its continuation after a migration
+/// (prompt + tokens generated so far, the remaining token budget).
+#[derive(Clone, Debug)]
+struct Job {
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    temperature: f32,
+    ignore_eos: bool,
+    seed: HashSeed,
+    sampling_seed: u64,
+}
+
+/// A request started on a decode worker, its first chunk in hand.
+struct Started {
+    route: RouteInfo,
+    first: GenerateChunk,
+    rest: tonic::Streaming<GenerateChunk>,
+    flight: Flight,
+}
+
+impl ClusterBackend {
+    /// Routes `job` and starts it, re-routing (to a worker not in `excluded`) when a decode
+    /// worker fails before the first token, up to `max_attempts`; failed workers are added
+    /// to `excluded`.
+    async fn start_job(
+        &self,
+        job: &Job,
+        excluded: &mut Vec<WorkerId>,
+    ) -> Result<Started, ServeError> {
+        let bs = self.shared.view.config().block_size;
+        let hashes: Vec<SequenceHash> = compute_block_hashes(&job.prompt, bs, job.seed)
+            .iter()
+            .map(|h| h.sequence)
+            .collect();
+        let scores = self.find_matches(&hashes).await;
+        let route = RouteRequest::from_tokens(&job.prompt, bs, job.seed);
+        let mut last = None;
+        for _ in 0..self.shared.cfg.max_attempts.max(1) {
+            let plan = self.plan(&route, &hashes, &scores, excluded, job.max_tokens)?;
+            let mut flight = Flight {
+                backend: self.clone(),
+                request: plan.request,
+                worker: plan.decode.record.id,
+                remote: plan.prefill.is_some(),
+                prefill_done: false,
+            };
+            match self.attempt(&plan, job).await {
+                Ok((rest, first)) => {
+                    flight.first_token();
+                    let route = RouteInfo {
+                        decode_worker: plan.decode.record.id.0,
+                        prefill_worker: plan.prefill.as_ref().map(|p| p.record.id.0),
+                    };
+                    return Ok(Started {
+                        route,
+                        first,
+                        rest,
+                        flight,
+                    });
+                }
+                Err(status) if retryable(&status) => {
+                    tracing::warn!(
+                        worker = plan.decode.record.id.0,
+                        %status,
+                        "decode worker failed before the first token: re-routing"
+                    );
+                    excluded.push(plan.decode.record.id);
+                    last = Some(status);
+                }
+                Err(status) => return Err(status_to_error(&status)),
+            }
+        }
+        Err(last.as_ref().map_or_else(
+            || ServeError::unavailable("no decode worker could serve the request"),
+            status_to_error,
+        ))
     }
 }
 
@@ -443,6 +526,7 @@ fn token_chunk(c: &GenerateChunk) -> TokenChunk {
 struct Flight {
     backend: ClusterBackend,
     request: RequestId,
+    worker: WorkerId,
     remote: bool,
     prefill_done: bool,
 }
@@ -496,56 +580,33 @@ impl Drop for Flight {
 #[async_trait::async_trait]
 impl Backend for ClusterBackend {
     async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError> {
-        let view = &self.shared.view;
-        let bs = view.config().block_size;
-        let seed = HashSeed::from_salt(req.cache_salt.as_deref().map(str::as_bytes));
-        let hashes: Vec<SequenceHash> = compute_block_hashes(&req.prompt_tokens, bs, seed)
-            .iter()
-            .map(|h| h.sequence)
-            .collect();
-        let scores = self.find_matches(&hashes).await;
-        let route = RouteRequest::from_tokens(&req.prompt_tokens, bs, seed);
-        let sampling_seed = req
-            .seed
-            .unwrap_or_else(|| self.shared.state.lock().rng.next_u64());
+        let job = Job {
+            seed: HashSeed::from_salt(req.cache_salt.as_deref().map(str::as_bytes)),
+            sampling_seed: req
+                .seed
+                .unwrap_or_else(|| self.shared.state.lock().rng.next_u64()),
+            prompt: req.prompt_tokens,
+            max_tokens: req.max_tokens,
+            temperature: req.temperature,
+            ignore_eos: req.ignore_eos,
+        };
         let mut excluded = Vec::new();
-        let mut last = None;
-        for _ in 0..self.shared.cfg.max_attempts.max(1) {
-            let plan = self.plan(&route, &hashes, &scores, &excluded, req.max_tokens)?;
-            let mut flight = Flight {
-                backend: self.clone(),
-                request: plan.request,
-                remote: plan.prefill.is_some(),
-                prefill_done: false,
-            };
-            match self.attempt(&plan, &req, seed, sampling_seed).await {
-                Ok((rest, first)) => {
-                    flight.first_token();
-                    let route = RouteInfo {
-                        decode_worker: plan.decode.record.id.0,
-                        prefill_worker: plan.prefill.as_ref().map(|p| p.record.id.0),
-                    };
-                    return Ok(Generation {
-                        route,
-                        chunks: chunk_stream(first, rest, flight),
-                    });
-                }
-                Err(status) if retryable(&status) => {
-                    tracing::warn!(
-                        worker = plan.decode.record.id.0,
-                        %status,
-                        "decode worker failed before the first token: re-routing"
-                    );
-                    excluded.push(plan.decode.record.id);
-                    last = Some(status);
-                }
-                Err(status) => return Err(status_to_error(&status)),
-            }
-        }
-        Err(last.as_ref().map_or_else(
-            || ServeError::unavailable("no decode worker could serve the request"),
-            status_to_error,
-        ))
+        let started = self.start_job(&job, &mut excluded).await?;
+        let route = started.route;
+        let run = Run {
+            backend: self.clone(),
+            job,
+            excluded,
+            generated: Vec::new(),
+            migrations_left: self.shared.cfg.max_migrations,
+            pending: Some(started.first),
+            rest: started.rest,
+            flight: started.flight,
+        };
+        Ok(Generation {
+            route,
+            chunks: run.into_stream(),
+        })
     }
 
     fn ready(&self) -> bool {
@@ -553,40 +614,81 @@ impl Backend for ClusterBackend {
     }
 }
 
-/// The output stream: the first chunk, then the rest, up to the chunk with a finish reason;
-/// the flight guard lives as long as it.
-fn chunk_stream(
-    first: GenerateChunk,
+/// A request's output as it streams: the current decode worker's stream and tracker entry,
+/// and what is needed to migrate it when that worker fails mid-stream.
+struct Run {
+    backend: ClusterBackend,
+    job: Job,
+    excluded: Vec<WorkerId>,
+    /// Tokens streamed so far (the prompt of a continuation).
+    generated: Vec<u32>,
+    migrations_left: u32,
+    /// The first chunk of the current worker, not yet yielded.
+    pending: Option<GenerateChunk>,
     rest: tonic::Streaming<GenerateChunk>,
     flight: Flight,
-) -> futures::stream::BoxStream<'static, Result<TokenChunk, ServeError>> {
-    let is_last = |c: &GenerateChunk| c.finish != grpc::FinishReason::Unspecified as i32;
-    let state = Some((Some(first), rest, flight));
-    stream::unfold(state, move |state| async move {
-        let (pending, mut rest, flight) = state?;
-        let next = match pending {
-            Some(c) => Ok(Some(c)),
-            None => rest.message().await,
-        };
-        match next {
-            Ok(Some(c)) => {
-                let item = Ok(token_chunk(&c));
-                Some((item, (!is_last(&c)).then_some((None, rest, flight))))
+}
+
+impl Run {
+    /// Chunks up to the one with a finish reason; the run (and its tracker entry) lives as
+    /// long as the stream.
+    fn into_stream(self) -> futures::stream::BoxStream<'static, Result<TokenChunk, ServeError>> {
+        stream::unfold(Some(self), |run| async move {
+            let mut run = run?;
+            match run.next_chunk().await {
+                Ok(c) => {
+                    let last = c.finish != grpc::FinishReason::Unspecified as i32;
+                    run.generated.extend_from_slice(&c.tokens);
+                    Some((Ok(token_chunk(&c)), (!last).then_some(run)))
+                }
+                Err(e) => Some((Err(e), None)),
             }
-            Ok(None) => Some((
-                Err(ServeError::unavailable(
-                    "the decode worker ended the stream early",
-                )),
-                None,
-            )),
-            Err(status) => Some((
-                Err(ServeError::unavailable(format!(
-                    "the decode worker failed mid-stream: {}",
-                    status.message()
-                ))),
-                None,
-            )),
+        })
+        .boxed()
+    }
+
+    async fn next_chunk(&mut self) -> Result<GenerateChunk, ServeError> {
+        loop {
+            if let Some(c) = self.pending.take() {
+                return Ok(c);
+            }
+            let failure = match self.rest.message().await {
+                Ok(Some(c)) => return Ok(c),
+                Ok(None) => "the decode worker ended the stream early".to_string(),
+                Err(status) => format!("the decode worker failed mid-stream: {}", status.message()),
+            };
+            self.migrate(failure).await?;
         }
-    })
-    .boxed()
+    }
+
+    /// Continues the request on another decode worker: prompt + the tokens generated so
+    /// far, for the rest of the token budget.
+    async fn migrate(&mut self, failure: String) -> Result<(), ServeError> {
+        let done = self.generated.len() as u32;
+        if self.migrations_left == 0 || done >= self.job.max_tokens {
+            return Err(ServeError::unavailable(failure));
+        }
+        self.migrations_left -= 1;
+        self.excluded.push(self.flight.worker);
+        tracing::warn!(
+            worker = self.flight.worker.0,
+            generated = done,
+            %failure,
+            "migrating the request to another decode worker"
+        );
+        let mut job = self.job.clone();
+        job.prompt.extend_from_slice(&self.generated);
+        job.max_tokens -= done;
+        let started = self
+            .backend
+            .start_job(&job, &mut self.excluded)
+            .await
+            .map_err(|e| {
+                ServeError::unavailable(format!("{failure}; migration failed: {}", e.message()))
+            })?;
+        self.pending = Some(started.first);
+        self.rest = started.rest;
+        self.flight = started.flight;
+        Ok(())
+    }
 }

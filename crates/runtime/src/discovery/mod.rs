@@ -360,6 +360,15 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn handles_are_send_and_the_watch_is_an_unpin_stream() {
+        fn stream<S: Stream<Item = DiscoveryEvent> + Unpin + Send + 'static>() {}
+        fn send_sync<T: Send + Sync + 'static>() {}
+        stream::<DiscoveryWatch>();
+        send_sync::<Registration>();
+        send_sync::<std::sync::Arc<dyn Discovery>>();
+    }
+
+    #[test]
     fn role_names_roundtrip() {
         for role in [
             WorkerRole::Prefill,

@@ -122,6 +122,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn subscription_is_an_unpin_stream_and_planes_are_shareable() {
+        fn stream<S: Stream<Item = Bytes> + Unpin + Send + 'static>() {}
+        fn send_sync<T: Send + Sync + 'static>() {}
+        stream::<Subscription>();
+        send_sync::<std::sync::Arc<dyn EventPlane>>();
+        send_sync::<NatsEventPlane>();
+        send_sync::<MemoryEventPlane>();
+    }
+
+    #[test]
     fn subject_names() {
         assert_eq!(subjects::kv_events("ns"), "tandem.ns.kv-events");
         assert_eq!(subjects::load_reports("ns"), "tandem.ns.load");

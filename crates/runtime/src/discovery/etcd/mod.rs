@@ -6,9 +6,9 @@
 //!
 //! Robustness: etcd's client neither reconnects its streams nor reliably recovers a channel after
 //! the server restarts, so every call here runs under a timeout and every failure leads to a
-//! fresh client. A registration ([`registration`]) re-establishes itself forever: it resumes its
+//! fresh client. A registration (`registration.rs`) re-establishes itself forever: it resumes its
 //! lease when etcd still knows it, else grants a new one, and puts its key again. A watch
-//! ([`watch`]) re-connects, re-lists and emits the difference, so a removal that happened while
+//! (`watch.rs`) re-connects, re-lists and emits the difference, so a removal that happened while
 //! it was disconnected (including a wiped etcd) is still reported.
 
 mod registration;
