@@ -4,9 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages the build and tests need: protoc for etcd-client's build, and the real etcd
-# and nats-server the runtime and integration tests start on free loopback ports.
-APT_PACKAGES=(protobuf-compiler etcd-server nats-server)
+# System packages the build and tests need: protoc and the well-known .proto files for
+# etcd-client's build, and the real etcd and nats-server that the runtime and integration
+# tests start on free loopback ports.
+APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
