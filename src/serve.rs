@@ -221,7 +221,7 @@ pub fn engine_worker_config(
     Ok(c)
 }
 
-/// How the frontend routes.
+/// How the frontend (and `tandem sim`'s routers) route.
 #[derive(Args, Debug, Clone)]
 pub struct RoutingArgs {
     /// Policy over the decode pool: round-robin, random, least-loaded, power-of-two, kv,
@@ -231,9 +231,15 @@ pub struct RoutingArgs {
     /// kv: credit per cached device block (c).
     #[arg(long, env = "TANDEM_OVERLAP_CREDIT", default_value_t = 1.0)]
     pub overlap_credit: f64,
+    /// kv: weight of the prefill term (s).
+    #[arg(long, env = "TANDEM_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
+    pub prefill_load_scale: f64,
     /// kv: softmax temperature (0: minimum cost).
     #[arg(long, env = "TANDEM_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
+    /// kv: cost per active request (a).
+    #[arg(long, env = "TANDEM_ACTIVE_REQUEST_WEIGHT", default_value_t = 0.0)]
+    pub active_request_weight: f64,
     /// Conditional disaggregation when a prefill pool exists: isl-bounding, prefill-load,
     /// isl-or-load, always, never.
     #[arg(long, env = "TANDEM_DISAGG", default_value = "isl-bounding")]
@@ -255,7 +261,9 @@ impl RoutingArgs {
         let kind: PolicyKind = self.policy.parse().context("--policy")?;
         let mut policy = PolicyConfig::new(kind);
         policy.kv.overlap_credit = self.overlap_credit;
+        policy.kv.prefill_load_scale = self.prefill_load_scale;
         policy.kv.temperature = self.temperature;
+        policy.kv.active_request_weight = self.active_request_weight;
         let mut disagg = DisaggConfig {
             mode: self.disagg.parse::<DisaggMode>().context("--disagg")?,
             isl_max_local_tokens: self.isl_max_local_tokens,

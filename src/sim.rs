@@ -5,9 +5,8 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use clap::{ArgAction, Args, ValueEnum};
 use tandem_sim::{
-    ArrivalProcess, DisaggConfig, DisaggMode, EngineSettings, EventPlaneConfig, LengthDist,
-    PolicyConfig, PolicyKind, PromptShape, SimConfig, SloConfig, SyntheticConfig, TopologyConfig,
-    TraceWorkload, TransferConfig, WorkloadConfig,
+    ArrivalProcess, EngineSettings, EventPlaneConfig, LengthDist, PromptShape, SimConfig,
+    SloConfig, SyntheticConfig, TopologyConfig, TraceWorkload, TransferConfig, WorkloadConfig,
 };
 
 #[derive(Args, Debug)]
@@ -77,38 +76,8 @@ pub struct SimArgs {
     /// Replicas share active-sequence deltas (`--replica-sync false` to turn off).
     #[arg(long, env = "TANDEM_SIM_REPLICA_SYNC", default_value_t = true, action = ArgAction::Set)]
     replica_sync: bool,
-    /// Routing policy (aggregated): round-robin, random, least-loaded, power-of-two, kv,
-    /// cache-aware, prefix-hash.
-    #[arg(long, env = "TANDEM_SIM_POLICY", default_value = "kv")]
-    policy: String,
-    /// kv: credit per cached device block (c).
-    #[arg(long, env = "TANDEM_SIM_OVERLAP_CREDIT", default_value_t = 1.0)]
-    overlap_credit: f64,
-    /// kv: weight of the prefill term (s).
-    #[arg(long, env = "TANDEM_SIM_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
-    prefill_load_scale: f64,
-    /// kv: softmax temperature (0: minimum cost).
-    #[arg(long, env = "TANDEM_SIM_TEMPERATURE", default_value_t = 0.0)]
-    temperature: f64,
-    /// kv: cost per active request (a).
-    #[arg(long, env = "TANDEM_SIM_ACTIVE_REQUEST_WEIGHT", default_value_t = 0.0)]
-    active_request_weight: f64,
-    /// Disaggregation rule: isl-bounding, prefill-load, isl-or-load, always, never.
-    #[arg(long, env = "TANDEM_SIM_DISAGG", default_value = "isl-bounding")]
-    disagg: String,
-    /// isl-bounding, isl-or-load: prefill locally only when the prompt tokens not cached on
-    /// the decode worker are below this many (and below --isl-max-local-fraction).
-    #[arg(long, env = "TANDEM_SIM_ISL_MAX_LOCAL_TOKENS", default_value_t = DisaggConfig::default().isl_max_local_tokens)]
-    isl_max_local_tokens: u64,
-    /// isl-bounding, isl-or-load: prefill locally only when the prompt tokens not cached on
-    /// the decode worker are below this fraction of the prompt, in [0, 1] (and below
-    /// --isl-max-local-tokens).
-    #[arg(long, env = "TANDEM_SIM_ISL_MAX_LOCAL_FRACTION", default_value_t = DisaggConfig::default().isl_max_local_fraction)]
-    isl_max_local_fraction: f64,
-    /// prefill-load, isl-or-load: prefill locally when the best prefill worker has more
-    /// pending prefill tokens than this.
-    #[arg(long, env = "TANDEM_SIM_PREFILL_BUSY_TOKENS", default_value_t = DisaggConfig::default().prefill_busy_tokens)]
-    prefill_busy_tokens: u64,
+    #[command(flatten)]
+    routing: crate::serve::RoutingArgs,
     /// Device KV blocks per worker.
     #[arg(long, env = "TANDEM_SIM_DEVICE_BLOCKS", default_value_t = 16_384)]
     device_blocks: u32,
@@ -256,20 +225,8 @@ impl SimArgs {
                 },
             }),
         };
-        let kind: PolicyKind = self.policy.parse().context("--policy")?;
-        let mut policy = PolicyConfig::new(kind);
-        policy.kv.overlap_credit = self.overlap_credit;
-        policy.kv.prefill_load_scale = self.prefill_load_scale;
-        policy.kv.temperature = self.temperature;
-        policy.kv.active_request_weight = self.active_request_weight;
-        let mut disagg = DisaggConfig {
-            mode: self.disagg.parse::<DisaggMode>().context("--disagg")?,
-            isl_max_local_tokens: self.isl_max_local_tokens,
-            isl_max_local_fraction: self.isl_max_local_fraction,
-            prefill_busy_tokens: self.prefill_busy_tokens,
-            ..Default::default()
-        };
-        disagg.decode_kv = policy.kv;
+        let (router, disagg) = self.routing.configs()?;
+        let policy = router.policy;
         Ok(SimConfig {
             seed: self.seed,
             workload,

@@ -129,10 +129,7 @@ fn disagg_threshold_flags_reach_the_rule() {
     // No effective prompt is below 0 tokens, or below 0 × the prompt: all remote.
     assert_eq!(split(&["--isl-max-local-tokens", "0"], &[]), (40, 0));
     assert_eq!(split(&["--isl-max-local-fraction", "0"], &[]), (40, 0));
-    assert_eq!(
-        split(&[], &[("TANDEM_SIM_ISL_MAX_LOCAL_TOKENS", "0")]),
-        (40, 0)
-    );
+    assert_eq!(split(&[], &[("TANDEM_ISL_MAX_LOCAL_TOKENS", "0")]), (40, 0));
     // prefill-load: no prefill backlog reaches 8192 tokens here; any backlog exceeds 0.
     assert_eq!(split(&["--disagg", "prefill-load"], &[]), (40, 0));
     let (remote, local) = split(
