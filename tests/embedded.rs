@@ -97,27 +97,7 @@ async fn the_index_follows_a_worker_through_lost_events_and_its_departure() {
     let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
 
     // The worker caches a prompt before the view exists: the dump at join brings it in.
-    let mut cfg = WorkerConfig::new(WorkerId(7), WorkerRole::Decode);
-    cfg.engine.pool.device_blocks = 512;
-    cfg.engine.mocker.speedup_ratio = 20.0;
-    cfg.load_interval = Duration::from_millis(30);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let deps = WorkerDeps {
-        discovery: Arc::new(discovery.clone()),
-        events: plane.clone(),
-    };
-    let worker_stop = CancellationToken::new();
-    let worker = tokio::spawn(tandem_decode_worker::run(
-        cfg,
-        listener,
-        deps,
-        worker_stop.clone(),
-    ));
-    let ch = tandem_runtime::grpc::connect_channel(&addr, Duration::from_secs(5))
-        .await
-        .unwrap();
-    let mut client = WorkerClient::new(ch);
+    let (mut client, worker_stop, worker) = start_worker(7, &discovery, plane.clone()).await;
     let before = prompt(1, 160);
     run(&mut client, 1, before.clone()).await;
 
@@ -267,4 +247,84 @@ async fn the_standalone_indexer_answers_find_matches_from_the_event_plane() {
     worker.await.unwrap().unwrap();
     indexer_stop.cancel();
     indexer.await.unwrap().unwrap();
+}
+
+/// Starts decode worker `id` on memory `discovery` and `plane`; its client and stop token.
+async fn start_worker(
+    id: u64,
+    discovery: &MemoryDiscovery,
+    plane: Arc<dyn EventPlane>,
+) -> (
+    WorkerClient<tonic::transport::Channel>,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), tandem_worker::WorkerError>>,
+) {
+    let mut cfg = WorkerConfig::new(WorkerId(id), WorkerRole::Decode);
+    cfg.engine.pool.device_blocks = 512;
+    cfg.engine.mocker.speedup_ratio = 20.0;
+    cfg.load_interval = Duration::from_millis(30);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let stop = CancellationToken::new();
+    let deps = WorkerDeps {
+        discovery: Arc::new(discovery.clone()),
+        events: plane,
+    };
+    let task = tokio::spawn(tandem_decode_worker::run(cfg, listener, deps, stop.clone()));
+    let ch = tandem_runtime::grpc::connect_channel(&addr, Duration::from_secs(5))
+        .await
+        .unwrap();
+    (WorkerClient::new(ch), stop, task)
+}
+
+/// A worker that comes back under the same id before its old registration is gone (a crash
+/// and restart within the lease TTL) has an empty cache and numbers its events from 1: the
+/// view must drop what the old one held and follow the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_restarted_under_the_same_id_replaces_its_old_cache() {
+    let discovery = MemoryDiscovery::new();
+    let plane: Arc<dyn EventPlane> = Arc::new(MemoryEventPlane::new());
+    let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+    let view = ClusterView::start(
+        ViewConfig {
+            namespace: "default".into(),
+            model: Some("mocker".into()),
+            block_size: BlockSize::DEFAULT,
+            connect_timeout: Duration::from_secs(2),
+            embedded_index: true,
+        },
+        Arc::new(discovery.clone()),
+        plane.clone(),
+        tasks.clone(),
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let (mut old, old_stop, old_task) = start_worker(7, &discovery, plane.clone()).await;
+    let a = prompt(11, 320);
+    run(&mut old, 1, a.clone()).await;
+    eventually("the old incarnation's blocks", || {
+        matched(&view, &hashes(&a)) == 20
+    })
+    .await;
+
+    let (mut new, new_stop, new_task) = start_worker(7, &discovery, plane.clone()).await;
+    eventually("the old cache is dropped", || {
+        matched(&view, &hashes(&a)) == 0
+    })
+    .await;
+    let b = prompt(12, 64);
+    run(&mut new, 2, b.clone()).await;
+    eventually("the new incarnation's events apply", || {
+        matched(&view, &hashes(&b)) == 4
+    })
+    .await;
+
+    for (s, t) in [(old_stop, old_task), (new_stop, new_task)] {
+        s.cancel();
+        t.await.unwrap().unwrap();
+    }
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
 }

@@ -137,7 +137,10 @@ impl WorkerContext {
         let encoded = |r: Result<Vec<u8>, tandem_protocol::CodecError>| {
             r.map_err(|e| Status::internal(format!("encoding KV events: {e}")))
         };
-        let body = match (req.dump, self.host.events_since(req.after)) {
+        // An `after` beyond our last event comes from a consumer that knew an earlier run of
+        // this worker id: only a dump can correct it.
+        let ahead = req.after > self.host.with_engine(|e| e.pool().last_event_id());
+        let body = match (req.dump || ahead, self.host.events_since(req.after)) {
             (false, Some(events)) => kv_events_reply::Body::Events(encoded(events.encode())?),
             _ => kv_events_reply::Body::Dump(encoded(self.host.dump().encode())?),
         };

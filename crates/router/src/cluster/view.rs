@@ -285,9 +285,14 @@ impl ClusterView {
         };
         let id = record.id;
         let role = record.role;
-        let is_new = {
+        let previous = {
             let mut reg = self.registry.write();
             let pool = reg.pool_mut(role);
+            if pool.get(&id).is_some_and(|e| e.record == record) {
+                // The same worker registering again (e.g. after an etcd restart): keep its
+                // client and its index state.
+                return;
+            }
             let joined_ms = pool.get(&id).map_or_else(|| self.now_ms(), |e| e.joined_ms);
             pool.insert(
                 id,
@@ -297,12 +302,14 @@ impl ClusterView {
                     joined_ms,
                 },
             )
-            .is_none()
         };
-        if is_new {
-            tracing::info!(worker = id.0, ?role, "worker joined");
-            self.repair(id, true);
+        match previous {
+            None => tracing::info!(worker = id.0, ?role, "worker joined"),
+            // A new record under a known id: most likely a restarted worker (new address,
+            // event ids from 1 again) before its old lease lapsed. Its cache is new too.
+            Some(_) => tracing::info!(worker = id.0, ?role, "worker re-joined with a new record"),
         }
+        self.repair(id, true);
     }
 
     fn on_events(self: &Arc<Self>, batch: &[KvEvent]) {
@@ -316,22 +323,28 @@ impl ClusterView {
             for ev in batch {
                 if known.get(ev.worker_id).is_none()
                     || repairing.contains(&ev.worker_id)
-                    || to_repair.contains(&ev.worker_id)
+                    || to_repair.iter().any(|(w, _)| *w == ev.worker_id)
                 {
                     continue;
                 }
                 match index.apply(ev) {
                     ApplyOutcome::Applied => stats.events_applied += 1,
+                    // A worker numbering from 1 again has restarted under the same id: its
+                    // old blocks are gone; take a dump.
+                    ApplyOutcome::Duplicate if ev.event_id == 1 => {
+                        stats.gaps += 1;
+                        to_repair.push((ev.worker_id, true));
+                    }
                     ApplyOutcome::Duplicate => {}
                     ApplyOutcome::Gap { .. } => {
                         stats.gaps += 1;
-                        to_repair.push(ev.worker_id);
+                        to_repair.push((ev.worker_id, false));
                     }
                 }
             }
         }
-        for w in to_repair {
-            self.repair(w, false);
+        for (w, dump) in to_repair {
+            self.repair(w, dump);
         }
     }
 
