@@ -23,11 +23,12 @@
 //! [`ActiveSequences::free`] at the end — publishes the returned [`SyncMessage`]s to the other
 //! router replicas, and applies theirs with [`ActiveSequences::apply`].
 //!
-//! # Sans-IO
+//! # Sans-IO core, async shell
 //!
-//! No async runtime, no clock (time is `u64` milliseconds passed in), no environment, no
-//! threads. All randomness comes from the caller's seeded [`Rng`] (xoshiro256**, implemented
-//! here so that a seed means the same decisions on every platform and version).
+//! The core (everything but `http/` and `cluster/`) has no async runtime, no clock (time is
+//! `u64` milliseconds passed in), no environment, no threads. All randomness comes from the
+//! caller's seeded [`Rng`] (xoshiro256**, implemented here so that a seed means the same
+//! decisions on every platform and version).
 //!
 //! # Layout
 //!
@@ -41,6 +42,10 @@
 //! - `rng.rs`: [`Rng`]. `error.rs`: [`RouteError`], [`ConfigError`].
 //! - `http/`: the OpenAI-compatible HTTP edge of the frontend (async, axum): [`http::app`],
 //!   [`http::serve`], and the [`http::Backend`] trait the routing glue implements.
+//! - `cluster/`: the frontend and the standalone indexer as services over a live cluster
+//!   (async): discovery → workers, event plane → KV index with gap repair, the core's
+//!   decisions → gRPC calls to decode workers, retries and migration, replica sync
+//!   ([`cluster::run_frontend`], [`cluster::run_indexer`]).
 //!
 //! # Invariants
 //!
