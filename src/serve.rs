@@ -319,6 +319,10 @@ pub struct FrontendArgs {
     /// Share active-sequence deltas with other frontend replicas.
     #[arg(long, env = "TANDEM_REPLICA_SYNC", default_value_t = true, action = ArgAction::Set)]
     pub replica_sync: bool,
+    /// Fold workers' load reports into the router's own load counts (for replicas that do
+    /// not sync; reports lag by their interval).
+    #[arg(long, env = "TANDEM_MERGE_LOAD_REPORTS", default_value_t = false)]
+    pub merge_load_reports: bool,
 }
 
 /// A frontend's config from its flags.
@@ -412,7 +416,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
 
 pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     init_logs(args.plane.log_json)?;
-    let cfg = frontend_config(
+    let mut cfg = frontend_config(
         &args.plane.namespace,
         &args.routing,
         &args.http,
@@ -420,6 +424,7 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         args.indexer_url.clone(),
         args.replica_sync,
     )?;
+    cfg.backend.merge_load_reports = args.merge_load_reports;
     let listener = bind(&args.listen).await?;
     let deps = args.plane.connect("frontend").await?;
     tandem_router::cluster::run_frontend(cfg, listener, deps, shutdown_token()).await?;

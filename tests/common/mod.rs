@@ -2,6 +2,10 @@
 
 #![allow(dead_code)] // each test crate uses its own subset
 
+pub mod cluster;
+pub mod http;
+pub mod openai;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 

@@ -70,6 +70,13 @@ pub struct BackendConfig {
     pub replica_sync: bool,
     /// Standalone indexer (`tandem indexer`) address; None: the view's embedded index.
     pub indexer_url: Option<String>,
+    /// Fold the workers' load reports into the tracker's load (the larger of the two on each
+    /// count). Off by default: the tracker (with replica sync) knows every request routed,
+    /// while a report lags by up to its interval — a report taken while a request was still
+    /// running makes the worker that just cached its prefix look busy, and the next request
+    /// with that prefix goes elsewhere. Turn it on for frontend replicas that do not sync.
+    /// The KV usage (for the busy threshold) always comes from the reports.
+    pub merge_load_reports: bool,
     /// Decode workers tried per request before giving up.
     pub max_attempts: u32,
     /// Times a request may move to another decode worker after its first token, when its
@@ -88,6 +95,7 @@ impl BackendConfig {
             router_id,
             replica_sync: true,
             indexer_url: None,
+            merge_load_reports: false,
             max_attempts: 3,
             max_migrations: 3,
             connect_timeout: Duration::from_secs(2),
@@ -287,7 +295,11 @@ impl ClusterBackend {
                     let id = e.record.id;
                     let mut load: WorkerLoad = st.tracker.load(id).to_worker_load();
                     if let Some(r) = s.view.report(id) {
-                        load.merge_report(&r);
+                        if s.cfg.merge_load_reports {
+                            load.merge_report(&r);
+                        } else {
+                            load.kv_usage = r.kv_usage();
+                        }
                     }
                     let mut v = WorkerView::new(id, load);
                     v.overlap = scores.get(id).unwrap_or_default();

@@ -45,7 +45,8 @@ pub fn register(
     );
     registry.register(
         "tandem_index_workers",
-        "Workers with blocks in the KV index",
+        "Workers the KV index tracks (dumped when they join, purged when they leave), with or \
+         without blocks",
         index_workers.clone(),
     );
     registry.register(

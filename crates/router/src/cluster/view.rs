@@ -221,7 +221,7 @@ impl ClusterView {
             .unwrap_or_default()
     }
 
-    /// Workers with blocks in the index, and (block, worker) entries.
+    /// Workers the index tracks (with or without blocks), and (block, worker) entries.
     pub fn index_size(&self) -> (usize, usize) {
         self.feed.as_ref().map_or((0, 0), |f| {
             let index = f.index.read();

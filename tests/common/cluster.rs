@@ -1,0 +1,562 @@
+//! A whole tandem cluster as real processes for the multi-process tests: etcd and
+//! nats-server (through `tandem_runtime::external`), prefill and decode workers and a
+//! frontend, each the built `tandem` binary with its output in a log file.
+//!
+//! - Every process is killed and reaped when the [`Cluster`] (or the [`Proc`]) is dropped;
+//!   when that happens during a panic the logs' tails are printed, so a failing test shows
+//!   what the processes said.
+//! - Worker ids are fixed ([`decode_id`], [`prefill_id`]) so that the `x-tandem-*-worker`
+//!   headers name processes.
+//! - Readiness is observable state only: `/health` is 200 and `/metrics` counts the workers.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use tandem_runtime::external::{EtcdOptions, EtcdServer, NatsOptions, NatsServer, free_port};
+
+use super::http::{self, Response};
+use super::openai::ChatCompletion;
+
+/// Worker id of the `i`-th decode worker (0-based).
+pub fn decode_id(i: usize) -> u64 {
+    11 + i as u64
+}
+
+/// Worker id of the `i`-th prefill worker (0-based).
+pub fn prefill_id(i: usize) -> u64 {
+    21 + i as u64
+}
+
+/// Polls `check` every 50 ms until it returns `Some`, or panics after `timeout` naming
+/// `what`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// How to start a cluster.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub prefill: usize,
+    pub decode: usize,
+    /// `--disagg` of the frontend.
+    pub disagg: &'static str,
+    pub speedup: f64,
+    pub device_blocks: u32,
+    pub lease_ttl_s: u64,
+    pub drain_timeout_s: u64,
+    pub load_interval_ms: u64,
+    /// More frontend flags.
+    pub frontend_args: Vec<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            prefill: 0,
+            decode: 1,
+            disagg: "isl-bounding",
+            speedup: 10.0,
+            device_blocks: 4096,
+            lease_ttl_s: 3,
+            drain_timeout_s: 20,
+            load_interval_ms: 100,
+            frontend_args: Vec::new(),
+        }
+    }
+}
+
+/// A child process with its output in a log file; killed and reaped on drop.
+#[derive(Debug)]
+pub struct Proc {
+    pub name: String,
+    /// The worker id, for workers.
+    pub worker_id: Option<u64>,
+    pub role: &'static str,
+    child: Child,
+    log: PathBuf,
+    exit: Option<ExitStatus>,
+}
+
+impl Proc {
+    /// Starts the `tandem` binary with `args`, stdout and stderr into `log`.
+    pub fn spawn(name: &str, role: &'static str, args: &[String], log: &Path) -> Proc {
+        let out = std::fs::File::create(log).unwrap();
+        let err = out.try_clone().unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        Proc {
+            name: name.to_string(),
+            worker_id: None,
+            role,
+            child,
+            log: log.to_path_buf(),
+            exit: None,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal by name (`TERM`, `INT`) with `kill(1)`: tests forbid unsafe code.
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([format!("-{sig}"), self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{sig} {} failed", self.name);
+    }
+
+    /// SIGKILL, and reaps it: a crash, as far as the rest of the cluster can tell.
+    pub fn kill9(&mut self) {
+        if self.exited().is_none() {
+            let _ = self.child.kill();
+            self.exit = self.child.wait().ok();
+        }
+    }
+
+    /// The exit status, once it has exited.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        if self.exit.is_none() {
+            self.exit = self.child.try_wait().ok().flatten();
+        }
+        self.exit
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.exited().is_none()
+    }
+
+    /// Waits up to `timeout` for it to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.exited() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn print_tail(&self) {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        let from = lines.len().saturating_sub(80);
+        eprintln!(
+            "----- {} ({}), last lines -----",
+            self.name,
+            self.log.display()
+        );
+        for l in &lines[from..] {
+            eprintln!("{l}");
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// `/metrics` as `name{labels}` → value.
+#[derive(Debug, Clone)]
+pub struct Metrics(pub HashMap<String, f64>);
+
+impl Metrics {
+    pub fn parse(text: &str) -> Metrics {
+        let map = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .filter_map(|l| {
+                let (k, v) = l.rsplit_once(' ')?;
+                Some((k.to_string(), v.parse().ok()?))
+            })
+            .collect();
+        Metrics(map)
+    }
+
+    /// The value of `key` (`name` or `name{label="v"}`); panics when absent.
+    pub fn get(&self, key: &str) -> f64 {
+        *self
+            .0
+            .get(key)
+            .unwrap_or_else(|| panic!("metric {key} missing from /metrics"))
+    }
+
+    pub fn decode_workers(&self) -> u64 {
+        self.get("tandem_workers{role=\"decode\"}") as u64
+    }
+
+    pub fn prefill_workers(&self) -> u64 {
+        self.get("tandem_workers{role=\"prefill\"}") as u64
+    }
+
+    pub fn index_workers(&self) -> u64 {
+        self.get("tandem_index_workers") as u64
+    }
+
+    pub fn index_entries(&self) -> u64 {
+        self.get("tandem_index_entries") as u64
+    }
+
+    /// The worker and index gauges, sorted, for failure messages.
+    pub fn cluster_view(&self) -> Vec<(&str, f64)> {
+        let mut v: Vec<_> = self
+            .0
+            .iter()
+            .filter(|(k, _)| k.starts_with("tandem_workers") || k.starts_with("tandem_index"))
+            .map(|(k, v)| (k.as_str(), *v))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(b.0));
+        v
+    }
+
+    pub fn feed(&self, kind: &str) -> u64 {
+        self.get(&format!("tandem_index_feed{{kind=\"{kind}\"}}")) as u64
+    }
+}
+
+/// A chat completion and where the frontend sent it.
+#[derive(Debug)]
+pub struct Routed {
+    pub decode: u64,
+    /// Set when the prefill was remote.
+    pub prefill: Option<u64>,
+    pub cached: u32,
+    pub completion: ChatCompletion,
+}
+
+impl Routed {
+    pub fn content(&self) -> &str {
+        self.completion.choices[0]
+            .message
+            .content
+            .as_deref()
+            .unwrap_or("")
+    }
+}
+
+/// A running cluster. Dropping it stops every process it started.
+pub struct Cluster {
+    pub name: String,
+    pub namespace: String,
+    pub dir: PathBuf,
+    pub addr: SocketAddr,
+    pub opts: Options,
+    /// None only while starting.
+    frontend: Option<Proc>,
+    pub workers: Vec<Proc>,
+    pub etcd: EtcdServer,
+    pub nats: NatsServer,
+    /// Runs the external servers' async API.
+    pub rt: tokio::runtime::Runtime,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("name", &self.name)
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Cluster {
+    /// Starts etcd, NATS, the workers and the frontend, and waits until the frontend is
+    /// healthy and sees every worker.
+    pub fn start(name: &str, opts: Options) -> Cluster {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = super::temp_dir(&format!("cluster-{name}"));
+        let (etcd, nats) = rt.block_on(async {
+            let etcd = EtcdServer::start(EtcdOptions::default())
+                .await
+                .expect("starting etcd");
+            let nats = NatsServer::start(NatsOptions::default())
+                .await
+                .expect("starting nats-server");
+            (etcd, nats)
+        });
+        let namespace = format!("t-{name}");
+        let mut cluster = Cluster {
+            name: name.to_string(),
+            namespace,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            frontend: None,
+            dir,
+            opts: opts.clone(),
+            workers: Vec::new(),
+            etcd,
+            nats,
+            rt,
+        };
+        for i in 0..opts.prefill {
+            cluster.spawn_worker("prefill", prefill_id(i));
+        }
+        for i in 0..opts.decode {
+            cluster.spawn_worker("decode", decode_id(i));
+        }
+        cluster.start_frontend();
+        cluster
+    }
+
+    /// Flags every process needs to find etcd and NATS.
+    pub fn plane_args(&self) -> Vec<String> {
+        vec![
+            "--etcd-endpoints".into(),
+            self.etcd.endpoint(),
+            "--nats-url".into(),
+            self.nats.url(),
+            "--namespace".into(),
+            self.namespace.clone(),
+            "--lease-ttl-s".into(),
+            self.opts.lease_ttl_s.to_string(),
+        ]
+    }
+
+    /// Starts one more worker process (`role` is `prefill` or `decode`).
+    pub fn spawn_worker(&mut self, role: &'static str, id: u64) {
+        let o = &self.opts;
+        let mut args = vec![role.to_string()];
+        args.extend(self.plane_args());
+        args.extend(
+            [
+                "--worker-id",
+                &id.to_string(),
+                "--listen",
+                "127.0.0.1:0",
+                "--speedup-ratio",
+                &o.speedup.to_string(),
+                "--device-blocks",
+                &o.device_blocks.to_string(),
+                "--drain-timeout-s",
+                &o.drain_timeout_s.to_string(),
+                "--load-interval-ms",
+                &o.load_interval_ms.to_string(),
+            ]
+            .map(String::from),
+        );
+        let name = format!("{role}-{id}");
+        let log = self.dir.join(format!("{name}.log"));
+        let mut p = Proc::spawn(&name, role, &args, &log);
+        p.worker_id = Some(id);
+        self.workers.push(p);
+    }
+
+    fn start_frontend(&mut self) {
+        for attempt in 0..3 {
+            let port = free_port().unwrap();
+            let mut args = vec!["frontend".to_string()];
+            args.extend(self.plane_args());
+            args.extend(
+                [
+                    "--listen",
+                    &format!("127.0.0.1:{port}"),
+                    "--disagg",
+                    self.opts.disagg,
+                ]
+                .map(String::from),
+            );
+            args.extend(self.opts.frontend_args.iter().cloned());
+            let log = self.dir.join(format!("frontend-{attempt}.log"));
+            self.frontend = Some(Proc::spawn("frontend", "frontend", &args, &log));
+            self.addr = SocketAddr::from(([127, 0, 0, 1], port));
+            if self.wait_ready() {
+                return;
+            }
+            // The port was taken between picking and binding: try another.
+        }
+        panic!("the frontend did not start");
+    }
+
+    /// Waits for `/health` and the worker counts; false when the frontend exited.
+    fn wait_ready(&mut self) -> bool {
+        let (d, p) = (self.opts.decode as u64, self.opts.prefill as u64);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.frontend().exited() {
+                eprintln!("frontend exited during startup: {status}");
+                self.frontend().print_tail();
+                return false;
+            }
+            let healthy = http::get(self.addr, "/health").is_ok_and(|r| r.status == 200);
+            if healthy
+                && let Some(m) = self.try_metrics()
+                && m.decode_workers() == d
+                && m.prefill_workers() == p
+            {
+                return true;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "cluster {} not ready: health {healthy}, metrics {:?}",
+                self.name,
+                self.try_metrics()
+                    .map(|m| (m.decode_workers(), m.prefill_workers()))
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn frontend(&mut self) -> &mut Proc {
+        self.frontend.as_mut().expect("the frontend process")
+    }
+
+    /// The worker process with id `id`.
+    pub fn worker(&mut self, id: u64) -> &mut Proc {
+        self.workers
+            .iter_mut()
+            .find(|w| w.worker_id == Some(id))
+            .unwrap_or_else(|| panic!("no worker {id}"))
+    }
+
+    fn try_metrics(&self) -> Option<Metrics> {
+        let r = http::get(self.addr, "/metrics").ok()?;
+        (r.status == 200).then(|| Metrics::parse(&r.text()))
+    }
+
+    pub fn metrics(&self) -> Metrics {
+        self.try_metrics().expect("GET /metrics")
+    }
+
+    /// Polls `/metrics` until `check` holds (up to `timeout`); returns the metrics then.
+    pub fn wait_metrics(
+        &self,
+        what: &str,
+        timeout: Duration,
+        check: impl Fn(&Metrics) -> bool,
+    ) -> Metrics {
+        let mut last = None;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(m) = self.try_metrics() {
+                if check(&m) {
+                    return m;
+                }
+                last = Some(m);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {timeout:?} waiting for {what}; last metrics: {:?}",
+                last.as_ref().map(Metrics::cluster_view)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> Response {
+        http::post_json(self.addr, path, &body.to_string())
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+    }
+
+    /// A chat completion that must succeed; checks that the cached-tokens header and the
+    /// usage agree.
+    pub fn chat(&self, body: &serde_json::Value) -> Routed {
+        let r = self.post("/v1/chat/completions", body);
+        assert_eq!(r.status, 200, "chat failed: {}", r.text());
+        routed(&r)
+    }
+}
+
+/// Reads the routing headers of a successful chat completion.
+pub fn routed(r: &Response) -> Routed {
+    let num = |h: &str| -> Option<u64> {
+        r.header(h)
+            .map(|v| v.parse().unwrap_or_else(|_| panic!("header {h}: {v:?}")))
+    };
+    let completion: ChatCompletion = r.json();
+    let cached = num("x-tandem-cached-tokens").expect("x-tandem-cached-tokens") as u32;
+    assert_eq!(
+        cached, completion.usage.prompt_tokens_details.cached_tokens,
+        "x-tandem-cached-tokens and usage.prompt_tokens_details.cached_tokens differ"
+    );
+    Routed {
+        decode: num("x-tandem-decode-worker").expect("x-tandem-decode-worker"),
+        prefill: num("x-tandem-prefill-worker"),
+        cached,
+        completion,
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "===== cluster {} failed; logs in {} =====",
+                self.name,
+                self.dir.display()
+            );
+            if let Some(f) = &self.frontend {
+                f.print_tail();
+            }
+            for w in &self.workers {
+                w.print_tail();
+            }
+        }
+        if let Some(f) = &mut self.frontend {
+            f.kill9();
+        }
+        for w in &mut self.workers {
+            w.kill9();
+        }
+        // TANDEM_TEST_KEEP_LOGS keeps a passing test's logs too.
+        if !std::thread::panicking() && std::env::var_os("TANDEM_TEST_KEEP_LOGS").is_none() {
+            std::fs::remove_dir_all(&self.dir).ok();
+        }
+    }
+}
+
+/// `n` words of English, one cl100k token each (with the leading space), chosen by `seed`:
+/// prompts of about `n` tokens that other seeds do not share a prefix with.
+pub fn words(seed: u64, n: usize) -> String {
+    const WORDS: [&str; 48] = [
+        "the", "of", "and", "to", "in", "is", "you", "that", "it", "he", "was", "for", "on", "are",
+        "as", "with", "his", "they", "at", "be", "this", "have", "from", "or", "one", "had", "by",
+        "word", "but", "not", "what", "all", "were", "we", "when", "your", "can", "said", "there",
+        "use", "an", "each", "which", "she", "do", "how", "their", "if",
+    ];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = String::with_capacity(n * 5);
+    for i in 0..n {
+        // xorshift64
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if i > 0 {
+            out.push(' ');
+        }
+        out.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
+    }
+    out
+}
