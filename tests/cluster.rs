@@ -839,3 +839,133 @@ fn tandem_up_processes_serves_and_stops_everything() {
     assert!(left.is_empty(), "processes left behind: {left:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Frontends may share one standalone index (`tandem indexer`, `--indexer-url`): the index
+/// is fed from NATS in its own process, and the frontend routes by its `FindMatches`.
+#[test]
+fn a_standalone_indexer_serves_the_frontends_routing() {
+    use tandem_protocol::grpc::FindMatchesRequest;
+    use tandem_protocol::grpc::indexer_client::IndexerClient;
+    use tandem_protocol::hashing::compute_block_hashes;
+    use tandem_protocol::{BlockSize, HashSeed};
+
+    let _serial = serial();
+    let c = Cluster::start(
+        "indexer",
+        Options {
+            decode: 2,
+            indexer: true,
+            ..Options::default()
+        },
+    );
+    let indexer = c
+        .opts
+        .frontend_args
+        .iter()
+        .find_map(|a| a.strip_prefix("--indexer-url="))
+        .expect("the indexer's address")
+        .to_string();
+    // Token ids as the prompt: the test knows the blocks the index must hold.
+    let prefix: Vec<u32> = (0..1600u32).map(|i| (i * 7919 + 13) % 30_000).collect();
+    let complete = |suffix: u32| {
+        let mut prompt = prefix.clone();
+        prompt.extend([suffix, suffix + 1, suffix + 2]);
+        let r = c.post(
+            "/v1/completions",
+            &json!({"model": "mocker", "prompt": prompt, "max_tokens": 3, "ignore_eos": true}),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        let header = |h: &str| r.header(h).map(|v| v.parse::<u64>().unwrap());
+        (
+            header("x-tandem-decode-worker").unwrap(),
+            header("x-tandem-cached-tokens").unwrap(),
+        )
+    };
+    let (home, cached) = complete(1);
+    assert_eq!(cached, 0);
+
+    let hashes: Vec<u64> = compute_block_hashes(&prefix, BlockSize::DEFAULT, HashSeed::UNSALTED)
+        .iter()
+        .map(|h| h.sequence.0)
+        .collect();
+    c.rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            assert!(
+                Instant::now() < deadline,
+                "the indexer never held the prefix"
+            );
+            let Ok(ch) =
+                tandem_runtime::grpc::connect_channel(&indexer, Duration::from_secs(2)).await
+            else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            let req = FindMatchesRequest {
+                sequence_hashes: hashes.clone(),
+            };
+            if let Ok(reply) = IndexerClient::new(ch).find_matches(req).await
+                && reply
+                    .into_inner()
+                    .workers
+                    .iter()
+                    .any(|w| w.worker_id == home && w.device == 100)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    for i in 0..4 {
+        let (worker, cached) = complete(100 + 10 * i);
+        assert_eq!(
+            worker, home,
+            "request {i} left the worker caching its prefix"
+        );
+        assert!(cached >= 1600, "request {i}: {cached} cached tokens");
+    }
+    assert_eq!(
+        c.metrics().index_entries(),
+        0,
+        "the frontend keeps no index of its own"
+    );
+}
+
+/// SIGTERM to the frontend: `/health` turns 503 and new requests are refused at once, the
+/// stream in flight completes, then the frontend exits 0.
+#[test]
+fn a_draining_frontend_finishes_its_streams_and_refuses_new_ones() {
+    let _serial = serial();
+    let mut c = Cluster::start(
+        "frontend-drain",
+        Options {
+            speedup: 2.0,
+            ..Options::default()
+        },
+    );
+    let mut s = open_stream(&c, &streamed(chat(&words(21, 50), "Keep talking.", 300)));
+    let mut events = read_events(&mut s, 5);
+    c.frontend().signal("TERM");
+    wait_for("/health to turn 503", Duration::from_secs(10), || {
+        http::get(c.addr, "/health")
+            .ok()
+            .filter(|r| r.status == 503)
+            .map(|_| ())
+    });
+    let refused = c.post("/v1/chat/completions", &chat(&words(22, 20), "New?", 4));
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    let err: ErrorResponse = refused.json();
+    assert!(!err.error.message.is_empty());
+
+    let (rest, end) = s.collect();
+    assert!(matches!(end, StreamEnd::Done), "{end:?}");
+    events.extend(rest);
+    let chunks = chunks(&events);
+    assert_eq!(finish_reasons(&chunks), ["length"]);
+    assert_eq!(final_usage(&chunks).completion_tokens, 300);
+    let status = c
+        .frontend()
+        .wait_exit(Duration::from_secs(20))
+        .expect("the drained frontend exits");
+    assert!(status.success(), "exit status {status}");
+}

@@ -60,6 +60,8 @@ pub struct Options {
     pub load_interval_ms: u64,
     /// More frontend flags.
     pub frontend_args: Vec<String>,
+    /// Run a standalone `tandem indexer` and point the frontend at it (`--indexer-url`).
+    pub indexer: bool,
 }
 
 impl Default for Options {
@@ -74,6 +76,7 @@ impl Default for Options {
             drain_timeout_s: 20,
             load_interval_ms: 100,
             frontend_args: Vec::new(),
+            indexer: false,
         }
     }
 }
@@ -327,8 +330,28 @@ impl Cluster {
         for i in 0..opts.decode {
             cluster.spawn_worker("decode", decode_id(i));
         }
+        if opts.indexer {
+            let addr = cluster.spawn_indexer();
+            cluster
+                .opts
+                .frontend_args
+                .push(format!("--indexer-url={addr}"));
+        }
         cluster.start_frontend();
         cluster
+    }
+
+    /// Starts a standalone indexer on a free port; its address. (The frontend connects
+    /// lazily, so it may come up after the frontend.)
+    pub fn spawn_indexer(&mut self) -> String {
+        let addr = format!("127.0.0.1:{}", free_port().unwrap());
+        let mut args = vec!["indexer".to_string()];
+        args.extend(self.plane_args());
+        args.extend(["--listen".to_string(), addr.clone()]);
+        let log = self.dir.join("indexer.log");
+        self.workers
+            .push(Proc::spawn("indexer", "indexer", &args, &log));
+        addr
     }
 
     /// Flags every process needs to find etcd and NATS.
