@@ -47,12 +47,29 @@ impl KvShape {
     }
 }
 
+/// The memory behind a KV arena: heap bytes by default, or a region a KV transport has
+/// registered so that peers write blocks straight into it (the decode worker's side of a
+/// remote prefill). Its length is fixed for its life.
+pub trait ArenaStorage: Send {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl ArenaStorage for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
 /// One tier's KV memory: `num_blocks × bytes_per_block` contiguous bytes.
-#[derive(Clone)]
 pub struct KvArena {
     bytes_per_block: usize,
     num_blocks: usize,
-    data: Vec<u8>,
+    data: Box<dyn ArenaStorage>,
 }
 
 impl std::fmt::Debug for KvArena {
@@ -70,8 +87,26 @@ impl KvArena {
         KvArena {
             bytes_per_block,
             num_blocks,
-            data: vec![0; num_blocks * bytes_per_block],
+            data: Box::new(vec![0u8; num_blocks * bytes_per_block]),
         }
+    }
+
+    /// An arena over `storage`, which must be exactly `num_blocks × bytes_per_block` bytes.
+    pub fn with_storage(
+        storage: Box<dyn ArenaStorage>,
+        num_blocks: usize,
+        bytes_per_block: usize,
+    ) -> Result<Self, ArenaSizeMismatch> {
+        let expected = num_blocks * bytes_per_block;
+        let got = storage.bytes().len();
+        if got != expected {
+            return Err(ArenaSizeMismatch { expected, got });
+        }
+        Ok(KvArena {
+            bytes_per_block,
+            num_blocks,
+            data: storage,
+        })
     }
 
     pub fn bytes_per_block(&self) -> usize {
@@ -84,12 +119,12 @@ impl KvArena {
 
     /// The whole region (what a transport registers).
     pub fn as_bytes(&self) -> &[u8] {
-        &self.data
+        self.data.bytes()
     }
 
     /// The whole region, mutable (what a transport writes into).
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.data
+        self.data.bytes_mut()
     }
 
     /// Byte offset of a block in the region.
@@ -99,13 +134,22 @@ impl KvArena {
 
     pub fn block(&self, block: u32) -> &[u8] {
         let o = self.offset_of(block);
-        &self.data[o..o + self.bytes_per_block]
+        &self.data.bytes()[o..o + self.bytes_per_block]
     }
 
     pub fn block_mut(&mut self, block: u32) -> &mut [u8] {
         let o = self.offset_of(block);
-        &mut self.data[o..o + self.bytes_per_block]
+        let n = self.bytes_per_block;
+        &mut self.data.bytes_mut()[o..o + n]
     }
+}
+
+/// Storage of the wrong size for an arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("arena storage holds {got} bytes, the arena needs {expected}")]
+pub struct ArenaSizeMismatch {
+    pub expected: usize,
+    pub got: usize,
 }
 
 /// Copies one block between two arenas of equal block size (device ↔ host moves).

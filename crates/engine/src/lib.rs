@@ -25,7 +25,7 @@ pub mod mocker;
 pub mod pool;
 pub mod scheduler;
 
-pub use arena::{KvArena, KvShape};
+pub use arena::{ArenaSizeMismatch, ArenaStorage, KvArena, KvShape};
 pub use event_log::EventsTooOld;
 pub use mocker::{
     EngineError, ExportedBlock, MockEngine, MockEngineConfig, MockerConfig, PlannedStep,

@@ -133,6 +133,29 @@ pub struct MockEngine {
 
 impl MockEngine {
     pub fn new(cfg: MockEngineConfig) -> Result<Self, EngineError> {
+        Self::build(cfg, None)
+    }
+
+    /// An engine whose device arena lives in `storage` (memory registered with a KV
+    /// transport), of exactly `device_blocks ×` [`MockEngine::bytes_per_block`] bytes.
+    pub fn with_device_storage(
+        cfg: MockEngineConfig,
+        storage: Box<dyn crate::arena::ArenaStorage>,
+    ) -> Result<Self, EngineError> {
+        Self::build(cfg, Some(storage))
+    }
+
+    /// Bytes of one KV block for `cfg`: what a device arena must hold per block.
+    pub fn bytes_per_block(cfg: &MockEngineConfig) -> usize {
+        cfg.mocker
+            .kv_shape
+            .bytes_per_block(cfg.pool.block_size.tokens())
+    }
+
+    fn build(
+        cfg: MockEngineConfig,
+        storage: Option<Box<dyn crate::arena::ArenaStorage>>,
+    ) -> Result<Self, EngineError> {
         let MockEngineConfig {
             mut pool,
             scheduler,
@@ -149,7 +172,11 @@ impl MockEngine {
         let bs = pool.block_size.tokens();
         pool.bytes_per_block = mocker.kv_shape.bytes_per_block(bs);
         let kv_capacity_tokens = pool.device_blocks as usize * bs;
-        let sched = Scheduler::new(scheduler, BlockPool::new(pool)?)?;
+        let pool = match storage {
+            Some(storage) => BlockPool::with_device_storage(pool, storage)?,
+            None => BlockPool::new(pool)?,
+        };
+        let sched = Scheduler::new(scheduler, pool)?;
         Ok(MockEngine {
             sched,
             layout: KvLayout::new(mocker.kv_shape, bs),

@@ -321,3 +321,32 @@ fn exported_blocks_decode_exactly_like_a_local_prefill() {
     let got = finish_and_decode(&mut d, ID, first.unwrap());
     assert_eq!(got, expected);
 }
+
+/// Storage a transport would register: here a plain buffer behind the trait.
+struct External(Vec<u8>);
+
+impl crate::arena::ArenaStorage for External {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+#[test]
+fn a_device_arena_in_external_storage_serves_like_the_default_one() {
+    let expected = local(request(1, prompt(5, 23), 12));
+    let mut pool = BlockPoolConfig::new(WorkerId(3), 64);
+    pool.block_size = tandem_protocol::BlockSize::new(BS as u32).unwrap();
+    let cfg = MockEngineConfig::new(pool);
+    let bytes = 64 * MockEngine::bytes_per_block(&cfg);
+    let mut d =
+        MockEngine::with_device_storage(cfg.clone(), Box::new(External(vec![7; bytes]))).unwrap();
+    d.add_request(request(1, prompt(5, 23), 12), 0).unwrap();
+    assert_eq!(drain(&mut d, &mut 0).remove(&ID).unwrap(), expected);
+
+    let short = Box::new(External(vec![0; bytes - 1]));
+    let e = MockEngine::with_device_storage(cfg, short).unwrap_err();
+    assert!(e.to_string().contains("needs"), "{e}");
+}

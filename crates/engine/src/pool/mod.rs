@@ -67,6 +67,8 @@ impl BlockPoolConfig {
 pub enum PoolError {
     #[error("a pool needs at least one device block")]
     NoDeviceBlocks,
+    #[error("device arena: {0}")]
+    ArenaSize(#[from] crate::arena::ArenaSizeMismatch),
     #[error("out of KV blocks: need {needed}, {available} can be freed")]
     OutOfBlocks { needed: usize, available: usize },
     #[error("unknown sequence {0}")]
@@ -164,6 +166,19 @@ pub struct PoolStats {
 }
 
 impl BlockPool {
+    /// A pool whose device arena lives in `storage` (e.g. memory registered with a KV
+    /// transport), of exactly `device_blocks × bytes_per_block` bytes.
+    pub fn with_device_storage(
+        cfg: BlockPoolConfig,
+        storage: Box<dyn crate::arena::ArenaStorage>,
+    ) -> Result<Self, PoolError> {
+        let arena =
+            KvArena::with_storage(storage, cfg.device_blocks as usize, cfg.bytes_per_block)?;
+        let mut pool = BlockPool::new(cfg)?;
+        pool.device_arena = arena;
+        Ok(pool)
+    }
+
     pub fn new(cfg: BlockPoolConfig) -> Result<Self, PoolError> {
         if cfg.device_blocks == 0 {
             return Err(PoolError::NoDeviceBlocks);
