@@ -334,6 +334,9 @@ fn long_fresh_prompts_prefill_remotely_and_repeats_locally() {
     // A short fresh prompt has nothing cached anywhere either: remote too.
     let short = c.chat(&chat(&words(4, 80), "Hi.", 4));
     assert!(short.prefill.is_some(), "uncached fraction 1.0 goes remote");
+    let m = c.metrics();
+    assert_eq!(m.get("tandem_prefills_total{outcome=\"remote\"}"), 2.0);
+    assert_eq!(m.get("tandem_prefills_total{outcome=\"local\"}"), 1.0);
 }
 
 #[test]
@@ -444,6 +447,7 @@ fn a_killed_decode_worker_leaves_the_pool_and_its_streams_migrate() {
         "the migrated stream differs from an uninterrupted run"
     );
     assert!(c.frontend().log().contains("migrating the request"));
+    assert!(c.metrics().get("tandem_migrations_total") >= 1.0);
 
     // Within the lease TTL the worker leaves the pool and its blocks the index: the
     // survivor's (one sequence of prompt + 400 tokens, and a few blocks of the short
@@ -640,6 +644,7 @@ fn a_draining_decode_worker_finishes_its_stream_and_exits_cleanly() {
         !log.contains("migrating the request"),
         "the stream was migrated, not drained"
     );
+    assert_eq!(c.metrics().get("tandem_migrations_total"), 0.0);
 
     // It exits once idle, within its drain timeout (20 s; a little slack for the exit).
     let bound = Duration::from_secs(25).saturating_sub(sigterm.elapsed());

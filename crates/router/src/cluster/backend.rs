@@ -37,6 +37,7 @@ use tokio_util::task::TaskTracker;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
+use super::metrics::RouteCounters;
 use super::view::{ClusterView, WorkerEntry};
 use crate::http::{
     Backend, FinishReason, Generation, RouteInfo, ServeError, TokenChunk, ValidRequest,
@@ -112,6 +113,7 @@ struct RouteState {
 
 struct Shared {
     view: Arc<ClusterView>,
+    counters: Arc<RouteCounters>,
     cfg: BackendConfig,
     state: Mutex<RouteState>,
     indexer: Option<IndexerClient<Channel>>,
@@ -145,6 +147,7 @@ impl ClusterBackend {
     pub async fn start(
         cfg: BackendConfig,
         view: Arc<ClusterView>,
+        counters: Arc<RouteCounters>,
         events: Arc<dyn EventPlane>,
         tasks: &TaskTracker,
         cancel: CancellationToken,
@@ -189,6 +192,7 @@ impl ClusterBackend {
         };
         let shared = Arc::new(Shared {
             view,
+            counters,
             state: Mutex::new(RouteState {
                 router,
                 tracker: ActiveSequences::new(cfg.router_id, cfg.tracker),
@@ -465,6 +469,7 @@ impl ClusterBackend {
             match self.attempt(&plan, job).await {
                 Ok((rest, first)) => {
                     flight.first_token();
+                    self.shared.counters.prefill(first.prefill);
                     let route = RouteInfo {
                         decode_worker: plan.decode.record.id.0,
                         prefill_worker: plan.prefill.as_ref().map(|p| p.record.id.0),
@@ -483,6 +488,7 @@ impl ClusterBackend {
                         "decode worker failed before the first token: re-routing"
                     );
                     excluded.push(plan.decode.record.id);
+                    self.shared.counters.reroute();
                     last = Some(status);
                 }
                 Err(status) => return Err(status_to_error(&status)),
@@ -681,6 +687,7 @@ impl Run {
             return Err(ServeError::unavailable(failure));
         }
         self.migrations_left -= 1;
+        self.backend.shared.counters.migration();
         self.excluded.push(self.flight.worker);
         tracing::warn!(
             worker = self.flight.worker.0,

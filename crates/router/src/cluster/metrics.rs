@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -25,6 +26,63 @@ struct RoleLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CounterLabel {
     kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+/// What the backend counts per request: how prompts were prefilled (from the decode worker's
+/// first chunk), re-routes before the first token, migrations after it.
+#[derive(Debug, Default)]
+pub struct RouteCounters {
+    prefill: Family<OutcomeLabel, Counter>,
+    reroutes: Counter,
+    migrations: Counter,
+}
+
+impl RouteCounters {
+    /// `prefill` as reported on a first chunk (`tandem.v1.PrefillOutcome`).
+    pub fn prefill(&self, outcome: i32) {
+        use tandem_protocol::grpc::PrefillOutcome;
+        let outcome = match PrefillOutcome::try_from(outcome) {
+            Ok(PrefillOutcome::Local) => "local",
+            Ok(PrefillOutcome::Remote) => "remote",
+            Ok(PrefillOutcome::Fallback) => "fallback",
+            _ => "unknown",
+        };
+        self.prefill.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
+    pub fn reroute(&self) {
+        self.reroutes.inc();
+    }
+
+    pub fn migration(&self) {
+        self.migrations.inc();
+    }
+
+    pub fn register(registry: &mut Registry) -> Arc<Self> {
+        let c = Arc::new(RouteCounters::default());
+        registry.register(
+            "tandem_prefills",
+            "Requests by how their prompt was prefilled: local, remote, or fallback (a remote \
+             prefill that failed and was done locally)",
+            c.prefill.clone(),
+        );
+        registry.register(
+            "tandem_reroutes",
+            "Decode workers that failed a request before its first token (it went elsewhere)",
+            c.reroutes.clone(),
+        );
+        registry.register(
+            "tandem_migrations",
+            "Requests moved to another decode worker after their worker failed mid-stream",
+            c.migrations.clone(),
+        );
+        c
+    }
 }
 
 /// Registers the gauges and starts the task that refreshes them.

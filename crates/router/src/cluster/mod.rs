@@ -24,6 +24,7 @@ use tokio_util::task::TaskTracker;
 
 pub use backend::{BackendConfig, ClusterBackend};
 pub use indexer::IndexerService;
+pub use metrics::RouteCounters;
 pub use view::{ClusterView, FeedStats, Registry, ViewConfig, WorkerEntry};
 
 use crate::http::{self, HttpConfig, HttpState, Tokenizer, TokenizerSpec};
@@ -87,9 +88,11 @@ pub async fn run_frontend(
     .await?;
     let mut registry = prometheus_client::registry::Registry::default();
     metrics::register(&mut registry, view.clone(), &tasks, stop.clone());
+    let counters = metrics::RouteCounters::register(&mut registry);
     let backend = ClusterBackend::start(
         cfg.backend.clone(),
         view,
+        counters,
         deps.events.clone(),
         &tasks,
         stop.clone(),
