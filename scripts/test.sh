@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # System packages the build and tests need: protoc and the well-known .proto files for
-# etcd-client's build, and the real etcd and nats-server that the runtime and integration
-# tests start on free loopback ports.
-APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server)
+# etcd-client's build; the real etcd and nats-server that the runtime and integration tests
+# start on free loopback ports; UCX's headers and libraries, with libclang and pkg-config for
+# bindgen, for the KV transfer's UCX transport.
+APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server libucx-dev libclang-dev pkg-config)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

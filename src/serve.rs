@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{ArgAction, Args};
 use tandem_engine::SchedulerConfig;
+use tandem_kv_transfer::{Transport, TransportConfig, TransportKind};
 use tandem_protocol::{BlockSize, WorkerId, WorkerRole};
 use tandem_router::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
 use tandem_router::http::{HttpConfig, TokenizerSpec};
@@ -158,6 +159,63 @@ pub struct WorkerArgs {
     /// Milliseconds between load reports.
     #[arg(long, env = "TANDEM_LOAD_INTERVAL_MS", default_value_t = 500)]
     pub load_interval_ms: u64,
+    #[command(flatten)]
+    pub kv: KvTransportArgs,
+    /// Fault injection (prefill workers): corrupt one byte of every KV transfer after its
+    /// digest is taken, so decode workers must detect it and prefill locally.
+    #[arg(long, hide = true, default_value_t = false)]
+    pub inject_kv_corruption: bool,
+}
+
+/// How KV moves between workers.
+#[derive(Args, Debug, Clone)]
+pub struct KvTransportArgs {
+    /// ucx, tcp, local (one process), or inline (on the gRPC stream). Default: ucx when UCX
+    /// initialises here, else tcp.
+    #[arg(long, env = "TANDEM_KV_TRANSPORT")]
+    pub kv_transport: Option<String>,
+    /// UCX network devices (UCX_NET_DEVICES), e.g. `lo` or `mlx5_0:1`.
+    #[arg(long, env = "TANDEM_UCX_NET_DEVICES")]
+    pub ucx_net_devices: Option<String>,
+    /// UCX transports (UCX_TLS), e.g. `tcp` or `rc,sm`.
+    #[arg(long, env = "TANDEM_UCX_TLS")]
+    pub ucx_tls: Option<String>,
+    /// Host other workers reach this one's TCP KV listener at.
+    #[arg(long, env = "TANDEM_KV_ADVERTISE_HOST")]
+    pub kv_advertise_host: Option<String>,
+    /// TCP KV listener address.
+    #[arg(long, env = "TANDEM_KV_LISTEN", default_value = "127.0.0.1:0")]
+    pub kv_listen: String,
+}
+
+impl KvTransportArgs {
+    /// The process's KV transport; None for `inline`.
+    pub async fn open(&self) -> anyhow::Result<Option<Arc<dyn Transport>>> {
+        let kind = match self.kv_transport.as_deref() {
+            Some("inline") => return Ok(None),
+            Some(k) => k.parse::<TransportKind>().context("--kv-transport")?,
+            None => tandem_kv_transfer::default_kind(),
+        };
+        let mut cfg = TransportConfig {
+            tcp_bind: self.kv_listen.parse().context("--kv-listen")?,
+            tcp_advertise_host: self.kv_advertise_host.clone(),
+            ..Default::default()
+        };
+        cfg.ucx.net_devices = self.ucx_net_devices.clone();
+        cfg.ucx.tls = self.ucx_tls.clone();
+        if cfg.ucx.tls.as_deref() == Some("tcp") {
+            // UCX 1.13's TCP segments default to 8 KiB: 64 KiB is several times faster
+            // (crates/kv-transfer/BENCHMARKS.md).
+            cfg.ucx.options = vec![
+                ("TX_SEG_SIZE".into(), "64k".into()),
+                ("RX_SEG_SIZE".into(), "64k".into()),
+            ];
+        }
+        let t = tandem_kv_transfer::open(kind, &cfg)
+            .await
+            .with_context(|| format!("opening the {} KV transport", kind.as_str()))?;
+        Ok(Some(t))
+    }
 }
 
 /// A fresh random 63-bit id.
@@ -190,6 +248,7 @@ pub fn worker_config(
     w: &WorkerArgs,
 ) -> anyhow::Result<WorkerConfig> {
     let mut c = engine_worker_config(engine, role, id, model, namespace, advertise_host)?;
+    c.corrupt_transfers = w.inject_kv_corruption;
     c.drain_timeout = Duration::from_secs(w.drain_timeout_s);
     c.prefill_timeout = Duration::from_millis(w.prefill_timeout_ms);
     c.load_interval = Duration::from_millis(w.load_interval_ms);
@@ -405,6 +464,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
     let deps = WorkerDeps {
         discovery: deps.discovery,
         events: deps.events,
+        transport: args.kv.open().await?,
     };
     let shutdown = shutdown_token();
     match role {

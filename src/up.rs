@@ -72,9 +72,16 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
 async fn run_embedded(args: UpArgs, root: CancellationToken) -> anyhow::Result<()> {
     let discovery = Arc::new(MemoryDiscovery::new());
     let events = Arc::new(MemoryEventPlane::new());
+    // One process: KV moves by an in-process copy into the decode worker's region.
+    let transport = tandem_kv_transfer::open(
+        tandem_kv_transfer::TransportKind::Local,
+        &tandem_kv_transfer::TransportConfig::default(),
+    )
+    .await?;
     let deps = WorkerDeps {
         discovery: discovery.clone(),
         events: events.clone(),
+        transport: Some(transport),
     };
     let workers_stop = CancellationToken::new();
     let mut workers = tokio::task::JoinSet::new();

@@ -210,6 +210,7 @@ async fn the_standalone_indexer_answers_find_matches_from_the_event_plane() {
         WorkerDeps {
             discovery: Arc::new(discovery.clone()),
             events: plane.clone(),
+            transport: None,
         },
         worker_stop.clone(),
     ));
@@ -269,6 +270,7 @@ async fn start_worker(
     let deps = WorkerDeps {
         discovery: Arc::new(discovery.clone()),
         events: plane,
+        transport: None,
     };
     let task = tokio::spawn(tandem_decode_worker::run(cfg, listener, deps, stop.clone()));
     let ch = tandem_runtime::grpc::connect_channel(&addr, Duration::from_secs(5))

@@ -62,6 +62,10 @@ pub struct Options {
     pub frontend_args: Vec<String>,
     /// Run a standalone `tandem indexer` and point the frontend at it (`--indexer-url`).
     pub indexer: bool,
+    /// Workers' `--kv-transport` (`ucx`, `tcp`, `inline`); UCX runs on `lo`.
+    pub kv_transport: &'static str,
+    /// Prefill workers corrupt one byte of every transfer (fault injection).
+    pub corrupt_transfers: bool,
 }
 
 impl Default for Options {
@@ -77,6 +81,8 @@ impl Default for Options {
             load_interval_ms: 100,
             frontend_args: Vec::new(),
             indexer: false,
+            kv_transport: "ucx",
+            corrupt_transfers: false,
         }
     }
 }
@@ -387,9 +393,16 @@ impl Cluster {
                 &o.drain_timeout_s.to_string(),
                 "--load-interval-ms",
                 &o.load_interval_ms.to_string(),
+                "--kv-transport",
+                o.kv_transport,
+                "--ucx-net-devices",
+                "lo",
             ]
             .map(String::from),
         );
+        if o.corrupt_transfers {
+            args.push("--inject-kv-corruption".into());
+        }
         let name = format!("{role}-{id}");
         let log = self.dir.join(format!("{name}.log"));
         let mut p = Proc::spawn(&name, role, &args, &log);

@@ -47,7 +47,7 @@ pub async fn run(
             "a decode worker cannot take the prefill role".into(),
         ));
     }
-    let ctx = WorkerContext::start(config, deps.events.clone())?;
+    let ctx = WorkerContext::start(config, &deps).await?;
     let service = DecodeService::new(ctx.clone());
     ctx.serve(listener, service, deps, shutdown).await
 }
@@ -114,7 +114,14 @@ impl DecodeService {
             block_size: self.ctx.config.engine.pool.block_size.get(),
             bytes_per_block: host.bytes_per_block() as u64,
             destination_blocks: Vec::new(),
+            destination: String::new(),
         };
+        let mut prefill = prefill;
+        if let Some(landing) = &self.ctx.landing {
+            prefill.destination = landing.descriptor.to_compact();
+            prefill.destination_blocks = rp.blocks.clone();
+        }
+        let landing = self.ctx.landing.clone();
         let (host, clients, stats) = (host.clone(), self.clients.clone(), self.stats.clone());
         let timeout = self.ctx.config.prefill_timeout;
         let out = settled.clone();
@@ -123,7 +130,7 @@ impl DecodeService {
             let fetched = tokio::select! {
                 r = tokio::time::timeout(
                     timeout,
-                    remote::fetch(&clients, &host, &target, prefill, &rp, timeout),
+                    remote::fetch(&clients, &host, landing.as_ref(), &target, prefill, &rp, timeout),
                 ) => r,
                 // The client went away: the handle's drop aborted the request already.
                 _ = cancel.cancelled() => return,

@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 use tandem_engine::RemotePrefill;
 use tandem_protocol::RequestId;
 use tandem_protocol::grpc::{PrefillRequest, RemotePrefillTarget, prefill_chunk, worker_client};
-use tandem_worker::{EngineHost, KvDigest, WorkerError};
+use tandem_worker::{EngineHost, KvDigest, KvLanding, WorkerError};
 use tonic::transport::Channel;
 
 /// Most prefill workers kept connected; beyond it the map starts over (connections are
@@ -43,10 +43,13 @@ impl PrefillClients {
 }
 
 /// Fetches the KV of `rp` from `target` into this worker's reserved blocks; the first token
-/// on success.
+/// on success. With a landing region the prefill worker writes the blocks there (same block
+/// indices) through the KV transport; they are checked against the digest and moved into
+/// the engine's arena when it is done. Blocks sent inline are written as they come.
 pub async fn fetch(
     clients: &PrefillClients,
     host: &EngineHost,
+    landing: Option<&KvLanding>,
     target: &RemotePrefillTarget,
     request: PrefillRequest,
     rp: &RemotePrefill,
@@ -86,6 +89,12 @@ pub async fn fetch(
                 digest.update(&b.data);
             }
             Some(prefill_chunk::Item::Done(done)) => {
+                if digest.blocks() == 0
+                    && !rp.blocks.is_empty()
+                    && let Some(landing) = landing
+                {
+                    land(host, landing, id, &rp.blocks, &mut digest)?;
+                }
                 if done.blocks as usize != rp.blocks.len() || done.blocks != digest.blocks() {
                     return Err(WorkerError::BadTransfer(format!(
                         "{} blocks received, {} sent, {} expected",
@@ -104,4 +113,25 @@ pub async fn fetch(
             None => return Err(WorkerError::BadTransfer("empty prefill chunk".into())),
         }
     }
+}
+
+/// Moves blocks the transport wrote into the landing region into the engine's arena,
+/// hashing them on the way.
+fn land(
+    host: &EngineHost,
+    landing: &KvLanding,
+    id: RequestId,
+    blocks: &[u32],
+    digest: &mut KvDigest,
+) -> Result<(), WorkerError> {
+    let mut buf = vec![0u8; landing.region.bytes_per_block()];
+    for &b in blocks {
+        landing
+            .region
+            .read_block_into(b, &mut buf)
+            .map_err(|e| WorkerError::BadTransfer(format!("reading landed block {b}: {e}")))?;
+        digest.update(&buf);
+        host.write_block(id, b, &buf)?;
+    }
+    Ok(())
 }

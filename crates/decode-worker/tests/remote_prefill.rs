@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tandem_kv_transfer::{Transport, TransportConfig, TransportKind};
 use tandem_protocol::grpc::{
     GenerateChunk, GenerateRequest, KvEventsRequest, PrefillOutcome, RemotePrefillTarget, Sampling,
     kv_events_reply, worker_client::WorkerClient,
@@ -28,7 +29,15 @@ fn deps() -> WorkerDeps {
     WorkerDeps {
         discovery: Arc::new(MemoryDiscovery::new()),
         events: Arc::new(MemoryEventPlane::new()),
+        transport: None,
     }
+}
+
+/// A KV transport of `kind` for this process (UCX on loopback only).
+async fn transport(kind: TransportKind) -> Arc<dyn Transport> {
+    let mut cfg = TransportConfig::default();
+    cfg.ucx.net_devices = Some("lo".into());
+    tandem_kv_transfer::open(kind, &cfg).await.unwrap()
 }
 
 fn config(id: u64, role: WorkerRole) -> WorkerConfig {
@@ -106,8 +115,22 @@ fn tokens(chunks: &[GenerateChunk]) -> Vec<u32> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies() {
-    let deps = deps();
+async fn remote_prefill_decodes_like_local_inline() {
+    remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies(deps()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_decodes_like_local_over_each_transport() {
+    for kind in [TransportKind::Local, TransportKind::Tcp, TransportKind::Ucx] {
+        let mut d = deps();
+        d.transport = Some(transport(kind).await);
+        remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies(d).await;
+    }
+}
+
+async fn remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies(
+    deps: WorkerDeps,
+) {
     let p = start(1, WorkerRole::Prefill, &deps).await;
     let d1 = start(2, WorkerRole::Decode, &deps).await;
     let d2 = start(3, WorkerRole::Decode, &deps).await;
@@ -282,5 +305,42 @@ async fn a_client_gone_mid_transfer_frees_the_blocks_on_both_workers() {
     for w in [p, d] {
         w.stop.cancel();
         w.task.await.unwrap().unwrap();
+    }
+}
+
+/// One corrupted byte in a transfer (injected by the prefill worker after the digest) is
+/// caught by the decode worker's digest check: it prefills locally and the output is still
+/// exactly the local one — inline and over every transport.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_transfer_is_detected_and_served_by_a_local_prefill() {
+    for kind in [
+        None,
+        Some(TransportKind::Local),
+        Some(TransportKind::Tcp),
+        Some(TransportKind::Ucx),
+    ] {
+        let mut deps = deps();
+        if let Some(kind) = kind {
+            deps.transport = Some(transport(kind).await);
+        }
+        let mut pcfg = config(1, WorkerRole::Prefill);
+        pcfg.corrupt_transfers = true;
+        let p = start_with(pcfg, &deps).await;
+        let d1 = start(2, WorkerRole::Decode, &deps).await;
+        let d2 = start(3, WorkerRole::Decode, &deps).await;
+        let (mut c1, mut c2) = (client(&d1.addr).await, client(&d2.addr).await);
+        let long = prompt(8, 250);
+        let local = generate(&mut c1, request(40, long.clone(), None)).await;
+        let remote = generate(&mut c2, request(41, long, Some(&p))).await;
+        assert_eq!(
+            remote[0].prefill,
+            PrefillOutcome::Fallback as i32,
+            "{kind:?}: the digest check caught the corruption"
+        );
+        assert_eq!(tokens(&remote), tokens(&local), "{kind:?}");
+        for w in [p, d1, d2] {
+            w.stop.cancel();
+            w.task.await.unwrap().unwrap();
+        }
     }
 }

@@ -3,8 +3,10 @@
 //! that completes each block finishes, then the first token and a digest of what it sent.
 //!
 //! `Generate` is not served here (a prefill worker never decodes); `KvEvents` and `Health`
-//! come from `tandem-worker`. The KV travels inline on the `Prefill` gRPC stream; the
-//! transport crate replaces that path behind a trait.
+//! come from `tandem-worker`. The KV goes through the KV transport (`tandem-kv-transfer`:
+//! UCX, TCP or in-process) straight into the decode worker's region when the request names
+//! one and this worker has a transport of that kind; otherwise inline on the `Prefill`
+//! stream. Either way `PrefillDone` carries the digest of the bytes as computed.
 //!
 //! A decode worker that goes away mid-transfer drops the stream: the request is aborted here
 //! and holds no blocks afterwards.
@@ -12,7 +14,8 @@
 use std::pin::Pin;
 
 use futures::{Stream, StreamExt, stream};
-use tandem_engine::EngineRequest;
+use tandem_engine::{EngineRequest, ExportedBlock};
+use tandem_kv_transfer::{BlockWriter, RegionDescriptor};
 use tandem_protocol::grpc::{
     GenerateChunk, GenerateRequest, HealthReply, HealthRequest, KvBlock, KvEventsReply,
     KvEventsRequest, PrefillChunk, PrefillDone, PrefillRequest, prefill_chunk, worker_server,
@@ -36,7 +39,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
     config.role = WorkerRole::Prefill;
-    let ctx = WorkerContext::start(config, deps.events.clone())?;
+    let ctx = WorkerContext::start(config, &deps).await?;
     let service = PrefillService { ctx: ctx.clone() };
     ctx.serve(listener, service, deps, shutdown).await
 }
@@ -50,6 +53,31 @@ pub struct PrefillService {
 impl PrefillService {
     pub fn new(ctx: WorkerContext) -> Self {
         PrefillService { ctx }
+    }
+
+    /// Connects to the request's destination region when it names one (and this worker has
+    /// a transport); otherwise the blocks go inline.
+    async fn sink(&self, req: &PrefillRequest) -> Result<Sink, WorkerError> {
+        if req.destination.is_empty() {
+            return Ok(Sink::Inline);
+        }
+        let Some(transport) = &self.ctx.transport else {
+            return Ok(Sink::Inline);
+        };
+        let remote = RegionDescriptor::from_compact(&req.destination)
+            .map_err(|e| WorkerError::InvalidRequest(format!("destination region: {e}")))?;
+        if remote.transport != transport.kind() {
+            // The decode worker reads inline blocks as well.
+            return Ok(Sink::Inline);
+        }
+        let writer = transport
+            .connect(&remote)
+            .await
+            .map_err(|e| WorkerError::BadTransfer(format!("connecting to the KV region: {e}")))?;
+        Ok(Sink::Transport {
+            writer,
+            blocks: req.destination_blocks.clone(),
+        })
     }
 
     /// Validates a prefill request against this worker's block geometry.
@@ -78,41 +106,98 @@ impl PrefillService {
     }
 }
 
-/// Turns the engine's outputs for one prefill into the `Prefill` stream: blocks as they
-/// come, then `PrefillDone` with the first token and the digest.
-fn prefill_stream(handle: RequestHandle) -> BoxStream<PrefillChunk> {
-    let state = Some((handle, KvDigest::default()));
-    let chunks = stream::unfold(state, |state| async move {
-        let (mut handle, mut digest) = state?;
-        match handle.next().await {
-            Some(HostOutput::Blocks(blocks)) => {
-                let items: Vec<Result<PrefillChunk, Status>> = blocks
-                    .into_iter()
-                    .map(|b| {
-                        digest.update(&b.bytes);
-                        Ok(PrefillChunk {
-                            item: Some(prefill_chunk::Item::Block(KvBlock {
-                                index: b.index as u32,
-                                data: b.bytes,
-                            })),
-                        })
-                    })
-                    .collect();
-                Some((items, Some((handle, digest))))
-            }
-            Some(HostOutput::Token(out)) => {
+/// Where a prefill's blocks go: inline on the gRPC stream, or through the KV transport
+/// straight into the decode worker's region.
+enum Sink {
+    Inline,
+    Transport {
+        writer: Box<dyn BlockWriter>,
+        /// Destination block in the remote region of each transferred block, in order.
+        blocks: Vec<u32>,
+    },
+}
+
+/// One prefill in progress: the engine's outputs become blocks sent (inline or through the
+/// transport) and the digest of what was sent, then `PrefillDone`.
+struct Prefill {
+    handle: RequestHandle,
+    digest: KvDigest,
+    sink: Sink,
+    /// Fault injection: corrupt the first block sent, after hashing it.
+    corrupt: bool,
+}
+
+impl Prefill {
+    /// The chunks for one engine output; None when the prefill is over.
+    async fn step(&mut self) -> Option<Result<Vec<PrefillChunk>, Status>> {
+        match self.handle.next().await? {
+            HostOutput::Blocks(blocks) => Some(self.send(blocks).await),
+            HostOutput::Token(out) => {
+                if let Sink::Transport { writer, .. } = &mut self.sink
+                    && let Err(e) = writer.flush().await
+                {
+                    return Some(Err(Status::unavailable(format!("KV transfer flush: {e}"))));
+                }
                 let done = PrefillDone {
                     first_token: out.token,
-                    digest: digest.value(),
-                    blocks: digest.blocks(),
+                    digest: self.digest.value(),
+                    blocks: self.digest.blocks(),
                     cached_tokens: out.cached_tokens as u32,
                 };
-                let item = Ok(PrefillChunk {
+                Some(Ok(vec![PrefillChunk {
                     item: Some(prefill_chunk::Item::Done(done)),
-                });
-                // The handle is dropped here: the request has ended (max_tokens 1).
-                Some((vec![item], None))
+                }]))
             }
+        }
+    }
+
+    async fn send(&mut self, blocks: Vec<ExportedBlock>) -> Result<Vec<PrefillChunk>, Status> {
+        let mut inline = Vec::new();
+        for mut b in blocks {
+            self.digest.update(&b.bytes);
+            if std::mem::take(&mut self.corrupt) {
+                b.bytes[0] ^= 0x5a;
+            }
+            match &mut self.sink {
+                Sink::Inline => inline.push(PrefillChunk {
+                    item: Some(prefill_chunk::Item::Block(KvBlock {
+                        index: b.index as u32,
+                        data: b.bytes,
+                    })),
+                }),
+                Sink::Transport { writer, blocks } => {
+                    let dst = *blocks.get(b.index).ok_or_else(|| {
+                        Status::invalid_argument(format!(
+                            "block {} has no destination ({} given)",
+                            b.index,
+                            blocks.len()
+                        ))
+                    })?;
+                    writer
+                        .put(dst, &b.bytes)
+                        .await
+                        .map_err(|e| Status::unavailable(format!("KV transfer put: {e}")))?;
+                }
+            }
+        }
+        Ok(inline)
+    }
+}
+
+/// The `Prefill` stream of one request. Dropping it (the decode worker went away) drops the
+/// request handle, which aborts the request and frees its blocks here.
+fn prefill_stream(prefill: Prefill) -> BoxStream<PrefillChunk> {
+    let chunks = stream::unfold(Some(prefill), |state| async move {
+        let mut p = state?;
+        match p.step().await {
+            Some(Ok(items)) => {
+                let done = items
+                    .iter()
+                    .any(|c| matches!(c.item, Some(prefill_chunk::Item::Done(_))));
+                let items: Vec<Result<PrefillChunk, Status>> = items.into_iter().map(Ok).collect();
+                Some((items, (!done).then_some(p)))
+            }
+            Some(Err(status)) => Some((vec![Err(status)], None)),
             None => Some((
                 vec![Err(Status::unavailable("prefill worker stopped"))],
                 None,
@@ -143,11 +228,17 @@ impl worker_server::Worker for PrefillService {
         self.ctx.check_accepting()?;
         let req = request.into_inner();
         let engine_req = self.engine_request(&req)?;
+        let sink = self.sink(&req).await?;
         let handle = self
             .ctx
             .host
             .submit_exporting(engine_req, req.from_token as usize)?;
-        Ok(Response::new(prefill_stream(handle)))
+        Ok(Response::new(prefill_stream(Prefill {
+            handle,
+            digest: KvDigest::default(),
+            sink,
+            corrupt: self.ctx.config.corrupt_transfers,
+        })))
     }
 
     async fn kv_events(

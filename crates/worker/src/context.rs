@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tandem_engine::{MockEngine, MockEngineConfig};
+use tandem_kv_transfer::{Region, RegionDescriptor, Transport};
 use tandem_protocol::grpc::{
     HealthReply, KvEventsReply, KvEventsRequest, kv_events_reply, worker_server,
 };
@@ -41,6 +42,9 @@ pub struct WorkerConfig {
     pub drain_timeout: Duration,
     /// Decode workers: how long a remote prefill may take before prefilling locally.
     pub prefill_timeout: Duration,
+    /// Prefill workers, fault injection for tests: flip one byte of the first block of every
+    /// transfer after its digest is taken (the decode worker must notice and fall back).
+    pub corrupt_transfers: bool,
 }
 
 impl WorkerConfig {
@@ -57,6 +61,7 @@ impl WorkerConfig {
             load_interval: Duration::from_millis(500),
             drain_timeout: Duration::from_secs(30),
             prefill_timeout: Duration::from_secs(5),
+            corrupt_transfers: false,
         }
     }
 }
@@ -66,6 +71,16 @@ impl WorkerConfig {
 pub struct WorkerDeps {
     pub discovery: Arc<dyn Discovery>,
     pub events: Arc<dyn EventPlane>,
+    /// The KV transport (one per process); None: KV travels inline on the gRPC stream.
+    pub transport: Option<Arc<dyn Transport>>,
+}
+
+/// A decode worker's KV landing region, exposed on the transport: prefill workers write the
+/// blocks it reserved into the same block indices of this region.
+#[derive(Clone, Debug)]
+pub struct KvLanding {
+    pub region: Arc<Region>,
+    pub descriptor: RegionDescriptor,
 }
 
 impl std::fmt::Debug for WorkerDeps {
@@ -79,6 +94,11 @@ impl std::fmt::Debug for WorkerDeps {
 pub struct WorkerContext {
     pub config: Arc<WorkerConfig>,
     pub host: EngineHost,
+    /// The KV transport, when one is configured.
+    pub transport: Option<Arc<dyn Transport>>,
+    /// Where prefill workers write this worker's received KV (decode workers with a
+    /// transport).
+    pub landing: Option<KvLanding>,
     draining: Arc<AtomicBool>,
     /// Cancelled when the worker stops for good (after draining): ends its tasks.
     stop: CancellationToken,
@@ -86,11 +106,10 @@ pub struct WorkerContext {
 }
 
 impl WorkerContext {
-    /// Builds the engine and starts its host tasks.
-    pub fn start(
-        mut config: WorkerConfig,
-        events: Arc<dyn EventPlane>,
-    ) -> Result<Self, WorkerError> {
+    /// Builds the engine and starts its host tasks; a decode worker with a transport also
+    /// allocates and exposes its KV landing region.
+    pub async fn start(mut config: WorkerConfig, deps: &WorkerDeps) -> Result<Self, WorkerError> {
+        let events = deps.events.clone();
         config.engine.pool.worker_id = config.worker_id;
         let engine = MockEngine::new(config.engine.clone())
             .map_err(|e| WorkerError::InvalidRequest(format!("engine config: {e}")))?;
@@ -103,9 +122,27 @@ impl WorkerContext {
             load_interval: config.load_interval,
         };
         let host = EngineHost::start(engine, publishing, &tasks, stop.clone());
+        let landing = match (&deps.transport, config.role) {
+            (Some(t), WorkerRole::Decode | WorkerRole::Aggregated) => {
+                let bytes = host.bytes_per_block();
+                let region = t
+                    .alloc_region(config.engine.pool.device_blocks, bytes)
+                    .await
+                    .map_err(|e| WorkerError::Internal(format!("KV region: {e}")))?;
+                let descriptor = t
+                    .expose(region.clone())
+                    .await
+                    .map_err(|e| WorkerError::Internal(format!("exposing the KV region: {e}")))?;
+                tracing::info!(transport = t.kind().as_str(), "KV landing region exposed");
+                Some(KvLanding { region, descriptor })
+            }
+            _ => None,
+        };
         Ok(WorkerContext {
             config: Arc::new(config),
             host,
+            transport: deps.transport.clone(),
+            landing,
             draining: Arc::new(AtomicBool::new(false)),
             stop,
             tasks,
@@ -171,7 +208,7 @@ impl WorkerContext {
             },
             addresses: WorkerAddresses {
                 grpc: format!("{}:{}", self.config.advertise_host, addr.port()),
-                kv_transfer: None,
+                kv_transfer: self.landing.as_ref().map(|l| l.descriptor.to_compact()),
             },
         }
     }

@@ -18,7 +18,7 @@ pub mod digest;
 pub mod error;
 pub mod host;
 
-pub use context::{WorkerConfig, WorkerContext, WorkerDeps};
+pub use context::{KvLanding, WorkerConfig, WorkerContext, WorkerDeps};
 pub use digest::KvDigest;
 pub use error::WorkerError;
 pub use host::{EngineHost, HostOutput, HostPublishing, RequestHandle};

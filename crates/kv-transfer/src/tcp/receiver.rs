@@ -1,0 +1,259 @@
+//! The receiving side of the TCP transport: the accept loop and one task per connection,
+//! reading `PUT` frames straight into the region with vectored reads.
+
+use std::collections::HashMap;
+use std::io::IoSliceMut;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+
+use super::{
+    Exposed, FRAME_HEADER, HELLO_LEN, MAGIC, MAX_CONNECTIONS, MAX_FRAME_BLOCKS, MAX_MESSAGE,
+    OP_FLUSH, OP_PUT, REPLY_ACK, REPLY_ERR, lock, message_frame,
+};
+use crate::descriptor::MemoryKind;
+use crate::error::{TransferError, with_timeout};
+use crate::region::Region;
+use crate::transport::TransportConfig;
+
+pub(super) async fn accept_loop(
+    listener: TcpListener,
+    regions: Arc<Mutex<HashMap<u64, Exposed>>>,
+    config: TransportConfig,
+) {
+    // Connection tasks belong to this loop: aborting it (transport dropped) aborts them.
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) if connections.len() >= MAX_CONNECTIONS => {
+                    tracing::warn!(%peer, "kv transfer: tcp connection refused, {MAX_CONNECTIONS} open");
+                    drop(stream);
+                }
+                Ok((stream, peer)) => {
+                    let regions = Arc::clone(&regions);
+                    let config = config.clone();
+                    connections.spawn(async move {
+                        if let Err(e) = serve(stream, &regions, &config).await {
+                            tracing::debug!(%peer, error = %e, "kv transfer: tcp connection ended");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "kv transfer: tcp accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}
+
+/// Serves one connection: hello, then frames until EOF or an error.
+async fn serve(
+    stream: TcpStream,
+    regions: &Mutex<HashMap<u64, Exposed>>,
+    config: &TransportConfig,
+) -> Result<(), TransferError> {
+    stream
+        .set_nodelay(true)
+        .map_err(TransferError::io("set_nodelay"))?;
+    // No read buffering: headers are read exactly and block bytes go straight from the socket
+    // into the region (a buffer would add a copy of part of every block).
+    let (mut read, mut write) = stream.into_split();
+    let mut hello = [0u8; HELLO_LEN];
+    with_timeout("tcp hello", config.op_timeout, async {
+        read.read_exact(&mut hello)
+            .await
+            .map_err(TransferError::io("tcp hello"))
+    })
+    .await?;
+    let (region, withdrawn) = match accept_hello(&hello, regions) {
+        Ok(found) => {
+            write
+                .write_all(&message_frame(0, ""))
+                .await
+                .map_err(TransferError::io("tcp reply"))?;
+            found
+        }
+        Err(reason) => {
+            let _ = write.write_all(&message_frame(1, &reason)).await;
+            return Err(TransferError::Rejected(reason));
+        }
+    };
+    let mut staging = Vec::new();
+    loop {
+        let mut header = [0u8; FRAME_HEADER];
+        match read.read_exact(&mut header).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(TransferError::io("tcp read")(e)),
+        }
+        let arg = u64::from_le_bytes(header[1..].try_into().unwrap_or_default());
+        let outcome = match header[0] {
+            OP_PUT => {
+                let landed = with_timeout("tcp block read", config.op_timeout, async {
+                    let ids = read_ids(&mut read, arg).await?;
+                    Ok(match check_ids(&ids, &region, &withdrawn) {
+                        Ok(()) => {
+                            receive(&mut read, &region, &ids, &mut staging).await?;
+                            Ok(())
+                        }
+                        Err(reason) => Err(reason),
+                    })
+                });
+                landed.await?
+            }
+            OP_FLUSH => {
+                let mut ack = [0u8; FRAME_HEADER];
+                ack[0] = REPLY_ACK;
+                ack[1..].copy_from_slice(&arg.to_le_bytes());
+                write
+                    .write_all(&ack)
+                    .await
+                    .map_err(TransferError::io("tcp ack"))?;
+                Ok(())
+            }
+            other => Err(format!("unknown frame {other}")),
+        };
+        if let Err(reason) = outcome {
+            let text = &reason.as_bytes()[..reason.len().min(MAX_MESSAGE as usize)];
+            let mut frame = Vec::with_capacity(FRAME_HEADER + text.len());
+            frame.push(REPLY_ERR);
+            frame.extend_from_slice(&(text.len() as u64).to_le_bytes());
+            frame.extend_from_slice(text);
+            let _ = write.write_all(&frame).await;
+            return Err(TransferError::Rejected(reason));
+        }
+    }
+}
+
+fn accept_hello(
+    hello: &[u8; HELLO_LEN],
+    regions: &Mutex<HashMap<u64, Exposed>>,
+) -> Result<(Arc<Region>, Arc<AtomicBool>), String> {
+    if &hello[..4] != MAGIC {
+        return Err("bad magic".into());
+    }
+    let id = u64::from_le_bytes(hello[4..12].try_into().unwrap_or_default());
+    let bpb = u64::from_le_bytes(hello[12..20].try_into().unwrap_or_default());
+    let blocks = u32::from_le_bytes(hello[20..24].try_into().unwrap_or_default());
+    let regions = lock(regions);
+    let e = regions
+        .get(&id)
+        .ok_or_else(|| format!("no region {id} is exposed here"))?;
+    if e.region.bytes_per_block() as u64 != bpb || e.region.num_blocks() != blocks {
+        return Err(format!(
+            "region {id} is {} × {} bytes, not {blocks} × {bpb}",
+            e.region.num_blocks(),
+            e.region.bytes_per_block()
+        ));
+    }
+    Ok((Arc::clone(&e.region), Arc::clone(&e.withdrawn)))
+}
+
+/// Reads the block ids of a `PUT` frame carrying `count` blocks.
+async fn read_ids(read: &mut OwnedReadHalf, count: u64) -> Result<Vec<u32>, TransferError> {
+    let n = usize::try_from(count)
+        .ok()
+        .filter(|n| (1..=MAX_FRAME_BLOCKS).contains(n))
+        .ok_or_else(|| {
+            TransferError::PeerFailed(format!(
+                "PUT frame of {count} blocks (1..={MAX_FRAME_BLOCKS})"
+            ))
+        })?;
+    let mut raw = vec![0u8; n * 4];
+    read.read_exact(&mut raw)
+        .await
+        .map_err(TransferError::io("tcp read"))?;
+    Ok(raw
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect())
+}
+
+/// Ids of one frame must be in range and distinct, and the region still exposed.
+fn check_ids(ids: &[u32], region: &Region, withdrawn: &AtomicBool) -> Result<(), String> {
+    if withdrawn.load(Ordering::Acquire) {
+        return Err("region withdrawn".into());
+    }
+    if let Some(bad) = ids.iter().find(|&&b| b >= region.num_blocks()) {
+        return Err(format!(
+            "block {bad} out of range ({} blocks)",
+            region.num_blocks()
+        ));
+    }
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1]) {
+        return Err("a block appears twice in one frame".into());
+    }
+    Ok(())
+}
+
+/// Reads the frame's blocks into the region: straight into the (locked) blocks for host
+/// memory, through a staging buffer for device memory.
+async fn receive(
+    read: &mut OwnedReadHalf,
+    region: &Region,
+    ids: &[u32],
+    staging: &mut Vec<u8>,
+) -> Result<(), TransferError> {
+    let bpb = region.bytes_per_block();
+    match region.memory_kind() {
+        MemoryKind::Host => {
+            // Lock in ascending block order (one global order: two connections cannot
+            // deadlock), then read in frame order.
+            let mut order: Vec<usize> = (0..ids.len()).collect();
+            order.sort_unstable_by_key(|&i| ids[i]);
+            let mut locked = Vec::with_capacity(ids.len());
+            for i in order {
+                locked.push((i, region.lock_block(ids[i])?));
+            }
+            locked.sort_unstable_by_key(|(i, _)| *i);
+            let mut slices: Vec<IoSliceMut<'_>> = locked
+                .iter_mut()
+                .map(|(_, guard)| IoSliceMut::new(&mut guard[..]))
+                .collect();
+            read_all_vectored(read, &mut slices).await
+        }
+        MemoryKind::Cuda => {
+            staging.resize(ids.len() * bpb, 0);
+            read.read_exact(staging)
+                .await
+                .map_err(TransferError::io("tcp block read"))?;
+            for (id, bytes) in ids.iter().zip(staging.chunks_exact(bpb)) {
+                region.write_block(*id, bytes)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Fills every slice from the socket, as many bytes per syscall as are available.
+async fn read_all_vectored(
+    read: &OwnedReadHalf,
+    mut slices: &mut [IoSliceMut<'_>],
+) -> Result<(), TransferError> {
+    while !slices.is_empty() {
+        // Try first: the bytes are usually already there; wait for readiness only when not.
+        match read.try_read_vectored(slices) {
+            Ok(0) => {
+                return Err(TransferError::PeerFailed(
+                    "connection closed mid-frame".into(),
+                ));
+            }
+            Ok(n) => IoSliceMut::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => read
+                .readable()
+                .await
+                .map_err(TransferError::io("tcp block read"))?,
+            Err(e) => return Err(TransferError::io("tcp block read")(e)),
+        }
+    }
+    Ok(())
+}

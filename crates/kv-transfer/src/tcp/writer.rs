@@ -1,0 +1,253 @@
+//! The sending side of the TCP transport: one connection into one remote region.
+
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::{
+    BATCH_BLOCKS, BATCH_BYTES, FRAME_HEADER, MAX_MESSAGE, OP_FLUSH, OP_PUT, PoolKey, REPLY_ACK,
+    REPLY_ERR, lock,
+};
+use crate::descriptor::RegionDescriptor;
+use crate::error::{TransferError, with_timeout};
+use crate::region::{BlockLease, Region};
+use crate::transport::{BlockWriter, TransportConfig};
+
+/// See the module docs.
+pub(super) struct TcpWriter {
+    remote: RegionDescriptor,
+    stream: Option<TcpStream>,
+    /// The first error; every later call returns it.
+    failed: Option<TransferError>,
+    /// Set while a frame is half written: a future dropped mid-call leaves it set, which
+    /// poisons the writer (the stream is out of frame).
+    busy: bool,
+    seq: u64,
+    /// `put_region` blocks not yet written (their source blocks stay locked): written as one
+    /// `PUT` frame when the batch is full, before any other frame, and by `flush`.
+    queued: Vec<(u32, BlockLease)>,
+    staging: Vec<u8>,
+    config: TransportConfig,
+    idle: Arc<Mutex<HashMap<PoolKey, Vec<TcpStream>>>>,
+    key: PoolKey,
+}
+
+impl std::fmt::Debug for TcpWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpWriter")
+            .field("remote", &self.remote.address)
+            .field("region", &self.remote.region)
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Writes every slice, with as few syscalls as the kernel allows.
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    mut slices: &mut [IoSlice<'_>],
+) -> std::io::Result<()> {
+    while !slices.is_empty() {
+        let n = stream.write_vectored(slices).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
+impl TcpWriter {
+    pub(super) fn new(
+        remote: RegionDescriptor,
+        stream: TcpStream,
+        config: TransportConfig,
+        idle: Arc<Mutex<HashMap<PoolKey, Vec<TcpStream>>>>,
+        key: PoolKey,
+    ) -> TcpWriter {
+        TcpWriter {
+            remote,
+            stream: Some(stream),
+            failed: None,
+            busy: false,
+            seq: 0,
+            queued: Vec::new(),
+            staging: Vec::new(),
+            config,
+            idle,
+            key,
+        }
+    }
+
+    /// Checks the writer is usable and marks it busy; returns the stream.
+    fn begin(&mut self) -> Result<&mut TcpStream, TransferError> {
+        if self.busy && self.failed.is_none() {
+            self.failed = Some(TransferError::Cancelled(
+                "an earlier call was dropped mid-frame".into(),
+            ));
+        }
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        self.busy = true;
+        self.stream.as_mut().ok_or(TransferError::Closed)
+    }
+
+    fn fail(&mut self, e: TransferError) -> TransferError {
+        self.stream = None;
+        self.failed = Some(e.clone());
+        e
+    }
+
+    /// Writes the queued blocks, then `extra` (a borrowed block) if any, as one `PUT` frame.
+    async fn send(&mut self, extra: Option<(u32, &[u8])>) -> Result<(), TransferError> {
+        if self.queued.is_empty() && extra.is_none() {
+            return Ok(());
+        }
+        let timeout = self.config.op_timeout;
+        let queued = std::mem::take(&mut self.queued);
+        let ids: Vec<u8> = queued
+            .iter()
+            .map(|(dst, _)| *dst)
+            .chain(extra.map(|(dst, _)| dst))
+            .flat_map(u32::to_le_bytes)
+            .collect();
+        let mut header = [0u8; FRAME_HEADER];
+        header[0] = OP_PUT;
+        header[1..].copy_from_slice(&((ids.len() / 4) as u64).to_le_bytes());
+        let bodies = queued
+            .iter()
+            .map(|(_, lease)| lease.host_bytes().unwrap_or_default())
+            .chain(extra.map(|(_, bytes)| bytes));
+        let mut slices: Vec<IoSlice<'_>> = [IoSlice::new(&header), IoSlice::new(&ids)]
+            .into_iter()
+            .chain(bodies.map(IoSlice::new))
+            .collect();
+        let stream = self.begin()?;
+        let r = with_timeout("tcp put", timeout, async {
+            write_all_vectored(stream, &mut slices)
+                .await
+                .map_err(TransferError::io("tcp put"))
+        })
+        .await;
+        drop(slices);
+        drop(queued); // unlocks the source blocks
+        self.busy = false;
+        r.map_err(|e| self.fail(e))
+    }
+
+    async fn await_ack(stream: &mut TcpStream, seq: u64) -> Result<(), TransferError> {
+        let mut reply = [0u8; FRAME_HEADER];
+        stream
+            .read_exact(&mut reply)
+            .await
+            .map_err(TransferError::io("tcp flush"))?;
+        let arg = u64::from_le_bytes(reply[1..].try_into().unwrap_or_default());
+        match reply[0] {
+            REPLY_ACK if arg == seq => Ok(()),
+            REPLY_ACK => Err(TransferError::PeerFailed(format!(
+                "flush {seq} acknowledged as {arg}"
+            ))),
+            REPLY_ERR => {
+                let mut text = vec![0u8; arg.min(u64::from(MAX_MESSAGE)) as usize];
+                stream
+                    .read_exact(&mut text)
+                    .await
+                    .map_err(TransferError::io("tcp flush"))?;
+                Err(TransferError::Rejected(
+                    String::from_utf8_lossy(&text).into_owned(),
+                ))
+            }
+            other => Err(TransferError::PeerFailed(format!("unknown reply {other}"))),
+        }
+    }
+}
+
+#[async_trait]
+impl BlockWriter for TcpWriter {
+    fn remote(&self) -> &RegionDescriptor {
+        &self.remote
+    }
+
+    async fn put(&mut self, dst_block: u32, src: &[u8]) -> Result<(), TransferError> {
+        self.remote.check_put(dst_block, src.len())?;
+        if self.queued.iter().any(|(d, _)| *d == dst_block) {
+            self.send(None).await?; // ids within one frame are distinct
+        }
+        self.send(Some((dst_block, src))).await
+    }
+
+    async fn put_region(
+        &mut self,
+        dst_block: u32,
+        src: &Arc<Region>,
+        src_block: u32,
+    ) -> Result<(), TransferError> {
+        self.remote.check_put(dst_block, src.bytes_per_block())?;
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if self.queued.iter().any(|(d, _)| *d == dst_block) {
+            self.send(None).await?; // ids within one frame are distinct
+        }
+        let lease = src.lease_block(src_block)?;
+        if lease.host_bytes().is_some() {
+            self.queued.push((dst_block, lease));
+            let bytes = self.queued.len() * src.bytes_per_block();
+            if self.queued.len() >= BATCH_BLOCKS || bytes >= BATCH_BYTES {
+                return self.send(None).await;
+            }
+            return Ok(());
+        }
+        // Device memory: through a host staging buffer, written at once.
+        let mut staging = std::mem::take(&mut self.staging);
+        staging.resize(src.bytes_per_block(), 0);
+        lease.copy_into(&mut staging)?;
+        drop(lease);
+        let r = self.send(Some((dst_block, &staging))).await;
+        self.staging = staging;
+        r
+    }
+
+    async fn flush(&mut self) -> Result<(), TransferError> {
+        self.send(None).await?;
+        let timeout = self.config.op_timeout;
+        self.seq += 1;
+        let seq = self.seq;
+        let stream = self.begin()?;
+        let r = with_timeout("tcp flush", timeout, async {
+            let mut frame = [0u8; FRAME_HEADER];
+            frame[0] = OP_FLUSH;
+            frame[1..].copy_from_slice(&seq.to_le_bytes());
+            stream
+                .write_all(&frame)
+                .await
+                .map_err(TransferError::io("tcp flush"))?;
+            Self::await_ack(stream, seq).await
+        })
+        .await;
+        self.busy = false;
+        r.map_err(|e| self.fail(e))
+    }
+}
+
+impl Drop for TcpWriter {
+    fn drop(&mut self) {
+        // Queued blocks that were never flushed are dropped (their sources unlock); the stream
+        // is still in frame, so it can serve another writer.
+        if self.busy || self.failed.is_some() {
+            return;
+        }
+        if let Some(stream) = self.stream.take() {
+            let mut idle = lock(&self.idle);
+            let streams = idle.entry(self.key.clone()).or_default();
+            if streams.len() < self.config.tcp_idle_per_peer {
+                streams.push(stream);
+            }
+        }
+    }
+}

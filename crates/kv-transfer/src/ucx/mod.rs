@@ -1,0 +1,375 @@
+//! The UCX transport: UCP one-sided puts (`ucp_put_nbx`) into regions registered with
+//! `ucp_mem_map`, over whatever UCX selects (RDMA, shared memory, TCP); or, for regions UCX
+//! allocated in shared memory and a sender on the same host, plain copies into the region
+//! mapped with `ucp_rkey_ptr` (see the crate docs, "UCX paths").
+//!
+//! Layout: `sys` holds the bindgen output; `ucp` thin wrappers over the UCP calls; `engine`
+//! the worker thread, the only place that calls UCX; `handle` the commands and the handle the
+//! async side sends them through; `direct` copies into a same-host peer's mapped memory; this
+//! module the safe async types.
+//!
+//! - Receiver: `expose` maps the region and packs its remote key; the descriptor carries the
+//!   worker address (hex), the remote key and the address of block 0.
+//! - Sender: `connect` creates (or reuses: one endpoint per peer worker) an endpoint from the
+//!   descriptor's worker address, flushes it (completing wireup and checking the peer within
+//!   the connect timeout), then unpacks the key and asks for a direct mapping. `put_region`
+//!   is queued to the thread without waiting; `put` waits until its borrowed buffer is free;
+//!   `flush` is `ucp_ep_flush_nbx`, which completes once every earlier put on the endpoint is
+//!   remotely complete. With a direct mapping, puts are copies and `flush` a fence.
+//! - Failure: endpoints use `UCP_ERR_HANDLING_MODE_PEER` unless configured otherwise; a UCX
+//!   error or an operation past its deadline marks the endpoint failed and force-closes it,
+//!   which completes everything in flight on it with an error. The next connect to that peer
+//!   creates a new endpoint.
+
+mod completion;
+mod direct;
+mod engine;
+mod handle;
+pub(crate) mod sys;
+mod ucp;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::{Semaphore, oneshot};
+
+use crate::descriptor::{MemoryKind, RegionDescriptor, TransportKind};
+use crate::error::TransferError;
+use crate::region::Region;
+use crate::transport::{BlockWriter, Transport, TransportConfig, UcxConfig};
+use completion::Completion;
+use direct::Mapping;
+use handle::{Command, EngineHandle, PutSource, RawBuf, WriterState};
+
+/// Extra time the async side gives the worker thread beyond its own deadlines, so that a
+/// wedged thread still cannot hang a caller.
+const GRACE: Duration = Duration::from_secs(2);
+
+/// Initialises UCX with `config` once and tears it down; returns UCX's version string.
+pub fn probe(config: &UcxConfig) -> Result<String, TransferError> {
+    ucp::probe(config)
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct UcxTransport {
+    /// Exposed regions by address of block 0, kept alive until withdrawn (memory the engine
+    /// allocated is owned by its region, so holding the region is what keeps it exposed).
+    /// Declared first so that it drops before the engine handle.
+    exposed: Mutex<HashMap<u64, Arc<Region>>>,
+    engine: Arc<EngineHandle>,
+    config: TransportConfig,
+    address: String,
+}
+
+impl UcxTransport {
+    /// Starts the UCX worker thread with `config.ucx` applied on top of the `UCX_*` environment.
+    pub fn new(config: TransportConfig) -> Result<Self, TransferError> {
+        config.validate()?;
+        let engine = handle::start(config.clone())?;
+        let address = hex_encode(&engine.worker_address);
+        Ok(UcxTransport {
+            exposed: Mutex::default(),
+            engine: Arc::new(engine),
+            config,
+            address,
+        })
+    }
+
+    /// Whether this UCX build can register and move CUDA memory.
+    pub fn supports_cuda_memory(&self) -> bool {
+        self.engine.cuda_memory
+    }
+}
+
+async fn reply<T>(
+    rx: oneshot::Receiver<Result<T, TransferError>>,
+    op: &'static str,
+    after: Duration,
+) -> Result<T, TransferError> {
+    match tokio::time::timeout(after, rx).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(TransferError::Closed),
+        Err(_) => Err(TransferError::Timeout { op, after }),
+    }
+}
+
+#[async_trait]
+impl Transport for UcxTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Ucx
+    }
+
+    async fn alloc_region(
+        &self,
+        num_blocks: u32,
+        bytes_per_block: usize,
+    ) -> Result<Arc<Region>, TransferError> {
+        let len = (num_blocks as usize)
+            .checked_mul(bytes_per_block)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| TransferError::InvalidArgument("empty or oversized region".into()))?;
+        let (tx, rx) = oneshot::channel();
+        self.engine.send(Command::Alloc { len, reply: tx })?;
+        match reply(rx, "ucx alloc", self.config.op_timeout + GRACE).await {
+            Ok((address, key)) => {
+                handle::region_from_alloc(&self.engine, num_blocks, bytes_per_block, address, key)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "kv transfer: UCX allocation failed, using plain memory");
+                Region::host(num_blocks, bytes_per_block)
+            }
+        }
+    }
+
+    async fn expose(&self, region: Arc<Region>) -> Result<RegionDescriptor, TransferError> {
+        let (tx, rx) = oneshot::channel();
+        let descriptor = RegionDescriptor {
+            transport: TransportKind::Ucx,
+            address: self.address.clone(),
+            region: region.base_address(),
+            rkey: Vec::new(),
+            bytes_per_block: region.bytes_per_block() as u64,
+            num_blocks: region.num_blocks(),
+            memory: region.memory_kind(),
+        };
+        let keep = Arc::clone(&region);
+        self.engine.send(Command::Expose { region, reply: tx })?;
+        let rkey = reply(rx, "ucx expose", self.config.op_timeout + GRACE).await?;
+        self.exposed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(descriptor.region, keep);
+        Ok(RegionDescriptor { rkey, ..descriptor })
+    }
+
+    async fn withdraw(&self, descriptor: &RegionDescriptor) -> Result<(), TransferError> {
+        let region = self
+            .exposed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&descriptor.region)
+            .ok_or_else(|| {
+                TransferError::InvalidArgument("region was not exposed by this transport".into())
+            })?;
+        let (tx, rx) = oneshot::channel();
+        self.engine.send(Command::Withdraw {
+            region_id: region.id(),
+            reply: tx,
+        })?;
+        let r = reply(rx, "ucx withdraw", self.config.op_timeout + GRACE).await;
+        drop(region); // after the engine has unmapped it
+        r
+    }
+
+    async fn connect(
+        &self,
+        remote: &RegionDescriptor,
+    ) -> Result<Box<dyn BlockWriter>, TransferError> {
+        remote.validate()?;
+        if remote.transport != TransportKind::Ucx {
+            return Err(TransferError::BadDescriptor(format!(
+                "a {} descriptor given to the ucx transport",
+                remote.transport
+            )));
+        }
+        if remote.rkey.is_empty() {
+            return Err(TransferError::BadDescriptor("missing remote key".into()));
+        }
+        if remote.region.checked_add(remote.len_bytes()).is_none() {
+            return Err(TransferError::BadDescriptor(
+                "region address overflows".into(),
+            ));
+        }
+        let peer = hex_decode(&remote.address)
+            .ok_or_else(|| TransferError::BadDescriptor("worker address is not hex".into()))?;
+        let state = Arc::new(WriterState::default());
+        let (tx, rx) = oneshot::channel();
+        self.engine.send(Command::Connect {
+            peer,
+            rkey: remote.rkey.clone(),
+            remote_base: remote.region,
+            remote_len: remote.len_bytes(),
+            state: Arc::clone(&state),
+            reply: tx,
+        })?;
+        let connected = reply(rx, "ucx connect", self.config.connect_timeout + GRACE).await?;
+        let direct = connected.direct;
+        tracing::debug!(
+            direct = direct.is_some(),
+            "kv transfer: ucx writer connected"
+        );
+        Ok(Box::new(UcxWriter {
+            engine: Arc::clone(&self.engine),
+            id: connected.writer,
+            direct,
+            remote: remote.clone(),
+            state,
+            inflight: Arc::new(Semaphore::new(self.config.max_inflight_puts)),
+            op_timeout: self.config.op_timeout,
+        }))
+    }
+}
+
+/// See [`BlockWriter`]; one per connected region, backed by the cached endpoint to its peer.
+#[derive(Debug)]
+struct UcxWriter {
+    engine: Arc<EngineHandle>,
+    id: u64,
+    /// Same-host shared memory mapped into this process: puts are plain copies.
+    direct: Option<Mapping>,
+    remote: RegionDescriptor,
+    state: Arc<WriterState>,
+    inflight: Arc<Semaphore>,
+    op_timeout: Duration,
+}
+
+impl UcxWriter {
+    fn ready(&self, dst_block: u32, len: usize) -> Result<u64, TransferError> {
+        self.remote.check_put(dst_block, len)?;
+        if let Some(e) = self.state.error() {
+            return Err(e);
+        }
+        Ok(self.remote.region + u64::from(dst_block) * self.remote.bytes_per_block)
+    }
+}
+
+/// Blocks in `Drop` until the operation using a borrowed buffer has completed, so that a put
+/// future dropped mid-flight cannot free the buffer under UCX.
+struct WaitOnDrop(Option<Arc<Completion>>);
+
+impl Drop for WaitOnDrop {
+    fn drop(&mut self) {
+        if let Some(done) = self.0.take() {
+            done.wait_blocking();
+        }
+    }
+}
+
+#[async_trait]
+impl BlockWriter for UcxWriter {
+    fn remote(&self) -> &RegionDescriptor {
+        &self.remote
+    }
+
+    async fn put(&mut self, dst_block: u32, src: &[u8]) -> Result<(), TransferError> {
+        let remote_addr = self.ready(dst_block, src.len())?;
+        if let Some(m) = &self.direct {
+            return m.write((remote_addr - self.remote.region) as usize, src);
+        }
+        let done = Arc::new(Completion::default());
+        let cmd = Command::Put {
+            writer: self.id,
+            remote_addr,
+            src: PutSource::Borrowed(RawBuf {
+                ptr: src.as_ptr(),
+                len: src.len(),
+            }),
+            done: Some(Arc::clone(&done)),
+        };
+        self.engine.send(cmd)?;
+        let mut guard = WaitOnDrop(Some(done));
+        let done = guard.0.as_ref().expect("set above");
+        let outcome = done.wait().await;
+        guard.0 = None;
+        outcome
+    }
+
+    async fn put_region(
+        &mut self,
+        dst_block: u32,
+        src: &Arc<Region>,
+        src_block: u32,
+    ) -> Result<(), TransferError> {
+        let remote_addr = self.ready(dst_block, src.bytes_per_block())?;
+        if let Some(m) = &self.direct {
+            let lease = src.lease_block(src_block)?;
+            return m.write_lease((remote_addr - self.remote.region) as usize, &lease);
+        }
+        if src.memory_kind() == MemoryKind::Cuda && !self.engine.cuda_memory {
+            return Err(TransferError::Unsupported(
+                "this UCX build has no CUDA memory support".into(),
+            ));
+        }
+        let permit = Arc::clone(&self.inflight)
+            .acquire_owned()
+            .await
+            .map_err(|_| TransferError::Closed)?;
+        let lease = src.lease_block(src_block)?;
+        self.engine.send(Command::Put {
+            writer: self.id,
+            remote_addr,
+            src: PutSource::Lease {
+                lease,
+                _permit: permit,
+            },
+            done: None,
+        })
+    }
+
+    async fn flush(&mut self) -> Result<(), TransferError> {
+        if let Some(e) = self.state.error() {
+            return Err(e);
+        }
+        if self.direct.is_some() {
+            // Direct copies are complete when `put` returns; order them before whatever the
+            // caller does next (telling the receiver).
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            return Ok(());
+        }
+        let done = Arc::new(Completion::default());
+        self.engine.send(Command::Flush {
+            writer: self.id,
+            done: Arc::clone(&done),
+        })?;
+        let after = self.op_timeout + GRACE;
+        match tokio::time::timeout(after, done.wait()).await {
+            Ok(r) => r,
+            Err(_) => Err(TransferError::Timeout {
+                op: "ucx flush",
+                after,
+            }),
+        }
+    }
+}
+
+impl Drop for UcxWriter {
+    fn drop(&mut self) {
+        let _ = self.engine.send(Command::Release { writer: self.id });
+    }
+}
+
+fn hex_encode(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[usize::from(b >> 4)] as char);
+        s.push(DIGITS[usize::from(b & 15)] as char);
+    }
+    s
+}
+
+fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trip() {
+        let bytes: Vec<u8> = (0..=255).collect();
+        assert_eq!(hex_decode(&hex_encode(&bytes)).unwrap(), bytes);
+        assert!(hex_decode("abc").is_none());
+        assert!(hex_decode("zz").is_none());
+    }
+}
