@@ -93,7 +93,7 @@ pub async fn fetch(
                     && !rp.blocks.is_empty()
                     && let Some(landing) = landing
                 {
-                    land(host, landing, id, &rp.blocks, &mut digest)?;
+                    tandem_worker::cpu_bound(|| land(host, landing, id, &rp.blocks, &mut digest))?;
                 }
                 if done.blocks as usize != rp.blocks.len() || done.blocks != digest.blocks() {
                     return Err(WorkerError::BadTransfer(format!(

@@ -352,36 +352,42 @@ impl EngineHost {
                 _ = cancel.cancelled() => return,
             }
             let now = self.now_us();
-            let idle = {
-                let mut st = self.inner.state.lock();
-                let outputs = st.engine.finish_step(now);
-                // Blocks first: a consumer sees a prompt's last blocks before its token.
-                let exporting = std::mem::take(&mut st.exporting);
-                let mut keep = Vec::with_capacity(exporting.len());
-                for id in exporting {
-                    let Some((blocks, finished)) = st.engine.take_exported(id) else {
-                        continue;
-                    };
-                    if !blocks.is_empty()
-                        && let Some(tx) = st.outputs.get(&id)
-                    {
-                        let _ = tx.send(HostOutput::Blocks(blocks));
-                    }
-                    if !finished {
-                        keep.push(id);
-                    }
-                }
-                st.exporting = keep;
-                for out in outputs {
-                    route_output(&mut st, out);
-                }
-                st.outputs.is_empty()
-            };
+            // The model's work (KV bytes, digests, copies for export) is CPU-bound and can
+            // take long for big KV shapes: keep it off the async workers' queue.
+            let idle = cpu_bound(|| self.complete_step(now));
             if idle {
                 self.inner.idle.notify_waiters();
             }
             self.inner.dirty.notify_one();
         }
+    }
+
+    /// Finishes the in-flight step: the model's work, exported blocks, then outputs to their
+    /// requests. True when no request is left.
+    fn complete_step(&self, now: u64) -> bool {
+        let mut st = self.inner.state.lock();
+        let outputs = st.engine.finish_step(now);
+        // Blocks first: a consumer sees a prompt's last blocks before its token.
+        let exporting = std::mem::take(&mut st.exporting);
+        let mut keep = Vec::with_capacity(exporting.len());
+        for id in exporting {
+            let Some((blocks, finished)) = st.engine.take_exported(id) else {
+                continue;
+            };
+            if !blocks.is_empty()
+                && let Some(tx) = st.outputs.get(&id)
+            {
+                let _ = tx.send(HostOutput::Blocks(blocks));
+            }
+            if !finished {
+                keep.push(id);
+            }
+        }
+        st.exporting = keep;
+        for out in outputs {
+            route_output(&mut st, out);
+        }
+        st.outputs.is_empty()
     }
 
     async fn publish_events(self, p: HostPublishing, cancel: CancellationToken) {
@@ -441,6 +447,19 @@ impl EngineHost {
                 Err(e) => tracing::error!(error = %e, "encoding a load report failed"),
             }
         }
+    }
+}
+
+/// Runs CPU-heavy synchronous work from async code: on a multi-threaded runtime the worker
+/// thread hands its other tasks over first (`block_in_place`), so the work delays no one
+/// else; on a current-thread runtime (some tests) it just runs.
+pub fn cpu_bound<R>(f: impl FnOnce() -> R) -> R {
+    if tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+    {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
     }
 }
 

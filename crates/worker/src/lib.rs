@@ -21,4 +21,4 @@ pub mod host;
 pub use context::{KvLanding, WorkerConfig, WorkerContext, WorkerDeps};
 pub use digest::KvDigest;
 pub use error::WorkerError;
-pub use host::{EngineHost, HostOutput, HostPublishing, RequestHandle};
+pub use host::{EngineHost, HostOutput, HostPublishing, RequestHandle, cpu_bound};
