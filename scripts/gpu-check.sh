@@ -19,16 +19,8 @@ nvidia-smi -L
 
 # Build requirements of the `ucx` feature (bindgen over Debian's UCX headers).
 APT_PACKAGES=(libucx-dev libclang-dev pkg-config)
-missing=()
-for p in "${APT_PACKAGES[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "installing: ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+. scripts/lib/apt.sh
+ensure_apt "${APT_PACKAGES[@]}"
 
 mode=(--quick)
 [ "${1:-}" = "--full" ] && mode=()

@@ -9,16 +9,8 @@ cd "$(dirname "$0")/.."
 # start on free loopback ports; UCX's headers and libraries, with libclang and pkg-config for
 # bindgen, for the KV transfer's UCX transport.
 APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server libucx-dev libclang-dev pkg-config)
-missing=()
-for p in "${APT_PACKAGES[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "installing: ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+. scripts/lib/apt.sh
+ensure_apt "${APT_PACKAGES[@]}"
 
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy

@@ -72,6 +72,31 @@ async fn run(client: &mut WorkerClient<tonic::transport::Channel>, id: u64, toke
     while stream.message().await.unwrap().is_some() {}
 }
 
+/// A cluster view with an embedded index on `discovery` and `plane`.
+async fn start_view(
+    discovery: &MemoryDiscovery,
+    plane: Arc<dyn EventPlane>,
+    tasks: &TaskTracker,
+    stop: &CancellationToken,
+) -> Arc<ClusterView> {
+    let cfg = ViewConfig {
+        namespace: "default".into(),
+        model: Some("mocker".into()),
+        block_size: BlockSize::DEFAULT,
+        connect_timeout: Duration::from_secs(2),
+        embedded_index: true,
+    };
+    ClusterView::start(
+        cfg,
+        Arc::new(discovery.clone()),
+        plane,
+        tasks.clone(),
+        stop.clone(),
+    )
+    .await
+    .unwrap()
+}
+
 /// Polls `f` every 20 ms until it holds, for at most 10 s.
 async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -101,21 +126,7 @@ async fn the_index_follows_a_worker_through_lost_events_and_its_departure() {
     let before = prompt(1, 160);
     run(&mut client, 1, before.clone()).await;
 
-    let view = ClusterView::start(
-        ViewConfig {
-            namespace: "default".into(),
-            model: Some("mocker".into()),
-            block_size: BlockSize::DEFAULT,
-            connect_timeout: Duration::from_secs(2),
-            embedded_index: true,
-        },
-        Arc::new(discovery.clone()),
-        plane.clone(),
-        tasks.clone(),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
+    let view = start_view(&discovery, plane.clone(), &tasks, &stop).await;
     eventually("the worker joins and is dumped", || {
         view.registry().decode.len() == 1 && matched(&view, &hashes(&before)) == 10
     })
@@ -287,21 +298,7 @@ async fn a_worker_restarted_under_the_same_id_replaces_its_old_cache() {
     let discovery = MemoryDiscovery::new();
     let plane: Arc<dyn EventPlane> = Arc::new(MemoryEventPlane::new());
     let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
-    let view = ClusterView::start(
-        ViewConfig {
-            namespace: "default".into(),
-            model: Some("mocker".into()),
-            block_size: BlockSize::DEFAULT,
-            connect_timeout: Duration::from_secs(2),
-            embedded_index: true,
-        },
-        Arc::new(discovery.clone()),
-        plane.clone(),
-        tasks.clone(),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
+    let view = start_view(&discovery, plane.clone(), &tasks, &stop).await;
     let (mut old, old_stop, old_task) = start_worker(7, &discovery, plane.clone()).await;
     let a = prompt(11, 320);
     run(&mut old, 1, a.clone()).await;

@@ -1,0 +1,14 @@
+# Sourced by the scripts: `ensure_apt PACKAGE...` installs the Debian packages that are
+# missing (as root, non-interactively, without recommends) and leaves the others alone.
+ensure_apt() {
+  local missing=() p
+  for p in "$@"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "installing: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+}
