@@ -116,7 +116,8 @@ pub async fn fetch(
 }
 
 /// Moves blocks the transport wrote into the landing region into the engine's arena,
-/// hashing them on the way.
+/// hashing them on the way: one copy per block, straight from the region (a locked block
+/// guard, no staging buffer).
 fn land(
     host: &EngineHost,
     landing: &KvLanding,
@@ -124,14 +125,13 @@ fn land(
     blocks: &[u32],
     digest: &mut KvDigest,
 ) -> Result<(), WorkerError> {
-    let mut buf = vec![0u8; landing.region.bytes_per_block()];
     for &b in blocks {
-        landing
+        let landed = landing
             .region
-            .read_block_into(b, &mut buf)
+            .lock_block(b)
             .map_err(|e| WorkerError::BadTransfer(format!("reading landed block {b}: {e}")))?;
-        digest.update(&buf);
-        host.write_block(id, b, &buf)?;
+        digest.update(&landed);
+        host.write_block(id, b, &landed)?;
     }
     Ok(())
 }

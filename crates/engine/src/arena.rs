@@ -65,6 +65,43 @@ impl ArenaStorage for Vec<u8> {
     }
 }
 
+/// Heap bytes starting on a page boundary. Large `Vec`s start 16 bytes past a page (the
+/// allocator's header), and copies of KV-block-sized chunks at such an offset run several
+/// times slower on some CPUs (crates/kv-transfer/BENCHMARKS.md, "Buffer alignment"); the
+/// arena over-allocates by a page and starts at the first page boundary instead.
+struct PageAligned {
+    buf: Vec<u8>,
+    offset: usize,
+    len: usize,
+}
+
+const PAGE: usize = 4096;
+
+impl PageAligned {
+    fn zeroed(len: usize) -> Self {
+        if len == 0 {
+            return PageAligned {
+                buf: Vec::new(),
+                offset: 0,
+                len: 0,
+            };
+        }
+        let buf = vec![0u8; len + PAGE];
+        let offset = buf.as_ptr().align_offset(PAGE).min(PAGE);
+        PageAligned { buf, offset, len }
+    }
+}
+
+impl ArenaStorage for PageAligned {
+    fn bytes(&self) -> &[u8] {
+        &self.buf[self.offset..self.offset + self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.offset..self.offset + self.len]
+    }
+}
+
 /// One tier's KV memory: `num_blocks × bytes_per_block` contiguous bytes.
 pub struct KvArena {
     bytes_per_block: usize,
@@ -82,12 +119,13 @@ impl std::fmt::Debug for KvArena {
 }
 
 impl KvArena {
-    /// Zeroed arena. With `bytes_per_block == 0` it holds nothing and costs nothing.
+    /// Zeroed, page-aligned arena. With `bytes_per_block == 0` it holds nothing and costs
+    /// nothing.
     pub fn new(num_blocks: usize, bytes_per_block: usize) -> Self {
         KvArena {
             bytes_per_block,
             num_blocks,
-            data: Box::new(vec![0u8; num_blocks * bytes_per_block]),
+            data: Box::new(PageAligned::zeroed(num_blocks * bytes_per_block)),
         }
     }
 
@@ -183,6 +221,7 @@ mod tests {
         assert_eq!(b.block(0), &[1, 2, 3, 4]);
         let empty = KvArena::new(1000, 0);
         assert!(empty.as_bytes().is_empty());
+        assert_eq!(a.as_bytes().as_ptr() as usize % PAGE, 0, "page-aligned");
         assert!(empty.block(999).is_empty());
     }
 }
