@@ -449,8 +449,8 @@ impl Cluster {
             let healthy = http::get(self.addr, "/health").is_ok_and(|r| r.status == 200);
             if healthy
                 && let Some(m) = self.try_metrics()
-                && m.decode_workers() == d
-                && m.prefill_workers() == p
+                && m.0.get("tandem_workers{role=\"decode\"}") == Some(&(d as f64))
+                && m.0.get("tandem_workers{role=\"prefill\"}") == Some(&(p as f64))
             {
                 return true;
             }

@@ -117,36 +117,59 @@ pub fn register(
         "KV index feed counters since start: events_applied, gaps, repairs, dumps, purges",
         feed.clone(),
     );
+    let gauges = ViewGauges {
+        workers,
+        index_workers,
+        index_entries,
+        feed,
+    };
+    // Once now, so that every series is on `/metrics` from the first scrape.
+    gauges.refresh(&view);
     tasks.spawn(async move {
         let mut tick = tokio::time::interval(REFRESH);
         loop {
             tokio::select! {
-                _ = tick.tick() => {}
+                _ = tick.tick() => gauges.refresh(&view),
                 _ = cancel.cancelled() => return,
-            }
-            let (d, p) = {
-                let reg = view.registry();
-                (reg.decode.len(), reg.prefill.len())
-            };
-            workers
-                .get_or_create(&RoleLabel { role: "decode" })
-                .set(d as i64);
-            workers
-                .get_or_create(&RoleLabel { role: "prefill" })
-                .set(p as i64);
-            let (w, e) = view.index_size();
-            index_workers.set(w as i64);
-            index_entries.set(e as i64);
-            let s = view.feed_stats();
-            for (kind, v) in [
-                ("events_applied", s.events_applied),
-                ("gaps", s.gaps),
-                ("repairs", s.repairs),
-                ("dumps", s.dumps_applied),
-                ("purges", s.workers_purged),
-            ] {
-                feed.get_or_create(&CounterLabel { kind }).set(v as i64);
             }
         }
     });
+}
+
+/// The view's gauges, set from the view on each refresh.
+struct ViewGauges {
+    workers: Family<RoleLabel, Gauge>,
+    index_workers: Gauge<i64>,
+    index_entries: Gauge<i64>,
+    feed: Family<CounterLabel, Gauge>,
+}
+
+impl ViewGauges {
+    fn refresh(&self, view: &ClusterView) {
+        let (d, p) = {
+            let reg = view.registry();
+            (reg.decode.len(), reg.prefill.len())
+        };
+        self.workers
+            .get_or_create(&RoleLabel { role: "decode" })
+            .set(d as i64);
+        self.workers
+            .get_or_create(&RoleLabel { role: "prefill" })
+            .set(p as i64);
+        let (w, e) = view.index_size();
+        self.index_workers.set(w as i64);
+        self.index_entries.set(e as i64);
+        let s = view.feed_stats();
+        for (kind, v) in [
+            ("events_applied", s.events_applied),
+            ("gaps", s.gaps),
+            ("repairs", s.repairs),
+            ("dumps", s.dumps_applied),
+            ("purges", s.workers_purged),
+        ] {
+            self.feed
+                .get_or_create(&CounterLabel { kind })
+                .set(v as i64);
+        }
+    }
 }
