@@ -214,14 +214,16 @@ async fn run_processes(args: UpArgs, root: CancellationToken) -> anyhow::Result<
 
 /// Resolves with the name of the first role that exits.
 async fn wait_any(roles: &mut [Role]) -> String {
-    loop {
-        for r in roles.iter_mut() {
-            if let Ok(Some(_)) = r.child.try_wait() {
-                return r.name.clone();
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    if roles.is_empty() {
+        return std::future::pending().await;
     }
+    let exits = roles.iter_mut().map(|r| {
+        Box::pin(async move {
+            let _ = r.child.wait().await;
+            r.name.clone()
+        })
+    });
+    futures::future::select_all(exits).await.0
 }
 
 async fn stop_role(role: &mut Role) {

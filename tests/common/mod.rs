@@ -2,6 +2,7 @@
 
 #![allow(dead_code)] // each test crate uses its own subset
 
+pub mod chat;
 pub mod cluster;
 pub mod http;
 pub mod openai;
