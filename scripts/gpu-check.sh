@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of tandem-kv-transfer, for a machine with an NVIDIA GPU: builds the crate with
-# `--features cuda`, runs the CUDA region test on the real device, then the two-process
+# GPU check of tandem-kv-transfer and the workers, for a machine with an NVIDIA GPU: builds
+# with `--features cuda`, runs the CUDA region test on the real device, the two-process
 # transfer benchmark with CUDA regions on both sides (device-to-device copy as the baseline)
-# and prints its table. Takes a few minutes (mostly the release build); fails with a clear
-# message, exit status 2, when there is no GPU or driver.
+# and prints its table, then a prefill and a decode worker with their KV arenas in GPU memory
+# (remote prefill output == local output). Takes a few minutes (mostly the release builds);
+# fails with a clear message, exit status 2, when there is no GPU or driver.
 #
 #   bash scripts/gpu-check.sh [--full]   (--full: 3 rounds, 200 ms cells)
 set -euo pipefail
@@ -34,3 +35,6 @@ cargo test --release -p tandem-kv-transfer --features cuda --lib -- region::test
 echo "== two-process transfer benchmark, CUDA regions"
 export UCX_NET_DEVICES=lo
 timeout 600 cargo bench -p tandem-kv-transfer --features cuda --bench transfer -- --gpu "${mode[@]}"
+
+echo "== workers with KV arenas in GPU memory: remote prefill == local, token for token"
+cargo test --release -p tandem-decode-worker --features cuda --test remote_prefill -- gpu_arenas --nocapture

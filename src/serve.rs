@@ -159,6 +159,14 @@ pub struct WorkerArgs {
     /// Milliseconds between load reports.
     #[arg(long, env = "TANDEM_LOAD_INTERVAL_MS", default_value_t = 500)]
     pub load_interval_ms: u64,
+    /// Decode: seconds the blocks of an abandoned remote prefill stay out of use when the
+    /// prefill worker cannot confirm that it stopped writing them.
+    #[arg(long, env = "TANDEM_TRANSFER_FENCE_TIMEOUT_S", default_value_t = 60)]
+    pub transfer_fence_timeout_s: u64,
+    /// Where the KV arena lives: host, or cuda / cuda:N (GPU memory; needs a build with
+    /// `--features cuda` and an NVIDIA driver).
+    #[arg(long, env = "TANDEM_KV_MEMORY", default_value = "host")]
+    pub kv_memory: tandem_worker::KvMemory,
     #[command(flatten)]
     pub kv: KvTransportArgs,
     /// Fault injection (prefill workers): corrupt one byte of every KV transfer after its
@@ -252,6 +260,8 @@ pub fn worker_config(
     c.drain_timeout = Duration::from_secs(w.drain_timeout_s);
     c.prefill_timeout = Duration::from_millis(w.prefill_timeout_ms);
     c.load_interval = Duration::from_millis(w.load_interval_ms);
+    c.transfer_fence_timeout = Duration::from_secs(w.transfer_fence_timeout_s);
+    c.kv_memory = w.kv_memory;
     Ok(c)
 }
 

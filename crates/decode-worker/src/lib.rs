@@ -1,10 +1,16 @@
 //! tandem's decode worker (DESIGN.md §1, §6, §7): serves `Generate`. A request prefills
 //! here, or — when the frontend names a prefill worker — reserves blocks for the part of the
-//! prompt it does not cache, has the prefill worker compute them and stream their KV in
-//! (inline on the gRPC stream in this version), checks the digest, adds them to its prefix
-//! cache (published as stored) and decodes. If the prefill worker fails, times out, sends
-//! bad KV, or there is no room for the reservation, the request prefills here instead: it
-//! completes either way, and the first chunk says which way it went.
+//! prompt it does not cache and has the prefill worker compute them and write their KV
+//! straight into those blocks of this worker's arena (exposed once on the KV transport; or
+//! inline on the gRPC stream without one), checks the digest in place, adds them to its
+//! prefix cache (published as stored) and decodes. If the prefill worker fails, times out,
+//! sends bad KV, or there is no room for the reservation, the request prefills here instead:
+//! it completes either way, and the first chunk says which way it went.
+//!
+//! Blocks a transfer writes into are held until the transfer is over: `PrefillDone` (the
+//! prefill worker flushed first), or, for an abandoned one, its `AbortPrefill` answer, a
+//! refused connection (its process is gone) or the fence timeout ([`remote::fence`]). So a
+//! late write can never land in blocks that another request or the prefix cache uses.
 //!
 //! The aggregated role is this worker without a prefill pool. `Prefill` is not served here.
 //!
@@ -20,18 +26,19 @@ use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use futures::{Stream, stream};
 use tandem_engine::{EngineRequest, FinishReason};
 use tandem_protocol::grpc::{
-    self, GenerateChunk, GenerateRequest, HealthReply, HealthRequest, KvEventsReply,
-    KvEventsRequest, PrefillChunk, PrefillOutcome, PrefillRequest, worker_server,
+    self, AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
+    HealthRequest, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillOutcome, PrefillRequest,
+    worker_server,
 };
 use tandem_protocol::{HashSeed, RequestId, WorkerRole};
 use tandem_worker::{
-    HostOutput, RequestHandle, WorkerConfig, WorkerContext, WorkerDeps, WorkerError,
+    EngineHost, HostOutput, RequestHandle, WorkerConfig, WorkerContext, WorkerDeps, WorkerError,
 };
 use tokio::net::TcpListener;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tonic::{Request, Response, Status};
 
-use crate::remote::PrefillClients;
+use crate::remote::{PrefillClients, TransferHold};
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
@@ -58,6 +65,10 @@ pub struct DecodeStats {
     pub remote_prefills: AtomicU64,
     /// Remote prefills that failed and were done locally instead.
     pub remote_prefill_fallbacks: AtomicU64,
+    /// Abandoned transfers whose blocks were held until the prefill worker stopped writing.
+    pub fences: AtomicU64,
+    /// Of those, the ones released without confirmation (fence timeout).
+    pub fence_timeouts: AtomicU64,
 }
 
 /// The gRPC `Worker` service of a decode worker.
@@ -91,7 +102,9 @@ impl DecodeService {
         cancel: CancellationToken,
     ) -> Result<(RequestHandle, Arc<AtomicI32>), WorkerError> {
         let host = &self.ctx.host;
-        let (handle, rp) = match host.begin_remote(req.clone()) {
+        // Blocks a transport writes into stay held until the transfer is over.
+        let exposed = self.ctx.exposed.clone();
+        let (handle, rp) = match host.begin_remote(req.clone(), exposed.is_some()) {
             Ok(x) => x,
             Err(WorkerError::Overloaded(why)) => {
                 tracing::debug!(%why, "no room to reserve a remote prefill: local prefill");
@@ -117,45 +130,83 @@ impl DecodeService {
             destination: String::new(),
         };
         let mut prefill = prefill;
-        if let Some(landing) = &self.ctx.landing {
-            prefill.destination = landing.descriptor.to_compact();
+        let mut hold = None;
+        if let Some(exposed) = &exposed {
+            prefill.destination = exposed.descriptor.to_compact();
             prefill.destination_blocks = rp.blocks.clone();
+            hold = Some(TransferHold::new(host.clone(), rp.blocks.clone()));
         }
-        let landing = self.ctx.landing.clone();
+        let abort = AbortPrefillRequest {
+            request_id: req.id.0,
+            destination: prefill.destination.clone(),
+        };
         let (host, clients, stats) = (host.clone(), self.clients.clone(), self.stats.clone());
         let timeout = self.ctx.config.prefill_timeout;
+        let fence_timeout = self.ctx.config.transfer_fence_timeout;
+        let stop = self.ctx.stopping();
         let out = settled.clone();
         let id = req.id;
         self.ctx.tasks().spawn(async move {
             let fetched = tokio::select! {
                 r = tokio::time::timeout(
                     timeout,
-                    remote::fetch(&clients, &host, landing.as_ref(), &target, prefill, &rp, timeout),
-                ) => r,
+                    remote::fetch(
+                        &clients, &host, exposed.as_ref(), hold.as_mut(), &target, prefill, &rp,
+                        timeout,
+                    ),
+                ) => Some(r),
                 // The client went away: the handle's drop aborted the request already.
-                _ = cancel.cancelled() => return,
+                _ = cancel.cancelled() => None,
             };
-            let result = match fetched {
-                Ok(Ok(first)) => {
-                    out.store(PrefillOutcome::Remote as i32, Ordering::Release);
-                    host.finish_remote(id, first)
-                }
-                Ok(Err(e)) => Err(e),
-                Err(_) => Err(WorkerError::BadTransfer(format!(
-                    "remote prefill timed out after {timeout:?}"
-                ))),
-            };
-            if let Err(e) = result {
-                tracing::warn!(request = id.0, error = %e, "remote prefill failed: prefilling locally");
-                stats.remote_prefill_fallbacks.fetch_add(1, Ordering::Relaxed);
-                out.store(PrefillOutcome::Fallback as i32, Ordering::Release);
-                if let Err(e) = host.fail_remote(id) {
-                    // Aborted meanwhile: nothing left to do.
-                    tracing::debug!(request = id.0, error = %e, "fallback after abort");
+            if let Some(fetched) = fetched {
+                settle(&host, &stats, &out, id, fetched, timeout);
+            }
+            // Given up before the prefill worker said it was done: its writes may still come,
+            // so the blocks stay held (the request has gone on with others) until they cannot.
+            if let Some(hold) = hold.filter(TransferHold::is_held) {
+                stats.fences.fetch_add(1, Ordering::Relaxed);
+                let fenced =
+                    remote::fence(&clients, &target.address, abort, hold, fence_timeout, stop)
+                        .await;
+                if fenced == remote::Fenced::TimedOut {
+                    stats.fence_timeouts.fetch_add(1, Ordering::Relaxed);
                 }
             }
         });
         Ok((handle, settled))
+    }
+}
+
+/// Applies a remote prefill's result: the request continues with the received KV, or
+/// prefills here.
+fn settle(
+    host: &EngineHost,
+    stats: &DecodeStats,
+    out: &AtomicI32,
+    id: RequestId,
+    fetched: Result<Result<u32, WorkerError>, tokio::time::error::Elapsed>,
+    timeout: std::time::Duration,
+) {
+    let result = match fetched {
+        Ok(Ok(first)) => {
+            out.store(PrefillOutcome::Remote as i32, Ordering::Release);
+            host.finish_remote(id, first)
+        }
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(WorkerError::BadTransfer(format!(
+            "remote prefill timed out after {timeout:?}"
+        ))),
+    };
+    if let Err(e) = result {
+        tracing::warn!(request = id.0, error = %e, "remote prefill failed: prefilling locally");
+        stats
+            .remote_prefill_fallbacks
+            .fetch_add(1, Ordering::Relaxed);
+        out.store(PrefillOutcome::Fallback as i32, Ordering::Release);
+        if let Err(e) = host.fail_remote(id) {
+            // Aborted meanwhile: nothing left to do.
+            tracing::debug!(request = id.0, error = %e, "fallback after abort");
+        }
     }
 }
 
@@ -268,6 +319,15 @@ impl worker_server::Worker for DecodeService {
     ) -> Result<Response<Self::PrefillStream>, Status> {
         Err(Status::unimplemented(
             "a decode worker does not serve remote prefills: send Prefill to a prefill worker",
+        ))
+    }
+
+    async fn abort_prefill(
+        &self,
+        _request: Request<AbortPrefillRequest>,
+    ) -> Result<Response<AbortPrefillReply>, Status> {
+        Err(Status::unimplemented(
+            "a decode worker runs no remote prefills: send AbortPrefill to a prefill worker",
         ))
     }
 

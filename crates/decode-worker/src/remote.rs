@@ -1,6 +1,8 @@
-//! The decode side of a remote prefill: ask the prefill worker for the prompt's KV, write
-//! each block it streams into the blocks reserved here, check the digest, hand back the
-//! first token. Any failure is the caller's cue to prefill locally.
+//! The decode side of a remote prefill: ask the prefill worker for the prompt's KV, which it
+//! writes into the blocks reserved here (through the KV transport, or inline on the stream),
+//! check the digest, hand back the first token. Any failure is the caller's cue to prefill
+//! locally; the blocks of an abandoned transfer stay out of use until [`fence`] knows nothing
+//! more of it can arrive.
 
 use std::time::Duration;
 
@@ -8,8 +10,12 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 use tandem_engine::RemotePrefill;
 use tandem_protocol::RequestId;
-use tandem_protocol::grpc::{PrefillRequest, RemotePrefillTarget, prefill_chunk, worker_client};
-use tandem_worker::{EngineHost, KvDigest, KvLanding, WorkerError};
+use tandem_protocol::grpc::{
+    AbortPrefillRequest, PrefillRequest, RemotePrefillTarget, prefill_chunk, worker_client,
+};
+use tandem_worker::{EngineHost, ExposedArena, KvDigest, WorkerError};
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
 use tonic::transport::Channel;
 
 /// Most prefill workers kept connected; beyond it the map starts over (connections are
@@ -42,14 +48,49 @@ impl PrefillClients {
     }
 }
 
+/// Destination blocks a prefill worker may write through the transport: held in the pool
+/// (out of use, even after the request ends) until the transfer is known to be over.
+#[derive(Debug)]
+pub struct TransferHold {
+    host: EngineHost,
+    blocks: Vec<u32>,
+    held: bool,
+}
+
+impl TransferHold {
+    pub fn new(host: EngineHost, blocks: Vec<u32>) -> Self {
+        TransferHold {
+            host,
+            blocks,
+            held: true,
+        }
+    }
+
+    pub fn is_held(&self) -> bool {
+        self.held
+    }
+
+    /// Nothing more can reach the blocks: they go back to the request (or the free list).
+    pub fn release(&mut self) {
+        if std::mem::take(&mut self.held)
+            && let Err(e) = self.host.release_hold(&self.blocks)
+        {
+            tracing::error!(error = %e, "releasing the blocks of a finished transfer");
+        }
+    }
+}
+
 /// Fetches the KV of `rp` from `target` into this worker's reserved blocks; the first token
-/// on success. With a landing region the prefill worker writes the blocks there (same block
-/// indices) through the KV transport; they are checked against the digest and moved into
-/// the engine's arena when it is done. Blocks sent inline are written as they come.
+/// on success. With an exposed arena the prefill worker writes the blocks straight into it
+/// through the KV transport; `PrefillDone` means its writes are flushed, so the hold ends and
+/// the blocks are checked against the digest in place. Blocks sent inline are written as
+/// they come.
+#[allow(clippy::too_many_arguments)]
 pub async fn fetch(
     clients: &PrefillClients,
     host: &EngineHost,
-    landing: Option<&KvLanding>,
+    exposed: Option<&ExposedArena>,
+    hold: Option<&mut TransferHold>,
     target: &RemotePrefillTarget,
     request: PrefillRequest,
     rp: &RemotePrefill,
@@ -89,11 +130,19 @@ pub async fn fetch(
                 digest.update(&b.data);
             }
             Some(prefill_chunk::Item::Done(done)) => {
+                // The prefill worker flushed its writer before saying so: nothing more of
+                // this transfer can arrive.
+                if let Some(hold) = hold {
+                    hold.release();
+                }
                 if digest.blocks() == 0
                     && !rp.blocks.is_empty()
-                    && let Some(landing) = landing
+                    && let Some(exposed) = exposed
                 {
-                    tandem_worker::cpu_bound(|| land(host, landing, id, &rp.blocks, &mut digest))?;
+                    digest = tandem_worker::cpu_bound(|| {
+                        tandem_worker::region_digest(&exposed.region, &rp.blocks)
+                    })
+                    .map_err(|e| WorkerError::BadTransfer(format!("reading received KV: {e}")))?;
                 }
                 if done.blocks as usize != rp.blocks.len() || done.blocks != digest.blocks() {
                     return Err(WorkerError::BadTransfer(format!(
@@ -115,23 +164,97 @@ pub async fn fetch(
     }
 }
 
-/// Moves blocks the transport wrote into the landing region into the engine's arena,
-/// hashing them on the way: one copy per block, straight from the region (a locked block
-/// guard, no staging buffer).
-fn land(
-    host: &EngineHost,
-    landing: &KvLanding,
-    id: RequestId,
-    blocks: &[u32],
-    digest: &mut KvDigest,
-) -> Result<(), WorkerError> {
-    for &b in blocks {
-        let landed = landing
-            .region
-            .lock_block(b)
-            .map_err(|e| WorkerError::BadTransfer(format!("reading landed block {b}: {e}")))?;
-        digest.update(&landed);
-        host.write_block(id, b, &landed)?;
+/// How a fence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fenced {
+    /// The prefill worker confirmed its writer is closed (or never started).
+    Confirmed,
+    /// The prefill worker's process is gone (connection refused): it writes nothing more.
+    PeerGone,
+    /// No confirmation within the fence timeout: released anyway.
+    TimedOut,
+    /// This worker is stopping; the blocks go with it.
+    Stopping,
+}
+
+/// Waits until the abandoned transfer of `request_id` into `destination` can write nothing
+/// more, then releases `hold`: asks the prefill worker at `address` to abort it
+/// (`AbortPrefill` answers once its writer is closed), retrying with backoff; a refused
+/// connection means the prefill worker's process is gone. Past `timeout` the blocks are
+/// released anyway, with a warning (a prefill worker hung for that long is not expected to
+/// wake up and write).
+pub async fn fence(
+    clients: &PrefillClients,
+    address: &str,
+    request: AbortPrefillRequest,
+    mut hold: TransferHold,
+    timeout: Duration,
+    stop: CancellationToken,
+) -> Fenced {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut backoff = Duration::from_millis(50);
+    let outcome = loop {
+        let attempt = async {
+            let mut client = clients
+                .client(address, FENCE_CALL_TIMEOUT)
+                .map_err(|e| Status::unavailable(e.to_string()))?;
+            let mut call = tonic::Request::new(request.clone());
+            call.set_timeout(FENCE_CALL_TIMEOUT);
+            client.abort_prefill(call).await
+        };
+        let result = tokio::select! {
+            r = tokio::time::timeout_at(deadline, attempt) => match r {
+                Ok(r) => r,
+                Err(_) => break Fenced::TimedOut,
+            },
+            () = stop.cancelled() => break Fenced::Stopping,
+        };
+        match result {
+            Ok(_) => break Fenced::Confirmed,
+            Err(status) if connection_refused(&status) => break Fenced::PeerGone,
+            Err(status) => {
+                tracing::debug!(request = request.request_id, %status, "transfer fence: retrying");
+            }
+        }
+        if tokio::time::Instant::now() + backoff >= deadline {
+            break Fenced::TimedOut;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            () = stop.cancelled() => break Fenced::Stopping,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    };
+    match outcome {
+        Fenced::Stopping => {}
+        Fenced::TimedOut => {
+            tracing::warn!(
+                request = request.request_id,
+                blocks = hold.blocks.len(),
+                prefill_worker = address,
+                "no confirmation that an abandoned KV transfer stopped writing within \
+                 {timeout:?}: releasing its blocks"
+            );
+            hold.release();
+        }
+        Fenced::Confirmed | Fenced::PeerGone => hold.release(),
     }
-    Ok(())
+    outcome
+}
+
+/// Longest one `AbortPrefill` call may take (the prefill worker waits up to 5 s itself).
+const FENCE_CALL_TIMEOUT: Duration = Duration::from_secs(8);
+
+/// Whether `e` comes from a refused TCP connection (nothing listens at the address).
+fn connection_refused(status: &Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::ConnectionRefused
+        {
+            return true;
+        }
+        source = err.source();
+    }
+    false
 }

@@ -5,10 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_kv_transfer::{Transport, TransportConfig, TransportKind};
+use tandem_kv_transfer::{RegionDescriptor, Transport, TransportConfig, TransportKind};
 use tandem_protocol::grpc::{
-    GenerateChunk, GenerateRequest, KvEventsRequest, PrefillOutcome, RemotePrefillTarget, Sampling,
-    kv_events_reply, worker_client::WorkerClient,
+    AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
+    HealthRequest, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillOutcome, PrefillRequest,
+    RemotePrefillTarget, Sampling, kv_events_reply, worker_client::WorkerClient, worker_server,
 };
 use tandem_protocol::{Envelope, KvEvent, WorkerId, WorkerRole};
 use tandem_runtime::discovery::MemoryDiscovery;
@@ -339,6 +340,316 @@ async fn a_corrupted_transfer_is_detected_and_served_by_a_local_prefill() {
         );
         assert_eq!(tokens(&remote), tokens(&local), "{kind:?}");
         for w in [p, d1, d2] {
+            w.stop.cancel();
+            w.task.await.unwrap().unwrap();
+        }
+    }
+}
+
+/// A prefill worker gone wrong, for the transfer fence: on `Prefill` it connects to the
+/// destination region and keeps overwriting every destination block with garbage, never
+/// finishing; `AbortPrefill` lets it go on for `abort_delay` (a writer slow to stop), then
+/// stops it, flushes it, and only then answers — or, with `answer_aborts` false, never
+/// answers.
+#[derive(Clone)]
+struct RogueWriter {
+    transport: Arc<dyn Transport>,
+    answer_aborts: bool,
+    abort_delay: Duration,
+    stop_writing: CancellationToken,
+    writer_task: Arc<tokio::sync::Mutex<Option<JoinHandle<()>>>>,
+    aborts: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+type ChunkStream<T> =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<T, tonic::Status>> + Send>>;
+
+#[tonic::async_trait]
+impl worker_server::Worker for RogueWriter {
+    type GenerateStream = ChunkStream<GenerateChunk>;
+    type PrefillStream = ChunkStream<PrefillChunk>;
+
+    async fn generate(
+        &self,
+        _: tonic::Request<GenerateRequest>,
+    ) -> Result<tonic::Response<Self::GenerateStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("rogue"))
+    }
+
+    async fn prefill(
+        &self,
+        request: tonic::Request<PrefillRequest>,
+    ) -> Result<tonic::Response<Self::PrefillStream>, tonic::Status> {
+        let req = request.into_inner();
+        let remote = RegionDescriptor::from_compact(&req.destination).unwrap();
+        let mut writer = self.transport.connect(&remote).await.unwrap();
+        let garbage = vec![0xEE; req.bytes_per_block as usize];
+        let stop = self.stop_writing.clone();
+        let task = tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                for &b in &req.destination_blocks {
+                    writer.put(b, &garbage).await.unwrap();
+                }
+                writer.flush().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(2)).await; // a rogue, not a spinner
+            }
+        });
+        *self.writer_task.lock().await = Some(task);
+        Ok(tonic::Response::new(Box::pin(futures::stream::pending())))
+    }
+
+    async fn abort_prefill(
+        &self,
+        _: tonic::Request<AbortPrefillRequest>,
+    ) -> Result<tonic::Response<AbortPrefillReply>, tonic::Status> {
+        self.aborts
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if !self.answer_aborts {
+            futures::future::pending::<()>().await;
+        }
+        tokio::time::sleep(self.abort_delay).await;
+        self.stop_writing.cancel();
+        if let Some(task) = self.writer_task.lock().await.take() {
+            task.await.unwrap();
+        }
+        Ok(tonic::Response::new(AbortPrefillReply {
+            was_running: true,
+        }))
+    }
+
+    async fn kv_events(
+        &self,
+        _: tonic::Request<KvEventsRequest>,
+    ) -> Result<tonic::Response<KvEventsReply>, tonic::Status> {
+        Err(tonic::Status::unimplemented("rogue"))
+    }
+
+    async fn health(
+        &self,
+        _: tonic::Request<HealthRequest>,
+    ) -> Result<tonic::Response<HealthReply>, tonic::Status> {
+        Err(tonic::Status::unimplemented("rogue"))
+    }
+}
+
+async fn start_rogue(rogue: RogueWriter) -> (Running, CancellationToken) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let stop = CancellationToken::new();
+    let router =
+        tonic::transport::Server::builder().add_service(worker_server::WorkerServer::new(rogue));
+    let serve = tandem_runtime::grpc::serve_tonic(router, listener, stop.clone());
+    let task = tokio::spawn(async move { serve.await.map_err(tandem_worker::WorkerError::from) });
+    (
+        Running {
+            addr,
+            stop: stop.clone(),
+            task,
+        },
+        stop,
+    )
+}
+
+/// The blocks of an abandoned transfer are not reused while the prefill worker may still
+/// write them: a prefill worker that keeps overwriting the destination blocks until it is
+/// told to stop does not corrupt the local fallback (whose blocks would otherwise be the
+/// very blocks just freed), over every transport. `AbortPrefill` is what releases them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_transfer_cannot_corrupt_the_blocks_used_after_it() {
+    for kind in [TransportKind::Local, TransportKind::Tcp, TransportKind::Ucx] {
+        let mut deps = deps();
+        let transport = transport(kind).await;
+        deps.transport = Some(transport.clone());
+        let rogue = RogueWriter {
+            transport,
+            answer_aborts: true,
+            abort_delay: Duration::from_millis(400),
+            stop_writing: CancellationToken::new(),
+            writer_task: Arc::default(),
+            aborts: Arc::default(),
+        };
+        let (p, _) = start_rogue(rogue.clone()).await;
+        let mut dcfg = config(2, WorkerRole::Decode);
+        dcfg.prefill_timeout = Duration::from_millis(300);
+        let d = start_with(dcfg, &deps).await;
+        let reference = start(3, WorkerRole::Decode, &deps).await;
+        let mut c = client(&d.addr).await;
+        let mut r = client(&reference.addr).await;
+
+        let long = prompt(9, 300);
+        let expected = generate(&mut r, request(60, long.clone(), None)).await;
+        let got = generate(&mut c, request(61, long.clone(), Some(&p))).await;
+        assert_eq!(got[0].prefill, PrefillOutcome::Fallback as i32, "{kind:?}");
+        assert_eq!(
+            tokens(&got),
+            tokens(&expected),
+            "{kind:?}: fallback KV intact"
+        );
+        // More requests after it, while the rogue may still be writing: all intact.
+        for (i, seed) in [10u32, 11, 12].into_iter().enumerate() {
+            let other = prompt(seed, 200);
+            let want = generate(&mut r, request(70 + i as u64, other.clone(), None)).await;
+            let have = generate(&mut c, request(80 + i as u64, other, None)).await;
+            assert_eq!(
+                tokens(&have),
+                tokens(&want),
+                "{kind:?}: request {i} after it"
+            );
+        }
+        tokio::time::timeout(Duration::from_secs(3), rogue.stop_writing.cancelled())
+            .await
+            .expect("the decode worker aborted the transfer");
+        assert_eq!(
+            rogue.aborts.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "{kind:?}: one AbortPrefill"
+        );
+        for w in [p, d, reference] {
+            w.stop.cancel();
+            w.task.await.unwrap().unwrap();
+        }
+    }
+}
+
+/// A prefill worker that never confirms: the blocks stay held (the worker reports them
+/// active with nothing running) until the fence timeout, then come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unconfirmed_transfer_blocks_come_back_after_the_fence_timeout() {
+    let mut deps = deps();
+    let transport = transport(TransportKind::Tcp).await;
+    deps.transport = Some(transport.clone());
+    let mut loads = deps
+        .events
+        .subscribe(&subjects::load_reports("default"))
+        .await
+        .unwrap();
+    let rogue = RogueWriter {
+        transport,
+        answer_aborts: false,
+        abort_delay: Duration::ZERO,
+        stop_writing: CancellationToken::new(),
+        writer_task: Arc::default(),
+        aborts: Arc::default(),
+    };
+    let (p, _) = start_rogue(rogue.clone()).await;
+    let mut dcfg = config(2, WorkerRole::Decode);
+    dcfg.prefill_timeout = Duration::from_millis(200);
+    dcfg.transfer_fence_timeout = Duration::from_millis(1500);
+    let d = start_with(dcfg, &deps).await;
+    let mut c = client(&d.addr).await;
+    let got = generate(&mut c, request(90, prompt(13, 300), Some(&p))).await;
+    assert_eq!(got[0].prefill, PrefillOutcome::Fallback as i32);
+    // The request is over; its 19 destination blocks are still held (the prompt's own
+    // blocks are cached, not active).
+    report_where(&mut loads, 2, Duration::from_secs(1), |r| {
+        r.running_requests == 0 && r.kv_active_blocks == 19
+    })
+    .await;
+    assert!(rogue.aborts.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    report_where(&mut loads, 2, Duration::from_secs(3), |r| {
+        r.running_requests == 0 && r.kv_active_blocks == 0
+    })
+    .await;
+    rogue.stop_writing.cancel();
+    for w in [p, d] {
+        w.stop.cancel();
+        w.task.await.unwrap().unwrap();
+    }
+}
+
+/// `AbortPrefill` on a real prefill worker: it stops a running transfer and answers once the
+/// writer is closed; a prefill for an aborted (request, destination) is refused, whether it
+/// was running or had not arrived yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_prefill_stops_the_writer_and_refuses_late_prefills() {
+    let mut deps = deps();
+    let transport = transport(TransportKind::Tcp).await;
+    deps.transport = Some(transport.clone());
+    let mut pcfg = config(1, WorkerRole::Prefill);
+    pcfg.engine.mocker.speedup_ratio = 0.1; // ~0.2 s per 256-token chunk
+    pcfg.engine.scheduler.max_num_batched_tokens = 256;
+    let p = start_with(pcfg, &deps).await;
+    let mut c = client(&p.addr).await;
+    let region = transport.alloc_region(256, 8192).await.unwrap();
+    let destination = transport.expose(region).await.unwrap().to_compact();
+    let prefill = |id: u64| PrefillRequest {
+        request_id: id,
+        prompt: prompt(14, 3000),
+        hash_seed: tandem_protocol::HashSeed::UNSALTED.0,
+        sampling_seed: 7,
+        from_token: 0,
+        block_size: 16,
+        bytes_per_block: 8192,
+        destination_blocks: (0..188).collect(),
+        destination: destination.clone(),
+    };
+    let abort = |id: u64| AbortPrefillRequest {
+        request_id: id,
+        destination: destination.clone(),
+    };
+
+    let mut running = c.prefill(prefill(1)).await.unwrap().into_inner();
+    let reply = c.abort_prefill(abort(1)).await.unwrap().into_inner();
+    assert!(reply.was_running);
+    let ended = running.message().await.unwrap_err();
+    assert_eq!(ended.code(), tonic::Code::Aborted, "{ended}");
+    let again = c.prefill(prefill(1)).await.unwrap_err();
+    assert_eq!(again.code(), tonic::Code::Aborted, "{again}");
+
+    // Aborted before it arrived: nothing to stop, and refused when it comes.
+    let reply = c.abort_prefill(abort(2)).await.unwrap().into_inner();
+    assert!(!reply.was_running);
+    let late = c.prefill(prefill(2)).await.unwrap_err();
+    assert_eq!(late.code(), tonic::Code::Aborted, "{late}");
+    p.stop.cancel();
+    p.task.await.unwrap().unwrap();
+}
+
+/// `--kv-memory cuda` on a machine without a GPU (or a build without the `cuda` feature) is
+/// refused at start with an error that says why.
+#[cfg(not(feature = "cuda"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_arenas_without_cuda_are_a_clear_start_error() {
+    let mut cfg = config(2, WorkerRole::Decode);
+    cfg.kv_memory = tandem_worker::KvMemory::Cuda { ordinal: 0 };
+    let err = start_with(cfg, &deps())
+        .await
+        .task
+        .await
+        .unwrap()
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("--kv-memory cuda:0") && msg.contains("`cuda` feature"),
+        "{msg}"
+    );
+}
+
+/// With a GPU (scripts/gpu-check.sh): both workers keep their KV arenas in CUDA memory and
+/// the remote prefill still decodes exactly like a local one. Over `local` and `tcp`; `ucx`
+/// needs a UCX built with CUDA support to register device memory (Debian's is not: the
+/// worker then refuses to start, saying so).
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_arenas_decode_like_local_over_each_transport() {
+    for kind in [TransportKind::Local, TransportKind::Tcp] {
+        let mut deps = deps();
+        deps.transport = Some(transport(kind).await);
+        let gpu = |id, role| {
+            let mut c = config(id, role);
+            c.kv_memory = tandem_worker::KvMemory::Cuda { ordinal: 0 };
+            c
+        };
+        let p = start_with(gpu(1, WorkerRole::Prefill), &deps).await;
+        let d = start_with(gpu(2, WorkerRole::Decode), &deps).await;
+        let reference = start(3, WorkerRole::Decode, &deps).await;
+        let (mut c, mut r) = (client(&d.addr).await, client(&reference.addr).await);
+        let long = prompt(15, 300);
+        let expected = generate(&mut r, request(100, long.clone(), None)).await;
+        let got = generate(&mut c, request(101, long, Some(&p))).await;
+        assert_eq!(got[0].prefill, PrefillOutcome::Remote as i32, "{kind:?}");
+        assert_eq!(tokens(&got), tokens(&expected), "{kind:?}");
+        for w in [p, d, reference] {
             w.stop.cancel();
             w.task.await.unwrap().unwrap();
         }

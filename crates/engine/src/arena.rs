@@ -49,19 +49,37 @@ impl KvShape {
 
 /// The memory behind a KV arena: heap bytes by default, or a region a KV transport has
 /// registered so that peers write blocks straight into it (the decode worker's side of a
-/// remote prefill). Its length is fixed for its life.
+/// remote prefill), possibly in GPU memory. Access is per block and scoped: the storage may
+/// lock the block for the duration of the call (a transport writing other blocks of the same
+/// region concurrently never overlaps it), or stage device memory through a host buffer.
+/// Its size is fixed for its life.
 pub trait ArenaStorage: Send {
-    fn bytes(&self) -> &[u8];
-    fn bytes_mut(&mut self) -> &mut [u8];
+    /// Total bytes.
+    fn len(&self) -> usize;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Calls `f` with the `len` bytes at `offset` (one whole block).
+    fn read(&self, offset: usize, len: usize, f: &mut dyn FnMut(&[u8]));
+
+    /// Calls `f` with the `len` bytes at `offset` (one whole block), writable; what `f`
+    /// leaves there is the block's new content.
+    fn write(&mut self, offset: usize, len: usize, f: &mut dyn FnMut(&mut [u8]));
 }
 
 impl ArenaStorage for Vec<u8> {
-    fn bytes(&self) -> &[u8] {
-        self
+    fn len(&self) -> usize {
+        Vec::len(self)
     }
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        self
+    fn read(&self, offset: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
+        f(&self[offset..offset + len]);
+    }
+
+    fn write(&mut self, offset: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        f(&mut self[offset..offset + len]);
     }
 }
 
@@ -93,12 +111,20 @@ impl PageAligned {
 }
 
 impl ArenaStorage for PageAligned {
-    fn bytes(&self) -> &[u8] {
-        &self.buf[self.offset..self.offset + self.len]
+    fn len(&self) -> usize {
+        self.len
     }
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.buf[self.offset..self.offset + self.len]
+    fn read(&self, offset: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
+        debug_assert!(offset + len <= self.len);
+        let start = self.offset + offset;
+        f(&self.buf[start..start + len]);
+    }
+
+    fn write(&mut self, offset: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        debug_assert!(offset + len <= self.len);
+        let start = self.offset + offset;
+        f(&mut self.buf[start..start + len]);
     }
 }
 
@@ -136,7 +162,7 @@ impl KvArena {
         bytes_per_block: usize,
     ) -> Result<Self, ArenaSizeMismatch> {
         let expected = num_blocks * bytes_per_block;
-        let got = storage.bytes().len();
+        let got = storage.len();
         if got != expected {
             return Err(ArenaSizeMismatch { expected, got });
         }
@@ -155,14 +181,9 @@ impl KvArena {
         self.num_blocks
     }
 
-    /// The whole region (what a transport registers).
-    pub fn as_bytes(&self) -> &[u8] {
-        self.data.bytes()
-    }
-
-    /// The whole region, mutable (what a transport writes into).
-    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        self.data.bytes_mut()
+    /// Total bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.data.len()
     }
 
     /// Byte offset of a block in the region.
@@ -170,15 +191,57 @@ impl KvArena {
         block as usize * self.bytes_per_block
     }
 
-    pub fn block(&self, block: u32) -> &[u8] {
-        let o = self.offset_of(block);
-        &self.data.bytes()[o..o + self.bytes_per_block]
+    /// Runs `f` over the bytes of `block` (empty when the arena holds no bytes).
+    ///
+    /// # Panics
+    /// When `block` is past the arena (a pool bookkeeping bug).
+    pub fn with_block<R>(&self, block: u32, f: impl FnOnce(&[u8]) -> R) -> R {
+        if self.bytes_per_block == 0 {
+            return f(&[]);
+        }
+        assert!(
+            (block as usize) < self.num_blocks,
+            "block {block} past the arena"
+        );
+        let mut f = Some(f);
+        let mut out = None;
+        self.data
+            .read(self.offset_of(block), self.bytes_per_block, &mut |b| {
+                if let Some(f) = f.take() {
+                    out = Some(f(b));
+                }
+            });
+        out.expect("arena storage calls back exactly once")
     }
 
-    pub fn block_mut(&mut self, block: u32) -> &mut [u8] {
-        let o = self.offset_of(block);
-        let n = self.bytes_per_block;
-        &mut self.data.bytes_mut()[o..o + n]
+    /// Runs `f` over the bytes of `block`, writable (see [`with_block`](Self::with_block)).
+    pub fn with_block_mut<R>(&mut self, block: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        if self.bytes_per_block == 0 {
+            return f(&mut []);
+        }
+        assert!(
+            (block as usize) < self.num_blocks,
+            "block {block} past the arena"
+        );
+        let mut f = Some(f);
+        let mut out = None;
+        let offset = self.offset_of(block);
+        self.data.write(offset, self.bytes_per_block, &mut |b| {
+            if let Some(f) = f.take() {
+                out = Some(f(b));
+            }
+        });
+        out.expect("arena storage calls back exactly once")
+    }
+
+    /// A copy of the bytes of `block`.
+    pub fn block_bytes(&self, block: u32) -> Vec<u8> {
+        self.with_block(block, <[u8]>::to_vec)
+    }
+
+    /// Overwrites `block` with `bytes` (exactly one block long).
+    pub fn write_block(&mut self, block: u32, bytes: &[u8]) {
+        self.with_block_mut(block, |dst| dst.copy_from_slice(bytes));
     }
 }
 
@@ -196,8 +259,7 @@ pub(crate) fn copy_block(from: &KvArena, from_block: u32, to: &mut KvArena, to_b
     if from.bytes_per_block == 0 {
         return;
     }
-    to.block_mut(to_block)
-        .copy_from_slice(from.block(from_block));
+    from.with_block(from_block, |src| to.write_block(to_block, src));
 }
 
 #[cfg(test)]
@@ -214,14 +276,16 @@ mod tests {
     #[test]
     fn blocks_are_contiguous_and_disjoint() {
         let mut a = KvArena::new(3, 4);
-        a.block_mut(1).copy_from_slice(&[1, 2, 3, 4]);
-        assert_eq!(a.as_bytes(), &[0, 0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 0]);
+        a.write_block(1, &[1, 2, 3, 4]);
+        let all: Vec<u8> = (0..3).flat_map(|b| a.block_bytes(b)).collect();
+        assert_eq!(all, &[0, 0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 0]);
         let mut b = KvArena::new(2, 4);
         copy_block(&a, 1, &mut b, 0);
-        assert_eq!(b.block(0), &[1, 2, 3, 4]);
+        assert_eq!(b.block_bytes(0), &[1, 2, 3, 4]);
         let empty = KvArena::new(1000, 0);
-        assert!(empty.as_bytes().is_empty());
-        assert_eq!(a.as_bytes().as_ptr() as usize % PAGE, 0, "page-aligned");
-        assert!(empty.block(999).is_empty());
+        assert_eq!(empty.len_bytes(), 0);
+        let first = a.with_block(0, |b| b.as_ptr() as usize);
+        assert_eq!(first % PAGE, 0, "page-aligned");
+        assert!(empty.block_bytes(999).is_empty());
     }
 }

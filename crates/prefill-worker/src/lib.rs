@@ -9,16 +9,22 @@
 //! stream. Either way `PrefillDone` carries the digest of the bytes as computed.
 //!
 //! A decode worker that goes away mid-transfer drops the stream: the request is aborted here
-//! and holds no blocks afterwards.
+//! and holds no blocks afterwards. One that gives up on a transfer calls `AbortPrefill`, which
+//! answers once nothing more of the transfer can reach its memory ([`transfers`]).
+
+pub mod transfers;
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures::{Stream, StreamExt, stream};
 use tandem_engine::{EngineRequest, ExportedBlock};
-use tandem_kv_transfer::{BlockWriter, RegionDescriptor};
+use tandem_kv_transfer::RegionDescriptor;
 use tandem_protocol::grpc::{
-    GenerateChunk, GenerateRequest, HealthReply, HealthRequest, KvBlock, KvEventsReply,
-    KvEventsRequest, PrefillChunk, PrefillDone, PrefillRequest, prefill_chunk, worker_server,
+    AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
+    HealthRequest, KvBlock, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillDone,
+    PrefillRequest, prefill_chunk, worker_server,
 };
 use tandem_protocol::{HashSeed, RequestId, WorkerRole};
 use tandem_worker::{
@@ -27,6 +33,12 @@ use tandem_worker::{
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
+
+use crate::transfers::{TransferTicket, Transfers};
+
+/// Longest `AbortPrefill` waits for a transfer's writer to close; past it the caller asks
+/// again.
+const ABORT_WAIT: Duration = Duration::from_secs(5);
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
@@ -40,7 +52,7 @@ pub async fn run(
 ) -> Result<(), WorkerError> {
     config.role = WorkerRole::Prefill;
     let ctx = WorkerContext::start(config, &deps).await?;
-    let service = PrefillService { ctx: ctx.clone() };
+    let service = PrefillService::new(ctx.clone());
     ctx.serve(listener, service, deps, shutdown).await
 }
 
@@ -48,16 +60,25 @@ pub async fn run(
 #[derive(Clone, Debug)]
 pub struct PrefillService {
     ctx: WorkerContext,
+    transfers: Arc<Transfers>,
 }
 
 impl PrefillService {
     pub fn new(ctx: WorkerContext) -> Self {
-        PrefillService { ctx }
+        PrefillService {
+            ctx,
+            transfers: Arc::default(),
+        }
+    }
+
+    /// Transfers whose writer is still open.
+    pub fn transfers(&self) -> &Transfers {
+        &self.transfers
     }
 
     /// Connects to the request's destination region when it names one (and this worker has
     /// a transport); otherwise the blocks go inline.
-    async fn sink(&self, req: &PrefillRequest) -> Result<Sink, WorkerError> {
+    async fn sink(&self, req: &PrefillRequest) -> Result<Sink, Status> {
         if req.destination.is_empty() {
             return Ok(Sink::Inline);
         }
@@ -70,12 +91,18 @@ impl PrefillService {
             // The decode worker reads inline blocks as well.
             return Ok(Sink::Inline);
         }
+        // Registered before connecting, so that an abort from now on waits for this writer.
+        let mut ticket = self
+            .transfers
+            .start((req.request_id, req.destination.clone()))
+            .map_err(|e| Status::aborted(e.to_string()))?;
         let writer = transport
             .connect(&remote)
             .await
             .map_err(|e| WorkerError::BadTransfer(format!("connecting to the KV region: {e}")))?;
+        ticket.set_writer(writer);
         Ok(Sink::Transport {
-            writer,
+            ticket,
             blocks: req.destination_blocks.clone(),
         })
     }
@@ -111,7 +138,8 @@ impl PrefillService {
 enum Sink {
     Inline,
     Transport {
-        writer: Box<dyn BlockWriter>,
+        /// Owns the writer; closes it when dropped.
+        ticket: TransferTicket,
         /// Destination block in the remote region of each transferred block, in order.
         blocks: Vec<u32>,
     },
@@ -130,10 +158,21 @@ struct Prefill {
 impl Prefill {
     /// The chunks for one engine output; None when the prefill is over.
     async fn step(&mut self) -> Option<Result<Vec<PrefillChunk>, Status>> {
-        match self.handle.next().await? {
+        let aborted = match &self.sink {
+            Sink::Transport { ticket, .. } => ticket.cancelled(),
+            Sink::Inline => CancellationToken::new(),
+        };
+        let next = tokio::select! {
+            next = self.handle.next() => next?,
+            () = aborted.cancelled() => {
+                return Some(Err(Status::aborted("the decode worker aborted this prefill")));
+            }
+        };
+        match next {
             HostOutput::Blocks(blocks) => Some(self.send(blocks).await),
             HostOutput::Token(out) => {
-                if let Sink::Transport { writer, .. } = &mut self.sink
+                if let Sink::Transport { ticket, .. } = &mut self.sink
+                    && let Some(writer) = ticket.writer()
                     && let Err(e) = writer.flush().await
                 {
                     return Some(Err(Status::unavailable(format!("KV transfer flush: {e}"))));
@@ -165,7 +204,10 @@ impl Prefill {
                         data: b.bytes,
                     })),
                 }),
-                Sink::Transport { writer, blocks } => {
+                Sink::Transport { ticket, blocks } => {
+                    let writer = ticket
+                        .writer()
+                        .ok_or_else(|| Status::internal("KV transfer without a writer"))?;
                     let dst = *blocks.get(b.index).ok_or_else(|| {
                         Status::invalid_argument(format!(
                             "block {} has no destination ({} given)",
@@ -239,6 +281,22 @@ impl worker_server::Worker for PrefillService {
             sink,
             corrupt: self.ctx.config.corrupt_transfers,
         })))
+    }
+
+    async fn abort_prefill(
+        &self,
+        request: Request<AbortPrefillRequest>,
+    ) -> Result<Response<AbortPrefillReply>, Status> {
+        let req = request.into_inner();
+        let Some(mut closed) = self.transfers.abort((req.request_id, req.destination)) else {
+            return Ok(Response::new(AbortPrefillReply { was_running: false }));
+        };
+        match tokio::time::timeout(ABORT_WAIT, closed.wait_for(|c| *c)).await {
+            Ok(_) => Ok(Response::new(AbortPrefillReply { was_running: true })),
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "the transfer's writer is still closing after {ABORT_WAIT:?}: ask again"
+            ))),
+        }
     }
 
     async fn kv_events(

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::Status;
 
+use crate::arena::{KvMemory, RegionStorage};
 use crate::error::WorkerError;
 use crate::host::{EngineHost, HostPublishing};
 
@@ -42,6 +43,11 @@ pub struct WorkerConfig {
     pub drain_timeout: Duration,
     /// Decode workers: how long a remote prefill may take before prefilling locally.
     pub prefill_timeout: Duration,
+    /// Where the engine's device arena lives.
+    pub kv_memory: KvMemory,
+    /// Decode workers: how long the destination blocks of an abandoned remote prefill stay
+    /// out of use while the prefill worker cannot confirm that it stopped writing them.
+    pub transfer_fence_timeout: Duration,
     /// Prefill workers, fault injection for tests: flip one byte of the first block of every
     /// transfer after its digest is taken (the decode worker must notice and fall back).
     pub corrupt_transfers: bool,
@@ -61,6 +67,8 @@ impl WorkerConfig {
             load_interval: Duration::from_millis(500),
             drain_timeout: Duration::from_secs(30),
             prefill_timeout: Duration::from_secs(5),
+            kv_memory: KvMemory::Host,
+            transfer_fence_timeout: Duration::from_secs(60),
             corrupt_transfers: false,
         }
     }
@@ -75,10 +83,10 @@ pub struct WorkerDeps {
     pub transport: Option<Arc<dyn Transport>>,
 }
 
-/// A decode worker's KV landing region, exposed on the transport: prefill workers write the
-/// blocks it reserved into the same block indices of this region.
+/// A decode worker's device arena, exposed on its KV transport: prefill workers write the
+/// blocks the engine reserved straight into it, where the engine reads them.
 #[derive(Clone, Debug)]
-pub struct KvLanding {
+pub struct ExposedArena {
     pub region: Arc<Region>,
     pub descriptor: RegionDescriptor,
 }
@@ -96,9 +104,8 @@ pub struct WorkerContext {
     pub host: EngineHost,
     /// The KV transport, when one is configured.
     pub transport: Option<Arc<dyn Transport>>,
-    /// Where prefill workers write this worker's received KV (decode workers with a
-    /// transport).
-    pub landing: Option<KvLanding>,
+    /// The engine's arena as prefill workers see it (decode workers with a transport).
+    pub exposed: Option<ExposedArena>,
     draining: Arc<AtomicBool>,
     /// Cancelled when the worker stops for good (after draining): ends its tasks.
     stop: CancellationToken,
@@ -106,13 +113,21 @@ pub struct WorkerContext {
 }
 
 impl WorkerContext {
-    /// Builds the engine and starts its host tasks; a decode worker with a transport also
-    /// allocates and exposes its KV landing region.
+    /// Builds the engine and starts its host tasks. The engine's device arena is a region
+    /// of the KV transport for a decode worker with one (exposed, so that prefill workers
+    /// write into it), CUDA memory with [`KvMemory::Cuda`], plain host memory otherwise.
     pub async fn start(mut config: WorkerConfig, deps: &WorkerDeps) -> Result<Self, WorkerError> {
         let events = deps.events.clone();
         config.engine.pool.worker_id = config.worker_id;
-        let engine = MockEngine::new(config.engine.clone())
-            .map_err(|e| WorkerError::InvalidRequest(format!("engine config: {e}")))?;
+        let (region, exposed) = arena_region(&config, deps.transport.as_deref()).await?;
+        let engine = match region {
+            Some(region) => MockEngine::with_device_storage(
+                config.engine.clone(),
+                Box::new(RegionStorage::new(region)),
+            ),
+            None => MockEngine::new(config.engine.clone()),
+        }
+        .map_err(|e| WorkerError::InvalidRequest(format!("engine config: {e}")))?;
         let tasks = TaskTracker::new();
         let stop = CancellationToken::new();
         let publishing = HostPublishing {
@@ -122,27 +137,11 @@ impl WorkerContext {
             load_interval: config.load_interval,
         };
         let host = EngineHost::start(engine, publishing, &tasks, stop.clone());
-        let landing = match (&deps.transport, config.role) {
-            (Some(t), WorkerRole::Decode | WorkerRole::Aggregated) => {
-                let bytes = host.bytes_per_block();
-                let region = t
-                    .alloc_region(config.engine.pool.device_blocks, bytes)
-                    .await
-                    .map_err(|e| WorkerError::Internal(format!("KV region: {e}")))?;
-                let descriptor = t
-                    .expose(region.clone())
-                    .await
-                    .map_err(|e| WorkerError::Internal(format!("exposing the KV region: {e}")))?;
-                tracing::info!(transport = t.kind().as_str(), "KV landing region exposed");
-                Some(KvLanding { region, descriptor })
-            }
-            _ => None,
-        };
         Ok(WorkerContext {
             config: Arc::new(config),
             host,
             transport: deps.transport.clone(),
-            landing,
+            exposed,
             draining: Arc::new(AtomicBool::new(false)),
             stop,
             tasks,
@@ -160,6 +159,11 @@ impl WorkerContext {
         } else {
             Ok(())
         }
+    }
+
+    /// Cancelled when the worker stops for good: background work (transfer fences) ends.
+    pub fn stopping(&self) -> CancellationToken {
+        self.stop.clone()
     }
 
     /// The tracker owning per-request tasks (remote prefill fetches), so none outlives the
@@ -208,7 +212,7 @@ impl WorkerContext {
             },
             addresses: WorkerAddresses {
                 grpc: format!("{}:{}", self.config.advertise_host, addr.port()),
-                kv_transfer: self.landing.as_ref().map(|l| l.descriptor.to_compact()),
+                kv_transfer: self.exposed.as_ref().map(|l| l.descriptor.to_compact()),
             },
         }
     }
@@ -273,4 +277,49 @@ impl WorkerContext {
             Err(e) => Err(WorkerError::Internal(format!("server task: {e}"))),
         }
     }
+}
+
+/// The region the engine's device arena lives in, and its exposure on the transport: a
+/// decode worker with a transport allocates it from the transport (UCX shared memory, so a
+/// prefill worker on the same host maps it) or in CUDA memory, and exposes it; any worker
+/// with [`KvMemory::Cuda`] gets CUDA memory. None: the engine allocates host memory itself.
+async fn arena_region(
+    config: &WorkerConfig,
+    transport: Option<&dyn Transport>,
+) -> Result<(Option<Arc<Region>>, Option<ExposedArena>), WorkerError> {
+    let blocks = config.engine.pool.device_blocks;
+    let bytes = MockEngine::bytes_per_block(&config.engine);
+    if bytes == 0 {
+        // Timing only: no KV bytes to keep or move.
+        return Ok((None, None));
+    }
+    let exposes = matches!(config.role, WorkerRole::Decode | WorkerRole::Aggregated);
+    let region = match (config.kv_memory, transport) {
+        (KvMemory::Cuda { ordinal }, _) => Region::cuda(ordinal, blocks, bytes)
+            .map_err(|e| WorkerError::InvalidRequest(format!("--kv-memory cuda:{ordinal}: {e}")))?,
+        (KvMemory::Host, Some(t)) if exposes => t
+            .alloc_region(blocks, bytes)
+            .await
+            .map_err(|e| WorkerError::Internal(format!("KV region: {e}")))?,
+        (KvMemory::Host, _) => return Ok((None, None)),
+    };
+    let exposed = match transport {
+        Some(t) if exposes => {
+            let descriptor = t
+                .expose(region.clone())
+                .await
+                .map_err(|e| WorkerError::Internal(format!("exposing the KV arena: {e}")))?;
+            tracing::info!(
+                transport = t.kind().as_str(),
+                memory = %region.memory_kind(),
+                "KV arena exposed to prefill workers"
+            );
+            Some(ExposedArena {
+                region: region.clone(),
+                descriptor,
+            })
+        }
+        _ => None,
+    };
+    Ok((Some(region), exposed))
 }

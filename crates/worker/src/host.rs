@@ -176,12 +176,18 @@ impl EngineHost {
     }
 
     /// Reserves blocks for a remote prefill of `req` (the decode side). On success the
-    /// caller writes the received KV with [`write_block`](Self::write_block), then calls
-    /// [`finish_remote`](Self::finish_remote) or [`fail_remote`](Self::fail_remote); the
-    /// handle receives the first token and the rest. `Overloaded` when there is no room now.
+    /// caller writes the received KV with [`write_block`](Self::write_block), or has a
+    /// transport write it into the arena, then calls [`finish_remote`](Self::finish_remote)
+    /// or [`fail_remote`](Self::fail_remote); the handle receives the first token and the
+    /// rest. `Overloaded` when there is no room now.
+    ///
+    /// With `hold`, the reserved blocks are also held (see
+    /// [`tandem_engine::BlockPool::hold`]): they stay out of use, even when the request ends,
+    /// until [`release_hold`](Self::release_hold) says no writer can reach them any more.
     pub fn begin_remote(
         &self,
         req: EngineRequest,
+        hold: bool,
     ) -> Result<(RequestHandle, RemotePrefill), WorkerError> {
         let id = req.id;
         let now = self.now_us();
@@ -195,6 +201,12 @@ impl EngineHost {
                 .engine
                 .begin_remote_prefill(req, now)
                 .map_err(scheduler_error)?;
+            if hold && let Err(e) = st.engine.pool_mut().hold(&rp.blocks) {
+                st.engine.abort(id);
+                return Err(WorkerError::Internal(format!(
+                    "holding transfer blocks: {e}"
+                )));
+            }
             st.outputs.insert(id, tx);
             rp
         };
@@ -223,7 +235,22 @@ impl EngineHost {
                 arena.bytes_per_block()
             )));
         }
-        arena.block_mut(block).copy_from_slice(bytes);
+        arena.write_block(block, bytes);
+        Ok(())
+    }
+
+    /// Ends the hold [`begin_remote`](Self::begin_remote) took on `blocks`: the transfer into
+    /// them is over (completed, or its writer confirmed stopped). Blocks no request uses any
+    /// more become free.
+    pub fn release_hold(&self, blocks: &[u32]) -> Result<(), WorkerError> {
+        self.inner
+            .state
+            .lock()
+            .engine
+            .pool_mut()
+            .release_hold(blocks)
+            .map_err(|e| WorkerError::Internal(format!("releasing transfer blocks: {e}")))?;
+        self.inner.work.notify_one();
         Ok(())
     }
 

@@ -5,7 +5,8 @@
 //! `tandem-decode-worker`) add their request handlers on top.
 //!
 //! Layout: `host.rs` (engine driver, event publisher, load reporter, request handles),
-//! `context.rs` (config, shared handlers, serve/drain), `error.rs` (typed errors → gRPC
+//! `context.rs` (config, shared handlers, serve/drain), `arena.rs` (the engine's arena in a
+//! transport region or GPU memory), `error.rs` (typed errors → gRPC
 //! status), `digest.rs` (the checksum of transferred KV).
 //!
 //! Invariants: the engine is touched only under the host's lock, in short synchronous
@@ -13,12 +14,14 @@
 //! dropped before its last token aborts the request and frees its blocks; a draining worker
 //! is out of discovery before it refuses its first request.
 
+pub mod arena;
 pub mod context;
 pub mod digest;
 pub mod error;
 pub mod host;
 
-pub use context::{KvLanding, WorkerConfig, WorkerContext, WorkerDeps};
+pub use arena::{KvMemory, RegionStorage, region_digest};
+pub use context::{ExposedArena, WorkerConfig, WorkerContext, WorkerDeps};
 pub use digest::KvDigest;
 pub use error::WorkerError;
 pub use host::{EngineHost, HostOutput, HostPublishing, RequestHandle, cpu_bound};

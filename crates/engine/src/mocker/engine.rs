@@ -108,7 +108,7 @@ impl KvExport {
             };
             self.ready.push(ExportedBlock {
                 index: self.next_block - self.first_block,
-                bytes: arena.block(block).to_vec(),
+                bytes: arena.block_bytes(block),
             });
             self.next_block += 1;
         }

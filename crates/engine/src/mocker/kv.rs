@@ -164,10 +164,11 @@ pub fn write_tokens(
             h
         };
         h = token_prefix_hash(prev, tokens[pos], seed);
-        let block = arena.block_mut(table[pos / bs]);
-        for layer in 0..layout.layers {
-            fill_slot(&mut block[layout.slot(in_block, layer)], h, pos, layer);
-        }
+        arena.with_block_mut(table[pos / bs], |block| {
+            for layer in 0..layout.layers {
+                fill_slot(&mut block[layout.slot(in_block, layer)], h, pos, layer);
+            }
+        });
     }
     state.cursor = range.end;
     state.cursor_hash = h;
@@ -184,7 +185,7 @@ pub fn fold_complete_blocks(
 ) {
     while state.folded < full_blocks {
         let i = state.folded;
-        let bytes_hash = xxh3_64_with_seed(arena.block(table[i]), hashes[i].sequence.0);
+        let bytes_hash = arena.with_block(table[i], |b| xxh3_64_with_seed(b, hashes[i].sequence.0));
         let mut buf = [0u8; 24];
         buf[..8].copy_from_slice(&state.digest.to_le_bytes());
         buf[8..16].copy_from_slice(&bytes_hash.to_le_bytes());
@@ -218,12 +219,13 @@ pub fn sample(
     if partial_len > 0 {
         partial = local_block_hash(&seq.tokens()[full * bs..n_tokens], HashSeed(parent)).0;
         if !layout.is_empty() {
-            let block = arena.block(table[full]);
-            let mut hasher = Xxh3::with_seed(partial);
-            for layer in 0..layout.layers {
-                hasher.update(&block[layout.layer_prefix(layer, partial_len)]);
-            }
-            partial = hasher.digest();
+            partial = arena.with_block(table[full], |block| {
+                let mut hasher = Xxh3::with_seed(partial);
+                for layer in 0..layout.layers {
+                    hasher.update(&block[layout.layer_prefix(layer, partial_len)]);
+                }
+                hasher.digest()
+            });
         }
     }
     let mut buf = [0u8; 32];

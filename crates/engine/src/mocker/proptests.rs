@@ -76,7 +76,7 @@ fn remote_prefill(r: &EngineRequest, rp: RemotePrefill) -> Pending {
     let (first_token, table) = prefill_on(&mut p, r.clone());
     let blocks = table
         .iter()
-        .map(|&b| p.pool().device_arena().block(b).to_vec())
+        .map(|&b| p.pool().device_arena().block_bytes(b))
         .collect();
     Pending {
         rp,
@@ -91,8 +91,7 @@ fn land(e: &mut MockEngine, t: Pending, now: u64) -> RequestOutput {
     for (k, &dst) in t.rp.blocks.iter().enumerate() {
         e.pool_mut()
             .device_arena_mut()
-            .block_mut(dst)
-            .copy_from_slice(&t.blocks[first + k]);
+            .write_block(dst, &t.blocks[first + k]);
     }
     e.finish_remote_prefill(t.rp.id, t.first_token, now)
         .unwrap()

@@ -52,11 +52,8 @@ pub(super) fn prefill_on(p: &mut MockEngine, mut r: EngineRequest) -> (u32, Vec<
 fn transfer(p: &MockEngine, p_table: &[u32], d: &mut MockEngine, rp: &RemotePrefill) {
     let first = rp.cached_tokens / BS;
     for (k, &dst) in rp.blocks.iter().enumerate() {
-        let bytes = p.pool().device_arena().block(p_table[first + k]).to_vec();
-        d.pool_mut()
-            .device_arena_mut()
-            .block_mut(dst)
-            .copy_from_slice(&bytes);
+        let bytes = p.pool().device_arena().block_bytes(p_table[first + k]);
+        d.pool_mut().device_arena_mut().write_block(dst, &bytes);
     }
 }
 
@@ -130,7 +127,9 @@ fn a_corrupted_transferred_byte_changes_the_tokens() {
             .begin_remote_prefill(request(1, prompt(5, 23), 12), 0)
             .unwrap();
         transfer(&p, &p_table, &mut d, &rp);
-        d.pool_mut().device_arena_mut().block_mut(rp.blocks[block])[byte] ^= 1;
+        d.pool_mut()
+            .device_arena_mut()
+            .with_block_mut(rp.blocks[block], |b| b[byte] ^= 1);
         let got = finish_and_decode(&mut d, ID, first);
         assert_eq!(got[0], expected[0], "the first token is P's");
         assert_ne!(got[1..], expected[1..], "block {block} byte {byte}");
@@ -149,7 +148,9 @@ fn a_failed_transfer_falls_back_to_a_local_prefill_with_the_same_tokens() {
     // Half a transfer, then garbage: none of it may survive.
     transfer(&p, &p_table, &mut d, &rp);
     for &b in &rp.blocks[3..] {
-        d.pool_mut().device_arena_mut().block_mut(b).fill(0xAB);
+        d.pool_mut()
+            .device_arena_mut()
+            .with_block_mut(b, |blk| blk.fill(0xAB));
     }
     d.fail_remote_prefill(ID, 10).unwrap();
     assert_eq!(d.pool().active_blocks(), 0);
@@ -313,10 +314,7 @@ fn exported_blocks_decode_exactly_like_a_local_prefill() {
         "blocks 3, 4 and the partial 5, in order"
     );
     for (b, &dst) in got_blocks.iter().zip(&rp.blocks) {
-        d.pool_mut()
-            .device_arena_mut()
-            .block_mut(dst)
-            .copy_from_slice(&b.bytes);
+        d.pool_mut().device_arena_mut().write_block(dst, &b.bytes);
     }
     let got = finish_and_decode(&mut d, ID, first.unwrap());
     assert_eq!(got, expected);
@@ -326,11 +324,14 @@ fn exported_blocks_decode_exactly_like_a_local_prefill() {
 struct External(Vec<u8>);
 
 impl crate::arena::ArenaStorage for External {
-    fn bytes(&self) -> &[u8] {
-        &self.0
+    fn len(&self) -> usize {
+        self.0.len()
     }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.0
+    fn read(&self, offset: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
+        f(&self.0[offset..offset + len]);
+    }
+    fn write(&mut self, offset: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        f(&mut self.0[offset..offset + len]);
     }
 }
 

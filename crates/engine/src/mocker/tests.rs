@@ -165,7 +165,9 @@ fn corrupting_a_cached_block_changes_the_tokens() {
     e.pool_mut().acquire_prefix(probe, &hashes, 2).unwrap();
     let block = e.pool().block_table(probe).unwrap()[1];
     e.pool_mut().free(probe).unwrap();
-    e.pool_mut().device_arena_mut().block_mut(block)[77] ^= 1;
+    e.pool_mut()
+        .device_arena_mut()
+        .with_block_mut(block, |b| b[77] ^= 1);
     let warm = run_one(&mut e, request(2, prompt(5, 23), 8));
     assert_ne!(warm, cold);
     assert!(
@@ -288,7 +290,7 @@ fn stop_token_and_max_tokens_end_requests() {
 fn timing_only_mode_writes_nothing_and_stays_deterministic() {
     let mk = || engine(64, 16, SchedulerConfig::default(), KvShape::TIMING_ONLY);
     let mut e = mk();
-    assert!(e.pool().device_arena().as_bytes().is_empty());
+    assert!(e.pool().device_arena().len_bytes() == 0);
     let a = run_one(&mut e, request(1, prompt(4, 40), 10));
     assert_eq!(a, run_one(&mut mk(), request(2, prompt(4, 40), 10)));
     // A prefix hit (the first two blocks) gives the same tokens here too.
@@ -313,7 +315,7 @@ fn kv_bytes_depend_on_the_prefix_only() {
     run_one(&mut e1, request(1, a, 1));
     run_one(&mut e2, request(1, shared, 1));
     // Blocks are handed out from 0 up: the prompt's blocks are 0, 1 and 2 in both engines.
-    let bytes = |e: &MockEngine, i: u32| e.pool().device_arena().block(i).to_vec();
+    let bytes = |e: &MockEngine, i: u32| e.pool().device_arena().block_bytes(i);
     assert_eq!(bytes(&e1, 0), bytes(&e2, 0));
     assert_eq!(bytes(&e1, 1), bytes(&e2, 1));
     assert_ne!(bytes(&e1, 2), bytes(&e2, 2));

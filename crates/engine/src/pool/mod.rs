@@ -75,6 +75,12 @@ pub enum PoolError {
     UnknownSequence(RequestId),
     #[error("sequence {0} is already allocated")]
     DuplicateSequence(RequestId),
+    #[error("block {0} cannot be held: it is not referenced, or it is cached")]
+    NotHoldable(u32),
+    #[error("block {0} is not held")]
+    NotHeld(u32),
+    #[error("block {0} is held for a transfer that may still write it: it cannot be committed")]
+    CommitHeld(u32),
     #[error("sequence {seq} has {held} blocks, cannot commit {asked} full blocks")]
     CommitBeyondTable {
         seq: RequestId,
@@ -146,6 +152,9 @@ pub struct BlockPool {
     pub(crate) host_lru: LruList,
     pub(crate) cached: HashMap<SequenceHash, Location>,
     pub(crate) seqs: HashMap<RequestId, SeqBlocks>,
+    /// Extra references on device blocks that a KV transfer may still write (see
+    /// [`BlockPool::hold`]), with their counts.
+    pub(crate) held: HashMap<u32, u32>,
     pub(crate) device_arena: KvArena,
     pub(crate) host_arena: KvArena,
     pub(crate) log: EventLog,
@@ -195,6 +204,7 @@ impl BlockPool {
             host_lru: LruList::new(h),
             cached: HashMap::new(),
             seqs: HashMap::new(),
+            held: HashMap::new(),
             device_arena: KvArena::new(d, cfg.bytes_per_block),
             host_arena: KvArena::new(h, cfg.bytes_per_block),
             log: EventLog::new(cfg.worker_id, cfg.event_ring),

@@ -1,5 +1,6 @@
 //! The pool's mutating operations and its invariant check.
 
+use hashbrown::HashMap;
 use tandem_protocol::{BlockHashes, RequestId, SequenceHash, StorageTier};
 
 use super::{BlockPool, CachedInfo, Location, PoolError, PrefixHit, SeqBlocks};
@@ -142,6 +143,15 @@ impl BlockPool {
             self.seqs.insert(seq, table);
             return Err(err);
         }
+        let start = table.committed.min(hashes.len());
+        if let Some(&b) = table.blocks[start..hashes.len()]
+            .iter()
+            .find(|&&b| self.held.contains_key(&b))
+        {
+            // Its bytes may still change: a transfer into it was not fenced.
+            self.seqs.insert(seq, table);
+            return Err(PoolError::CommitHeld(b));
+        }
         for i in table.committed..hashes.len() {
             let h = hashes[i];
             let parent = i.checked_sub(1).map(|p| hashes[p].sequence);
@@ -177,6 +187,56 @@ impl BlockPool {
         }
         self.log.flush();
         Ok(())
+    }
+
+    /// Keeps `blocks` out of the free list until [`release_hold`](Self::release_hold), even
+    /// after the sequence holding them ends: the destination blocks of a KV transfer that a
+    /// remote writer may still be writing (an aborted remote prefill), which must not be
+    /// handed to anyone else before the writer is known to be done. Each block must be
+    /// referenced and not cached (a transfer writes fresh blocks only). All or nothing.
+    pub fn hold(&mut self, blocks: &[u32]) -> Result<(), PoolError> {
+        if let Some(&b) = blocks.iter().find(|&&b| {
+            self.device
+                .get(b as usize)
+                .is_none_or(|blk| blk.refs == 0 || blk.cached.is_some())
+        }) {
+            return Err(PoolError::NotHoldable(b));
+        }
+        for &b in blocks {
+            self.take_ref(b);
+            *self.held.entry(b).or_insert(0) += 1;
+        }
+        Ok(())
+    }
+
+    /// Ends a [`hold`](Self::hold): blocks no sequence references any more become free.
+    /// All or nothing.
+    pub fn release_hold(&mut self, blocks: &[u32]) -> Result<(), PoolError> {
+        let mut counts: HashMap<u32, u32> = HashMap::new();
+        for &b in blocks {
+            *counts.entry(b).or_insert(0) += 1;
+        }
+        if let Some(&b) = blocks
+            .iter()
+            .find(|b| self.held.get(*b).is_none_or(|h| *h < counts[*b]))
+        {
+            return Err(PoolError::NotHeld(b));
+        }
+        for &b in blocks.iter().rev() {
+            if let hashbrown::hash_map::Entry::Occupied(mut e) = self.held.entry(b) {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+            self.release_block(b);
+        }
+        Ok(())
+    }
+
+    /// Device blocks held for transfers (see [`hold`](Self::hold)).
+    pub fn held_blocks(&self) -> usize {
+        self.held.len()
     }
 
     /// Drops every unreferenced cached block, on device and host. Blocks in use stay.
@@ -290,12 +350,12 @@ impl BlockPool {
     /// may cause can move a device block into it.
     fn promote(&mut self, slot: u32) -> u32 {
         let info = self.host[slot as usize].expect("promoted slot is filled");
-        let bytes = self.host_arena.block(slot).to_vec();
+        let bytes = self.host_arena.block_bytes(slot);
         self.drop_host(slot);
         let b = self
             .take_device_block()
             .expect("caller checked availability");
-        self.device_arena.block_mut(b).copy_from_slice(&bytes);
+        self.device_arena.write_block(b, &bytes);
         self.stats.host_promotions += 1;
         self.register_device(b, info.hash, info.parent, info.position as usize);
         b
@@ -330,6 +390,12 @@ impl BlockPool {
                 }
             }
         }
+        for (&b, &n) in &self.held {
+            refs[b as usize] += n;
+            if self.device[b as usize].cached.is_some() {
+                return Err(format!("held block {b} is cached"));
+            }
+        }
         let free: hashbrown::HashSet<u32> = self.device_free.iter().copied().collect();
         if free.len() != self.device_free.len() {
             return Err("device free list has duplicates".into());
@@ -338,7 +404,7 @@ impl BlockPool {
             let b32 = b as u32;
             if blk.refs != refs[b] {
                 return Err(format!(
-                    "block {b}: refs {} but {} table entries",
+                    "block {b}: refs {} but {} table entries and holds",
                     blk.refs, refs[b]
                 ));
             }

@@ -124,6 +124,45 @@ fn out_of_blocks_changes_nothing() {
 }
 
 #[test]
+fn held_blocks_stay_out_of_the_free_list_until_released() {
+    let mut p = pool(4, 0);
+    let seq = RequestId(1);
+    p.allocate(seq, 8).unwrap();
+    let blocks = p.block_table(seq).unwrap().to_vec();
+    // Not referenced, or past the pool: refused, nothing held.
+    assert_eq!(p.hold(&[blocks[0], 3]), Err(PoolError::NotHoldable(3)));
+    assert_eq!(p.hold(&[99]), Err(PoolError::NotHoldable(99)));
+    assert_eq!(p.held_blocks(), 0);
+    p.hold(&blocks).unwrap();
+    // The transfer's destination may still change: committing it is refused.
+    let hs = hashes(&[1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(p.commit(seq, &hs), Err(PoolError::CommitHeld(blocks[0])));
+    p.free(seq).unwrap();
+    p.check_invariants().unwrap();
+    assert_eq!(
+        p.available_blocks(),
+        2,
+        "the two held blocks are not available"
+    );
+    assert!(matches!(
+        p.allocate(RequestId(2), 12),
+        Err(PoolError::OutOfBlocks {
+            needed: 3,
+            available: 2
+        })
+    ));
+    assert_eq!(
+        p.release_hold(&[blocks[0], blocks[0]]),
+        Err(PoolError::NotHeld(blocks[0]))
+    );
+    p.release_hold(&blocks).unwrap();
+    assert_eq!(p.held_blocks(), 0);
+    assert_eq!(p.available_blocks(), 4);
+    assert_eq!(p.release_hold(&blocks), Err(PoolError::NotHeld(blocks[0])));
+    p.check_invariants().unwrap();
+}
+
+#[test]
 fn acquire_and_allocate_is_all_or_nothing() {
     // 4 device blocks, 8 host slots. `a` (2 blocks) ends up on host, `b` (2 blocks) on device,
     // cached and unreferenced.
@@ -182,7 +221,8 @@ fn host_tier_takes_evicted_blocks_and_gives_them_back() {
         p.block_table(RequestId(9)).unwrap().to_vec()
     };
     for (i, &b) in ta.iter().enumerate() {
-        p.device_arena_mut().block_mut(b).fill(i as u8 + 1);
+        p.device_arena_mut()
+            .with_block_mut(b, |blk| blk.fill(i as u8 + 1));
     }
     p.free(RequestId(9)).unwrap();
     let b: Vec<u32> = (100..112).collect();
@@ -198,7 +238,7 @@ fn host_tier_takes_evicted_blocks_and_gives_them_back() {
     for (i, &blk) in t.iter().enumerate() {
         assert!(
             p.device_arena()
-                .block(blk)
+                .block_bytes(blk)
                 .iter()
                 .all(|&x| x == i as u8 + 1),
             "block {i} bytes"
@@ -285,6 +325,12 @@ enum Op {
         id: u8,
     },
     Clear,
+    /// An aborted transfer into the sequence's uncommitted blocks: hold them, end the sequence.
+    AbortTransfer {
+        id: u8,
+    },
+    /// The oldest aborted transfer's writer is known to be done.
+    Fence,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -293,6 +339,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0u8..6, 1u8..9).prop_map(|(id, extra)| Op::Grow { id, extra }),
         4 => (0u8..6).prop_map(|id| Op::Finish { id }),
         1 => Just(Op::Clear),
+        2 => (0u8..6).prop_map(|id| Op::AbortTransfer { id }),
+        2 => Just(Op::Fence),
     ]
 }
 
@@ -319,6 +367,7 @@ proptest! {
     ) {
         let mut p = pool(device, host);
         let mut live: std::collections::HashMap<u8, Vec<u32>> = Default::default();
+        let mut holds: std::collections::VecDeque<Vec<u32>> = Default::default();
         for (step, op) in ops.into_iter().enumerate() {
             match op {
                 Op::Start { id, family, len } => {
@@ -350,6 +399,24 @@ proptest! {
                     }
                 }
                 Op::Clear => p.clear_cache(),
+                Op::AbortTransfer { id } => {
+                    if live.remove(&id).is_some() {
+                        let seq = RequestId(u64::from(id));
+                        let committed = p.committed_blocks(seq).unwrap();
+                        let fresh = p.block_table(seq).unwrap()[committed..].to_vec();
+                        p.hold(&fresh).unwrap();
+                        p.free(seq).unwrap();
+                        for &b in &fresh {
+                            prop_assert!(!p.device_free.contains(&b), "held block {} freed", b);
+                        }
+                        holds.push_back(fresh);
+                    }
+                }
+                Op::Fence => {
+                    if let Some(h) = holds.pop_front() {
+                        p.release_hold(&h).unwrap();
+                    }
+                }
             }
             if let Err(e) = p.check_invariants() {
                 return Err(TestCaseError::fail(format!("after step {step}: {e}")));
