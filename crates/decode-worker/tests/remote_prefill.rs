@@ -170,6 +170,19 @@ async fn remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worke
     let again = generate(&mut c2, request(12, long.clone(), Some(&p))).await;
     assert_eq!(again[0].cached_tokens, 288, "18 full blocks cached on d2");
     assert_eq!(tokens(&again), tokens(&local));
+    // Nothing stays pinned or held on either side once the transfers are over (reports
+    // from now on only).
+    let mut loads = deps
+        .events
+        .subscribe(&subjects::load_reports("default"))
+        .await
+        .unwrap();
+    for w in [1, 3] {
+        report_where(&mut loads, w, Duration::from_secs(2), |r| {
+            r.kv_active_blocks == 0 && r.running_requests == 0
+        })
+        .await;
+    }
 
     // The prefill worker goes away: d1 falls back to a local prefill, same tokens.
     let gone = Running {

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt, stream};
 use tandem_engine::{EngineRequest, ExportedBlock};
-use tandem_kv_transfer::RegionDescriptor;
+use tandem_kv_transfer::{Region, RegionDescriptor};
 use tandem_protocol::grpc::{
     AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
     HealthRequest, KvBlock, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillDone,
@@ -29,6 +29,7 @@ use tandem_protocol::grpc::{
 use tandem_protocol::{HashSeed, RequestId, WorkerRole};
 use tandem_worker::{
     HostOutput, KvDigest, RequestHandle, WorkerConfig, WorkerContext, WorkerDeps, WorkerError,
+    digest_block,
 };
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -151,6 +152,8 @@ struct Prefill {
     handle: RequestHandle,
     digest: KvDigest,
     sink: Sink,
+    /// The engine's arena when blocks are sent straight from it (exported by reference).
+    source: Option<Arc<Region>>,
     /// Fault injection: corrupt the first block sent, after hashing it.
     corrupt: bool,
 }
@@ -193,7 +196,19 @@ impl Prefill {
     async fn send(&mut self, blocks: Vec<ExportedBlock>) -> Result<Vec<PrefillChunk>, Status> {
         let mut inline = Vec::new();
         for mut b in blocks {
-            self.digest.update(&b.bytes);
+            if let Some(source) = &self.source {
+                // Pinned in the arena until the writer is closed: hash it where it is, and
+                // send it from there unless it has to be corrupted on the way.
+                digest_block(source, b.block, &mut self.digest)
+                    .map_err(|e| Status::internal(format!("reading exported KV: {e}")))?;
+                if self.corrupt {
+                    b.bytes = source
+                        .read_block(b.block)
+                        .map_err(|e| Status::internal(format!("reading exported KV: {e}")))?;
+                }
+            } else {
+                self.digest.update(&b.bytes);
+            }
             if std::mem::take(&mut self.corrupt) {
                 b.bytes[0] ^= 0x5a;
             }
@@ -215,10 +230,13 @@ impl Prefill {
                             blocks.len()
                         ))
                     })?;
-                    writer
-                        .put(dst, &b.bytes)
-                        .await
-                        .map_err(|e| Status::unavailable(format!("KV transfer put: {e}")))?;
+                    let put = match &self.source {
+                        Some(source) if b.bytes.is_empty() => {
+                            writer.put_region(dst, source, b.block).await
+                        }
+                        _ => writer.put(dst, &b.bytes).await,
+                    };
+                    put.map_err(|e| Status::unavailable(format!("KV transfer put: {e}")))?;
                 }
             }
         }
@@ -270,15 +288,30 @@ impl worker_server::Worker for PrefillService {
         self.ctx.check_accepting()?;
         let req = request.into_inner();
         let engine_req = self.engine_request(&req)?;
-        let sink = self.sink(&req).await?;
-        let handle = self
-            .ctx
-            .host
-            .submit_exporting(engine_req, req.from_token as usize)?;
+        let mut sink = self.sink(&req).await?;
+        // Through a transport, blocks go straight from the arena (they stay pinned there
+        // until the writer is closed); inline, they are copied into the messages.
+        let source = match &sink {
+            Sink::Transport { .. } => self.ctx.arena.clone(),
+            Sink::Inline => None,
+        };
+        let id = engine_req.id;
+        let handle = self.ctx.host.submit_exporting(
+            engine_req,
+            req.from_token as usize,
+            source.is_some(),
+        )?;
+        if let Sink::Transport { ticket, .. } = &mut sink
+            && source.is_some()
+        {
+            let host = self.ctx.host.clone();
+            ticket.on_closed(move || host.release_export(id));
+        }
         Ok(Response::new(prefill_stream(Prefill {
             handle,
             digest: KvDigest::default(),
             sink,
+            source,
             corrupt: self.ctx.config.corrupt_transfers,
         })))
     }

@@ -77,6 +77,7 @@ impl Transfers {
             cancel,
             closed: Some(tx),
             writer: None,
+            on_closed: None,
         })
     }
 
@@ -112,16 +113,32 @@ impl Transfers {
 
 /// A running transfer: owns its writer; cancelled by `AbortPrefill`. Dropping it closes the
 /// writer (after a flush, in the background) and only then marks the transfer closed.
-#[derive(Debug)]
 pub struct TransferTicket {
     key: Option<TransferKey>,
     transfers: Arc<Transfers>,
     cancel: CancellationToken,
     closed: Option<watch::Sender<bool>>,
     writer: Option<Box<dyn BlockWriter>>,
+    /// Runs once the writer is closed, before the transfer counts as closed (the prefill
+    /// worker releases the blocks it sent from).
+    on_closed: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl std::fmt::Debug for TransferTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferTicket")
+            .field("key", &self.key)
+            .field("writer", &self.writer)
+            .finish_non_exhaustive()
+    }
 }
 
 impl TransferTicket {
+    /// Sets what runs once the writer is closed.
+    pub fn on_closed(&mut self, f: impl FnOnce() + Send + 'static) {
+        self.on_closed = Some(Box::new(f));
+    }
+
     /// Cancelled when the caller aborts the transfer.
     pub fn cancelled(&self) -> CancellationToken {
         self.cancel.clone()
@@ -142,7 +159,11 @@ impl Drop for TransferTicket {
             return;
         };
         let transfers = self.transfers.clone();
+        let on_closed = self.on_closed.take();
         let finish = move || {
+            if let Some(f) = on_closed {
+                f();
+            }
             transfers.closed(&key);
             // Nobody may be waiting: the send only fails then.
             let _ = closed.send(true);

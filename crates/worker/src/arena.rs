@@ -127,18 +127,24 @@ impl ArenaStorage for RegionStorage {
 /// block-sized buffer (device).
 pub fn region_digest(region: &Region, blocks: &[u32]) -> Result<KvDigest, TransferError> {
     let mut digest = KvDigest::default();
-    let mut buf = Vec::new();
     for &b in blocks {
-        match region.memory_kind() {
-            MemoryKind::Host => digest.update(&region.lock_block(b)?),
-            MemoryKind::Cuda => {
-                buf.resize(region.bytes_per_block(), 0);
-                region.read_block_into(b, &mut buf)?;
-                digest.update(&buf);
-            }
-        }
+        digest_block(region, b, &mut digest)?;
     }
     Ok(digest)
+}
+
+/// Folds block `block` of `region` into `digest`, read in place (host) or through a
+/// block-sized buffer (device).
+pub fn digest_block(
+    region: &Region,
+    block: u32,
+    digest: &mut KvDigest,
+) -> Result<(), TransferError> {
+    match region.memory_kind() {
+        MemoryKind::Host => digest.update(&region.lock_block(block)?),
+        MemoryKind::Cuda => digest.update(&region.read_block(block)?),
+    }
+    Ok(())
 }
 
 #[cfg(test)]

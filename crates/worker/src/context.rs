@@ -106,6 +106,9 @@ pub struct WorkerContext {
     pub transport: Option<Arc<dyn Transport>>,
     /// The engine's arena as prefill workers see it (decode workers with a transport).
     pub exposed: Option<ExposedArena>,
+    /// The region the engine's device arena lives in, when it is one (a transport's memory
+    /// or GPU memory): prefill workers send blocks straight from it.
+    pub arena: Option<Arc<Region>>,
     draining: Arc<AtomicBool>,
     /// Cancelled when the worker stops for good (after draining): ends its tasks.
     stop: CancellationToken,
@@ -120,7 +123,7 @@ impl WorkerContext {
         let events = deps.events.clone();
         config.engine.pool.worker_id = config.worker_id;
         let (region, exposed) = arena_region(&config, deps.transport.as_deref()).await?;
-        let engine = match region {
+        let engine = match region.clone() {
             Some(region) => MockEngine::with_device_storage(
                 config.engine.clone(),
                 Box::new(RegionStorage::new(region)),
@@ -142,6 +145,7 @@ impl WorkerContext {
             host,
             transport: deps.transport.clone(),
             exposed,
+            arena: region,
             draining: Arc::new(AtomicBool::new(false)),
             stop,
             tasks,
@@ -280,9 +284,10 @@ impl WorkerContext {
 }
 
 /// The region the engine's device arena lives in, and its exposure on the transport: a
-/// decode worker with a transport allocates it from the transport (UCX shared memory, so a
-/// prefill worker on the same host maps it) or in CUDA memory, and exposes it; any worker
-/// with [`KvMemory::Cuda`] gets CUDA memory. None: the engine allocates host memory itself.
+/// worker with a transport allocates it from the transport (UCX shared memory, so a peer on
+/// the same host maps it) unless it is in CUDA memory; a decode worker exposes it (prefill
+/// workers write into it), a prefill worker sends from it. Any worker with
+/// [`KvMemory::Cuda`] gets CUDA memory. None: the engine allocates host memory itself.
 async fn arena_region(
     config: &WorkerConfig,
     transport: Option<&dyn Transport>,
@@ -297,7 +302,7 @@ async fn arena_region(
     let region = match (config.kv_memory, transport) {
         (KvMemory::Cuda { ordinal }, _) => Region::cuda(ordinal, blocks, bytes)
             .map_err(|e| WorkerError::InvalidRequest(format!("--kv-memory cuda:{ordinal}: {e}")))?,
-        (KvMemory::Host, Some(t)) if exposes => t
+        (KvMemory::Host, Some(t)) => t
             .alloc_region(blocks, bytes)
             .await
             .map_err(|e| WorkerError::Internal(format!("KV region: {e}")))?,

@@ -142,18 +142,27 @@ impl EngineHost {
 
     /// Queues a request whose prompt KV from token `from_token` on is exported as it is
     /// computed ([`HostOutput::Blocks`]); the prefill worker's side of a remote prefill.
+    /// `by_reference`: the blocks are named, not copied, and stay pinned in the arena after
+    /// the request ends until [`release_export`](Self::release_export).
     pub fn submit_exporting(
         &self,
         req: EngineRequest,
         from_token: usize,
+        by_reference: bool,
     ) -> Result<RequestHandle, WorkerError> {
-        self.submit_inner(req, Some(from_token))
+        self.submit_inner(req, Some((from_token, by_reference)))
+    }
+
+    /// The consumer of an export by reference is done with its blocks.
+    pub fn release_export(&self, id: RequestId) {
+        self.inner.state.lock().engine.release_export(id);
+        self.inner.work.notify_one();
     }
 
     fn submit_inner(
         &self,
         req: EngineRequest,
-        export_from: Option<usize>,
+        export_from: Option<(usize, bool)>,
     ) -> Result<RequestHandle, WorkerError> {
         let id = req.id;
         let now = self.now_us();
@@ -164,8 +173,12 @@ impl EngineHost {
                 return Err(WorkerError::DuplicateRequest(id.0));
             }
             st.engine.add_request(req, now).map_err(scheduler_error)?;
-            if let Some(from) = export_from {
-                st.engine.export_kv(id, from);
+            match export_from {
+                Some((from, true)) => st.engine.export_kv_by_reference(id, from),
+                Some((from, false)) => st.engine.export_kv(id, from),
+                None => {}
+            }
+            if export_from.is_some() {
                 st.exporting.push(id);
             }
             st.outputs.insert(id, tx);

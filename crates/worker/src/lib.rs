@@ -20,7 +20,7 @@ pub mod digest;
 pub mod error;
 pub mod host;
 
-pub use arena::{KvMemory, RegionStorage, region_digest};
+pub use arena::{KvMemory, RegionStorage, digest_block, region_digest};
 pub use context::{ExposedArena, WorkerConfig, WorkerContext, WorkerDeps};
 pub use digest::KvDigest;
 pub use error::WorkerError;

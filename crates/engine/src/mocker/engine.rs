@@ -67,10 +67,13 @@ impl PlannedStep {
     }
 }
 
-/// One exported prompt block: `index` 0 is the block holding the export's first token.
+/// One exported prompt block: `index` 0 is the block holding the export's first token;
+/// `block` is where it lives in the device arena. `bytes` is a copy of it, or empty for an
+/// export by reference ([`MockEngine::export_kv_by_reference`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportedBlock {
     pub index: usize,
+    pub block: u32,
     pub bytes: Vec<u8>,
 }
 
@@ -82,6 +85,8 @@ struct KvExport {
     next_block: usize,
     ready: Vec<ExportedBlock>,
     finished: bool,
+    /// Report block ids only (no copies): the blocks are pinned until released.
+    by_reference: bool,
 }
 
 impl KvExport {
@@ -108,7 +113,12 @@ impl KvExport {
             };
             self.ready.push(ExportedBlock {
                 index: self.next_block - self.first_block,
-                bytes: arena.block_bytes(block),
+                block,
+                bytes: if self.by_reference {
+                    Vec::new()
+                } else {
+                    arena.block_bytes(block)
+                },
             });
             self.next_block += 1;
         }
@@ -342,6 +352,25 @@ impl MockEngine {
     /// exactly what a decode engine's [`begin_remote_prefill`](Self::begin_remote_prefill)
     /// blocks must receive.
     pub fn export_kv(&mut self, id: RequestId, from_token: usize) {
+        self.start_export(id, from_token, false);
+    }
+
+    /// Like [`export_kv`](Self::export_kv), without copies: the exported blocks are named by
+    /// their place in the device arena, and the request's blocks stay pinned (unchanged, not
+    /// reused) after it finishes, until [`release_export`](Self::release_export) — the
+    /// caller reads them there (a transport sending straight from the arena).
+    pub fn export_kv_by_reference(&mut self, id: RequestId, from_token: usize) {
+        self.start_export(id, from_token, true);
+        self.sched.pin_when_finished(id);
+    }
+
+    /// Ends an export by reference: the finished request's pinned blocks are released (no-op
+    /// when none are).
+    pub fn release_export(&mut self, id: RequestId) {
+        self.sched.release_pinned(id);
+    }
+
+    fn start_export(&mut self, id: RequestId, from_token: usize, by_reference: bool) {
         let bs = self.sched.pool().block_size().tokens();
         self.exports.insert(
             id,
@@ -350,6 +379,7 @@ impl MockEngine {
                 next_block: from_token / bs,
                 ready: Vec::new(),
                 finished: false,
+                by_reference,
             },
         );
     }

@@ -351,3 +351,58 @@ fn a_device_arena_in_external_storage_serves_like_the_default_one() {
     let e = MockEngine::with_device_storage(cfg, short).unwrap_err();
     assert!(e.to_string().contains("needs"), "{e}");
 }
+
+/// An export by reference names arena blocks instead of copying them; they stay pinned with
+/// the bytes a copy would have had until released, even under pressure for blocks, and the
+/// request id stays taken until then.
+#[test]
+fn an_export_by_reference_pins_its_blocks_until_released() {
+    let mut copy = small(8);
+    let mut r = request(1, prompt(6, 18), 1);
+    copy.add_request(r.clone(), 0).unwrap();
+    copy.export_kv(ID, 0);
+    drain(&mut copy, &mut 0);
+    let copied = copy.take_exported(ID).unwrap().0;
+
+    let mut p = small(8);
+    r.max_tokens = 1;
+    p.add_request(r.clone(), 0).unwrap();
+    p.export_kv_by_reference(ID, 0);
+    drain(&mut p, &mut 0);
+    let (named, finished) = p.take_exported(ID).unwrap();
+    assert!(finished);
+    assert_eq!(named.len(), copied.len());
+    for (n, c) in named.iter().zip(&copied) {
+        assert!(n.bytes.is_empty(), "no copy");
+        assert_eq!(n.index, c.index);
+        assert_eq!(p.pool().device_arena().block_bytes(n.block), c.bytes);
+    }
+    assert_eq!(p.pool().held_blocks(), 5, "the whole table is pinned");
+    p.pool().check_invariants().unwrap();
+    assert!(matches!(
+        p.add_request(r.clone(), 0),
+        Err(SchedulerError::DuplicateRequest(_))
+    ));
+    // Another request wants every block: the pinned ones are not its to take.
+    p.add_request(request(2, prompt(7, 30), 1), 0).unwrap();
+    let mut now = 0;
+    while let Some(step) = p.begin_step(now) {
+        now += step.duration_us();
+        p.finish_step(now);
+        if now > 10_000_000 {
+            break;
+        }
+    }
+    for (n, c) in named.iter().zip(&copied) {
+        assert_eq!(
+            p.pool().device_arena().block_bytes(n.block),
+            c.bytes,
+            "unchanged"
+        );
+    }
+    p.release_export(ID);
+    assert_eq!(p.pool().held_blocks(), 0);
+    p.pool().check_invariants().unwrap();
+    drain(&mut p, &mut now);
+    p.add_request(r, now).unwrap();
+}

@@ -209,7 +209,25 @@ impl BlockPool {
         Ok(())
     }
 
-    /// Ends a [`hold`](Self::hold): blocks no sequence references any more become free.
+    /// Keeps the whole table of `seq` (its cached prefix included) out of reuse after the
+    /// sequence ends, until [`release_hold`](Self::release_hold) with the returned blocks:
+    /// what a prefill worker sends by reference stays as computed until the transport has
+    /// read it. The table is a whole prefix, so closure holds while it is pinned.
+    pub fn pin(&mut self, seq: RequestId) -> Result<Vec<u32>, PoolError> {
+        let blocks = self
+            .seqs
+            .get(&seq)
+            .ok_or(PoolError::UnknownSequence(seq))?
+            .blocks
+            .clone();
+        for &b in &blocks {
+            self.take_ref(b);
+            *self.held.entry(b).or_insert(0) += 1;
+        }
+        Ok(blocks)
+    }
+
+    /// Ends a [`hold`](Self::hold) or a [`pin`](Self::pin): blocks no sequence references any more become free.
     /// All or nothing.
     pub fn release_hold(&mut self, blocks: &[u32]) -> Result<(), PoolError> {
         let mut counts: HashMap<u32, u32> = HashMap::new();
@@ -234,7 +252,7 @@ impl BlockPool {
         Ok(())
     }
 
-    /// Device blocks held for transfers (see [`hold`](Self::hold)).
+    /// Device blocks held for transfers (see [`hold`](Self::hold) and [`pin`](Self::pin)).
     pub fn held_blocks(&self) -> usize {
         self.held.len()
     }
@@ -392,9 +410,6 @@ impl BlockPool {
         }
         for (&b, &n) in &self.held {
             refs[b as usize] += n;
-            if self.device[b as usize].cached.is_some() {
-                return Err(format!("held block {b} is cached"));
-            }
         }
         let free: hashbrown::HashSet<u32> = self.device_free.iter().copied().collect();
         if free.len() != self.device_free.len() {

@@ -124,6 +124,10 @@ impl Scheduler {
         if finish.is_some() {
             self.seqs.remove(&id);
             self.stats.finished += 1;
+            if self.pin_on_finish.remove(&id) {
+                let blocks = self.pool.pin(id)?;
+                self.pinned.insert(id, blocks);
+            }
             self.pool.free(id)?;
             return Ok(true);
         }

@@ -380,6 +380,10 @@ pub struct Scheduler {
     in_flight: bool,
     stats: SchedulerStats,
     last_now_us: u64,
+    /// Requests whose blocks are pinned when they finish (see [`Scheduler::pin_when_finished`]).
+    pin_on_finish: hashbrown::HashSet<RequestId>,
+    /// Finished requests' pinned blocks, until released.
+    pinned: HashMap<RequestId, Vec<u32>>,
 }
 
 impl Scheduler {
@@ -414,6 +418,8 @@ impl Scheduler {
             in_flight: false,
             stats: SchedulerStats::default(),
             last_now_us: 0,
+            pin_on_finish: hashbrown::HashSet::new(),
+            pinned: HashMap::new(),
         })
     }
 
@@ -457,18 +463,42 @@ impl Scheduler {
             // A recompute after preemption prefills up to `needed` tokens in one step.
             return Err(SchedulerError::ExceedsStepBudget { id, needed, budget });
         }
-        if self.seqs.contains_key(&id) {
+        if self.seqs.contains_key(&id) || self.pinned.contains_key(&id) {
             return Err(SchedulerError::DuplicateRequest(id));
         }
         Ok(())
+    }
+
+    /// When request `id` finishes, its blocks stay pinned (out of reuse, bytes unchanged)
+    /// until [`release_pinned`](Self::release_pinned); its id stays taken until then.
+    pub fn pin_when_finished(&mut self, id: RequestId) {
+        if self.seqs.contains_key(&id) {
+            self.pin_on_finish.insert(id);
+        }
+    }
+
+    /// Releases the blocks pinned when `id` finished; false when none are.
+    pub fn release_pinned(&mut self, id: RequestId) -> bool {
+        let Some(blocks) = self.pinned.remove(&id) else {
+            return false;
+        };
+        let released = self.pool.release_hold(&blocks);
+        debug_assert!(released.is_ok(), "pinned blocks of {id} were held");
+        true
+    }
+
+    /// Blocks of finished requests still pinned.
+    pub fn pinned_blocks(&self) -> usize {
+        self.pinned.values().map(Vec::len).sum()
     }
 
     /// Drops a request wherever it is (awaiting KV included) and frees its blocks. Safe while a step is in flight: the
     /// request's entry is skipped when the step completes. False when the request is unknown
     /// (finished already, or never added).
     pub fn abort(&mut self, id: RequestId) -> bool {
+        self.pin_on_finish.remove(&id);
         let Some(seq) = self.seqs.remove(&id) else {
-            return false;
+            return self.release_pinned(id);
         };
         if seq.phase() == RequestPhase::Waiting {
             if let Some(pos) = self.waiting.iter().position(|w| *w == id) {
