@@ -98,3 +98,81 @@ fn disaggregated_output_equals_aggregated_inline() {
 fn a_corrupted_transfer_falls_back_to_the_same_output() {
     disaggregated_equals_aggregated("ucx", true);
 }
+
+/// A decode worker killed (-9) while a prefill worker computes and writes a prompt's KV
+/// into it: the prefill worker ends the transfer and holds no block afterwards (the blocks it
+/// sends from stay pinned only until its writer is closed).
+#[test]
+fn a_decode_worker_killed_mid_transfer_leaves_no_blocks_on_the_prefill_worker() {
+    use tandem_protocol::LoadReport;
+    use tandem_runtime::events::{EventPlane, NatsConfig, NatsEventPlane, subjects};
+
+    let _serial = serial();
+    // Slow steps: the ~7k-token prompt takes seconds to prefill, so the kill lands mid-way.
+    let mut c = Cluster::start(
+        "kill-mid-transfer",
+        Options {
+            prefill: 1,
+            decode: 1,
+            disagg: "always",
+            speedup: 0.1,
+            ..Options::default()
+        },
+    );
+    let plane =
+        c.rt.block_on(NatsEventPlane::connect(NatsConfig {
+            url: c.nats.url(),
+            ..NatsConfig::default()
+        }))
+        .unwrap();
+    let mut loads =
+        c.rt.block_on(plane.subscribe(&subjects::load_reports(&c.namespace)))
+            .unwrap();
+    let prefill = prefill_id(0);
+    let addr = c.addr;
+    let body = chat(&words(8, 6000), "Summarise.", 8).to_string();
+    let request =
+        std::thread::spawn(move || common::http::post_json(addr, "/v1/chat/completions", &body));
+    let report =
+        |loads: &mut _, rt: &tokio::runtime::Runtime, what: &str, f: fn(&LoadReport) -> bool| {
+            wait_report(rt, loads, prefill, what, f)
+        };
+    report(&mut loads, &c.rt, "prefilling", |r| {
+        r.running_requests == 1 && r.kv_active_blocks > 0
+    });
+    c.worker(common::cluster::decode_id(0)).kill9();
+    report(&mut loads, &c.rt, "idle after the kill", |r| {
+        r.running_requests == 0 && r.waiting_requests == 0 && r.kv_active_blocks == 0
+    });
+    assert!(
+        c.worker(prefill).is_running(),
+        "the prefill worker survives"
+    );
+    // The request ends (no decode worker is left to serve it), it does not hang.
+    let answer = request.join().expect("the request thread");
+    assert!(answer.is_ok_and(|r| r.status != 200));
+}
+
+/// Waits up to 20 s for a load report of `worker` satisfying `f`.
+fn wait_report(
+    rt: &tokio::runtime::Runtime,
+    loads: &mut tandem_runtime::events::Subscription,
+    worker: u64,
+    what: &str,
+    f: fn(&tandem_protocol::LoadReport) -> bool,
+) {
+    use tandem_protocol::Envelope;
+    rt.block_on(async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let bytes = tokio::time::timeout_at(deadline, loads.next())
+                .await
+                .unwrap_or_else(|_| panic!("no load report of worker {worker} {what}"))
+                .expect("the subscription lives");
+            let r = tandem_protocol::LoadReport::decode(&bytes).unwrap();
+            if r.worker_id.0 == worker && f(&r) {
+                return;
+            }
+        }
+    })
+}
