@@ -374,6 +374,19 @@ struct RogueWriter {
     aborts: Arc<std::sync::atomic::AtomicUsize>,
 }
 
+impl RogueWriter {
+    fn new(transport: Arc<dyn Transport>, answer_aborts: bool, abort_delay: Duration) -> Self {
+        RogueWriter {
+            transport,
+            answer_aborts,
+            abort_delay,
+            stop_writing: CancellationToken::new(),
+            writer_task: Arc::default(),
+            aborts: Arc::default(),
+        }
+    }
+}
+
 type ChunkStream<T> =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<T, tonic::Status>> + Send>>;
 
@@ -473,14 +486,7 @@ async fn an_abandoned_transfer_cannot_corrupt_the_blocks_used_after_it() {
         let mut deps = deps();
         let transport = transport(kind).await;
         deps.transport = Some(transport.clone());
-        let rogue = RogueWriter {
-            transport,
-            answer_aborts: true,
-            abort_delay: Duration::from_millis(400),
-            stop_writing: CancellationToken::new(),
-            writer_task: Arc::default(),
-            aborts: Arc::default(),
-        };
+        let rogue = RogueWriter::new(transport, true, Duration::from_millis(400));
         let (p, _) = start_rogue(rogue.clone()).await;
         let mut dcfg = config(2, WorkerRole::Decode);
         dcfg.prefill_timeout = Duration::from_millis(300);
@@ -536,14 +542,7 @@ async fn unconfirmed_transfer_blocks_come_back_after_the_fence_timeout() {
         .subscribe(&subjects::load_reports("default"))
         .await
         .unwrap();
-    let rogue = RogueWriter {
-        transport,
-        answer_aborts: false,
-        abort_delay: Duration::ZERO,
-        stop_writing: CancellationToken::new(),
-        writer_task: Arc::default(),
-        aborts: Arc::default(),
-    };
+    let rogue = RogueWriter::new(transport, false, Duration::ZERO);
     let (p, _) = start_rogue(rogue.clone()).await;
     let mut dcfg = config(2, WorkerRole::Decode);
     dcfg.prefill_timeout = Duration::from_millis(200);

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tandem_engine::{MockEngine, MockEngineConfig};
-use tandem_kv_transfer::{Region, RegionDescriptor, Transport};
+use tandem_kv_transfer::{MemoryKind, Region, RegionDescriptor, Transport};
 use tandem_protocol::grpc::{
     HealthReply, KvEventsReply, KvEventsRequest, kv_events_reply, worker_server,
 };
@@ -310,10 +310,15 @@ async fn arena_region(
     };
     let exposed = match transport {
         Some(t) if exposes => {
-            let descriptor = t
-                .expose(region.clone())
-                .await
-                .map_err(|e| WorkerError::Internal(format!("exposing the KV arena: {e}")))?;
+            let descriptor = t.expose(region.clone()).await.map_err(|e| {
+                let hint = if region.memory_kind() == MemoryKind::Cuda {
+                    " (GPU memory needs a transport that can reach it: a UCX built with \
+                     CUDA support, or --kv-transport tcp)"
+                } else {
+                    ""
+                };
+                WorkerError::InvalidRequest(format!("exposing the KV arena: {e}{hint}"))
+            })?;
             tracing::info!(
                 transport = t.kind().as_str(),
                 memory = %region.memory_kind(),
