@@ -1,9 +1,11 @@
 //! The `tandem` binary: parses flags and hands them to the library code that does the work.
 
+mod bench;
 mod replay;
 mod serve;
 mod sim;
 mod up;
+mod workload_args;
 
 use clap::{Parser, Subcommand};
 use tandem_protocol::WorkerRole;
@@ -40,6 +42,10 @@ enum Command {
     Decode(Box<serve::WorkerArgs>),
     /// The global KV index as a standalone gRPC service shared by frontend replicas.
     Indexer(Box<serve::IndexerArgs>),
+    /// Open-loop load against any OpenAI-compatible endpoint (the workloads of `tandem sim`):
+    /// TTFT, TPOT, ITL and E2E percentiles, goodput under an SLO, the prefix-cache hit rate;
+    /// rate sweeps, JSON, SVG plots.
+    Bench(Box<bench::BenchArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -52,6 +58,7 @@ fn main() -> anyhow::Result<()> {
         Command::Prefill(args) => block_on(serve::run_worker(*args, WorkerRole::Prefill)),
         Command::Decode(args) => block_on(serve::run_worker(*args, WorkerRole::Decode)),
         Command::Indexer(args) => block_on(serve::run_indexer(*args)),
+        Command::Bench(args) => block_on(bench::run(*args)),
     }
 }
 

@@ -535,3 +535,91 @@ fn a_standalone_indexer_serves_the_frontends_routing() {
         "the frontend keeps no index of its own"
     );
 }
+
+/// `tandem bench` against a live cluster: every request of a shared-prefix workload
+/// completes, the endpoint's prefix-cache hits show, and the JSON record holds what was
+/// measured; a model the endpoint does not serve is refused before any load is sent.
+#[test]
+fn bench_drives_a_live_cluster_and_records_what_it_measured() {
+    let _serial = serial();
+    let c = Cluster::start(
+        "bench",
+        Options {
+            decode: 2,
+            ..Options::default()
+        },
+    );
+    let url = format!("http://{}", c.addr);
+    let out = c.dir.join("bench.json");
+    let plots = c.dir.join("plots");
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--url",
+            &url,
+            "--workload",
+            "shared-prefix",
+            "--requests",
+            "24",
+            "--rate",
+            "20",
+            "--isl",
+            "64",
+            "--osl",
+            "8",
+            "--prefix-len",
+            "512",
+            "--prefix-groups",
+            "2",
+            "--seed",
+            "3",
+            "--quiet",
+        ];
+        args.extend_from_slice(extra);
+        std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(&args)
+            .output()
+            .unwrap()
+    };
+    let run = bench(&[
+        "--json",
+        out.to_str().unwrap(),
+        "--plot-dir",
+        plots.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        stdout.contains("| completed / failed | 24 / 0 |"),
+        "{stdout}"
+    );
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(report["completed"], 24);
+    assert_eq!(report["failed"], 0);
+    assert_eq!(report["completion_tokens"], 24 * 8);
+    // ~one token per word: 576 words per prompt, plus the template's few.
+    let prompt = report["prompt_tokens"].as_u64().unwrap();
+    assert!((24 * 550..24 * 700).contains(&prompt), "{prompt}");
+    // Two groups of 12 sharing a 512-token prefix: all but the first of each group (and
+    // the first on each worker) hit.
+    let hit = report["cache_hit_rate"].as_f64().unwrap();
+    assert!(hit > 0.5, "hit rate {hit}");
+    let (ttft, e2e) = (&report["ttft_ms"], &report["e2e_ms"]);
+    assert_eq!(ttft["count"], 24);
+    assert!(ttft["p50"].as_f64().unwrap() > 0.0);
+    assert!(ttft["p50"].as_f64().unwrap() <= e2e["p50"].as_f64().unwrap());
+    assert_eq!(report["records"].as_array().unwrap().len(), 24);
+    assert!(plots.join("ttft_cdf.svg").exists());
+
+    let refused = bench(&["--model", "gpt-nope"]);
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("does not serve model \"gpt-nope\""),
+        "{stderr}"
+    );
+}

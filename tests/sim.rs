@@ -162,11 +162,15 @@ fn arrival_jitter_zero_is_byte_identical_to_no_flag_and_positive_is_repeatable()
         json(
             "zero-env.json",
             &[],
-            &[("TANDEM_SIM_ARRIVAL_JITTER_MS", "0")]
+            &[("TANDEM_WORKLOAD_ARRIVAL_JITTER_MS", "0")]
         )
     );
     let a = json("a.json", &["--arrival-jitter-ms", "250"], &[]);
-    let b = json("b.json", &[], &[("TANDEM_SIM_ARRIVAL_JITTER_MS", "250")]);
+    let b = json(
+        "b.json",
+        &[],
+        &[("TANDEM_WORKLOAD_ARRIVAL_JITTER_MS", "250")],
+    );
     assert_eq!(a, b);
     assert_ne!(a, plain);
     let v: serde_json::Value = serde_json::from_slice(&a).unwrap();

@@ -78,6 +78,8 @@ pub use metrics::{SimReport, Spread};
 pub use sweep::{SweepPoint, SweepReport, sweep};
 /// The router's names and knobs a [`SimConfig`] is made of, for callers that build one.
 pub use tandem_router::{DisaggConfig, DisaggMode, KvConfig, PolicyConfig, PolicyKind};
+/// The requests of a workload (what `tandem bench` sends to a live endpoint).
+pub use workload::{PromptSpec, RequestSpec, build as build_workload};
 
 /// Runs one simulation to the end of its last request.
 pub fn run(config: SimConfig) -> Result<SimReport, SimError> {

@@ -17,7 +17,7 @@ const VOCAB: u64 = 32_000;
 
 /// One request before it arrives.
 #[derive(Clone, Debug)]
-pub(crate) struct RequestSpec {
+pub struct RequestSpec {
     pub arrival_us: u64,
     pub max_tokens: u32,
     pub prompt: PromptSpec,
@@ -25,13 +25,14 @@ pub(crate) struct RequestSpec {
 
 /// A prompt, to be expanded into tokens at arrival.
 #[derive(Clone, Debug)]
-pub(crate) enum PromptSpec {
+pub enum PromptSpec {
     Trace(TraceRecord),
     /// Up to two streams back to back: `(stream id, tokens)`; a zero length is skipped.
     Streams([(u64, u32); 2]),
 }
 
 impl PromptSpec {
+    #[allow(clippy::len_without_is_empty)] // a prompt is never empty
     pub fn len(&self) -> usize {
         match self {
             PromptSpec::Trace(r) => r.input_length as usize,
@@ -79,7 +80,7 @@ fn stream_id(seed: u64, kind: u8, n: u64) -> u64 {
 /// offsets), and the requests are sorted again, stably: ties still go by generation order. The
 /// time origin stays the first *generated* arrival, so request `k` arrives in `[t_k, t_k + J)`.
 /// With 0 nothing is drawn and the result is exactly the unjittered one.
-pub(crate) fn build(
+pub fn build(
     cfg: &WorkloadConfig,
     seed: u64,
     jitter_us: u64,
