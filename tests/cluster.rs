@@ -573,6 +573,8 @@ fn bench_drives_a_live_cluster_and_records_what_it_measured() {
             "2",
             "--seed",
             "3",
+            "--salt",
+            "s",
             "--quiet",
         ];
         args.extend_from_slice(extra);
@@ -613,6 +615,7 @@ fn bench_drives_a_live_cluster_and_records_what_it_measured() {
     assert!(ttft["p50"].as_f64().unwrap() > 0.0);
     assert!(ttft["p50"].as_f64().unwrap() <= e2e["p50"].as_f64().unwrap());
     assert_eq!(report["records"].as_array().unwrap().len(), 24);
+    assert_eq!(report["salt"], "s-0", "the salt of the first (only) rate");
     assert!(plots.join("ttft_cdf.svg").exists());
 
     let refused = bench(&["--model", "gpt-nope"]);

@@ -57,6 +57,11 @@ pub struct BenchArgs {
     /// SLO: mean time per output token after the first.
     #[arg(long, env = "TANDEM_BENCH_SLO_TPOT_MS", default_value_t = 25.0)]
     slo_tpot_ms: f64,
+    /// Every prompt of a run starts with `<salt>-<sweep point>`, so that runs and sweep
+    /// points do not hit the endpoint's prefix cache with each other's prompts (prompts of one
+    /// run still share what the workload shares). Default: random per invocation.
+    #[arg(long, env = "TANDEM_BENCH_SALT")]
+    salt: Option<String>,
     /// No progress line on stderr.
     #[arg(long, env = "TANDEM_BENCH_QUIET")]
     quiet: bool,
@@ -86,11 +91,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Some(r) => parse_rates(r)?,
         None => vec![offered_rate(&base_cfg)],
     };
+    let salt = args.salt.clone().unwrap_or_else(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        format!("{:08x}", nanos ^ std::process::id())
+    });
     let mut points = Vec::new();
-    for rate in &rates {
+    for (k, rate) in rates.iter().enumerate() {
         let cfg = at_rate(&base_cfg, *rate);
-        let records = run_once(&args, &http, &base, &cfg).await?;
-        let report = BenchReport::new(&base, *rate, slo, records);
+        let salt = format!("{salt}-{k}");
+        let records = run_once(&args, &http, &base, &cfg, &salt).await?;
+        let mut report = BenchReport::new(&base, *rate, slo, records);
+        report.salt = salt;
         if report.completed == 0 {
             let why = report.failures.first().map_or("", |(m, _)| m.as_str());
             bail!("no request succeeded at rate {rate}: {why}");
@@ -170,6 +183,7 @@ async fn run_once(
     http: &reqwest::Client,
     base: &str,
     cfg: &WorkloadConfig,
+    salt: &str,
 ) -> anyhow::Result<Vec<Record>> {
     let specs = tandem_sim::build_workload(cfg, args.workload.seed, args.workload.jitter_us()?)?;
     let total = specs.len();
@@ -189,7 +203,7 @@ async fn run_once(
         let call = Call {
             api: args.api,
             model: args.model.clone(),
-            prompt: text::prompt_text(&spec.prompt.tokens()),
+            prompt: format!("{salt} {}", text::prompt_text(&spec.prompt.tokens())),
             max_tokens: spec.max_tokens,
             ignore_eos: args.ignore_eos,
         };

@@ -55,6 +55,8 @@ pub struct BenchReport {
     pub url: String,
     /// Requests per second offered (synthetic), or the trace's arrival speedup.
     pub rate: f64,
+    /// What every prompt of the run started with (`--salt`).
+    pub salt: String,
     pub requests: usize,
     pub completed: usize,
     pub failed: usize,
@@ -110,6 +112,7 @@ impl BenchReport {
         BenchReport {
             url: url.to_string(),
             rate,
+            salt: String::new(),
             requests: records.len(),
             completed: ok.len(),
             failed: records.len() - ok.len(),
