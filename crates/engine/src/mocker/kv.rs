@@ -156,19 +156,25 @@ pub fn write_tokens(
         }
         h
     };
-    for pos in range.clone() {
-        let in_block = pos % bs;
-        let prev = if in_block == 0 {
-            block_start_hash(hashes, pos / bs, seed)
-        } else {
-            h
-        };
-        h = token_prefix_hash(prev, tokens[pos], seed);
+    // One arena access per block (a lock, or a device round trip, each), not per token.
+    let mut pos = range.start;
+    while pos < range.end {
+        let block_end = ((pos / bs + 1) * bs).min(range.end);
         arena.with_block_mut(table[pos / bs], |block| {
-            for layer in 0..layout.layers {
-                fill_slot(&mut block[layout.slot(in_block, layer)], h, pos, layer);
+            for p in pos..block_end {
+                let in_block = p % bs;
+                let prev = if in_block == 0 {
+                    block_start_hash(hashes, p / bs, seed)
+                } else {
+                    h
+                };
+                h = token_prefix_hash(prev, tokens[p], seed);
+                for layer in 0..layout.layers {
+                    fill_slot(&mut block[layout.slot(in_block, layer)], h, p, layer);
+                }
             }
         });
+        pos = block_end;
     }
     state.cursor = range.end;
     state.cursor_hash = h;
