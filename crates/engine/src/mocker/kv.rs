@@ -161,14 +161,14 @@ pub fn write_tokens(
     while pos < range.end {
         let block_end = ((pos / bs + 1) * bs).min(range.end);
         arena.with_block_mut(table[pos / bs], |block| {
-            for p in pos..block_end {
+            for (p, &token) in tokens.iter().enumerate().take(block_end).skip(pos) {
                 let in_block = p % bs;
                 let prev = if in_block == 0 {
                     block_start_hash(hashes, p / bs, seed)
                 } else {
                     h
                 };
-                h = token_prefix_hash(prev, tokens[p], seed);
+                h = token_prefix_hash(prev, token, seed);
                 for layer in 0..layout.layers {
                     fill_slot(&mut block[layout.slot(in_block, layer)], h, p, layer);
                 }
