@@ -29,6 +29,14 @@ fn a_killed_decode_worker_leaves_the_pool_and_its_streams_migrate() {
             ..Options::default()
         },
     );
+    // Each worker's last load report is on /metrics, per worker.
+    let total =
+        |id: u64| format!("tandem_worker_kv_total_blocks{{worker=\"{id}\",role=\"decode\"}}");
+    c.wait_metrics("per-worker series", Duration::from_secs(5), |m| {
+        [decode_id(0), decode_id(1)]
+            .iter()
+            .all(|&id| m.0.get(&total(id)) == Some(&4096.0))
+    });
     let system = words(6, 1500);
     let first = c.chat(&chat(&system, "Warm up.", 4));
     let prompt = first.completion.usage.prompt_tokens;
@@ -88,6 +96,11 @@ fn a_killed_decode_worker_leaves_the_pool_and_its_streams_migrate() {
             && m.index_entries() <= blocks(prompt + 400) + 8
     });
     assert!(m.feed("purges") >= 1);
+    assert!(
+        !m.0.contains_key(&total(home)),
+        "the dead worker's series are gone"
+    );
+    assert_eq!(m.0.get(&total(other)), Some(&4096.0));
 
     // With the last worker killed mid-stream there is nowhere to migrate: the stream ends
     // with an error event and [DONE], promptly; new requests get a 503.

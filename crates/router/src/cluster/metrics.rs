@@ -1,4 +1,5 @@
-//! The cluster view's gauges on the frontend's `/metrics`: workers known per pool, the KV
+//! The cluster view's gauges on the frontend's `/metrics`: workers known per pool, each
+//! worker's load as it last reported it (requests, pending prefill, KV blocks in use), the KV
 //! index's size, and the feed's counters (events applied, gaps, repairs, dumps, purges).
 //! Refreshed from the view every [`REFRESH`] by one task, so a scrape never takes the
 //! index lock.
@@ -20,6 +21,13 @@ const REFRESH: Duration = Duration::from_millis(250);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RoleLabel {
+    role: &'static str,
+}
+
+/// One worker's series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabel {
+    worker: u64,
     role: &'static str,
 }
 
@@ -117,11 +125,44 @@ pub fn register(
         "KV index feed counters since start: events_applied, gaps, repairs, dumps, purges",
         feed.clone(),
     );
+    let per_worker = PerWorker::default();
+    for (name, help, family) in [
+        (
+            "tandem_worker_running_requests",
+            "Requests a worker runs, as of its last load report",
+            &per_worker.running,
+        ),
+        (
+            "tandem_worker_waiting_requests",
+            "Requests queued on a worker, as of its last load report",
+            &per_worker.waiting,
+        ),
+        (
+            "tandem_worker_pending_prefill_tokens",
+            "Prompt tokens a worker has yet to prefill, as of its last load report",
+            &per_worker.pending_prefill,
+        ),
+        (
+            "tandem_worker_kv_active_blocks",
+            "Device KV blocks a worker has in use (running requests, transfers in flight or \
+             held until fenced, blocks being sent), as of its last load report",
+            &per_worker.kv_active,
+        ),
+        (
+            "tandem_worker_kv_total_blocks",
+            "Device KV blocks of a worker",
+            &per_worker.kv_total,
+        ),
+    ] {
+        registry.register(name, help, family.clone());
+    }
     let gauges = ViewGauges {
         workers,
         index_workers,
         index_entries,
         feed,
+        per_worker,
+        shown: parking_lot::Mutex::default(),
     };
     // Once now, so that every series is on `/metrics` from the first scrape.
     gauges.refresh(&view);
@@ -142,14 +183,73 @@ struct ViewGauges {
     index_workers: Gauge<i64>,
     index_entries: Gauge<i64>,
     feed: Family<CounterLabel, Gauge>,
+    per_worker: PerWorker,
+    /// Worker series set on the last refresh (removed when their worker leaves).
+    shown: parking_lot::Mutex<Vec<WorkerLabel>>,
+}
+
+/// Per-worker gauges from the workers' load reports.
+#[derive(Default)]
+struct PerWorker {
+    running: Family<WorkerLabel, Gauge>,
+    waiting: Family<WorkerLabel, Gauge>,
+    pending_prefill: Family<WorkerLabel, Gauge>,
+    kv_active: Family<WorkerLabel, Gauge>,
+    kv_total: Family<WorkerLabel, Gauge>,
+}
+
+impl PerWorker {
+    fn families(&self) -> [&Family<WorkerLabel, Gauge>; 5] {
+        [
+            &self.running,
+            &self.waiting,
+            &self.pending_prefill,
+            &self.kv_active,
+            &self.kv_total,
+        ]
+    }
+
+    fn set(&self, label: &WorkerLabel, r: &tandem_protocol::LoadReport) {
+        let values = [
+            u64::from(r.running_requests),
+            u64::from(r.waiting_requests),
+            r.pending_prefill_tokens,
+            r.kv_active_blocks,
+            r.kv_total_blocks,
+        ];
+        for (family, v) in self.families().into_iter().zip(values) {
+            family.get_or_create(label).set(v as i64);
+        }
+    }
 }
 
 impl ViewGauges {
     fn refresh(&self, view: &ClusterView) {
-        let (d, p) = {
+        let (d, p, members) = {
             let reg = view.registry();
-            (reg.decode.len(), reg.prefill.len())
+            let members: Vec<WorkerLabel> = reg
+                .decode
+                .keys()
+                .map(|id| (id, "decode"))
+                .chain(reg.prefill.keys().map(|id| (id, "prefill")))
+                .map(|(id, role)| WorkerLabel { worker: id.0, role })
+                .collect();
+            (reg.decode.len(), reg.prefill.len(), members)
         };
+        let mut shown = self.shown.lock();
+        for gone in shown.iter().filter(|l| !members.contains(l)) {
+            for family in self.per_worker.families() {
+                family.remove(gone);
+            }
+        }
+        shown.clear();
+        for label in members {
+            if let Some(r) = view.report(tandem_protocol::WorkerId(label.worker)) {
+                self.per_worker.set(&label, &r);
+                shown.push(label);
+            }
+        }
+        drop(shown);
         self.workers
             .get_or_create(&RoleLabel { role: "decode" })
             .set(d as i64);
