@@ -1,6 +1,7 @@
 //! The `tandem` binary: parses flags and hands them to the library code that does the work.
 
 mod bench;
+mod plan;
 mod replay;
 mod serve;
 mod sim;
@@ -46,6 +47,9 @@ enum Command {
     /// TTFT, TPOT, ITL and E2E percentiles, goodput under an SLO, the prefix-cache hit rate;
     /// rate sweeps, JSON, SVG plots.
     Bench(Box<bench::BenchArgs>),
+    /// How many workers a load needs to meet its SLO, aggregated and split into prefill and
+    /// decode pools: `tandem sim` over candidate clusters.
+    Plan(Box<plan::PlanArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,6 +63,7 @@ fn main() -> anyhow::Result<()> {
         Command::Decode(args) => block_on(serve::run_worker(*args, WorkerRole::Decode)),
         Command::Indexer(args) => block_on(serve::run_indexer(*args)),
         Command::Bench(args) => block_on(bench::run(*args)),
+        Command::Plan(args) => plan::run(*args),
     }
 }
 

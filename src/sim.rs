@@ -72,11 +72,11 @@ pub struct SimArgs {
     #[arg(long, env = "TANDEM_SIM_SAMPLE_INTERVAL_MS", default_value_t = 1000.0)]
     sample_interval_ms: f64,
     #[command(flatten)]
-    out: crate::workload_args::OutputArgs,
+    pub(crate) out: crate::workload_args::OutputArgs,
 }
 
 impl SimArgs {
-    fn config(&self) -> anyhow::Result<SimConfig> {
+    pub(crate) fn config(&self) -> anyhow::Result<SimConfig> {
         let workload = self.workload.config()?;
         let (router, disagg) = self.routing.configs()?;
         let policy = router.policy;

@@ -179,3 +179,72 @@ fn arrival_jitter_zero_is_byte_identical_to_no_flag_and_positive_is_repeatable()
         60
     );
 }
+
+/// `tandem plan`: the fewest workers meeting the SLO, aggregated (by bisection) and split;
+/// the smallest answer is consistent with the runs it lists, and a load no cluster up to the
+/// limit can carry is said to be so.
+#[test]
+fn plan_finds_the_smallest_clusters_that_meet_the_slo() {
+    let dir = temp_dir("plan");
+    let json = dir.join("plan.json");
+    let plan = |workers: &str, rate: &str, extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--workers",
+            workers,
+            "--rate",
+            rate,
+            "--requests",
+            "300",
+            "--isl",
+            "2048",
+            "--osl",
+            "64",
+            "--seed",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(&args)
+            .output()
+            .unwrap()
+    };
+    let out = plan("8", "12", &["--json", json.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let agg = v["aggregated"]["decode_workers"]
+        .as_u64()
+        .expect("an aggregated answer");
+    let runs = v["runs"].as_array().unwrap();
+    let meets = |p: u64, d: u64| {
+        runs.iter()
+            .find(|r| r["prefill_workers"] == p && r["decode_workers"] == d)
+            .map(|r| r["meets_slo"].as_bool().unwrap())
+    };
+    assert_eq!(meets(0, agg), Some(true));
+    if agg > 1 {
+        assert_eq!(
+            meets(0, agg - 1),
+            Some(false),
+            "one fewer must miss: {runs:?}"
+        );
+    }
+    let split = &v["disaggregated"];
+    let total =
+        split["prefill_workers"].as_u64().unwrap() + split["decode_workers"].as_u64().unwrap();
+    assert!(total <= agg.max(2), "no bigger than the aggregated answer");
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("aggregated: {agg} workers")));
+
+    // Ten times the load on at most two workers: nothing fits.
+    let out = plan("2", "120", &["--topologies", "aggregated"]);
+    assert!(out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("none up to 2 workers meets the SLO"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
