@@ -6,7 +6,8 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions};
 
 use super::{
-    PORT_ATTEMPTS, Process, StartFailure, free_port, tcp_accepts, temp_dir, unique_name, wait_ready,
+    Launch, Process, StartFailure, free_port, relaunch, start_on_free_ports, tcp_accepts, temp_dir,
+    unique_name, wait_ready,
 };
 use crate::error::RuntimeError;
 
@@ -57,20 +58,8 @@ impl EtcdServer {
             peer_port: 0,
             process: None,
         };
-        let mut last = String::new();
-        for _ in 0..PORT_ATTEMPTS {
-            server.client_port = free_port()?;
-            server.peer_port = free_port()?;
-            match server.launch().await {
-                Ok(()) => return Ok(server),
-                Err(StartFailure::Fatal(e)) => return Err(e),
-                Err(StartFailure::Exited(detail)) => last = detail,
-            }
-        }
-        Err(RuntimeError::StartFailed {
-            what: "etcd",
-            detail: last,
-        })
+        start_on_free_ports(&mut server).await?;
+        Ok(server)
     }
 
     /// The client URL, `http://127.0.0.1:<port>`.
@@ -108,7 +97,7 @@ impl EtcdServer {
     /// Stops and starts again on the same ports with the same data.
     pub async fn restart(&mut self) -> Result<(), RuntimeError> {
         self.stop();
-        self.relaunch().await
+        relaunch(self).await
     }
 
     /// Stops, wipes the data directory, and starts a brand-new cluster on the same ports.
@@ -118,18 +107,7 @@ impl EtcdServer {
         if data.exists() {
             std::fs::remove_dir_all(&data).map_err(RuntimeError::io("wiping etcd data"))?;
         }
-        self.relaunch().await
-    }
-
-    async fn relaunch(&mut self) -> Result<(), RuntimeError> {
-        match self.launch().await {
-            Ok(()) => Ok(()),
-            Err(StartFailure::Fatal(e)) => Err(e),
-            Err(StartFailure::Exited(detail)) => Err(RuntimeError::StartFailed {
-                what: "etcd",
-                detail,
-            }),
-        }
+        relaunch(self).await
     }
 
     fn args(&self) -> Vec<String> {
@@ -156,6 +134,16 @@ impl EtcdServer {
             "--initial-cluster-token".into(),
             "tandem".into(),
         ]
+    }
+}
+
+impl Launch for EtcdServer {
+    const WHAT: &'static str = "etcd";
+
+    fn pick_ports(&mut self) -> Result<(), RuntimeError> {
+        self.client_port = free_port()?;
+        self.peer_port = free_port()?;
+        Ok(())
     }
 
     async fn launch(&mut self) -> Result<(), StartFailure> {

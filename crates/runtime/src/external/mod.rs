@@ -123,6 +123,45 @@ enum StartFailure {
     Fatal(RuntimeError),
 }
 
+impl StartFailure {
+    fn into_error(self, what: &'static str) -> RuntimeError {
+        match self {
+            StartFailure::Fatal(e) => e,
+            StartFailure::Exited(detail) => RuntimeError::StartFailed { what, detail },
+        }
+    }
+}
+
+/// A server process this module launches: how to pick its ports and start it once.
+trait Launch {
+    /// The binary's name, for errors.
+    const WHAT: &'static str;
+    /// Picks new free ports for the next start.
+    fn pick_ports(&mut self) -> Result<(), RuntimeError>;
+    /// Spawns the server on its current ports and waits until it answers.
+    async fn launch(&mut self) -> Result<(), StartFailure>;
+}
+
+/// A first start: on new free ports each attempt, since a port picked free can be taken
+/// before the server binds it (the server then exits at once).
+async fn start_on_free_ports<S: Launch>(server: &mut S) -> Result<(), RuntimeError> {
+    let mut last = String::new();
+    for _ in 0..PORT_ATTEMPTS {
+        server.pick_ports()?;
+        match server.launch().await {
+            Ok(()) => return Ok(()),
+            Err(StartFailure::Exited(detail)) => last = detail,
+            Err(fatal) => return Err(fatal.into_error(S::WHAT)),
+        }
+    }
+    Err(StartFailure::Exited(last).into_error(S::WHAT))
+}
+
+/// A restart on the ports of the first start.
+async fn relaunch<S: Launch>(server: &mut S) -> Result<(), RuntimeError> {
+    server.launch().await.map_err(|f| f.into_error(S::WHAT))
+}
+
 /// Polls `probe` until it succeeds, the process exits, or `timeout` passes.
 async fn wait_ready<F, Fut>(
     process: &mut Process,

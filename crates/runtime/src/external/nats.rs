@@ -6,7 +6,8 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use super::{
-    PORT_ATTEMPTS, Process, StartFailure, free_port, tcp_accepts, temp_dir, unique_name, wait_ready,
+    Launch, Process, StartFailure, free_port, relaunch, start_on_free_ports, tcp_accepts, temp_dir,
+    unique_name, wait_ready,
 };
 use crate::error::RuntimeError;
 
@@ -54,19 +55,8 @@ impl NatsServer {
             server_name: unique_name("tandem-nats"),
             process: None,
         };
-        let mut last = String::new();
-        for _ in 0..PORT_ATTEMPTS {
-            server.port = free_port()?;
-            match server.launch().await {
-                Ok(()) => return Ok(server),
-                Err(StartFailure::Fatal(e)) => return Err(e),
-                Err(StartFailure::Exited(detail)) => last = detail,
-            }
-        }
-        Err(RuntimeError::StartFailed {
-            what: "nats-server",
-            detail: last,
-        })
+        start_on_free_ports(&mut server).await?;
+        Ok(server)
     }
 
     /// The client URL, `nats://127.0.0.1:<port>`.
@@ -99,14 +89,16 @@ impl NatsServer {
     /// Stops and starts again on the same port.
     pub async fn restart(&mut self) -> Result<(), RuntimeError> {
         self.stop();
-        match self.launch().await {
-            Ok(()) => Ok(()),
-            Err(StartFailure::Fatal(e)) => Err(e),
-            Err(StartFailure::Exited(detail)) => Err(RuntimeError::StartFailed {
-                what: "nats-server",
-                detail,
-            }),
-        }
+        relaunch(self).await
+    }
+}
+
+impl Launch for NatsServer {
+    const WHAT: &'static str = "nats-server";
+
+    fn pick_ports(&mut self) -> Result<(), RuntimeError> {
+        self.port = free_port()?;
+        Ok(())
     }
 
     async fn launch(&mut self) -> Result<(), StartFailure> {
