@@ -25,8 +25,8 @@ use super::error::ServeError;
 use super::ids::unix_now;
 use super::metrics::RequestRecord;
 use super::openai::{
-    AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, Completion,
-    CompletionChoice, Delta, Usage,
+    AssistantMessage, ChatChoice, ChatChunkChoice, CompletionChoice, Delta, ResponseObject, Usage,
+    UsageField,
 };
 use super::output::Output;
 use super::state::HttpState;
@@ -149,36 +149,52 @@ impl Meta {
         self.include_usage.then_some(None)
     }
 
-    /// The chat chunk that opens a stream: `delta: {"role": "assistant", "content": ""}`.
-    fn role_chunk(&self) -> String {
-        to_json(&ChatChunk {
+    /// A response object of this request.
+    fn object<C: serde::Serialize, U: UsageField>(
+        &self,
+        object: &'static str,
+        choices: C,
+        usage: U,
+    ) -> String {
+        to_json(&ResponseObject {
             id: &self.id,
-            object: "chat.completion.chunk",
+            object,
             created: self.created,
             model: &self.model,
-            choices: vec![ChatChunkChoice {
-                index: 0,
-                delta: Delta {
-                    role: Some("assistant"),
-                    content: Some(""),
-                },
-                logprobs: None,
-                finish_reason: None,
-            }],
-            usage: self.chunk_usage(),
+            choices,
+            usage,
         })
+    }
+
+    /// The `object` of this request's chunks.
+    fn chunk_object(&self) -> &'static str {
+        match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completion => "text_completion",
+        }
+    }
+
+    /// The chat chunk that opens a stream: `delta: {"role": "assistant", "content": ""}`.
+    fn role_chunk(&self) -> String {
+        let choice = ChatChunkChoice {
+            index: 0,
+            delta: Delta {
+                role: Some("assistant"),
+                content: Some(""),
+            },
+            logprobs: None,
+            finish_reason: None,
+        };
+        self.object("chat.completion.chunk", [choice], self.chunk_usage())
     }
 
     /// A content chunk; an empty `text` with a finish is sent as an empty delta.
     fn content_chunk(&self, text: &str, finish: Option<FinishReason>) -> String {
         let finish_reason = finish.map(FinishReason::as_str);
+        let usage = self.chunk_usage();
         match self.endpoint {
-            Endpoint::Chat => to_json(&ChatChunk {
-                id: &self.id,
-                object: "chat.completion.chunk",
-                created: self.created,
-                model: &self.model,
-                choices: vec![ChatChunkChoice {
+            Endpoint::Chat => {
+                let choice = ChatChunkChoice {
                     index: 0,
                     delta: Delta {
                         role: None,
@@ -186,56 +202,31 @@ impl Meta {
                     },
                     logprobs: None,
                     finish_reason,
-                }],
-                usage: self.chunk_usage(),
-            }),
-            Endpoint::Completion => to_json(&Completion {
-                id: &self.id,
-                object: "text_completion",
-                created: self.created,
-                model: &self.model,
-                choices: vec![CompletionChoice {
+                };
+                self.object(self.chunk_object(), [choice], usage)
+            }
+            Endpoint::Completion => {
+                let choice = CompletionChoice {
                     text,
                     index: 0,
                     logprobs: None,
                     finish_reason,
-                }],
-                usage: self.chunk_usage(),
-            }),
+                };
+                self.object(self.chunk_object(), [choice], usage)
+            }
         }
     }
 
     /// The last chunk when `include_usage`: no choices, the usage.
     fn usage_chunk(&self, usage: Usage) -> String {
-        match self.endpoint {
-            Endpoint::Chat => to_json(&ChatChunk {
-                id: &self.id,
-                object: "chat.completion.chunk",
-                created: self.created,
-                model: &self.model,
-                choices: Vec::new(),
-                usage: Some(Some(usage)),
-            }),
-            Endpoint::Completion => to_json(&Completion {
-                id: &self.id,
-                object: "text_completion",
-                created: self.created,
-                model: &self.model,
-                choices: Vec::new(),
-                usage: Some(Some(usage)),
-            }),
-        }
+        self.object(self.chunk_object(), [(); 0], Some(Some(usage)))
     }
 
     /// The whole (non-streaming) response.
     fn full(&self, text: &str, finish: FinishReason, usage: Usage) -> String {
         match self.endpoint {
-            Endpoint::Chat => to_json(&ChatCompletion {
-                id: &self.id,
-                object: "chat.completion",
-                created: self.created,
-                model: &self.model,
-                choices: [ChatChoice {
+            Endpoint::Chat => {
+                let choice = ChatChoice {
                     index: 0,
                     message: AssistantMessage {
                         role: "assistant",
@@ -244,22 +235,18 @@ impl Meta {
                     },
                     logprobs: None,
                     finish_reason: finish.as_str(),
-                }],
-                usage,
-            }),
-            Endpoint::Completion => to_json(&Completion {
-                id: &self.id,
-                object: "text_completion",
-                created: self.created,
-                model: &self.model,
-                choices: vec![CompletionChoice {
+                };
+                self.object("chat.completion", [choice], usage)
+            }
+            Endpoint::Completion => {
+                let choice = CompletionChoice {
                     text,
                     index: 0,
                     logprobs: None,
                     finish_reason: Some(finish.as_str()),
-                }],
-                usage: Some(Some(usage)),
-            }),
+                };
+                self.object("text_completion", [choice], Some(Some(usage)))
+            }
         }
     }
 }

@@ -125,15 +125,36 @@ impl Usage {
     }
 }
 
-/// `chat.completion`.
+/// What every response object has around its choices: `chat.completion`,
+/// `chat.completion.chunk`, `text_completion` (whole or as a chunk).
 #[derive(Debug, Serialize)]
-pub(crate) struct ChatCompletion<'a> {
+pub(crate) struct ResponseObject<'a, C, U: UsageField> {
     pub id: &'a str,
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
-    pub choices: [ChatChoice<'a>; 1],
-    pub usage: Usage,
+    pub choices: C,
+    #[serde(skip_serializing_if = "UsageField::is_absent")]
+    pub usage: U,
+}
+
+/// `usage` of a response object: always there on a whole response ([`Usage`]); on a chunk
+/// (`Option<Option<Usage>>`) absent unless `include_usage`, then `null` on every chunk but
+/// the last, which has no choices.
+pub(crate) trait UsageField: Serialize {
+    fn is_absent(&self) -> bool;
+}
+
+impl UsageField for Usage {
+    fn is_absent(&self) -> bool {
+        false
+    }
+}
+
+impl UsageField for Option<Option<Usage>> {
+    fn is_absent(&self) -> bool {
+        self.is_none()
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -151,19 +172,6 @@ pub(crate) struct AssistantMessage<'a> {
     pub refusal: Option<()>,
 }
 
-/// `chat.completion.chunk`. `usage` is absent unless `include_usage`; then it is `null` on
-/// every chunk but the last, which has no choices.
-#[derive(Debug, Serialize)]
-pub(crate) struct ChatChunk<'a> {
-    pub id: &'a str,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: &'a str,
-    pub choices: Vec<ChatChunkChoice<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Option<Usage>>,
-}
-
 #[derive(Debug, Serialize)]
 pub(crate) struct ChatChunkChoice<'a> {
     pub index: u32,
@@ -178,19 +186,6 @@ pub(crate) struct Delta<'a> {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<&'a str>,
-}
-
-/// `text_completion`, whole or as a chunk (same object, `usage` as for [`ChatChunk`] when
-/// streaming).
-#[derive(Debug, Serialize)]
-pub(crate) struct Completion<'a> {
-    pub id: &'a str,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: &'a str,
-    pub choices: Vec<CompletionChoice<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Option<Usage>>,
 }
 
 #[derive(Debug, Serialize)]
