@@ -127,6 +127,19 @@ impl RegionDescriptor {
     }
 
     /// Structural checks every transport relies on.
+    /// [`validate`](Self::validate), and that the descriptor is for `kind` (what a
+    /// transport's `connect` checks first).
+    pub fn validate_for(&self, kind: TransportKind) -> Result<(), TransferError> {
+        self.validate()?;
+        if self.transport != kind {
+            return Err(TransferError::BadDescriptor(format!(
+                "a {} descriptor given to the {kind} transport",
+                self.transport
+            )));
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), TransferError> {
         if self.bytes_per_block == 0 || self.num_blocks == 0 {
             return Err(TransferError::BadDescriptor("empty region".into()));

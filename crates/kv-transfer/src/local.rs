@@ -52,14 +52,6 @@ impl Transport for LocalTransport {
         TransportKind::Local
     }
 
-    async fn alloc_region(
-        &self,
-        num_blocks: u32,
-        bytes_per_block: usize,
-    ) -> Result<Arc<Region>, TransferError> {
-        Region::host(num_blocks, bytes_per_block)
-    }
-
     async fn expose(&self, region: Arc<Region>) -> Result<RegionDescriptor, TransferError> {
         let descriptor = RegionDescriptor {
             transport: TransportKind::Local,
@@ -95,13 +87,7 @@ impl Transport for LocalTransport {
         &self,
         remote: &RegionDescriptor,
     ) -> Result<Box<dyn BlockWriter>, TransferError> {
-        remote.validate()?;
-        if remote.transport != TransportKind::Local {
-            return Err(TransferError::BadDescriptor(format!(
-                "a {} descriptor given to the local transport",
-                remote.transport
-            )));
-        }
+        remote.validate_for(TransportKind::Local)?;
         if remote.address != local_address() {
             return Err(TransferError::PeerFailed(format!(
                 "{} is another process; the local transport only reaches this one",

@@ -24,7 +24,9 @@ pub trait Transport: Send + Sync + fmt::Debug {
         &self,
         num_blocks: u32,
         bytes_per_block: usize,
-    ) -> Result<Arc<Region>, TransferError>;
+    ) -> Result<Arc<Region>, TransferError> {
+        Region::host(num_blocks, bytes_per_block)
+    }
 
     /// Registers `region` so that peers can write into it, once; the transport keeps the
     /// region alive until [`Transport::withdraw`] or until the transport is dropped.

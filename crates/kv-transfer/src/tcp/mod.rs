@@ -172,14 +172,6 @@ impl Transport for TcpTransport {
         TransportKind::Tcp
     }
 
-    async fn alloc_region(
-        &self,
-        num_blocks: u32,
-        bytes_per_block: usize,
-    ) -> Result<Arc<Region>, TransferError> {
-        Region::host(num_blocks, bytes_per_block)
-    }
-
     async fn expose(&self, region: Arc<Region>) -> Result<RegionDescriptor, TransferError> {
         let address = self.listen().await?;
         let descriptor = RegionDescriptor {
@@ -219,13 +211,7 @@ impl Transport for TcpTransport {
         &self,
         remote: &RegionDescriptor,
     ) -> Result<Box<dyn BlockWriter>, TransferError> {
-        remote.validate()?;
-        if remote.transport != TransportKind::Tcp {
-            return Err(TransferError::BadDescriptor(format!(
-                "a {} descriptor given to the tcp transport",
-                remote.transport
-            )));
-        }
+        remote.validate_for(TransportKind::Tcp)?;
         let key = (remote.address.clone(), remote.region);
         let stream = match self.take_idle(&key) {
             Some(s) => s,

@@ -168,13 +168,7 @@ impl Transport for UcxTransport {
         &self,
         remote: &RegionDescriptor,
     ) -> Result<Box<dyn BlockWriter>, TransferError> {
-        remote.validate()?;
-        if remote.transport != TransportKind::Ucx {
-            return Err(TransferError::BadDescriptor(format!(
-                "a {} descriptor given to the ucx transport",
-                remote.transport
-            )));
-        }
+        remote.validate_for(TransportKind::Ucx)?;
         if remote.rkey.is_empty() {
             return Err(TransferError::BadDescriptor("missing remote key".into()));
         }
