@@ -154,6 +154,8 @@ struct Prefill {
     sink: Sink,
     /// The engine's arena when blocks are sent straight from it (exported by reference).
     source: Option<Arc<Region>>,
+    /// Cancelled by `AbortPrefill` (never, for inline sends: the caller drops the stream).
+    aborted: CancellationToken,
     /// Fault injection: corrupt the first block sent, after hashing it.
     corrupt: bool,
 }
@@ -161,13 +163,9 @@ struct Prefill {
 impl Prefill {
     /// The chunks for one engine output; None when the prefill is over.
     async fn step(&mut self) -> Option<Result<Vec<PrefillChunk>, Status>> {
-        let aborted = match &self.sink {
-            Sink::Transport { ticket, .. } => ticket.cancelled(),
-            Sink::Inline => CancellationToken::new(),
-        };
         let next = tokio::select! {
             next = self.handle.next() => next?,
-            () = aborted.cancelled() => {
+            () = self.aborted.cancelled() => {
                 return Some(Err(Status::aborted("the decode worker aborted this prefill")));
             }
         };
@@ -307,11 +305,16 @@ impl worker_server::Worker for PrefillService {
             let host = self.ctx.host.clone();
             ticket.on_closed(move || host.release_export(id));
         }
+        let aborted = match &sink {
+            Sink::Transport { ticket, .. } => ticket.cancelled(),
+            Sink::Inline => CancellationToken::new(),
+        };
         Ok(Response::new(prefill_stream(Prefill {
             handle,
             digest: KvDigest::default(),
             sink,
             source,
+            aborted,
             corrupt: self.ctx.config.corrupt_transfers,
         })))
     }

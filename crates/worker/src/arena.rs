@@ -46,7 +46,8 @@ impl std::str::FromStr for KvMemory {
 #[derive(Debug)]
 pub struct RegionStorage {
     region: Arc<Region>,
-    staging: Vec<u8>,
+    /// One block of host memory for device regions (reused by every access).
+    staging: parking_lot::Mutex<Vec<u8>>,
 }
 
 impl RegionStorage {
@@ -55,7 +56,10 @@ impl RegionStorage {
             MemoryKind::Host => Vec::new(),
             MemoryKind::Cuda => vec![0; region.bytes_per_block()],
         };
-        RegionStorage { region, staging }
+        RegionStorage {
+            region,
+            staging: parking_lot::Mutex::new(staging),
+        }
     }
 
     fn block_of(&self, offset: usize, len: usize) -> u32 {
@@ -90,11 +94,11 @@ impl ArenaStorage for RegionStorage {
                 f(&guard);
             }
             MemoryKind::Cuda => {
-                let mut buf = vec![0; len];
-                if let Err(e) = self.region.read_block_into(block, &mut buf) {
+                let mut staging = self.staging.lock();
+                if let Err(e) = self.region.read_block_into(block, &mut staging) {
                     device_failed("read", &e);
                 }
-                f(&buf);
+                f(&staging);
             }
         }
     }
@@ -110,7 +114,7 @@ impl ArenaStorage for RegionStorage {
                 f(&mut guard);
             }
             MemoryKind::Cuda => {
-                let staging = &mut self.staging;
+                let staging = self.staging.get_mut();
                 if let Err(e) = self.region.read_block_into(block, staging) {
                     device_failed("read", &e);
                 }
