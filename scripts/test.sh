@@ -4,11 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages the build and tests need: protoc and the well-known .proto files for
-# etcd-client's build; the real etcd and nats-server that the runtime and integration tests
-# start on free loopback ports; UCX's headers and libraries, with libclang and pkg-config for
-# bindgen, for the KV transfer's UCX transport.
-APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server libucx-dev libclang-dev pkg-config)
+# System packages the tests need (the build itself needs none): protoc and the well-known
+# .proto files for the etcd-client crate, the independent etcd client the tests check ours
+# against; the real etcd and nats-server that the runtime and integration tests start on free
+# loopback ports; UCX's libraries, which the UCX transport loads at run time, and its headers
+# with libclang, from which a test regenerates the checked-in UCX bindings to compare.
+APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server libucx-dev libclang-dev)
 . scripts/lib/apt.sh
 ensure_apt "${APT_PACKAGES[@]}"
 

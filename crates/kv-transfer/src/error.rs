@@ -44,6 +44,21 @@ pub enum TransferError {
     /// A CUDA driver call failed.
     #[error("CUDA {op} failed: {detail}")]
     Cuda { op: &'static str, detail: String },
+    /// The UCX library could not be loaded at run time: `library` is not installed, or lacks
+    /// a function the bindings need (`detail` is the loader's `dlerror`, which names the
+    /// file itself).
+    #[error("UCX not found ({detail})")]
+    UcxNotFound {
+        library: &'static str,
+        detail: String,
+    },
+    /// The UCX library loaded at run time is older than the API the bindings were generated
+    /// from.
+    #[error(
+        "UCX {found} is too old: tandem's UCX bindings were generated from UCX {required} and \
+         need at least that version"
+    )]
+    UcxTooOld { found: String, required: String },
     /// A UCX call failed (status string from UCX).
     #[error("UCX {op} failed: {detail}")]
     Ucx { op: &'static str, detail: String },
@@ -81,6 +96,8 @@ impl TransferError {
             | TransferError::Unsupported(_) => ErrorClass::InvalidRequest,
             TransferError::Overloaded(_) => ErrorClass::Overloaded,
             TransferError::CudaUnavailable(_)
+            | TransferError::UcxNotFound { .. }
+            | TransferError::UcxTooOld { .. }
             | TransferError::Ucx { .. }
             | TransferError::Io { .. }
             | TransferError::PeerFailed(_)

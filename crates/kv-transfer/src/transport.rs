@@ -167,7 +167,8 @@ impl TransportConfig {
 
 /// Opens a transport of `kind`. Call from within a tokio runtime (the TCP listener and the
 /// timeouts use it). [`TransferError::Unsupported`] for `ucx` in a build without the `ucx`
-/// feature; a UCX initialisation failure is [`TransferError::Ucx`].
+/// feature; [`TransferError::UcxNotFound`] (or [`TransferError::UcxTooOld`]) when libucp cannot
+/// be loaded at run time; a UCX initialisation failure is [`TransferError::Ucx`].
 pub async fn open(
     kind: TransportKind,
     config: &TransportConfig,
@@ -200,7 +201,8 @@ pub async fn open(
 }
 
 /// `ucx` when UCX initialises in this process (probed once, with UCX's default selection),
-/// else `tcp`. Logs the choice and the reason once. The first call blocks for the probe
+/// else `tcp`: also when libucp is not installed ("UCX not found, using tcp"). Logs the choice
+/// and the reason once. The first call blocks for the probe
 /// (milliseconds): make it at start-up, not on a hot path.
 pub fn default_kind() -> TransportKind {
     static KIND: OnceLock<TransportKind> = OnceLock::new();
@@ -210,6 +212,10 @@ pub fn default_kind() -> TransportKind {
             Ok(version) => {
                 tracing::info!(%version, "kv transfer: using ucx by default");
                 TransportKind::Ucx
+            }
+            Err(e @ TransferError::UcxNotFound { .. }) => {
+                tracing::warn!(error = %e, "kv transfer: UCX not found, using tcp");
+                TransportKind::Tcp
             }
             Err(e) => {
                 tracing::warn!(error = %e, "kv transfer: UCX unavailable, using tcp by default");

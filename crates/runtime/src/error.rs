@@ -20,6 +20,57 @@ pub enum ErrorClass {
 /// Boxed source error for client libraries whose error types are generic.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// What went wrong in our etcd client (`discovery/etcd/client.rs`).
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    /// Our side asked for something impossible: no endpoints, an endpoint that is no URI, an
+    /// `https://` endpoint (this build has no TLS).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The connection to an endpoint could not be opened (the last endpoint tried, when all
+    /// failed; the others are logged at debug).
+    #[error("cannot connect to {endpoint}: {}", chain(.source))]
+    Connect {
+        endpoint: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// Connecting to an endpoint (and authenticating there) took longer than the connect timeout.
+    #[error("connecting to {endpoint} timed out after {after:?}")]
+    ConnectTimeout { endpoint: String, after: Duration },
+    /// etcd refused `Auth.Authenticate` (wrong password, unknown user, auth not enabled...).
+    #[error("authentication as {user:?} refused: {:?}: {}", .source.code(), .source.message())]
+    Authenticate {
+        user: String,
+        #[source]
+        source: tonic::Status,
+    },
+    /// A call ended with a gRPC error status, from etcd or from the transport under it.
+    #[error("{:?}: {}", .0.code(), .0.message())]
+    Status(#[source] tonic::Status),
+    /// A stream ended, or its request side is gone.
+    #[error("{0} closed")]
+    Closed(&'static str),
+    /// etcd answered a keep-alive with TTL 0: it no longer has the lease.
+    #[error("lease {0} expired or unknown to etcd")]
+    LeaseExpired(i64),
+    /// etcd sent something we cannot use (e.g. a token that is no valid gRPC metadata).
+    #[error("unusable answer: {0}")]
+    Protocol(String),
+}
+
+/// `error: its source: its source...`, for errors whose own message is vague ("transport error").
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(source) = next {
+        text.push_str(": ");
+        text.push_str(&source.to_string());
+        next = source.source();
+    }
+    text
+}
+
 /// Everything that can go wrong in tandem-runtime.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -34,7 +85,7 @@ pub enum RuntimeError {
     Etcd {
         op: &'static str,
         #[source]
-        source: etcd_client::Error,
+        source: EtcdError,
     },
     /// A NATS call failed.
     #[error("nats {op} failed: {source}")]
@@ -97,10 +148,14 @@ impl RuntimeError {
             RuntimeError::Config(_) | RuntimeError::InvalidRequest(_) => ErrorClass::InvalidRequest,
             RuntimeError::Overloaded(_) => ErrorClass::Overloaded,
             RuntimeError::Etcd { source, .. } => match source {
-                etcd_client::Error::InvalidArgs(_) | etcd_client::Error::InvalidUri(_) => {
-                    ErrorClass::InvalidRequest
-                }
-                _ => ErrorClass::Unavailable,
+                EtcdError::InvalidArgument(_) => ErrorClass::InvalidRequest,
+                EtcdError::Connect { .. }
+                | EtcdError::ConnectTimeout { .. }
+                | EtcdError::Authenticate { .. }
+                | EtcdError::Status(_)
+                | EtcdError::Closed(_)
+                | EtcdError::LeaseExpired(_)
+                | EtcdError::Protocol(_) => ErrorClass::Unavailable,
             },
             RuntimeError::Nats { .. }
             | RuntimeError::Transport { .. }
@@ -115,7 +170,7 @@ impl RuntimeError {
         }
     }
 
-    pub(crate) fn etcd(op: &'static str) -> impl FnOnce(etcd_client::Error) -> RuntimeError {
+    pub(crate) fn etcd(op: &'static str) -> impl FnOnce(EtcdError) -> RuntimeError {
         move |source| RuntimeError::Etcd { op, source }
     }
 
@@ -174,5 +229,20 @@ mod tests {
         };
         assert_eq!(missing.class(), ErrorClass::Internal);
         assert!(missing.to_string().contains("etcd-server"));
+    }
+
+    #[test]
+    fn etcd_classes() {
+        let bad = RuntimeError::etcd("connect")(EtcdError::InvalidArgument("no endpoints".into()));
+        assert_eq!(bad.class(), ErrorClass::InvalidRequest);
+        let status = tonic::Status::unavailable("etcdserver: no leader");
+        let down = RuntimeError::etcd("put")(EtcdError::Status(status));
+        assert_eq!(down.class(), ErrorClass::Unavailable);
+        assert_eq!(
+            down.to_string(),
+            "etcd put failed: Unavailable: etcdserver: no leader"
+        );
+        let expired = RuntimeError::etcd("keep-alive")(EtcdError::LeaseExpired(7));
+        assert_eq!(expired.class(), ErrorClass::Unavailable);
     }
 }

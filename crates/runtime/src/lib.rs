@@ -7,7 +7,8 @@
 //!
 //! **Layout.**
 //! - [`discovery`]: the [`Discovery`] trait; [`EtcdDiscovery`] (leased keys
-//!   `/tandem/<ns>/workers/<role>/<id>`, JSON values) and [`MemoryDiscovery`].
+//!   `/tandem/<ns>/workers/<role>/<id>`, JSON values; over our own small etcd v3 gRPC client,
+//!   generated from proto/etcd/ without protoc) and [`MemoryDiscovery`].
 //! - [`events`]: the [`EventPlane`] trait over bytes; [`NatsEventPlane`] (core pub/sub) and
 //!   [`MemoryEventPlane`]; subject names in [`events::subjects`].
 //! - [`shutdown`]: re-exported `CancellationToken` / `TaskTracker`, [`shutdown_on_signals`],
@@ -15,7 +16,7 @@
 //! - [`telemetry`]: [`telemetry::init`], idempotent.
 //! - [`grpc`]: [`grpc::serve_tonic`] on a caller-bound listener, [`grpc::connect_channel`].
 //! - [`external`]: [`EtcdServer`] and [`NatsServer`] child processes.
-//! - [`error`]: [`RuntimeError`] and its [`ErrorClass`].
+//! - [`error`]: [`RuntimeError`] and its [`ErrorClass`]; [`EtcdError`] for etcd failures.
 //!
 //! **Invariants.**
 //! - Every transport has an in-memory twin with the same contract (CONVENTIONS §6).
@@ -40,7 +41,7 @@ pub use discovery::{
     Discovery, DiscoveryEvent, DiscoveryWatch, EtcdConfig, EtcdDiscovery, MemoryDiscovery,
     Registration, WorkerView,
 };
-pub use error::{ErrorClass, RuntimeError};
+pub use error::{ErrorClass, EtcdError, RuntimeError};
 pub use events::{
     EventPlane, MemoryEventPlane, NatsAuth, NatsConfig, NatsEventPlane, Subscription, subjects,
 };

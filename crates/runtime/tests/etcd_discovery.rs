@@ -298,3 +298,231 @@ async fn missing_etcd_binary_is_a_typed_error() {
         Err(RuntimeError::MissingBinary { .. })
     ));
 }
+
+// ---- Interop: our etcd client (src/discovery/etcd/client.rs) against the independent
+// `etcd-client` crate, on the same real etcd (CONVENTIONS §13). ----
+
+#[tokio::test]
+async fn etcd_client_sees_our_keys_on_our_lease_with_our_ttl() -> Result<()> {
+    logs();
+    let server = EtcdServer::start(EtcdOptions::default()).await?;
+    let discovery = EtcdDiscovery::connect(config(&server, TTL)).await?;
+    let a = record(4, WorkerRole::Prefill);
+    let reg = discovery.register(a.clone()).await?;
+    let key = "/tandem/it/workers/prefill/0000000000000004";
+
+    let mut raw = raw_client(&server).await?;
+    let got = raw.get(key, None).await?;
+    let kv = got.kvs().first().context("key present")?;
+    assert_eq!(serde_json::from_slice::<WorkerRecord>(kv.value())?, a);
+    let lease = kv.lease();
+    assert_ne!(lease, 0, "key is attached to a lease");
+    let ttl = raw.lease_time_to_live(lease, None).await?;
+    assert_eq!(ttl.granted_ttl(), 2, "the lease has our TTL");
+    assert!(ttl.ttl() <= 2, "remaining TTL {}", ttl.ttl());
+
+    // Past several TTLs the key is still there on the same lease: our keep-alives renew it.
+    tokio::time::sleep(TTL * 2).await;
+    let got = raw.get(key, None).await?;
+    let kv = got.kvs().first().context("key still present")?;
+    assert_eq!(kv.lease(), lease);
+
+    // Deregistering deletes the key and revokes the lease (etcd answers TTL -1 for it then).
+    reg.deregister().await;
+    assert!(raw.get(key, None).await?.kvs().is_empty());
+    assert_eq!(raw.lease_time_to_live(lease, None).await?.ttl(), -1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn our_watch_and_list_follow_etcd_client_writes() -> Result<()> {
+    logs();
+    let server = EtcdServer::start(EtcdOptions::default()).await?;
+    let discovery = EtcdDiscovery::connect(config(&server, TTL)).await?;
+    let mut raw = raw_client(&server).await?;
+    let before = record(5, WorkerRole::Decode);
+    let key_5 = "/tandem/it/workers/decode/0000000000000005";
+    raw.put(key_5, serde_json::to_vec(&before)?, None).await?;
+
+    let mut watch = discovery.watch().await?;
+    let within = Duration::from_secs(5);
+    assert_eq!(
+        next_event(&mut watch, within).await?,
+        DiscoveryEvent::Added(before.clone())
+    );
+
+    // A put of a new key, then of a changed value.
+    let b = record(6, WorkerRole::Aggregated);
+    let key_6 = "/tandem/it/workers/aggregated/0000000000000006";
+    raw.put(key_6, serde_json::to_vec(&b)?, None).await?;
+    assert_eq!(
+        next_event(&mut watch, within).await?,
+        DiscoveryEvent::Added(b.clone())
+    );
+    let mut b2 = b.clone();
+    b2.kv_capacity.host_blocks = 32;
+    raw.put(key_6, serde_json::to_vec(&b2)?, None).await?;
+    assert_eq!(
+        next_event(&mut watch, within).await?,
+        DiscoveryEvent::Added(b2.clone())
+    );
+    assert_eq!(discovery.list().await?, vec![before.clone(), b2]);
+
+    // A key under the prefix that names no worker is ignored; an unreadable record is a removal.
+    raw.put("/tandem/it/workers/not-a-worker", "x", None)
+        .await?;
+    raw.put(key_6, "{not json", None).await?;
+    assert_eq!(
+        next_event(&mut watch, within).await?,
+        DiscoveryEvent::Removed {
+            id: WorkerId(6),
+            role: WorkerRole::Aggregated
+        }
+    );
+
+    // A delete, and a delete of a whole prefix (both DELETE events on our watch).
+    raw.delete(key_5, None).await?;
+    assert_eq!(
+        next_event(&mut watch, within).await?,
+        DiscoveryEvent::Removed {
+            id: WorkerId(5),
+            role: WorkerRole::Decode
+        }
+    );
+    let c = record(7, WorkerRole::Prefill);
+    raw.put(
+        "/tandem/it/workers/prefill/0000000000000007",
+        serde_json::to_vec(&c)?,
+        None,
+    )
+    .await?;
+    assert_eq!(
+        next_event(&mut watch, within).await?,
+        DiscoveryEvent::Added(c)
+    );
+    raw.delete(
+        "/tandem/it/workers/",
+        Some(etcd_client::DeleteOptions::new().with_prefix()),
+    )
+    .await?;
+    assert_eq!(
+        next_event(&mut watch, within).await?,
+        DiscoveryEvent::Removed {
+            id: WorkerId(7),
+            role: WorkerRole::Prefill
+        }
+    );
+    // Keys of another namespace (outside our prefix) never show.
+    raw.put(
+        "/tandem/other/workers/decode/0000000000000008",
+        serde_json::to_vec(&record(8, WorkerRole::Decode))?,
+        None,
+    )
+    .await?;
+    assert!(discovery.list().await?.is_empty());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), watch.next())
+            .await
+            .is_err(),
+        "no event for another namespace"
+    );
+    Ok(())
+}
+
+/// Turns on etcd auth with etcd-client: `root` (role `root`, which etcd requires before
+/// `auth enable`) and `worker`, whose role may only read and write under `/tandem/`.
+async fn enable_auth(server: &EtcdServer) -> Result<()> {
+    let mut raw = raw_client(server).await?;
+    raw.user_add("root", "root-pw", None).await?;
+    raw.role_add("root").await?;
+    raw.user_grant_role("root", "root").await?;
+    raw.user_add("worker", "worker-pw", None).await?;
+    raw.role_add("tandem").await?;
+    raw.role_grant_permission(
+        "tandem",
+        etcd_client::Permission::read_write("/tandem/").with_prefix(),
+    )
+    .await?;
+    raw.user_grant_role("worker", "tandem").await?;
+    raw.auth_enable().await?;
+    Ok(())
+}
+
+fn with_credentials(mut config: EtcdConfig, user: &str, password: &str) -> EtcdConfig {
+    config.username = Some(user.into());
+    config.password = Some(password.into());
+    config
+}
+
+#[tokio::test]
+async fn authenticated_registration_and_clear_auth_errors() -> Result<()> {
+    logs();
+    let server = EtcdServer::start(EtcdOptions::default()).await?;
+    enable_auth(&server).await?;
+
+    // The limited user registers and watches: our token goes with unary calls and streams.
+    let worker = with_credentials(config(&server, TTL), "worker", "worker-pw");
+    let discovery = EtcdDiscovery::connect(worker.clone()).await?;
+    let mut watch = discovery.watch().await?;
+    let a = record(10, WorkerRole::Decode);
+    let _reg = discovery.register(a.clone()).await?;
+    assert_eq!(
+        next_event(&mut watch, Duration::from_secs(5)).await?,
+        DiscoveryEvent::Added(a.clone())
+    );
+    // Past several TTLs: the keep-alive stream is accepted too.
+    tokio::time::sleep(TTL * 2).await;
+    assert_eq!(discovery.list().await?, vec![a.clone()]);
+
+    // etcd-client, authenticated on its own, reads what we wrote.
+    let options = etcd_client::ConnectOptions::new().with_user("root", "root-pw");
+    let mut raw = etcd_client::Client::connect([server.endpoint()], Some(options)).await?;
+    let got = raw
+        .get("/tandem/it/workers/decode/000000000000000a", None)
+        .await?;
+    let kv = got.kvs().first().context("key present")?;
+    assert_eq!(serde_json::from_slice::<WorkerRecord>(kv.value())?, a);
+    assert_ne!(kv.lease(), 0);
+
+    // A wrong password is refused at connect, with etcd's reason and the user in the message.
+    let wrong = with_credentials(config(&server, TTL), "worker", "nope");
+    let err = EtcdDiscovery::connect(wrong)
+        .await
+        .expect_err("wrong password");
+    let text = err.to_string();
+    assert!(
+        text.contains("authentication as \"worker\" refused")
+            && text.contains("invalid user ID or password"),
+        "{text}"
+    );
+    assert_eq!(err.class(), tandem_runtime::ErrorClass::Unavailable);
+
+    // No credentials at all: etcd refuses the first read.
+    let err = EtcdDiscovery::connect(config(&server, TTL))
+        .await
+        .expect_err("no credentials");
+    assert!(matches!(err, RuntimeError::Etcd { .. }), "{err}");
+    assert!(err.to_string().contains("user name is empty"), "{err}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_dead_endpoint_in_the_list_is_skipped() -> Result<()> {
+    logs();
+    let server = EtcdServer::start(EtcdOptions::default()).await?;
+    // A port nothing listens on: connections to it are refused.
+    let dead = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.local_addr()?.port()
+    };
+    let mut cfg = config(&server, TTL);
+    cfg.endpoints = vec![format!("127.0.0.1:{dead}"), server.endpoint()];
+    let discovery = EtcdDiscovery::connect(cfg).await?;
+    let a = record(11, WorkerRole::Prefill);
+    let _reg = discovery.register(a.clone()).await?;
+    // Every list connects afresh, starting at a different endpoint each time.
+    for _ in 0..4 {
+        assert_eq!(discovery.list().await?, vec![a.clone()]);
+    }
+    Ok(())
+}

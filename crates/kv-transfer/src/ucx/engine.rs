@@ -22,7 +22,7 @@ use super::completion::Completion;
 use super::direct::Mapping;
 use super::handle::{Command, Connected, PutSource, Reply, Wake, WriterState};
 use super::sys::*;
-use super::ucp::{Ucp, check, ptr_is_err, ptr_status, request_param, rkey_ptr, status_string};
+use super::ucp::{Ucp, ptr_is_err, ptr_status, request_param};
 use crate::descriptor::MemoryKind;
 use crate::error::TransferError;
 use crate::region::Region;
@@ -45,10 +45,15 @@ thread_local! {
     static EP_FAILED: RefCell<Vec<(u64, ucs_status_t)>> = const { RefCell::new(Vec::new()) };
 }
 
+// SAFETY: UCX calls this only inside `ucp_worker_progress` on this thread, for a request issued
+// with it; it dereferences nothing (the user data is the request's integer token) and only
+// queues `(token, status)`. A panic cannot unwind into UCX: it aborts at the `extern "C"` edge.
 unsafe extern "C" fn on_send_done(_request: *mut c_void, status: ucs_status_t, user: *mut c_void) {
     COMPLETED.with(|q| q.borrow_mut().push((user as u64, status)));
 }
 
+// SAFETY: as `on_send_done`, for an endpoint created with it: `arg` is the endpoint's integer id,
+// never dereferenced; `(id, status)` is queued for `drain_callbacks`.
 unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: ucp_ep_h, status: ucs_status_t) {
     EP_FAILED.with(|q| q.borrow_mut().push((arg as u64, status)));
 }
@@ -190,7 +195,7 @@ impl Engine {
                 }
             }
             // SAFETY: the worker is live and only this thread progresses it.
-            while unsafe { ucp_worker_progress(self.ucp.worker) } != 0 {
+            while unsafe { self.ucp.lib.ucp_worker_progress(self.ucp.worker) } != 0 {
                 busy = true;
             }
             busy |= self.drain_callbacks();
@@ -214,7 +219,7 @@ impl Engine {
     /// the arm, so the fd fires) or its command is seen by the re-check.
     fn sleep(&mut self, idle: Duration) {
         // SAFETY: the worker is live and owned by this thread.
-        let armed = unsafe { ucp_worker_arm(self.ucp.worker) };
+        let armed = unsafe { self.ucp.lib.ucp_worker_arm(self.ucp.worker) };
         if armed != UCS_OK {
             return; // UCS_ERR_BUSY: events pending; anything else: keep polling.
         }
@@ -383,6 +388,7 @@ impl Engine {
         // that the key is not unpacked against a dead peer's shared memory (UCX 1.13 crashes
         // in `ucp_ep_rkey_unpack`'s clean-up when attaching the segment fails).
         let deadline = Instant::now() + self.config.connect_timeout;
+        let lib = self.ucp.lib;
         self.issue(
             ep_id,
             Op::Connect(request),
@@ -391,7 +397,7 @@ impl Engine {
             std::ptr::null_mut(),
             |ep, param| {
                 // SAFETY: `ep` is live and `param` valid for the call.
-                unsafe { ucp_ep_flush_nbx(ep, param) }
+                unsafe { lib.ucp_ep_flush_nbx(ep, param) }
             },
         );
     }
@@ -411,9 +417,10 @@ impl Engine {
             .map(|e| e.ep)
             .ok_or(TransferError::Closed)?;
         let mut rkey: ucp_rkey_h = std::ptr::null_mut();
+        let lib = self.ucp.lib;
         // SAFETY: `ep` is live; the buffer holds a packed key (UCX validates its contents).
-        check("rkey unpack", unsafe {
-            ucp_ep_rkey_unpack(ep, rkey_buf.as_ptr() as *const c_void, &mut rkey)
+        lib.check("rkey unpack", unsafe {
+            lib.ucp_ep_rkey_unpack(ep, rkey_buf.as_ptr() as *const c_void, &mut rkey)
         })
         .map_err(|e| TransferError::BadDescriptor(e.to_string()))?;
         let writer = self.id();
@@ -425,7 +432,7 @@ impl Engine {
             released: false,
         };
         self.writers.insert(writer, entry);
-        let direct = rkey_ptr(rkey, base, len).map(|base| {
+        let direct = self.ucp.rkey_ptr(rkey, base, len).map(|base| {
             // SAFETY: UCX mapped the whole remote region at `base` (`rkey_ptr` checked both
             // ends); the mapping lives as long as the writer's remote key, which `reap`
             // destroys only after the writer (owner of this mapping) has been dropped.
@@ -455,10 +462,11 @@ impl Engine {
             ..Default::default()
         };
         let mut ep: ucp_ep_h = std::ptr::null_mut();
+        let lib = self.ucp.lib;
         // SAFETY: `peer` holds a worker address (UCX parses and validates it) and outlives the
         // call; `ep` receives the handle.
-        check("ep create", unsafe {
-            ucp_ep_create(self.ucp.worker, &params, &mut ep)
+        lib.check("ep create", unsafe {
+            lib.ucp_ep_create(self.ucp.worker, &params, &mut ep)
         })
         .map_err(|e| TransferError::PeerFailed(e.to_string()))?;
         let endpoint = Endpoint {
@@ -557,12 +565,13 @@ impl Engine {
             _src: src,
             done,
         };
+        let lib = self.ucp.lib;
         self.issue(ep_id, op, deadline, mask, memh, |ep, param| {
             // SAFETY: `ep` and `rkey` are live (a writer's key is destroyed only when it has no
             // put in flight); the source stays valid until completion (borrowed: the owner waits;
             // leased: the lease travels with the pending op); the remote range was bounds-checked
             // against the descriptor by the async side.
-            unsafe { ucp_put_nbx(ep, ptr as *const c_void, len, remote_addr, rkey, param) }
+            unsafe { lib.ucp_put_nbx(ep, ptr as *const c_void, len, remote_addr, rkey, param) }
         });
     }
 
@@ -578,9 +587,10 @@ impl Engine {
         let ep_id = w.ep;
         let deadline = Instant::now() + self.config.op_timeout;
         let op = Op::Flush { writer, done };
+        let lib = self.ucp.lib;
         self.issue(ep_id, op, deadline, 0, std::ptr::null_mut(), |ep, param| {
             // SAFETY: `ep` is live and `param` valid for the call.
-            unsafe { ucp_ep_flush_nbx(ep, param) }
+            unsafe { lib.ucp_ep_flush_nbx(ep, param) }
         });
     }
 
@@ -637,7 +647,7 @@ impl Engine {
     fn ep_error(&self, ep_id: u64, status: ucs_status_t) -> TransferError {
         match self.eps.get(&ep_id).and_then(|e| e.failed.clone()) {
             Some(e) => e,
-            None => TransferError::PeerFailed(status_string(status)),
+            None => TransferError::PeerFailed(self.ucp.lib.status_string(status)),
         }
     }
 
@@ -652,7 +662,7 @@ impl Engine {
         {
             // SAFETY: unpacked in `connect`, destroyed once; no put in flight uses it, and the
             // writer that might use its direct mapping has been dropped (it sent `Release`).
-            unsafe { ucp_rkey_destroy(w.rkey) };
+            unsafe { self.ucp.lib.ucp_rkey_destroy(w.rkey) };
         }
     }
 
@@ -666,7 +676,7 @@ impl Engine {
         for (token, status) in completed {
             if let Some(p) = self.pending.remove(&token) {
                 // SAFETY: `request` came from an nbx call and is freed once, after completion.
-                unsafe { ucp_request_free(p.request) };
+                unsafe { self.ucp.lib.ucp_request_free(p.request) };
                 self.finish(p.op, p.ep, status);
             }
         }
@@ -692,7 +702,7 @@ impl Engine {
     }
 
     fn fail_ep(&mut self, ep_id: u64, status: ucs_status_t) {
-        let e = TransferError::PeerFailed(status_string(status));
+        let e = TransferError::PeerFailed(self.ucp.lib.status_string(status));
         self.fail_ep_with(ep_id, e);
     }
 
@@ -724,7 +734,7 @@ impl Engine {
         param.flags = UCP_EP_CLOSE_FLAG_FORCE;
         // SAFETY: `handle` is a live endpoint closed once (it is marked failed first, and
         // failed endpoints are never closed again).
-        let r = unsafe { ucp_ep_close_nbx(handle, &param) };
+        let r = unsafe { self.ucp.lib.ucp_ep_close_nbx(handle, &param) };
         if r.is_null() || ptr_is_err(r) {
             self.eps.remove(&ep_id);
         } else {
@@ -746,7 +756,7 @@ impl Engine {
         let until = Instant::now() + Duration::from_secs(2);
         while !self.pending.is_empty() && Instant::now() < until {
             // SAFETY: the worker is live and owned by this thread.
-            unsafe { ucp_worker_progress(self.ucp.worker) };
+            unsafe { self.ucp.lib.ucp_worker_progress(self.ucp.worker) };
             self.drain_callbacks();
         }
         for (_, p) in self.pending.drain() {
@@ -765,7 +775,7 @@ impl Engine {
         for (_, w) in self.writers.drain() {
             if !w.rkey.is_null() {
                 // SAFETY: unpacked in `connect`, destroyed once.
-                unsafe { ucp_rkey_destroy(w.rkey) };
+                unsafe { self.ucp.lib.ucp_rkey_destroy(w.rkey) };
             }
         }
         for (_, m) in self.maps.drain() {

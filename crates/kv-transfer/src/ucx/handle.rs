@@ -10,7 +10,7 @@ use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use super::completion::Completion;
 use super::engine::Engine;
-use super::sys::{ucp_worker_h, ucp_worker_signal};
+use super::sys::{UcpLib, ucp_worker_h};
 use super::ucp::Ucp;
 use crate::error::TransferError;
 use crate::region::{BlockLease, External, HOST_ALIGN, Region};
@@ -116,7 +116,7 @@ pub(super) struct Wake {
     pub(super) sleeping: AtomicBool,
 }
 
-pub(super) struct WorkerPtr(ucp_worker_h);
+pub(super) struct WorkerPtr(&'static UcpLib, ucp_worker_h);
 
 // SAFETY: the pointer is only used for `ucp_worker_signal`, which UCX documents as callable
 // from any thread, and only under `Wake::worker`'s lock, which the thread clears before it
@@ -128,7 +128,7 @@ impl Wake {
         let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(w) = worker.as_ref() {
             // SAFETY: the worker is alive while it is in the slot (see `WorkerPtr`).
-            unsafe { ucp_worker_signal(w.0) };
+            unsafe { w.0.ucp_worker_signal(w.1) };
         }
     }
 }
@@ -205,7 +205,7 @@ pub(crate) fn start(config: TransportConfig) -> Result<EngineHandle, TransferErr
                 }
             };
             let wake = Arc::new(Wake {
-                worker: Mutex::new(Some(WorkerPtr(ucp.worker))),
+                worker: Mutex::new(Some(WorkerPtr(ucp.lib, ucp.worker))),
                 queued: AtomicUsize::new(0),
                 sleeping: AtomicBool::new(false),
             });

@@ -3,10 +3,11 @@
 //! allocated in shared memory and a sender on the same host, plain copies into the region
 //! mapped with `ucp_rkey_ptr` (see the crate docs, "UCX paths").
 //!
-//! Layout: `sys` holds the bindgen output; `ucp` thin wrappers over the UCP calls; `engine`
-//! the worker thread, the only place that calls UCX; `handle` the commands and the handle the
-//! async side sends them through; `direct` copies into a same-host peer's mapped memory; this
-//! module the safe async types.
+//! Layout: `sys` holds the bindings (bindgen's output, generated ahead of time and checked in);
+//! `library` loads `libucp.so.0` at run time, once, and is the only way to its functions;
+//! `ucp` thin wrappers over the UCP calls; `engine` the worker thread, the only place that
+//! calls UCX; `handle` the commands and the handle the async side sends them through; `direct`
+//! copies into a same-host peer's mapped memory; this module the safe async types.
 //!
 //! - Receiver: `expose` maps the region and packs its remote key; the descriptor carries the
 //!   worker address (hex), the remote key and the address of block 0.
@@ -25,6 +26,7 @@ mod completion;
 mod direct;
 mod engine;
 mod handle;
+mod library;
 pub(crate) mod sys;
 mod ucp;
 
@@ -48,6 +50,9 @@ use handle::{Command, EngineHandle, PutSource, RawBuf, WriterState};
 const GRACE: Duration = Duration::from_secs(2);
 
 /// Initialises UCX with `config` once and tears it down; returns UCX's version string.
+///
+/// Loads libucp first (once per process): [`TransferError::UcxNotFound`] when it is not
+/// installed or lacks a function, [`TransferError::UcxTooOld`] when it predates the bindings.
 pub fn probe(config: &UcxConfig) -> Result<String, TransferError> {
     ucp::probe(config)
 }
@@ -66,6 +71,7 @@ pub struct UcxTransport {
 
 impl UcxTransport {
     /// Starts the UCX worker thread with `config.ucx` applied on top of the `UCX_*` environment.
+    /// Fails like [`probe`] when libucp cannot be loaded.
     pub fn new(config: TransportConfig) -> Result<Self, TransferError> {
         config.validate()?;
         let engine = handle::start(config.clone())?;

@@ -1,29 +1,39 @@
 //! Thin wrappers over the UCP calls the engine makes: status handling, context and worker
 //! set-up, memory mapping, key packing. Called only on the worker thread (and by [`probe`]).
+//! A [`Ucp`] holds the loaded library (`super::library`), through which every call is made.
 
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, CString, c_void};
 
+use super::library;
 use super::sys::*;
 use crate::error::TransferError;
 use crate::transport::UcxConfig;
 
-pub(super) fn status_string(status: ucs_status_t) -> String {
-    // SAFETY: UCX returns a pointer to a static NUL-terminated string for any status.
-    unsafe { CStr::from_ptr(ucs_status_string(status)) }
-        .to_string_lossy()
-        .into_owned()
-}
+impl UcpLib {
+    /// UCX's description of `status`.
+    pub(super) fn status_string(&self, status: ucs_status_t) -> String {
+        // SAFETY: UCX returns a pointer to a static NUL-terminated string for any status.
+        unsafe { CStr::from_ptr(self.ucs_status_string(status)) }
+            .to_string_lossy()
+            .into_owned()
+    }
 
-pub(super) fn check(op: &'static str, status: ucs_status_t) -> Result<(), TransferError> {
-    if status == UCS_OK {
-        Ok(())
-    } else {
-        Err(TransferError::Ucx {
-            op,
-            detail: status_string(status),
-        })
+    /// `Ok` for `UCS_OK`, else [`TransferError::Ucx`] naming `op` and the status.
+    pub(super) fn check(
+        &self,
+        op: &'static str,
+        status: ucs_status_t,
+    ) -> Result<(), TransferError> {
+        if status == UCS_OK {
+            Ok(())
+        } else {
+            Err(TransferError::Ucx {
+                op,
+                detail: self.status_string(status),
+            })
+        }
     }
 }
 
@@ -50,17 +60,20 @@ pub(super) fn request_param(token: u64, cb: ucp_send_nbx_callback_t) -> ucp_requ
 
 /// A UCP context with one worker (single-threaded, RMA + wakeup); cleaned up on drop.
 pub(super) struct Ucp {
+    /// The library every call on these handles goes through.
+    pub(super) lib: &'static UcpLib,
     pub(super) context: ucp_context_h,
     pub(super) worker: ucp_worker_h,
 }
 
 impl Ucp {
     pub(super) fn new(config: &UcxConfig) -> Result<Ucp, TransferError> {
+        let lib = library::get()?;
         let mut cfg: *mut ucp_config_t = std::ptr::null_mut();
         // SAFETY: null prefix and file mean the defaults (`UCX_` environment); `cfg` receives
         // a config released below.
-        check("config read", unsafe {
-            ucp_config_read(std::ptr::null(), std::ptr::null(), &mut cfg)
+        lib.check("config read", unsafe {
+            lib.ucp_config_read(std::ptr::null(), std::ptr::null(), &mut cfg)
         })?;
         let named = [("TLS", &config.tls), ("NET_DEVICES", &config.net_devices)]
             .into_iter()
@@ -71,8 +84,8 @@ impl Ucp {
             let k = CString::new(key).map_err(bad)?;
             let v = CString::new(value.as_str()).map_err(bad)?;
             // SAFETY: `cfg` is a live config; both strings are NUL-terminated and copied.
-            check("config modify", unsafe {
-                ucp_config_modify(cfg, k.as_ptr(), v.as_ptr())
+            lib.check("config modify", unsafe {
+                lib.ucp_config_modify(cfg, k.as_ptr(), v.as_ptr())
             })
         });
         let mut context: ucp_context_h = std::ptr::null_mut();
@@ -83,12 +96,12 @@ impl Ucp {
                 ..Default::default()
             };
             // SAFETY: `params` and `cfg` are valid for the call; `context` receives the handle.
-            check("init", unsafe {
-                ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, cfg, &mut context)
+            lib.check("init", unsafe {
+                lib.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, cfg, &mut context)
             })
         });
         // SAFETY: `cfg` came from `ucp_config_read` and is released once.
-        unsafe { ucp_config_release(cfg) };
+        unsafe { lib.ucp_config_release(cfg) };
         init?;
         let wparams = ucp_worker_params_t {
             field_mask: u64::from(UCP_WORKER_PARAM_FIELD_THREAD_MODE),
@@ -97,36 +110,41 @@ impl Ucp {
         };
         let mut worker: ucp_worker_h = std::ptr::null_mut();
         // SAFETY: `context` is live; `worker` receives the handle.
-        let created = check("worker create", unsafe {
-            ucp_worker_create(context, &wparams, &mut worker)
+        let created = lib.check("worker create", unsafe {
+            lib.ucp_worker_create(context, &wparams, &mut worker)
         });
         if let Err(e) = created {
             // SAFETY: the context was created above and has no workers.
-            unsafe { ucp_cleanup(context) };
+            unsafe { lib.ucp_cleanup(context) };
             return Err(e);
         }
-        Ok(Ucp { context, worker })
+        Ok(Ucp {
+            lib,
+            context,
+            worker,
+        })
     }
 
     pub(super) fn address(&self) -> Result<Vec<u8>, TransferError> {
         let mut addr: *mut ucp_address_t = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: the worker is live; UCX allocates `addr`, released right after the copy.
-        check("worker address", unsafe {
-            ucp_worker_get_address(self.worker, &mut addr, &mut len)
+        self.lib.check("worker address", unsafe {
+            self.lib
+                .ucp_worker_get_address(self.worker, &mut addr, &mut len)
         })?;
         // SAFETY: UCX returned `len` readable bytes at `addr`.
         let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
         // SAFETY: `addr` came from `ucp_worker_get_address` on this worker.
-        unsafe { ucp_worker_release_address(self.worker, addr) };
+        unsafe { self.lib.ucp_worker_release_address(self.worker, addr) };
         Ok(bytes)
     }
 
     pub(super) fn event_fd(&self) -> Result<i32, TransferError> {
         let mut efd = -1;
         // SAFETY: the worker was created with UCP_FEATURE_WAKEUP; `efd` is an out-parameter.
-        check("get efd", unsafe {
-            ucp_worker_get_efd(self.worker, &mut efd)
+        self.lib.check("get efd", unsafe {
+            self.lib.ucp_worker_get_efd(self.worker, &mut efd)
         })?;
         Ok(efd)
     }
@@ -137,7 +155,7 @@ impl Ucp {
             ..Default::default()
         };
         // SAFETY: the context is live and `attr` is a valid out-parameter.
-        let ok = unsafe { ucp_context_query(self.context, &mut attr) } == UCS_OK;
+        let ok = unsafe { self.lib.ucp_context_query(self.context, &mut attr) } == UCS_OK;
         ok && attr.memory_types & (1u64 << UCS_MEMORY_TYPE_CUDA) != 0
     }
 
@@ -168,8 +186,8 @@ impl Ucp {
         };
         let mut memh: ucp_mem_h = std::ptr::null_mut();
         // SAFETY: the caller keeps the range allocated while it is mapped.
-        check("mem map", unsafe {
-            ucp_mem_map(self.context, &params, &mut memh)
+        self.lib.check("mem map", unsafe {
+            self.lib.ucp_mem_map(self.context, &params, &mut memh)
         })?;
         Ok(memh)
     }
@@ -190,15 +208,17 @@ impl Ucp {
         };
         let mut memh: ucp_mem_h = std::ptr::null_mut();
         // SAFETY: UCX allocates and maps `len` bytes; `memh` receives the handle.
-        check("mem map (allocate)", unsafe {
-            ucp_mem_map(self.context, &params, &mut memh)
+        self.lib.check("mem map (allocate)", unsafe {
+            self.lib.ucp_mem_map(self.context, &params, &mut memh)
         })?;
         let mut attr = ucp_mem_attr_t {
             field_mask: u64::from(UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH),
             ..Default::default()
         };
         // SAFETY: `memh` is live; `attr` is a valid out-parameter.
-        let queried = check("mem query", unsafe { ucp_mem_query(memh, &mut attr) });
+        let queried = self.lib.check("mem query", unsafe {
+            self.lib.ucp_mem_query(memh, &mut attr)
+        });
         let usable = queried.and_then(|()| {
             if attr.address.is_null() || attr.length < len {
                 Err(TransferError::Ucx {
@@ -219,9 +239,10 @@ impl Ucp {
     /// Unregisters (and, for [`Ucp::alloc`] memory, frees) a handle, once.
     pub(super) fn unmap(&self, memh: ucp_mem_h) {
         // SAFETY: every caller passes a handle from `map`/`alloc` on this context exactly once.
-        let status = unsafe { ucp_mem_unmap(self.context, memh) };
+        let status = unsafe { self.lib.ucp_mem_unmap(self.context, memh) };
         if status != UCS_OK {
-            tracing::warn!(error = %status_string(status), "kv transfer: ucp_mem_unmap failed");
+            let error = self.lib.status_string(status);
+            tracing::warn!(%error, "kv transfer: ucp_mem_unmap failed");
         }
     }
 
@@ -230,38 +251,39 @@ impl Ucp {
         let mut buf: *mut c_void = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: `memh` is live; UCX allocates `buf`, released after the copy.
-        check("rkey pack", unsafe {
-            ucp_rkey_pack(self.context, memh, &mut buf, &mut len)
+        self.lib.check("rkey pack", unsafe {
+            self.lib
+                .ucp_rkey_pack(self.context, memh, &mut buf, &mut len)
         })?;
         // SAFETY: UCX returned `len` readable bytes at `buf`.
         let rkey = unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec();
         // SAFETY: `buf` came from `ucp_rkey_pack`.
-        unsafe { ucp_rkey_buffer_release(buf) };
+        unsafe { self.lib.ucp_rkey_buffer_release(buf) };
         Ok(rkey)
     }
-}
 
-/// A local address through which `len` bytes of remote memory at `base` can be written
-/// directly (same-host shared memory), when UCX can give one for the whole range.
-pub(super) fn rkey_ptr(rkey: ucp_rkey_h, base: u64, len: u64) -> Option<u64> {
-    let mut first: *mut c_void = std::ptr::null_mut();
-    let mut last: *mut c_void = std::ptr::null_mut();
-    // SAFETY: `rkey` is a live unpacked key; UCX validates the addresses against it.
-    let ok = unsafe {
-        ucp_rkey_ptr(rkey, base, &mut first) == UCS_OK
-            && ucp_rkey_ptr(rkey, base + len - 1, &mut last) == UCS_OK
-    };
-    // One contiguous local mapping for the whole range, or nothing.
-    (ok && !first.is_null() && (last as u64).wrapping_sub(first as u64) == len - 1)
-        .then_some(first as u64)
+    /// A local address through which `len` bytes of remote memory at `base` can be written
+    /// directly (same-host shared memory), when UCX can give one for the whole range.
+    pub(super) fn rkey_ptr(&self, rkey: ucp_rkey_h, base: u64, len: u64) -> Option<u64> {
+        let mut first: *mut c_void = std::ptr::null_mut();
+        let mut last: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `rkey` is a live unpacked key; UCX validates the addresses against it.
+        let ok = unsafe {
+            self.lib.ucp_rkey_ptr(rkey, base, &mut first) == UCS_OK
+                && self.lib.ucp_rkey_ptr(rkey, base + len - 1, &mut last) == UCS_OK
+        };
+        // One contiguous local mapping for the whole range, or nothing.
+        (ok && !first.is_null() && (last as u64).wrapping_sub(first as u64) == len - 1)
+            .then_some(first as u64)
+    }
 }
 
 impl Drop for Ucp {
     fn drop(&mut self) {
         // SAFETY: both handles are live and destroyed once, worker first.
         unsafe {
-            ucp_worker_destroy(self.worker);
-            ucp_cleanup(self.context);
+            self.lib.ucp_worker_destroy(self.worker);
+            self.lib.ucp_cleanup(self.context);
         }
     }
 }
@@ -270,9 +292,10 @@ impl Drop for Ucp {
 pub(crate) fn probe(config: &UcxConfig) -> Result<String, TransferError> {
     let ucp = Ucp::new(config)?;
     ucp.address()?;
+    let lib = ucp.lib;
     drop(ucp);
     // SAFETY: returns a static NUL-terminated string.
-    Ok(unsafe { CStr::from_ptr(ucp_get_version_string()) }
+    Ok(unsafe { CStr::from_ptr(lib.ucp_get_version_string()) }
         .to_string_lossy()
         .into_owned())
 }

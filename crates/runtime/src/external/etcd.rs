@@ -3,12 +3,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
-
 use super::{
     Launch, Process, StartFailure, free_port, relaunch, start_on_free_ports, tcp_accepts, temp_dir,
     unique_name, wait_ready,
 };
+use crate::discovery::etcd::client::EtcdClient;
 use crate::error::RuntimeError;
 
 /// How to start etcd.
@@ -178,13 +177,15 @@ async fn probe(port: u16, endpoint: String, name: &str) -> bool {
         return false;
     }
     let check = async {
-        let options = ConnectOptions::new().with_connect_timeout(Duration::from_millis(500));
-        let mut client = Client::connect([endpoint], Some(options)).await.ok()?;
+        let endpoints = [endpoint];
+        let mut client = EtcdClient::connect(&endpoints, Duration::from_millis(500), None)
+            .await
+            .ok()?;
         let members = client.member_list().await.ok()?;
-        if !members.members().iter().any(|m| m.name() == name) {
+        if !members.members.iter().any(|m| m.name == name) {
             return None;
         }
-        client.get("/tandem/health-probe", None).await.ok()
+        client.get("/tandem/health-probe").await.ok()
     };
     matches!(
         tokio::time::timeout(Duration::from_secs(1), check).await,

@@ -4,22 +4,27 @@
 //! id as 16 hex digits), whose value is the [`WorkerRecord`] as JSON (readable with `etcdctl get
 //! --prefix /tandem/`), attached to a lease of [`EtcdConfig::lease_ttl`] kept alive every TTL/3.
 //!
-//! Robustness: etcd's client neither reconnects its streams nor reliably recovers a channel after
-//! the server restarts, so every call here runs under a timeout and every failure leads to a
-//! fresh client. A registration (`registration.rs`) re-establishes itself forever: it resumes its
+//! Client: our own small etcd v3 gRPC client (`client.rs`, stubs generated from proto/etcd/
+//! without protoc). It neither reconnects its streams nor recovers a channel after the server
+//! restarts, by design: every call here runs under a timeout and every failure leads to a fresh
+//! client. No deadline travels to etcd (tonic would send it as `grpc-timeout`, and etcd would
+//! end the long-lived watch and keep-alive streams): unary calls get a local timeout.
+//!
+//! Robustness: a registration (`registration.rs`) re-establishes itself forever: it resumes its
 //! lease when etcd still knows it, else grants a new one, and puts its key again. A watch
 //! (`watch.rs`) re-connects, re-lists and emits the difference, so a removal that happened while
 //! it was disconnected (including a wiped etcd) is still reported.
 
+pub(crate) mod client;
 mod registration;
 mod watch;
 
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{Client, ConnectOptions, GetOptions};
 use tandem_protocol::{WorkerId, WorkerRecord, WorkerRole};
 
+use self::client::EtcdClient;
 use super::{Discovery, DiscoveryWatch, Registration, parse_role, role_name};
 use crate::error::{RuntimeError, with_timeout};
 
@@ -32,7 +37,8 @@ pub struct EtcdConfig {
     pub namespace: String,
     /// Lease TTL; whole seconds, at least 1 s (etcd may raise very small values to its minimum).
     pub lease_ttl: Duration,
-    /// Deadline for connecting and for each unary call.
+    /// Deadline for connecting (per endpoint tried, authentication included), for each unary
+    /// call, and for an HTTP/2 ping's answer.
     pub connect_timeout: Duration,
     /// Largest delay between reconnect attempts (backoff starts at 100 ms and doubles).
     pub max_backoff: Duration,
@@ -114,57 +120,39 @@ impl EtcdConfig {
     }
 }
 
-/// Connects a fresh client. Connecting is lazy in etcd-client, so the first call made with the
-/// client is what proves the connection; callers run it under their own timeout.
-pub(crate) async fn connect(config: &EtcdConfig) -> Result<Client, RuntimeError> {
-    let mut options = ConnectOptions::new()
-        // No per-request `with_timeout`: tonic would send it as `grpc-timeout`, and etcd would
-        // then end the long-lived watch and keep-alive streams. Unary calls get a local timeout.
-        .with_connect_timeout(config.connect_timeout)
-        // HTTP/2 pings catch a hung (not closed) connection under a long-lived stream. etcd's
-        // default enforcement refuses pings more frequent than every 5 s.
-        .with_keep_alive(Duration::from_secs(10), config.connect_timeout);
-    if let (Some(user), Some(password)) = (&config.username, &config.password) {
-        options = options.with_user(user.clone(), password.clone());
-    }
-    let endpoints: Vec<String> = config
-        .endpoints
-        .iter()
-        .map(|e| {
-            if e.starts_with("http://") || e.starts_with("https://") {
-                e.clone()
-            } else {
-                format!("http://{e}")
-            }
-        })
-        .collect();
-    with_timeout("etcd connect", config.connect_timeout, async {
-        Client::connect(endpoints, Some(options))
-            .await
-            .map_err(RuntimeError::etcd("connect"))
-    })
-    .await
+/// Connects a fresh client (authenticated when credentials are configured). Bounded by the
+/// connect timeout per endpoint tried (see [`EtcdClient::connect`]).
+pub(crate) async fn connect(config: &EtcdConfig) -> Result<EtcdClient, RuntimeError> {
+    let credentials = match (&config.username, &config.password) {
+        (Some(user), Some(password)) => Some((user.as_str(), password.as_str())),
+        _ => None,
+    };
+    let client = EtcdClient::connect(&config.endpoints, config.connect_timeout, credentials)
+        .await
+        .map_err(RuntimeError::etcd("connect"))?;
+    tracing::trace!(endpoint = client.endpoint(), "connected to etcd");
+    Ok(client)
 }
 
 /// Lists every worker under the prefix, with the store revision the listing is valid at.
 /// Malformed values are skipped with a warning (an operator's stray key must not stop us).
 pub(crate) async fn list_workers(
-    client: &mut Client,
+    client: &mut EtcdClient,
     config: &EtcdConfig,
 ) -> Result<(Vec<WorkerRecord>, i64), RuntimeError> {
     let prefix = config.workers_prefix();
     let response = with_timeout("etcd list", config.connect_timeout, async {
         client
-            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .get_prefix(prefix)
             .await
             .map_err(RuntimeError::etcd("list"))
     })
     .await?;
-    let revision = response.header().map(|h| h.revision()).unwrap_or(0);
-    let mut records = Vec::with_capacity(response.kvs().len());
-    for kv in response.kvs() {
-        let key = String::from_utf8_lossy(kv.key()).into_owned();
-        match decode_record(config, &key, kv.value()) {
+    let revision = response.header.map(|h| h.revision).unwrap_or(0);
+    let mut records = Vec::with_capacity(response.kvs.len());
+    for kv in &response.kvs {
+        let key = String::from_utf8_lossy(&kv.key).into_owned();
+        match decode_record(config, &key, &kv.value) {
             Ok(record) => records.push(record),
             Err(e) => tracing::warn!(error = %e, "skipping worker key"),
         }

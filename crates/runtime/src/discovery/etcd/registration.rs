@@ -13,14 +13,14 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper, PutOptions};
 use tandem_protocol::{WorkerId, WorkerRecord, WorkerRole};
 use tokio::sync::{oneshot, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 
+use super::client::{EtcdClient, LeaseKeepAliveStream, LeaseKeeper};
 use super::{EtcdConfig, connect};
 use crate::discovery::{Backoff, Registration, RegistrationBackend};
-use crate::error::{RuntimeError, with_timeout};
+use crate::error::{EtcdError, RuntimeError, with_timeout};
 
 /// First delay before re-establishing a lost registration; doubles up to the configured max.
 const INITIAL_BACKOFF: Duration = Duration::from_millis(100);
@@ -105,7 +105,7 @@ enum Stop {
 
 /// A live lease with its key put.
 struct Session {
-    client: Client,
+    client: EtcdClient,
     lease_id: i64,
     keeper: LeaseKeeper,
     stream: LeaseKeepAliveStream,
@@ -205,7 +205,7 @@ impl Keeper {
             let mut client = client?;
             with_timeout("etcd delete", timeout, async {
                 client
-                    .delete(self.key.clone(), None)
+                    .delete(self.key.clone())
                     .await
                     .map_err(RuntimeError::etcd("delete"))
             })
@@ -268,12 +268,12 @@ async fn establish(
             let ttl = config.ttl_secs();
             let grant = with_timeout("etcd lease grant", timeout, async {
                 client
-                    .lease_grant(ttl, None)
+                    .lease_grant(ttl)
                     .await
                     .map_err(RuntimeError::etcd("lease grant"))
             })
             .await?;
-            let id = grant.id();
+            let id = grant.id;
             let (keeper, stream) = keep_alive_stream(&mut client, id, timeout).await?;
             (id, keeper, stream)
         }
@@ -289,7 +289,7 @@ async fn establish(
 
 /// Opens the keep-alive stream of a lease; fails when etcd does not know the lease.
 async fn keep_alive_stream(
-    client: &mut Client,
+    client: &mut EtcdClient,
     lease: i64,
     timeout: Duration,
 ) -> Result<(LeaseKeeper, LeaseKeepAliveStream), RuntimeError> {
@@ -303,7 +303,7 @@ async fn keep_alive_stream(
 }
 
 async fn put(
-    client: &mut Client,
+    client: &mut EtcdClient,
     key: &str,
     value: Vec<u8>,
     lease: i64,
@@ -311,7 +311,7 @@ async fn put(
 ) -> Result<(), RuntimeError> {
     with_timeout("etcd put", timeout, async {
         client
-            .put(key, value, Some(PutOptions::new().with_lease(lease)))
+            .put(key, value, lease)
             .await
             .map(|_| ())
             .map_err(RuntimeError::etcd("put"))
@@ -328,10 +328,10 @@ async fn keep_alive_once(s: &mut Session, timeout: Duration) -> Result<(), Runti
             .await
             .map_err(RuntimeError::etcd("keep-alive send"))?;
         match s.stream.message().await {
-            Ok(Some(response)) if response.ttl() > 0 => Ok(()),
+            Ok(Some(response)) if response.ttl > 0 => Ok(()),
             Ok(Some(_)) => Err(RuntimeError::Etcd {
                 op: "keep-alive",
-                source: etcd_client::Error::LeaseKeepAliveError(format!("lease {lease} expired")),
+                source: EtcdError::LeaseExpired(lease),
             }),
             Ok(None) => Err(RuntimeError::Closed("etcd keep-alive stream")),
             Err(source) => Err(RuntimeError::Etcd {

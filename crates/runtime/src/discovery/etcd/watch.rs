@@ -8,10 +8,10 @@
 
 use std::time::Duration;
 
-use etcd_client::{EventType, WatchOptions, WatchStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::client::{EtcdClient, EventType, WatchStream};
 use super::{EtcdConfig, connect, decode_record, list_workers};
 use crate::discovery::{Backoff, DiscoveryEvent, DiscoveryWatch, WATCH_BUFFER, WorkerView};
 use crate::error::{RuntimeError, with_timeout};
@@ -53,7 +53,7 @@ struct WatchTask {
 impl WatchTask {
     async fn run(
         mut self,
-        mut client: etcd_client::Client,
+        mut client: EtcdClient,
         mut snapshot: Vec<tandem_protocol::WorkerRecord>,
         mut revision: i64,
     ) {
@@ -101,14 +101,11 @@ impl WatchTask {
     }
 
     /// Watches from `revision + 1` until the watch fails or the consumer leaves.
-    async fn follow(&mut self, client: &mut etcd_client::Client, revision: i64) -> End {
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(revision + 1);
+    async fn follow(&mut self, client: &mut EtcdClient, revision: i64) -> End {
         let prefix = self.config.workers_prefix();
         let opened = with_timeout("etcd watch", self.config.connect_timeout, async {
             client
-                .watch(prefix, Some(options))
+                .watch_prefix(prefix, revision + 1)
                 .await
                 .map_err(RuntimeError::etcd("watch"))
         });
@@ -134,23 +131,23 @@ impl WatchTask {
                     });
                 }
             };
-            if response.canceled() {
+            if response.canceled {
                 return End::Lost(RuntimeError::InvalidRequest(format!(
                     "etcd cancelled the watch (compact revision {}): {}",
-                    response.compact_revision(),
-                    response.cancel_reason()
+                    response.compact_revision, response.cancel_reason
                 )));
             }
             let mut out = Vec::new();
-            for event in response.events() {
-                let Some(kv) = event.kv() else { continue };
-                let key = String::from_utf8_lossy(kv.key()).into_owned();
+            for event in &response.events {
+                let Some(kv) = &event.kv else { continue };
+                let key = String::from_utf8_lossy(&kv.key).into_owned();
                 let Some((role, id)) = self.config.parse_worker_key(&key) else {
                     tracing::warn!(%key, "ignoring unexpected key under the workers prefix");
                     continue;
                 };
-                match event.event_type() {
-                    EventType::Put => match decode_record(&self.config, &key, kv.value()) {
+                // An unknown event type (none exists in etcd 3.x) is no usable worker either.
+                match EventType::try_from(event.r#type) {
+                    Ok(EventType::Put) => match decode_record(&self.config, &key, &kv.value) {
                         Ok(record) => out.extend(self.view.put(record)),
                         Err(error) => {
                             // An unreadable record is no usable worker.
@@ -158,7 +155,7 @@ impl WatchTask {
                             out.extend(self.view.remove(role, id));
                         }
                     },
-                    EventType::Delete => out.extend(self.view.remove(role, id)),
+                    Ok(EventType::Delete) | Err(_) => out.extend(self.view.remove(role, id)),
                 }
             }
             if !self.emit(out).await {
