@@ -175,7 +175,7 @@ pub fn plan(base: &SimConfig, max_workers: u32, topologies: Topologies) -> anyho
         max_workers,
         aggregated,
         disaggregated,
-        disagg_mode: base.disagg.mode.name().to_string(),
+        disagg_mode: base.routing.disagg.mode.name().to_string(),
         runs,
     })
 }
@@ -185,8 +185,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         bail!("tandem plan runs one load: --sweep-rate and --plot-dir are for tandem sim");
     }
     let mut base = args.sim.config()?;
-    if base.disagg.mode == DisaggMode::Never {
-        base.disagg.mode = DisaggMode::IslBounding;
+    if base.routing.disagg.mode == DisaggMode::Never {
+        base.routing.disagg.mode = DisaggMode::IslBounding;
     }
     let max_workers = base.topology.workers;
     let plan = plan(&base, max_workers, args.topologies)?;

@@ -11,11 +11,11 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{ArgAction, Args};
 use tandem_engine::SchedulerConfig;
+use tandem_frontend::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
+use tandem_frontend::http::{HttpConfig, TokenizerSpec};
 use tandem_kv_transfer::{Transport, TransportConfig, TransportKind};
 use tandem_protocol::{BlockSize, WorkerId, WorkerRole};
-use tandem_router::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
-use tandem_router::http::{HttpConfig, TokenizerSpec};
-use tandem_router::{DisaggConfig, DisaggMode, PolicyConfig, PolicyKind, RouterConfig, RouterId};
+use tandem_router::{DisaggConfig, DisaggMode, PolicyConfig, PolicyKind, RouterId, RoutingConfig};
 use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
 use tandem_runtime::events::{EventPlane, NatsAuth, NatsConfig, NatsEventPlane};
 use tandem_worker::{WorkerConfig, WorkerDeps};
@@ -323,10 +323,16 @@ pub struct RoutingArgs {
     /// prefill-load: prefill locally when the best prefill worker has more pending tokens.
     #[arg(long, env = "TANDEM_PREFILL_BUSY_TOKENS", default_value_t = DisaggConfig::default().prefill_busy_tokens)]
     pub prefill_busy_tokens: u64,
+    /// Fold workers' load reports into the router's own load counts (for replicas that do
+    /// not sync; reports lag by their interval). In `tandem sim`, the snapshot mode's reports.
+    #[arg(long, env = "TANDEM_MERGE_LOAD_REPORTS", default_value_t = false, action = ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub merge_load_reports: bool,
 }
 
 impl RoutingArgs {
-    pub fn configs(&self) -> anyhow::Result<(RouterConfig, DisaggConfig)> {
+    /// The routing these flags describe: the frontend's and `tandem sim`'s alike.
+    pub fn config(&self) -> anyhow::Result<RoutingConfig> {
         let kind: PolicyKind = self.policy.parse().context("--policy")?;
         let mut policy = PolicyConfig::new(kind);
         policy.kv.overlap_credit = self.overlap_credit;
@@ -341,12 +347,14 @@ impl RoutingArgs {
             ..Default::default()
         };
         disagg.decode_kv = policy.kv;
-        disagg.validate().context("disaggregation flags")?;
-        let router = RouterConfig {
+        let routing = RoutingConfig {
             policy,
+            disagg,
+            merge_load_reports: self.merge_load_reports,
             ..Default::default()
         };
-        Ok((router, disagg))
+        routing.validate().context("routing flags")?;
+        Ok(routing)
     }
 }
 
@@ -388,10 +396,6 @@ pub struct FrontendArgs {
     /// Share active-sequence deltas with other frontend replicas.
     #[arg(long, env = "TANDEM_REPLICA_SYNC", default_value_t = true, action = ArgAction::Set)]
     pub replica_sync: bool,
-    /// Fold workers' load reports into the router's own load counts (for replicas that do
-    /// not sync; reports lag by their interval).
-    #[arg(long, env = "TANDEM_MERGE_LOAD_REPORTS", default_value_t = false)]
-    pub merge_load_reports: bool,
 }
 
 /// A frontend's config from its flags.
@@ -403,10 +407,8 @@ pub fn frontend_config(
     indexer_url: Option<String>,
     replica_sync: bool,
 ) -> anyhow::Result<FrontendConfig> {
-    let (router, disagg) = routing.configs()?;
     let mut backend = BackendConfig::new(RouterId(random_id()));
-    backend.router = router;
-    backend.disagg = disagg;
+    backend.routing = routing.config()?;
     backend.indexer_url = indexer_url;
     backend.replica_sync = replica_sync;
     let tokenizer: TokenizerSpec = http.tokenizer.parse().context("--tokenizer")?;
@@ -486,7 +488,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
 
 pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     init_logs(args.plane.log_json)?;
-    let mut cfg = frontend_config(
+    let cfg = frontend_config(
         &args.plane.namespace,
         &args.routing,
         &args.http,
@@ -494,10 +496,9 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         args.indexer_url.clone(),
         args.replica_sync,
     )?;
-    cfg.backend.merge_load_reports = args.merge_load_reports;
     let listener = bind(&args.listen).await?;
     let deps = args.plane.connect("frontend").await?;
-    tandem_router::cluster::run_frontend(cfg, listener, deps, shutdown_token()).await?;
+    tandem_frontend::run_frontend(cfg, listener, deps, shutdown_token()).await?;
     Ok(())
 }
 
@@ -512,6 +513,6 @@ pub async fn run_indexer(args: IndexerArgs) -> anyhow::Result<()> {
         connect_timeout: Duration::from_secs(2),
         embedded_index: true,
     };
-    tandem_router::cluster::run_indexer(cfg, listener, deps, shutdown_token()).await?;
+    tandem_frontend::run_indexer(cfg, listener, deps, shutdown_token()).await?;
     Ok(())
 }

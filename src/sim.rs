@@ -78,8 +78,7 @@ pub struct SimArgs {
 impl SimArgs {
     pub(crate) fn config(&self) -> anyhow::Result<SimConfig> {
         let workload = self.workload.config()?;
-        let (router, disagg) = self.routing.configs()?;
-        let policy = router.policy;
+        let routing = self.routing.config()?;
         Ok(SimConfig {
             seed: self.workload.seed,
             workload,
@@ -97,8 +96,7 @@ impl SimArgs {
                 max_num_seqs: self.max_num_seqs,
                 speedup_ratio: self.speedup_ratio,
             },
-            policy,
-            disagg,
+            routing,
             event_plane: EventPlaneConfig {
                 delay_us: ms_to_us("--event-delay-ms", self.event_delay_ms)?,
                 snapshot_interval_us: ms_to_us(

@@ -122,8 +122,8 @@ async fn run_embedded(args: UpArgs, root: CancellationToken) -> anyhow::Result<(
         "tandem up: http://{addr}/v1  ({} prefill, {} decode workers, policy {}, disagg {}; Ctrl-C stops)",
         args.prefill, args.decode, args.routing.policy, args.routing.disagg
     );
-    let cluster = tandem_router::cluster::ClusterDeps { discovery, events };
-    let served = tandem_router::cluster::run_frontend(cfg, listener, cluster, root).await;
+    let cluster = tandem_frontend::ClusterDeps { discovery, events };
+    let served = tandem_frontend::run_frontend(cfg, listener, cluster, root).await;
     workers_stop.cancel();
     while let Some(r) = workers.join_next().await {
         if let Ok(Err(e)) = r {

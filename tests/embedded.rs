@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use tandem_frontend::cluster::{BackendConfig, ClusterView, ViewConfig};
 use tandem_protocol::grpc::{GenerateRequest, Sampling, worker_client::WorkerClient};
 use tandem_protocol::hashing::compute_block_hashes;
 use tandem_protocol::{BlockSize, HashSeed, SequenceHash, WorkerId, WorkerRole};
-use tandem_router::cluster::{ClusterView, ViewConfig};
+use tandem_router::{RouterId, RoutingReplica};
 use tandem_runtime::RuntimeError;
 use tandem_runtime::discovery::MemoryDiscovery;
 use tandem_runtime::events::{EventPlane, MemoryEventPlane, Subscription};
@@ -86,8 +87,10 @@ async fn start_view(
         connect_timeout: Duration::from_secs(2),
         embedded_index: true,
     };
+    let replica = RoutingReplica::new(BackendConfig::new(RouterId(1)).replica_config()).unwrap();
     ClusterView::start(
         cfg,
+        replica,
         Arc::new(discovery.clone()),
         plane,
         tasks.clone(),
@@ -182,9 +185,9 @@ async fn the_index_follows_a_worker_through_lost_events_and_its_departure() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_standalone_indexer_answers_find_matches_from_the_event_plane() {
+    use tandem_frontend::ClusterDeps;
     use tandem_protocol::grpc::FindMatchesRequest;
     use tandem_protocol::grpc::indexer_client::IndexerClient;
-    use tandem_router::cluster::ClusterDeps;
 
     let discovery = MemoryDiscovery::new();
     let plane = Arc::new(MemoryEventPlane::new());
@@ -202,7 +205,7 @@ async fn the_standalone_indexer_answers_find_matches_from_the_event_plane() {
         discovery: Arc::new(discovery.clone()),
         events: plane.clone(),
     };
-    let indexer = tokio::spawn(tandem_router::cluster::run_indexer(
+    let indexer = tokio::spawn(tandem_frontend::run_indexer(
         cfg,
         indexer_listener,
         deps,

@@ -12,6 +12,9 @@
 //! - [`ShardedIndex`]: the same API for concurrent readers and writers, sharded by worker.
 //! - [`ApproxIndex`]: approximate mode for routers without events, fed with the router's own
 //!   decisions and expiring them after a TTL.
+//! - [`IndexFeed`]: the rules that keep an index true to the workers it mirrors (dump at
+//!   join, never past a gap, repair a range or dump, purge at leave, trailing loss shown by
+//!   load reports), sans-IO: the shell performs the [`Repair`]s it asks for.
 //! - [`Resequencer`]: a bounded per-worker reorder buffer in front of the index for transports
 //!   that may reorder events, and the trigger for repairs (replay or dump).
 //!
@@ -25,7 +28,7 @@
 //!   two inline in the block map's 8-byte value and longer lists in a side arena;
 //!   `tier_log.rs` is the per-worker, per-tier log of stored blocks; `matches.rs` is
 //!   `find_matches`.
-//! - `sharded.rs`, `approx.rs`, `reseq.rs`: the wrappers above.
+//! - `feed.rs`: [`IndexFeed`]. `sharded.rs`, `approx.rs`, `reseq.rs`: the wrappers above.
 //! - `hash.rs`: the hasher for keys that are already xxh3 hashes.
 //! - `error.rs`: [`IndexError`].
 //!
@@ -73,6 +76,7 @@
 
 mod approx;
 mod error;
+mod feed;
 mod hash;
 mod index;
 mod reseq;
@@ -80,6 +84,7 @@ mod sharded;
 
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use error::IndexError;
+pub use feed::{FeedError, FeedStats, IndexFeed, Repair, RepairReply};
 pub use index::{ApplyOutcome, KvIndex, OverlapScores, TierCounts, WorkerBlocks};
 pub use reseq::{Resequencer, ResequencerConfig};
 pub use sharded::ShardedIndex;

@@ -8,12 +8,14 @@
 //! - [`events`]: KV events (`Stored`, `Removed`, `Cleared`) numbered per worker, and dumps.
 //! - [`worker`]: the worker record registered in discovery and the periodic load report.
 //! - [`codec`]: the versioned bincode envelope every message on the event plane travels in.
-//! - [`grpc`]: the request plane's messages and services (proto/tandem.proto), generated.
+//! - [`grpc`] (feature `grpc`): the request plane's messages and services
+//!   (proto/tandem.proto), generated.
 //!
 //! This crate depends on nothing internal (DESIGN.md §2) and does no I/O.
 
 pub mod codec;
 pub mod events;
+#[cfg(feature = "grpc")]
 pub mod grpc;
 pub mod hashing;
 pub mod ids;

@@ -160,6 +160,9 @@ pub enum DisaggReason {
         effective_tokens: u64,
         backlog_tokens: u64,
     },
+    /// A remote prefill was chosen, but the caller prefills locally after all (the simulator's
+    /// decode worker had no room to reserve the KV's blocks).
+    Fallback,
 }
 
 /// Where a request goes.
@@ -182,6 +185,13 @@ impl DisaggDecision {
 
     pub fn is_remote(&self) -> bool {
         self.prefill.is_some()
+    }
+
+    /// Drops the remote prefill: the decode worker prefills itself ([`DisaggReason::Fallback`]).
+    pub fn prefill_locally(&mut self) {
+        if self.prefill.take().is_some() {
+            self.why = DisaggReason::Fallback;
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! Typed errors of the router core, each with the class that decides what the caller does.
 
-use tandem_protocol::WorkerId;
+use tandem_protocol::{RequestId, WorkerId};
 
 /// How a caller should treat an error: decides retry and the HTTP status upstream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -21,6 +21,13 @@ pub enum RouteError {
     /// The candidate list was empty. Class: unavailable.
     #[error("no workers to route to")]
     NoWorkers,
+    /// Every worker of the pool is excluded (each already failed this request). Class:
+    /// unavailable.
+    #[error("every worker failed this request")]
+    AllExcluded,
+    /// A request id with the top bit set (reserved for the prefill half). Class: internal.
+    #[error("request id {0} has its top bit set")]
+    InvalidRequestId(RequestId),
     /// The same worker appeared twice among the candidates. Class: internal (the caller
     /// built the list wrong).
     #[error("worker {0} appears more than once among the candidates")]
@@ -33,8 +40,10 @@ pub enum RouteError {
 impl RouteError {
     pub fn class(&self) -> ErrorClass {
         match self {
-            RouteError::NoWorkers => ErrorClass::Unavailable,
-            RouteError::DuplicateWorker(_) => ErrorClass::Internal,
+            RouteError::NoWorkers | RouteError::AllExcluded => ErrorClass::Unavailable,
+            RouteError::DuplicateWorker(_) | RouteError::InvalidRequestId(_) => {
+                ErrorClass::Internal
+            }
             RouteError::InvalidOverride { .. } => ErrorClass::InvalidRequest,
         }
     }

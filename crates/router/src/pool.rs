@@ -12,7 +12,8 @@
 use tandem_protocol::WorkerId;
 
 use crate::error::{ConfigError, RouteError, non_negative};
-use crate::policy::{Policy, PolicyConfig, check_candidates};
+use crate::policy::{Policy, check_candidates};
+use crate::registry::PolicyConfig;
 use crate::rng::Rng;
 use crate::view::{Decision, RouteRequest, WorkerLoad, WorkerView};
 

@@ -39,7 +39,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use hashbrown::HashMap;
 
 use serde::{Deserialize, Serialize};
-use tandem_protocol::{BlockSize, RequestId, SequenceHash, WorkerId};
+use tandem_protocol::{BlockSize, Envelope, MessageKind, RequestId, SequenceHash, WorkerId};
 
 use crate::view::WorkerLoad;
 
@@ -71,6 +71,11 @@ pub enum SyncMessage {
         router: RouterId,
         request: RequestId,
     },
+}
+
+/// Sync messages travel in the event plane's versioned envelope.
+impl Envelope for SyncMessage {
+    const KIND: MessageKind = MessageKind::RouterSync;
 }
 
 impl SyncMessage {

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use tandem_router::{DisaggConfig, PolicyConfig};
+use tandem_router::{ReplicaConfig, RouterId, RoutingConfig};
 
 use crate::error::SimError;
 
@@ -15,11 +15,10 @@ pub struct SimConfig {
     pub workload: WorkloadConfig,
     pub topology: TopologyConfig,
     pub engine: EngineSettings,
-    /// Policy of the aggregated pool (ignored with a prefill pool: see `disagg`).
-    pub policy: PolicyConfig,
-    /// Disaggregation rule, its thresholds (`isl_max_local_tokens`, `isl_max_local_fraction`,
-    /// `prefill_busy_tokens`) and the `kv` knobs of both pools, used when `prefill_workers > 0`.
-    pub disagg: DisaggConfig,
+    /// How every router replica routes: the frontend's own configuration type (policy of the
+    /// aggregated pool, disaggregation rule and thresholds for `prefill_workers > 0`, pool rules,
+    /// tracker, whether load reports are merged).
+    pub routing: RoutingConfig,
     pub event_plane: EventPlaneConfig,
     pub transfer: TransferConfig,
     pub slo: SloConfig,
@@ -48,8 +47,7 @@ impl SimConfig {
                 replica_sync: true,
             },
             engine: EngineSettings::default(),
-            policy: PolicyConfig::default(),
-            disagg: DisaggConfig::default(),
+            routing: RoutingConfig::default(),
             event_plane: EventPlaneConfig::default(),
             transfer: TransferConfig::default(),
             slo: SloConfig::default(),
@@ -98,19 +96,30 @@ impl SimConfig {
             }
             WorkloadConfig::Synthetic(sy) => sy.validate()?,
         }
-        self.policy
+        self.routing
+            .policy
             .build()
             .map_err(|e| SimError::InvalidConfig(format!("policy: {e}")))?;
-        let f = self.disagg.isl_max_local_fraction;
+        let f = self.routing.disagg.isl_max_local_fraction;
         if !(f.is_finite() && (0.0..=1.0).contains(&f)) {
             return Err(SimError::InvalidConfig(format!(
                 "--isl-max-local-fraction must be a fraction of the prompt in [0, 1], got {f}"
             )));
         }
-        self.disagg
+        self.routing
             .validate()
-            .map_err(|e| SimError::InvalidConfig(format!("disaggregation: {e}")))?;
+            .map_err(|e| SimError::InvalidConfig(format!("routing: {e}")))?;
         Ok(())
+    }
+
+    /// The configuration of router replica `r`: the same routing for every replica, each
+    /// with its own id and seed.
+    pub fn replica_config(&self, r: u32) -> ReplicaConfig {
+        ReplicaConfig {
+            router_id: RouterId(u64::from(r)),
+            seed: self.seed ^ 0x524f_5554_4552_0000 ^ u64::from(r),
+            routing: self.routing,
+        }
     }
 }
 

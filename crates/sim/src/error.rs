@@ -22,6 +22,8 @@ pub enum SimError {
     RouterConfig(#[from] tandem_router::ConfigError),
     #[error("index: {0}")]
     Index(#[from] tandem_indexer::IndexError),
+    #[error("index feed: {0}")]
+    Feed(#[from] tandem_router::FeedError),
     #[error("internal: {0}")]
     Internal(String),
     #[error("writing {path}: {source}")]

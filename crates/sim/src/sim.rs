@@ -2,9 +2,8 @@
 //! queue in virtual microseconds.
 //!
 //! Worker ids: the aggregated (or decode) workers are `0 .. workers`, the prefill workers
-//! follow. Request `i` is `RequestId(i)` everywhere; the prefill half of a remote prefill is
-//! tracked by the routers as `RequestId(i | PREFILL_BIT)` (the tracker keys one entry per
-//! request id and the request occupies two workers).
+//! follow; every replica learns them as members at time 0. Request `i` is `RequestId(i)`
+//! everywhere (its routing replica tracks its prefill half itself).
 
 use std::rc::Rc;
 
@@ -14,17 +13,19 @@ use tandem_engine::{
     MockerConfig, RequestOutput, SchedulerConfig,
 };
 use tandem_protocol::hashing::compute_block_hashes;
-use tandem_protocol::{BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId};
-use tandem_router::{NewSequence, RouteRequest, SyncMessage, disagg};
+use tandem_protocol::{
+    BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole,
+};
+use tandem_router::{
+    InFlight, Input, RepairReply, RouteInput, RouteRequest, RoutingReplica, SyncMessage,
+};
 
 use crate::config::SimConfig;
 use crate::error::SimError;
 use crate::queue::EventQueue;
-use crate::replica::{KvPayload, Replica};
+use crate::replica::{KvPayload, deliver};
 use crate::stats::Stats;
 use crate::workload::RequestSpec;
-
-const PREFILL_BIT: u64 = 1 << 63;
 
 #[derive(Debug)]
 enum Ev {
@@ -75,6 +76,8 @@ pub(crate) struct ReqState {
     pub tokens: u32,
     pub done: bool,
     pub rejected: bool,
+    /// Its place in its router's tracker, from routing to its end.
+    pub flight: Option<InFlight>,
 }
 
 pub(crate) struct Sim<'a> {
@@ -84,7 +87,9 @@ pub(crate) struct Sim<'a> {
     workers: Vec<Worker>,
     /// Aggregated / decode workers: `0 .. n_decode`.
     n_decode: u32,
-    replicas: Vec<Replica>,
+    replicas: Vec<RoutingReplica>,
+    /// Repairs made for the replicas (a gap after an event ring overflowed), all replicas.
+    gaps_repaired: u64,
     /// Per router, per worker: last event id sent in a snapshot.
     snap_sent: Vec<Vec<u64>>,
     queue: EventQueue<Ev>,
@@ -127,9 +132,28 @@ impl<'a> Sim<'a> {
             });
         }
         let routers = cfg.topology.routers;
-        let replicas = (0..routers)
-            .map(|r| Replica::new(cfg, r, total))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut replicas = Vec::with_capacity(routers as usize);
+        for r in 0..routers {
+            let mut rep = RoutingReplica::new(cfg.replica_config(r))?;
+            for (w, worker) in workers.iter().enumerate() {
+                let role = if w < cfg.topology.workers as usize {
+                    if cfg.topology.prefill_workers > 0 {
+                        WorkerRole::Decode
+                    } else {
+                        WorkerRole::Aggregated
+                    }
+                } else {
+                    WorkerRole::Prefill
+                };
+                let id = WorkerId(w as u64);
+                // A joining worker is dumped: empty at time 0.
+                for _ in rep.apply(Input::Joined { worker: id, role }, 0)? {
+                    let reply = RepairReply::Dump(worker.engine.dump());
+                    rep.apply(Input::Repaired { worker: id, reply }, 0)?;
+                }
+            }
+            replicas.push(rep);
+        }
         Ok(Sim {
             cfg,
             specs,
@@ -137,6 +161,7 @@ impl<'a> Sim<'a> {
             workers,
             n_decode: cfg.topology.workers,
             replicas,
+            gaps_repaired: 0,
             snap_sent: vec![vec![0; total]; routers as usize],
             queue: EventQueue::new(),
             reqs: vec![ReqState::default(); specs.len()],
@@ -192,19 +217,29 @@ impl<'a> Sim<'a> {
                 payload,
             } => {
                 let engine = &self.workers[worker as usize].engine;
-                self.replicas[router as usize].apply(&payload, || engine.dump())?;
+                let rep = &mut self.replicas[router as usize];
+                self.gaps_repaired += deliver(rep, &payload, now / 1000, || engine.dump())?;
             }
             Ev::Sync { router, msg } => {
-                self.replicas[router as usize]
-                    .tracker
-                    .apply(&msg, now / 1000);
+                self.replicas[router as usize].apply(Input::PeerSync(&msg), now / 1000)?;
             }
             Ev::SnapshotTick(r) => self.snapshot(r, now)?,
             Ev::Reports { router, reports } => {
                 let rep = &mut self.replicas[router as usize];
-                for report in reports {
-                    let w = report.worker_id.0 as usize;
-                    rep.reports[w] = Some(report);
+                for report in &reports {
+                    // Reports follow the same snapshot's events: they never show a gap here.
+                    for r in rep.apply(Input::LoadReport(report), now / 1000)? {
+                        let engine = &self.workers[r.worker.0 as usize].engine;
+                        let reply = RepairReply::Dump(engine.dump());
+                        rep.apply(
+                            Input::Repaired {
+                                worker: r.worker,
+                                reply,
+                            },
+                            now / 1000,
+                        )?;
+                        self.gaps_repaired += 1;
+                    }
                 }
             }
             Ev::TransferDone { i, first_token } => self.transfer_done(i, first_token, now)?,
@@ -233,32 +268,19 @@ impl<'a> Sim<'a> {
         let seq: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
         let r = i % self.cfg.topology.routers;
         let now_ms = now / 1000;
-        let route = RouteRequest::from_tokens(&tokens, self.block_size, HashSeed::UNSALTED);
-        let rep = &mut self.replicas[r as usize];
-        rep.tracker.expire(now_ms);
-        let scores = rep.index.find_matches(&seq);
-        let decode_views = rep.views(0..self.n_decode, &scores);
-        let (decode, prefill) = if self.cfg.topology.prefill_workers == 0 {
-            let d = rep.router.select(&route, &decode_views, &mut rep.rng)?;
-            (d, None)
-        } else {
-            let total = self.workers.len() as u32;
-            let prefill_views = rep.views(self.n_decode..total, &scores);
-            let d = disagg::decide(
-                &self.cfg.disagg,
-                &route,
-                &decode_views,
-                &prefill_views,
-                &mut rep.rng,
-            )?;
-            (d.decode, d.prefill)
+        let input = RouteInput {
+            request: RequestId(u64::from(i)),
+            route: RouteRequest::from_tokens(&tokens, self.block_size, HashSeed::UNSALTED),
+            hashes: &seq,
+            expected_output_tokens: u64::from(spec.max_tokens),
+            overlap: None,
         };
-        let dw = decode.worker.0 as u32;
+        let mut decision = self.replicas[r as usize].decide(&input, &[], now_ms)?;
+        let dw = decision.decode_worker().0 as u32;
         // The decode worker reserves blocks for the KV it does not cache, now; when it cannot,
         // the request is prefilled locally there instead.
-        let mut prefill = prefill;
         let mut transfer_tokens = 0;
-        if prefill.is_some() {
+        if decision.is_remote() {
             let req = EngineRequest::new(RequestId(u64::from(i)), tokens.clone(), spec.max_tokens);
             match self.workers[dw as usize]
                 .engine
@@ -268,57 +290,41 @@ impl<'a> Sim<'a> {
                 Err(e) => match e.class() {
                     ErrorClass::Overloaded => {
                         self.stats.transfer_fallbacks += 1;
-                        prefill = None;
+                        decision.prefill_locally();
                     }
                     // Refused as a local request too, by `submit`.
-                    ErrorClass::InvalidRequest => prefill = None,
+                    ErrorClass::InvalidRequest => decision.prefill_locally(),
                     ErrorClass::Internal => {
                         return Err(SimError::Internal(format!("request {i}: {e}")));
                     }
                 },
             }
         }
-        let bs = u64::from(self.block_size.get());
+        let plan = self.replicas[r as usize].commit(&input, decision, now_ms)?;
         let prompt = tokens.len() as u64;
-        let private =
-            NewSequence::private_blocks_for(prompt, u64::from(spec.max_tokens), self.block_size);
-        let overlap = |d: &tandem_router::Decision| {
-            d.chosen_terms().map_or(0, |t| u64::from(t.overlap.total()))
-        };
+        // What the index predicted the prefilling engine would find cached: the overlap it
+        // reported for that worker at routing, of which the engine can reuse all but the block
+        // holding the last prompt token (always computed).
+        let prefiller = plan
+            .decision
+            .prefill
+            .as_ref()
+            .unwrap_or(&plan.decision.decode);
+        let overlap = prefiller
+            .chosen_terms()
+            .map_or(0, |t| u64::from(t.overlap.total()));
+        let bs = u64::from(self.block_size.get());
+        let reusable = prompt.saturating_sub(1) / bs;
+        self.stats.predicted_cached_tokens += overlap.min(reusable) * bs;
         let st = &mut self.reqs[i as usize];
         st.arrival_us = now;
         st.router = r;
         st.worker = dw;
-        st.remote = prefill.is_some();
+        st.remote = plan.flight.is_remote();
+        st.flight = Some(plan.flight);
         self.workers[dw as usize].routed += 1;
-        let mut msgs = Vec::with_capacity(2);
-        let decode_prefill_tokens = if prefill.is_some() {
-            0
-        } else {
-            prompt.saturating_sub(overlap(&decode) * bs)
-        };
-        msgs.push(rep.tracker.add(
-            NewSequence {
-                request: RequestId(u64::from(i)),
-                worker: decode.worker,
-                blocks: seq.clone(),
-                prefill_tokens: decode_prefill_tokens,
-                private_blocks: private,
-            },
-            now_ms,
-        ));
-        let target = if let Some(p) = &prefill {
-            msgs.push(rep.tracker.add(
-                NewSequence {
-                    request: RequestId(u64::from(i) | PREFILL_BIT),
-                    worker: p.worker,
-                    blocks: seq,
-                    prefill_tokens: prompt.saturating_sub(overlap(p) * bs),
-                    private_blocks: 1,
-                },
-                now_ms,
-            ));
-            let pw = p.worker.0 as u32;
+        let target = if let Some(pw) = plan.prefill_worker() {
+            let pw = pw.0 as u32;
             self.workers[pw as usize].routed += 1;
             self.stats.remote_prefills += 1;
             self.pending.insert(i, transfer_tokens);
@@ -328,7 +334,7 @@ impl<'a> Sim<'a> {
             let req = EngineRequest::new(RequestId(u64::from(i)), tokens, spec.max_tokens);
             (dw, req)
         };
-        for m in msgs {
+        for m in plan.sync {
             self.sync(r, m, now);
         }
         self.stats.prompt_tokens += prompt;
@@ -363,15 +369,12 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// Frees every tracker entry of request `i` on its router (and tells the peers).
+    /// Ends request `i` in its router's tracker (and tells the peers).
     fn end_tracking(&mut self, i: u32, r: u32, now: u64) {
-        let now_ms = now / 1000;
-        let mut ids = vec![RequestId(u64::from(i))];
-        if self.reqs[i as usize].remote {
-            ids.push(RequestId(u64::from(i) | PREFILL_BIT));
-        }
-        for id in ids {
-            let m = self.replicas[r as usize].tracker.free(id, now_ms);
+        let Some(flight) = self.reqs[i as usize].flight.take() else {
+            return;
+        };
+        for m in self.replicas[r as usize].finish(flight, now / 1000) {
             self.sync(r, m, now);
         }
     }
@@ -430,7 +433,7 @@ impl<'a> Sim<'a> {
         if delay == 0 {
             let engine = &self.workers[w as usize].engine;
             for rep in &mut self.replicas {
-                rep.apply(&payload, || engine.dump())?;
+                self.gaps_repaired += deliver(rep, &payload, now / 1000, || engine.dump())?;
             }
             return Ok(());
         }
@@ -496,17 +499,21 @@ impl<'a> Sim<'a> {
             // The prefill half of a remote prefill: max_tokens 1, so first and last token.
             if o.first_token {
                 self.stats.cached_tokens += o.cached_tokens as u64;
-                let id = RequestId(u64::from(i) | PREFILL_BIT);
-                let m = self.replicas[r as usize].tracker.prefill_done(id, now_ms);
-                self.sync(r, m, now);
-                let m = self.replicas[r as usize].tracker.free(id, now_ms);
-                self.sync(r, m, now);
+                let rep = &mut self.replicas[r as usize];
+                let msgs = match self.reqs[i as usize].flight.as_mut() {
+                    Some(f) => rep.prefill_finished(f, now_ms),
+                    None => Vec::new(),
+                };
+                for m in msgs {
+                    self.sync(r, m, now);
+                }
                 self.start_transfer(i, o.token, now);
             }
             return Ok(());
         }
         let st = &mut self.reqs[i as usize];
         st.tokens += 1;
+        let rep = &mut self.replicas[r as usize];
         let mut msgs = Vec::new();
         if o.first_token {
             st.first_token_us = Some(now);
@@ -514,8 +521,9 @@ impl<'a> Sim<'a> {
             if !st.remote {
                 self.stats.cached_tokens += o.cached_tokens as u64;
             }
-            let id = RequestId(u64::from(i));
-            msgs.push(self.replicas[r as usize].tracker.prefill_done(id, now_ms));
+            if let Some(f) = st.flight.as_mut() {
+                msgs.extend(rep.first_token(f, now_ms));
+            }
         } else {
             self.stats.itl_us.push((now - st.last_token_us) as u32);
         }
@@ -523,8 +531,9 @@ impl<'a> Sim<'a> {
         if o.finish.is_some() {
             st.done = true;
             self.outstanding -= 1;
-            let id = RequestId(u64::from(i));
-            msgs.push(self.replicas[r as usize].tracker.free(id, now_ms));
+            if let Some(f) = st.flight.take() {
+                msgs.extend(rep.finish(f, now_ms));
+            }
         }
         for m in msgs {
             self.sync(r, m, now);
@@ -576,8 +585,11 @@ impl<'a> Sim<'a> {
     }
 
     pub fn index_counters(&self) -> (u64, u64) {
-        let applied = self.replicas.iter().map(|r| r.events_applied).sum();
-        let gaps = self.replicas.iter().map(|r| r.gaps_repaired).sum();
-        (applied, gaps)
+        let applied = self
+            .replicas
+            .iter()
+            .map(|r| r.feed().stats().events_applied)
+            .sum();
+        (applied, self.gaps_repaired)
     }
 }

@@ -9,6 +9,8 @@ use crate::workload::RequestSpec;
 pub(crate) struct Stats {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Cached tokens the index predicted for the prefilling worker at routing.
+    pub predicted_cached_tokens: u64,
     pub transferred_tokens: u64,
     pub remote_prefills: u64,
     pub local_prefills: u64,
@@ -152,10 +154,10 @@ pub(crate) fn report(
         policy: if cfg.topology.prefill_workers > 0 {
             "kv (disagg)".to_owned()
         } else {
-            cfg.policy.kind.name().to_owned()
+            cfg.routing.policy.kind.name().to_owned()
         },
         topology: if cfg.topology.prefill_workers > 0 {
-            format!("disaggregated, {}", cfg.disagg.mode)
+            format!("disaggregated, {}", cfg.routing.disagg.mode)
         } else {
             "aggregated".to_owned()
         },

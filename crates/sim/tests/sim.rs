@@ -50,7 +50,7 @@ fn same_seed_gives_byte_identical_json_and_another_seed_differs() {
 fn kv_policy_hits_the_prefix_cache_more_than_round_robin() {
     let hit = |kind| {
         let mut cfg = small(4);
-        cfg.policy = PolicyConfig::new(kind);
+        cfg.routing.policy = PolicyConfig::new(kind);
         let r = run(cfg).unwrap();
         assert_eq!(r.completed, 200);
         r.prefix_hit_rate
@@ -64,7 +64,7 @@ fn disaggregated_run_completes_every_request_with_remote_prefills() {
     for mode in [DisaggMode::IslBounding, DisaggMode::Always] {
         let mut cfg = small(3);
         cfg.topology.prefill_workers = 2;
-        cfg.disagg.mode = mode;
+        cfg.routing.disagg.mode = mode;
         let r = run(cfg).unwrap();
         assert_eq!((r.completed, r.rejected), (200, 0), "{mode}");
         assert!(r.remote_prefills > 0, "{mode}");
@@ -181,9 +181,12 @@ fn bad_configs_are_refused_clearly() {
     assert!(bad(&|c| c.topology.routers = 0).contains("--routers"));
     assert!(bad(&|c| c.transfer.transfer_gbps = 0.0).contains("--transfer-gbps"));
     assert!(bad(&|c| c.slo.attainment = 1.5).contains("--slo-attainment"));
-    assert!(bad(&|c| c.policy.kv.overlap_credit = -1.0).contains("policy"));
+    assert!(bad(&|c| c.routing.policy.kv.overlap_credit = -1.0).contains("policy"));
     for f in [-0.1, 1.5, f64::NAN] {
-        assert!(bad(&|c| c.disagg.isl_max_local_fraction = f).contains("--isl-max-local-fraction"));
+        assert!(
+            bad(&|c| c.routing.disagg.isl_max_local_fraction = f)
+                .contains("--isl-max-local-fraction")
+        );
     }
     assert!(
         bad(&|c| if let WorkloadConfig::Synthetic(s) = &mut c.workload {
@@ -207,7 +210,7 @@ fn decode_workers_without_room_for_the_kv_prefill_locally() {
     syn.shape = PromptShape::Random;
     let mut cfg = SimConfig::synthetic(2, syn);
     cfg.topology.prefill_workers = 2;
-    cfg.disagg.mode = DisaggMode::Always;
+    cfg.routing.disagg.mode = DisaggMode::Always;
     // 48 blocks of 16 tokens: two or three prompts' KV per decode worker at once.
     cfg.engine.device_blocks = 48;
     let r = run(cfg).unwrap();
@@ -236,14 +239,20 @@ fn disagg_thresholds_change_the_remote_local_split() {
     let (remote, local) = split(&|_| {});
     assert!(remote > 0 && local > 0, "{remote} / {local}");
     // No effective prompt is below 0 tokens, or below 0 × the prompt: all remote.
-    assert_eq!(split(&|c| c.disagg.isl_max_local_tokens = 0), (200, 0));
-    assert_eq!(split(&|c| c.disagg.isl_max_local_fraction = 0.0), (200, 0));
+    assert_eq!(
+        split(&|c| c.routing.disagg.isl_max_local_tokens = 0),
+        (200, 0)
+    );
+    assert_eq!(
+        split(&|c| c.routing.disagg.isl_max_local_fraction = 0.0),
+        (200, 0)
+    );
     // prefill-load: this light load never queues 8192 prefill tokens on a prefill worker, so
     // all remote; with a threshold of 0 any backlog sends the prompt to its decode worker.
     let load = |busy: u64| {
         split(&|c| {
-            c.disagg.mode = DisaggMode::PrefillLoad;
-            c.disagg.prefill_busy_tokens = busy;
+            c.routing.disagg.mode = DisaggMode::PrefillLoad;
+            c.routing.disagg.prefill_busy_tokens = busy;
         })
     };
     assert_eq!(load(8192), (200, 0));

@@ -29,7 +29,7 @@ use tandem_protocol::grpc::{
     indexer_client::IndexerClient,
 };
 use tandem_protocol::hashing::compute_block_hashes;
-use tandem_protocol::{Envelope, HashSeed, MessageKind, RequestId, SequenceHash, WorkerId};
+use tandem_protocol::{Envelope, HashSeed, RequestId, SequenceHash, WorkerId};
 use tandem_runtime::events::{EventPlane, subjects};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -42,42 +42,26 @@ use super::view::{ClusterView, WorkerEntry};
 use crate::http::{
     Backend, FinishReason, Generation, RouteInfo, ServeError, TokenChunk, ValidRequest,
 };
-use crate::{
-    ActiveSequences, DisaggConfig, NewSequence, Rng, RouteRequest, Router, RouterConfig, RouterId,
-    SyncMessage, TrackerConfig, WorkerLoad, WorkerView, disagg,
+use tandem_router::{
+    InFlight, Input, ReplicaConfig, Rng, RouteError, RouteInput, RouteRequest, RouterId,
+    RoutingConfig, SyncMessage,
 };
 
-/// Tracker ids of a request's prefill part: the request id with the top bit flipped.
-const PREFILL_BIT: u64 = 1 << 63;
 /// Sync messages waiting to be published; beyond it they are dropped (peers expire the
 /// entries by TTL).
 const SYNC_QUEUE: usize = 4096;
 
-impl Envelope for SyncMessage {
-    const KIND: MessageKind = MessageKind::RouterSync;
-}
-
 /// How the backend routes.
 #[derive(Clone, Debug)]
 pub struct BackendConfig {
-    /// The policy over the decode pool when there is no prefill pool.
-    pub router: RouterConfig,
-    /// Conditional disaggregation, when a prefill pool exists.
-    pub disagg: DisaggConfig,
-    pub tracker: TrackerConfig,
+    /// How requests are routed: the same type `tandem sim` takes.
+    pub routing: RoutingConfig,
     /// This replica's id among the frontends sharing one view.
     pub router_id: RouterId,
     /// Share tracker changes with peer replicas over the event plane.
     pub replica_sync: bool,
     /// Standalone indexer (`tandem indexer`) address; None: the view's embedded index.
     pub indexer_url: Option<String>,
-    /// Fold the workers' load reports into the tracker's load (the larger of the two on each
-    /// count). Off by default: the tracker (with replica sync) knows every request routed,
-    /// while a report lags by up to its interval — a report taken while a request was still
-    /// running makes the worker that just cached its prefix look busy, and the next request
-    /// with that prefix goes elsewhere. Turn it on for frontend replicas that do not sync.
-    /// The KV usage (for the busy threshold) always comes from the reports.
-    pub merge_load_reports: bool,
     /// Decode workers tried per request before giving up.
     pub max_attempts: u32,
     /// Times a request may move to another decode worker after its first token, when its
@@ -90,32 +74,35 @@ pub struct BackendConfig {
 impl BackendConfig {
     pub fn new(router_id: RouterId) -> Self {
         BackendConfig {
-            router: RouterConfig::default(),
-            disagg: DisaggConfig::default(),
-            tracker: TrackerConfig::default(),
+            routing: RoutingConfig::default(),
             router_id,
             replica_sync: true,
             indexer_url: None,
-            merge_load_reports: false,
             max_attempts: 3,
             max_migrations: 3,
             connect_timeout: Duration::from_secs(2),
             seed: router_id.0,
         }
     }
-}
 
-struct RouteState {
-    router: Router,
-    tracker: ActiveSequences,
-    rng: Rng,
+    /// The routing replica this configuration describes: what [`crate::run_frontend`] routes
+    /// with.
+    pub fn replica_config(&self) -> ReplicaConfig {
+        ReplicaConfig {
+            router_id: self.router_id,
+            seed: self.seed,
+            routing: self.routing,
+        }
+    }
 }
 
 struct Shared {
     view: Arc<ClusterView>,
     counters: Arc<RouteCounters>,
     cfg: BackendConfig,
-    state: Mutex<RouteState>,
+    /// Request ids and sampling seeds: drawn apart from the replica's generator, so that the
+    /// routing decisions draw exactly what the simulator's do.
+    ids: Mutex<Rng>,
     indexer: Option<IndexerClient<Channel>>,
     sync_tx: Option<mpsc::Sender<SyncMessage>>,
 }
@@ -134,16 +121,16 @@ impl std::fmt::Debug for ClusterBackend {
     }
 }
 
-/// A routing decision for one attempt.
+/// A routing decision for one attempt, with the workers' clients.
 struct Plan {
     decode: WorkerEntry,
     prefill: Option<WorkerEntry>,
-    request: RequestId,
+    flight: InFlight,
 }
 
 impl ClusterBackend {
-    /// Builds the backend on `view`; with replica sync, publishes this replica's tracker
-    /// changes and applies its peers'.
+    /// Builds the backend on `view` (whose replica it routes with); with replica sync,
+    /// publishes this replica's tracker changes and applies its peers'.
     pub async fn start(
         cfg: BackendConfig,
         view: Arc<ClusterView>,
@@ -152,11 +139,6 @@ impl ClusterBackend {
         tasks: &TaskTracker,
         cancel: CancellationToken,
     ) -> Result<Self, ServeError> {
-        cfg.disagg
-            .validate()
-            .map_err(|e| ServeError::internal(format!("disaggregation config: {e}")))?;
-        let router = Router::new(cfg.router)
-            .map_err(|e| ServeError::internal(format!("router config: {e}")))?;
         let indexer = match &cfg.indexer_url {
             Some(url) => {
                 let ch = tandem_runtime::grpc::lazy_channel(url, cfg.connect_timeout)
@@ -193,11 +175,7 @@ impl ClusterBackend {
         let shared = Arc::new(Shared {
             view,
             counters,
-            state: Mutex::new(RouteState {
-                router,
-                tracker: ActiveSequences::new(cfg.router_id, cfg.tracker),
-                rng: Rng::seed_from_u64(cfg.seed),
-            }),
+            ids: Mutex::new(Rng::seed_from_u64(cfg.seed ^ 0x6964_7300_0000_0000)),
             indexer,
             sync_tx,
             cfg,
@@ -219,7 +197,8 @@ impl ClusterBackend {
                     };
                     if msg.router() != s.cfg.router_id {
                         let now = s.view.now_ms();
-                        s.state.lock().tracker.apply(&msg, now);
+                        // A sync message never asks for a repair.
+                        let _ = s.view.replica().write().apply(Input::PeerSync(&msg), now);
                     }
                 }
             });
@@ -231,7 +210,7 @@ impl ClusterBackend {
                 tokio::select! {
                     _ = tick.tick() => {
                         let now = s.view.now_ms();
-                        s.state.lock().tracker.expire(now);
+                        s.view.replica().write().expire(now);
                     }
                     _ = c.cancelled() => return,
                 }
@@ -244,10 +223,10 @@ impl ClusterBackend {
         &self.shared.view
     }
 
-    async fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
-        let Some(client) = &self.shared.indexer else {
-            return self.shared.view.find_matches(hashes);
-        };
+    /// The standalone indexer's overlap scores, when one is configured (else the replica
+    /// asks its own index).
+    async fn remote_matches(&self, hashes: &[SequenceHash]) -> Option<OverlapScores> {
+        let client = self.shared.indexer.as_ref()?;
         let req = FindMatchesRequest {
             sequence_hashes: hashes.iter().map(|h| h.0).collect(),
         };
@@ -267,12 +246,12 @@ impl ClusterBackend {
                     })
                     .collect();
                 scores.sort_by_key(|(w, _)| *w);
-                OverlapScores { scores }
+                Some(OverlapScores { scores })
             }
             Err(status) => {
                 // Routing on load alone beats refusing the request.
                 tracing::warn!(%status, "indexer unavailable: routing without overlap");
-                OverlapScores::default()
+                Some(OverlapScores::default())
             }
         }
     }
@@ -283,103 +262,59 @@ impl ClusterBackend {
         &self,
         route: &RouteRequest,
         hashes: &[SequenceHash],
-        scores: &OverlapScores,
+        scores: Option<&OverlapScores>,
         excluded: &[WorkerId],
         max_tokens: u32,
     ) -> Result<Plan, ServeError> {
         let s = &self.shared;
+        let request = RequestId(s.ids.lock().next_u64() >> 1);
+        let input = RouteInput {
+            request,
+            route: *route,
+            hashes,
+            expected_output_tokens: u64::from(max_tokens),
+            overlap: scores,
+        };
         let now = s.view.now_ms();
         let registry = s.view.registry();
-        let mut st = s.state.lock();
-        let views = |pool: &std::collections::BTreeMap<WorkerId, WorkerEntry>, st: &RouteState| {
-            let cfg = st.router.pool_config();
-            pool.values()
-                .filter(|e| !excluded.contains(&e.record.id))
-                .map(|e| {
-                    let id = e.record.id;
-                    let mut load: WorkerLoad = st.tracker.load(id).to_worker_load();
-                    if let Some(r) = s.view.report(id) {
-                        if s.cfg.merge_load_reports {
-                            load.merge_report(&r);
-                        } else {
-                            load.kv_usage = r.kv_usage();
-                        }
-                    }
-                    let mut v = WorkerView::new(id, load);
-                    v.overlap = scores.get(id).unwrap_or_default();
-                    v.warming_up = cfg.is_warming_up(e.joined_ms, now);
-                    v
-                })
-                .collect::<Vec<_>>()
-        };
-        let decode_views = views(&registry.decode, &st);
-        if decode_views.is_empty() {
-            return Err(ServeError::unavailable(if registry.decode.is_empty() {
-                "no decode workers are registered"
-            } else {
-                "every decode worker failed this request"
-            }));
-        }
-        let prefill_views = views(&registry.prefill, &st);
-        let st = &mut *st;
-        let (decode, prefill) = if prefill_views.is_empty() {
-            let d = st.router.select(route, &decode_views, &mut st.rng)?;
-            (d, None)
-        } else {
-            let d = disagg::decide(
-                &s.cfg.disagg,
-                route,
-                &decode_views,
-                &prefill_views,
-                &mut st.rng,
-            )?;
-            (d.decode, d.prefill)
-        };
-        let request = RequestId(st.rng.next_u64() & !PREFILL_BIT);
-        let bs = u64::from(route.block_size.get());
-        let overlap =
-            |d: &crate::Decision| d.chosen_terms().map_or(0, |t| u64::from(t.overlap.total()));
-        let mut msgs = vec![st.tracker.add(
-            NewSequence {
-                request,
-                worker: decode.worker,
-                blocks: hashes.to_vec(),
-                prefill_tokens: if prefill.is_some() {
-                    0
-                } else {
-                    route.prompt_tokens.saturating_sub(overlap(&decode) * bs)
-                },
-                private_blocks: NewSequence::private_blocks_for(
-                    route.prompt_tokens,
-                    u64::from(max_tokens),
-                    route.block_size,
-                ),
-            },
-            now,
-        )];
-        if let Some(p) = &prefill {
-            msgs.push(st.tracker.add(
-                NewSequence {
-                    request: RequestId(request.0 | PREFILL_BIT),
-                    worker: p.worker,
-                    blocks: hashes.to_vec(),
-                    prefill_tokens: route.prompt_tokens.saturating_sub(overlap(p) * bs),
-                    private_blocks: 1,
-                },
-                now,
-            ));
-        }
-        for m in msgs {
+        let plan = s
+            .view
+            .replica()
+            .write()
+            .route(&input, excluded, now)
+            .map_err(|e| match e {
+                RouteError::NoWorkers => {
+                    ServeError::unavailable("no decode workers are registered")
+                }
+                RouteError::AllExcluded => {
+                    ServeError::unavailable("every decode worker failed this request")
+                }
+                e => ServeError::from(e),
+            })?;
+        for m in plan.sync.iter().cloned() {
             self.sync(m);
         }
         let entry = |id: WorkerId| registry.get(id).cloned();
-        let plan = Plan {
-            decode: entry(decode.worker)
-                .ok_or_else(|| ServeError::internal("the chosen worker vanished"))?,
-            prefill: prefill.and_then(|p| entry(p.worker)),
-            request,
+        let decode = entry(plan.decode_worker());
+        let Some(decode) = decode else {
+            // Discovery removed it between the replica's decision and here.
+            self.end(plan.flight);
+            return Err(ServeError::unavailable("the chosen decode worker left"));
         };
-        Ok(plan)
+        Ok(Plan {
+            decode,
+            prefill: plan.prefill_worker().and_then(entry),
+            flight: plan.flight,
+        })
+    }
+
+    /// Ends a request's tracking and tells the peers.
+    fn end(&self, flight: InFlight) {
+        let now = self.shared.view.now_ms();
+        let msgs = self.shared.view.replica().write().finish(flight, now);
+        for m in msgs {
+            self.sync(m);
+        }
     }
 
     fn sync(&self, msg: SyncMessage) {
@@ -395,7 +330,7 @@ impl ClusterBackend {
         job: &Job,
     ) -> Result<(tonic::Streaming<GenerateChunk>, GenerateChunk), Status> {
         let greq = GenerateRequest {
-            request_id: plan.request.0,
+            request_id: plan.flight.request().0,
             prompt: job.prompt.clone(),
             sampling: Some(Sampling {
                 max_tokens: job.max_tokens,
@@ -454,17 +389,15 @@ impl ClusterBackend {
             .iter()
             .map(|h| h.sequence)
             .collect();
-        let scores = self.find_matches(&hashes).await;
+        let scores = self.remote_matches(&hashes).await;
         let route = RouteRequest::from_tokens(&job.prompt, bs, job.seed);
         let mut last = None;
         for _ in 0..self.shared.cfg.max_attempts.max(1) {
-            let plan = self.plan(&route, &hashes, &scores, excluded, job.max_tokens)?;
+            let plan = self.plan(&route, &hashes, scores.as_ref(), excluded, job.max_tokens)?;
             let mut flight = Flight {
                 backend: self.clone(),
-                request: plan.request,
                 worker: plan.decode.record.id,
-                remote: plan.prefill.is_some(),
-                prefill_done: false,
+                inner: plan.flight,
             };
             match self.attempt(&plan, job).await {
                 Ok((rest, first)) => {
@@ -543,31 +476,15 @@ fn token_chunk(c: &GenerateChunk) -> TokenChunk {
 /// A request's place in the tracker, released when its stream ends or is dropped.
 struct Flight {
     backend: ClusterBackend,
-    request: RequestId,
     worker: WorkerId,
-    remote: bool,
-    prefill_done: bool,
+    inner: InFlight,
 }
 
 impl Flight {
     fn first_token(&mut self) {
-        if self.prefill_done {
-            return;
-        }
-        self.prefill_done = true;
         let s = &self.backend.shared;
         let now = s.view.now_ms();
-        let mut msgs = Vec::with_capacity(2);
-        {
-            let mut st = s.state.lock();
-            msgs.push(st.tracker.prefill_done(self.request, now));
-            if self.remote {
-                msgs.push(
-                    st.tracker
-                        .free(RequestId(self.request.0 | PREFILL_BIT), now),
-                );
-            }
-        }
+        let msgs = s.view.replica().write().first_token(&mut self.inner, now);
         for m in msgs {
             self.backend.sync(m);
         }
@@ -576,22 +493,7 @@ impl Flight {
 
 impl Drop for Flight {
     fn drop(&mut self) {
-        let s = &self.backend.shared;
-        let now = s.view.now_ms();
-        let mut msgs = Vec::with_capacity(2);
-        {
-            let mut st = s.state.lock();
-            msgs.push(st.tracker.free(self.request, now));
-            if self.remote && !self.prefill_done {
-                msgs.push(
-                    st.tracker
-                        .free(RequestId(self.request.0 | PREFILL_BIT), now),
-                );
-            }
-        }
-        for m in msgs {
-            self.backend.sync(m);
-        }
+        self.backend.end(self.inner);
     }
 }
 
@@ -602,7 +504,7 @@ impl Backend for ClusterBackend {
             seed: HashSeed::from_salt(req.cache_salt.as_deref().map(str::as_bytes)),
             sampling_seed: req
                 .seed
-                .unwrap_or_else(|| self.shared.state.lock().rng.next_u64()),
+                .unwrap_or_else(|| self.shared.ids.lock().next_u64()),
             prompt: req.prompt_tokens,
             max_tokens: req.max_tokens,
             temperature: req.temperature,

@@ -1,12 +1,14 @@
 //! The frontend and the standalone indexer as services over a live cluster (DESIGN.md §1,
 //! §4, §8): [`run_frontend`] serves the OpenAI API ([`crate::http`]) on a
 //! [`ClusterBackend`]; [`run_indexer`] serves `FindMatches` from an index fed exactly as the
-//! frontend's embedded one ([`ClusterView`]).
+//! frontend's embedded one ([`ClusterView`]). Both are shells around a
+//! [`tandem_router::RoutingReplica`]: the decisions and the index's rules are its; what lives
+//! here is the I/O.
 //!
-//! Layout: `view.rs` (discovery → workers and gRPC clients; event plane → KV index, load
-//! reports; gap repair), `backend.rs` (routing, tracker, replica sync, calls to decode
-//! workers, retries), `indexer.rs` (the `Indexer` gRPC service), `metrics.rs` (the view's
-//! gauges on `/metrics`).
+//! Layout: `view.rs` (discovery → workers, gRPC clients and the replica's membership; event
+//! plane → the replica; the repairs it asks for), `backend.rs` (the replica's plans → gRPC
+//! calls to decode workers, re-routing, migration, streaming, replica sync), `indexer.rs`
+//! (the `Indexer` gRPC service), `metrics.rs` (the view's gauges on `/metrics`).
 
 mod backend;
 mod indexer;
@@ -25,7 +27,10 @@ use tokio_util::task::TaskTracker;
 pub use backend::{BackendConfig, ClusterBackend};
 pub use indexer::IndexerService;
 pub use metrics::RouteCounters;
-pub use view::{ClusterView, FeedStats, Registry, ViewConfig, WorkerEntry};
+pub use tandem_indexer::FeedStats;
+pub use view::{ClusterView, Registry, ViewConfig, WorkerEntry};
+
+use tandem_router::{ReplicaConfig, RouterId, RoutingConfig, RoutingReplica};
 
 use crate::http::{self, HttpConfig, HttpState, Tokenizer, TokenizerSpec};
 
@@ -78,8 +83,11 @@ pub async fn run_frontend(
     let stop = CancellationToken::new();
     let mut view_cfg = cfg.view.clone();
     view_cfg.embedded_index = cfg.backend.indexer_url.is_none();
+    let replica = RoutingReplica::new(cfg.backend.replica_config())
+        .map_err(|e| ServiceError::Config(format!("routing: {e}")))?;
     let view = ClusterView::start(
         view_cfg,
+        replica,
         deps.discovery.clone(),
         deps.events.clone(),
         tasks.clone(),
@@ -153,8 +161,16 @@ pub async fn run_indexer(
     cfg.embedded_index = true;
     let tasks = TaskTracker::new();
     let stop = CancellationToken::new();
+    // A replica that never routes: its index and feed rules are all the indexer uses.
+    let replica = RoutingReplica::new(ReplicaConfig {
+        router_id: RouterId(0),
+        seed: 0,
+        routing: RoutingConfig::default(),
+    })
+    .map_err(|e| ServiceError::Config(format!("index: {e}")))?;
     let view = ClusterView::start(
         cfg,
+        replica,
         deps.discovery,
         deps.events,
         tasks.clone(),

@@ -1,31 +1,25 @@
-//! [`ClusterView`]: what the frontend (and the standalone indexer) knows of the cluster —
-//! the workers in discovery with a gRPC client each, their latest load reports, and, when
-//! the index is embedded, the global KV index fed from the event plane.
+//! [`ClusterView`]: the I/O around the frontend's [`RoutingReplica`] (and the standalone
+//! indexer's) — discovery → the workers with a gRPC client each, and the replica's membership;
+//! the event plane → KV events and load reports into the replica; the repairs the replica's
+//! index asks for → `KvEvents` calls to the workers, whose answers go back into it.
 //!
-//! # Keeping the index true (DESIGN.md §4)
-//! - A worker that joins is dumped (`KvEvents{dump}`), and its index entries replaced.
-//! - Events are applied in id order per worker. A gap (a lost batch, a restarted NATS) is
-//!   never applied past: the worker is asked for the missing range (`KvEvents{after}`), or
-//!   sends a dump when its ring no longer holds it. Events that arrive for a worker while it
-//!   is being repaired are dropped: the repair answer covers them or a later gap shows them.
-//! - A lost *trailing* batch shows no gap by itself: each load report carries the worker's
-//!   last event id, and when the index is still behind the id of the *previous* report (one
-//!   report of slack for events still in flight), the worker is repaired.
-//! - A worker that leaves discovery (deregistered, lease lapsed) is purged.
-//! - Events of workers not in discovery are dropped: the dump at join covers them.
+//! The rules that keep the index true (dump at join, never past a gap, trailing loss shown by
+//! load reports, purge at leave) are the replica's ([`tandem_indexer::IndexFeed`]); this file
+//! only moves bytes. Workers of another model are ignored, workers announcing another block
+//! size refused, loudly (DESIGN.md §3).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hashbrown::{HashMap, HashSet};
-use parking_lot::{Mutex, RwLock};
-use tandem_indexer::{ApplyOutcome, KvIndex, OverlapScores};
+use parking_lot::RwLock;
+use tandem_indexer::{FeedStats, OverlapScores, Repair, RepairReply};
 use tandem_protocol::grpc::{KvEventsRequest, kv_events_reply, worker_client::WorkerClient};
 use tandem_protocol::{
     BlockSize, Envelope, KvDump, KvEvent, LoadReport, SequenceHash, WorkerId, WorkerRecord,
     WorkerRole,
 };
+use tandem_router::{Input, RoutingReplica};
 use tandem_runtime::discovery::{Discovery, DiscoveryEvent};
 use tandem_runtime::events::{EventPlane, subjects};
 use tokio_util::sync::CancellationToken;
@@ -41,7 +35,8 @@ pub struct ViewConfig {
     /// Workers announcing another block size are refused, loudly (DESIGN.md §3).
     pub block_size: BlockSize,
     pub connect_timeout: Duration,
-    /// Keep an index fed from the event plane (false when a standalone indexer is used).
+    /// Keep the replica's index fed from the event plane (false when a standalone indexer is
+    /// used).
     pub embedded_index: bool,
 }
 
@@ -50,8 +45,6 @@ pub struct ViewConfig {
 pub struct WorkerEntry {
     pub record: WorkerRecord,
     pub client: WorkerClient<Channel>,
-    /// Milliseconds since the view started, when the worker appeared (for warm-up).
-    pub joined_ms: u64,
 }
 
 /// The decode pool (decode and aggregated workers) and the prefill pool, by id.
@@ -74,60 +67,39 @@ impl Registry {
     }
 }
 
-/// Counters of the index feed, for `/metrics` and tests.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FeedStats {
-    pub events_applied: u64,
-    pub gaps: u64,
-    pub repairs: u64,
-    pub dumps_applied: u64,
-    pub workers_purged: u64,
-}
-
-#[derive(Debug, Default)]
-struct Feed {
-    index: RwLock<KvIndex>,
-    repairing: Mutex<HashSet<WorkerId>>,
-    /// `last_kv_event_id` of each worker's previous load report.
-    reported: Mutex<HashMap<WorkerId, u64>>,
-    stats: Mutex<FeedStats>,
-}
-
 /// The frontend's view of the cluster. Shared by `Arc`; its tasks stop on the cancel token.
 #[derive(Debug)]
 pub struct ClusterView {
     cfg: ViewConfig,
     registry: RwLock<Registry>,
-    reports: Mutex<HashMap<WorkerId, LoadReport>>,
-    feed: Option<Feed>,
+    replica: RwLock<RoutingReplica>,
     started: Instant,
     tasks: TaskTracker,
     cancel: CancellationToken,
 }
 
 impl ClusterView {
-    /// Starts watching discovery and subscribing to the event plane. Subscriptions are in
-    /// place when this returns; workers appear as the watch reports them.
+    /// Starts watching discovery and subscribing to the event plane, feeding `replica`.
+    /// Subscriptions are in place when this returns; workers appear as the watch reports them.
     pub async fn start(
         cfg: ViewConfig,
+        replica: RoutingReplica,
         discovery: Arc<dyn Discovery>,
         events: Arc<dyn EventPlane>,
         tasks: TaskTracker,
         cancel: CancellationToken,
     ) -> Result<Arc<Self>, tandem_runtime::RuntimeError> {
-        let feed = cfg.embedded_index.then(Feed::default);
         let view = Arc::new(ClusterView {
             cfg,
             registry: RwLock::default(),
-            reports: Mutex::default(),
-            feed,
+            replica: RwLock::new(replica),
             started: Instant::now(),
             tasks,
             cancel,
         });
         let ns = view.cfg.namespace.clone();
         let mut loads = events.subscribe(&subjects::load_reports(&ns)).await?;
-        let kv = if view.feed.is_some() {
+        let kv = if view.cfg.embedded_index {
             Some(events.subscribe(&subjects::kv_events(&ns)).await?)
         } else {
             None
@@ -155,7 +127,7 @@ impl ClusterView {
                 tokio::select! {
                     msg = loads.next() => match msg {
                         Some(bytes) => match LoadReport::decode(&bytes) {
-                            Ok(r) => v.on_report(r),
+                            Ok(r) => v.feed(Input::LoadReport(&r)),
                             Err(e) => tracing::debug!(error = %e, "undecodable load report"),
                         },
                         None => return,
@@ -171,7 +143,7 @@ impl ClusterView {
                     tokio::select! {
                         msg = kv.next() => match msg {
                             Some(bytes) => match Vec::<KvEvent>::decode(&bytes) {
-                                Ok(batch) => v.on_events(&batch),
+                                Ok(batch) => v.feed(Input::KvEvents(&batch)),
                                 Err(e) => tracing::debug!(error = %e, "undecodable KV events"),
                             },
                             None => return,
@@ -197,43 +169,53 @@ impl ClusterView {
         self.registry.read()
     }
 
+    /// The routing replica this view feeds.
+    pub fn replica(&self) -> &RwLock<RoutingReplica> {
+        &self.replica
+    }
+
     pub fn report(&self, id: WorkerId) -> Option<LoadReport> {
-        self.reports.lock().get(&id).copied()
+        self.replica.read().report(id).copied()
     }
 
     pub fn has_index(&self) -> bool {
-        self.feed.is_some()
+        self.cfg.embedded_index
     }
 
     /// Per worker, the leading blocks of `hashes` it holds, by tier (empty without an
     /// embedded index).
     pub fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
-        match &self.feed {
-            Some(f) => f.index.read().find_matches(hashes),
-            None => OverlapScores::default(),
-        }
+        self.replica.read().feed().find_matches(hashes)
     }
 
     pub fn feed_stats(&self) -> FeedStats {
-        self.feed
-            .as_ref()
-            .map(|f| *f.stats.lock())
-            .unwrap_or_default()
+        self.replica.read().feed().stats()
     }
 
     /// Workers the index tracks (with or without blocks), and (block, worker) entries.
     pub fn index_size(&self) -> (usize, usize) {
-        self.feed.as_ref().map_or((0, 0), |f| {
-            let index = f.index.read();
-            (index.workers().len(), index.num_entries())
-        })
+        let replica = self.replica.read();
+        let index = replica.feed().index();
+        (index.workers().len(), index.num_entries())
     }
 
     /// The id of the last event applied for `worker`, when the index knows it.
     pub fn last_event_id(&self, worker: WorkerId) -> Option<u64> {
-        self.feed
-            .as_ref()
-            .and_then(|f| f.index.read().last_event_id(worker))
+        self.replica.read().feed().index().last_event_id(worker)
+    }
+
+    /// Hands `input` to the replica and starts the repairs it asks for.
+    fn feed(self: &Arc<Self>, input: Input<'_>) {
+        let now = self.now_ms();
+        let outcome = self.replica.write().apply(input, now);
+        match outcome {
+            Ok(repairs) => {
+                for r in repairs {
+                    self.repair(r);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "KV index repair answer refused"),
+        }
     }
 
     fn on_discovery(self: &Arc<Self>, ev: DiscoveryEvent) {
@@ -241,15 +223,8 @@ impl ClusterView {
             DiscoveryEvent::Added(record) => self.on_added(record),
             DiscoveryEvent::Removed { id, role } => {
                 let gone = self.registry.write().pool_mut(role).remove(&id).is_some();
-                self.reports.lock().remove(&id);
-                if let Some(f) = &self.feed {
-                    f.index.write().remove_worker(id);
-                    f.reported.lock().remove(&id);
-                    if gone {
-                        f.stats.lock().workers_purged += 1;
-                    }
-                }
                 if gone {
+                    self.feed(Input::Left { worker: id });
                     tracing::info!(worker = id.0, ?role, "worker left");
                 }
             }
@@ -283,8 +258,7 @@ impl ClusterView {
                 return;
             }
         };
-        let id = record.id;
-        let role = record.role;
+        let (id, role) = (record.id, record.role);
         let previous = {
             let mut reg = self.registry.write();
             let pool = reg.pool_mut(role);
@@ -293,13 +267,11 @@ impl ClusterView {
                 // client and its index state.
                 return;
             }
-            let joined_ms = pool.get(&id).map_or_else(|| self.now_ms(), |e| e.joined_ms);
             pool.insert(
                 id,
                 WorkerEntry {
                     record,
                     client: WorkerClient::new(channel).max_decoding_message_size(64 << 20),
-                    joined_ms,
                 },
             )
         };
@@ -309,131 +281,56 @@ impl ClusterView {
             // event ids from 1 again) before its old lease lapsed. Its cache is new too.
             Some(_) => tracing::info!(worker = id.0, ?role, "worker re-joined with a new record"),
         }
-        self.repair(id, true);
+        self.feed(Input::Joined { worker: id, role });
     }
 
-    fn on_events(self: &Arc<Self>, batch: &[KvEvent]) {
-        let Some(f) = &self.feed else { return };
-        let mut to_repair = Vec::new();
-        {
-            let known = self.registry.read();
-            let repairing = f.repairing.lock();
-            let mut index = f.index.write();
-            let mut stats = f.stats.lock();
-            for ev in batch {
-                if known.get(ev.worker_id).is_none()
-                    || repairing.contains(&ev.worker_id)
-                    || to_repair.iter().any(|(w, _)| *w == ev.worker_id)
-                {
-                    continue;
-                }
-                match index.apply(ev) {
-                    ApplyOutcome::Applied => stats.events_applied += 1,
-                    // A worker numbering from 1 again has restarted under the same id: its
-                    // old blocks are gone; take a dump.
-                    ApplyOutcome::Duplicate if ev.event_id == 1 => {
-                        stats.gaps += 1;
-                        to_repair.push((ev.worker_id, true));
-                    }
-                    ApplyOutcome::Duplicate => {}
-                    ApplyOutcome::Gap { .. } => {
-                        stats.gaps += 1;
-                        to_repair.push((ev.worker_id, false));
-                    }
-                }
-            }
+    /// Asks the worker for what `r` names and hands the answer to the replica.
+    fn repair(self: &Arc<Self>, r: Repair) {
+        if !self.cfg.embedded_index {
+            return; // no index to repair: the standalone indexer keeps its own
         }
-        for (w, dump) in to_repair {
-            self.repair(w, dump);
-        }
-    }
-
-    fn on_report(self: &Arc<Self>, r: LoadReport) {
-        let w = r.worker_id;
-        if self.registry.read().get(w).is_none() {
-            return;
-        }
-        self.reports.lock().insert(w, r);
-        let Some(f) = &self.feed else { return };
-        let previous = f.reported.lock().insert(w, r.last_kv_event_id);
-        let applied = f.index.read().last_event_id(w).unwrap_or(0);
-        if previous.is_some_and(|p| p > applied) {
-            f.stats.lock().gaps += 1;
-            self.repair(w, false);
-        }
-    }
-
-    /// Asks `worker` for the events after the index's last one, or for a dump, and applies
-    /// the answer. At most one repair per worker at a time.
-    fn repair(self: &Arc<Self>, worker: WorkerId, dump: bool) {
-        let Some(f) = &self.feed else { return };
-        if !f.repairing.lock().insert(worker) {
-            return;
-        }
-        let Some(mut client) = self.registry.read().get(worker).map(|e| e.client.clone()) else {
-            f.repairing.lock().remove(&worker);
+        let Some(mut client) = self.registry.read().get(r.worker).map(|e| e.client.clone()) else {
+            self.feed(Input::RepairFailed { worker: r.worker });
             return;
         };
-        let after = f.index.read().last_event_id(worker).unwrap_or(0);
         let view = self.clone();
         self.tasks.spawn(async move {
             let req = KvEventsRequest {
-                after,
-                dump: dump || after == 0,
+                after: r.after,
+                dump: r.dump,
             };
             let reply = tokio::select! {
                 r = tokio::time::timeout(view.cfg.connect_timeout * 2, client.kv_events(req)) => r,
                 _ = view.cancel.cancelled() => return,
             };
-            let Some(f) = &view.feed else { return };
-            let outcome = match reply {
-                Ok(Ok(reply)) => view.apply_repair(worker, reply.into_inner().body),
+            let answer = match reply {
+                Ok(Ok(reply)) => decode_repair(reply.into_inner().body),
                 Ok(Err(status)) => Err(format!("KvEvents failed: {status}")),
                 Err(_) => Err("KvEvents timed out".to_string()),
             };
-            f.repairing.lock().remove(&worker);
-            match outcome {
-                Ok(()) => f.stats.lock().repairs += 1,
-                // Left for the next gap or load report to retry.
-                Err(e) => tracing::warn!(worker = worker.0, error = %e, "KV index repair failed"),
+            match answer {
+                Ok(reply) => view.feed(Input::Repaired {
+                    worker: r.worker,
+                    reply,
+                }),
+                Err(e) => {
+                    // Left for the next gap or load report to retry.
+                    tracing::warn!(worker = r.worker.0, error = %e, "KV index repair failed");
+                    view.feed(Input::RepairFailed { worker: r.worker });
+                }
             }
         });
     }
+}
 
-    fn apply_repair(
-        &self,
-        worker: WorkerId,
-        body: Option<kv_events_reply::Body>,
-    ) -> Result<(), String> {
-        let Some(f) = &self.feed else { return Ok(()) };
-        if self.registry.read().get(worker).is_none() {
-            return Ok(()); // left meanwhile: nothing to keep
-        }
-        match body {
-            Some(kv_events_reply::Body::Events(bytes)) => {
-                let events = Vec::<KvEvent>::decode(&bytes).map_err(|e| e.to_string())?;
-                let mut index = f.index.write();
-                for ev in events.iter().filter(|e| e.worker_id == worker) {
-                    if let ApplyOutcome::Gap { .. } = index.apply(ev) {
-                        return Err("the repair range has a gap".into());
-                    }
-                    f.stats.lock().events_applied += 1;
-                }
-                Ok(())
-            }
-            Some(kv_events_reply::Body::Dump(bytes)) => {
-                let dump = KvDump::decode(&bytes).map_err(|e| e.to_string())?;
-                if dump.worker_id != worker {
-                    return Err(format!("dump of worker {} instead", dump.worker_id.0));
-                }
-                f.index
-                    .write()
-                    .replace_worker(&dump)
-                    .map_err(|e| e.to_string())?;
-                f.stats.lock().dumps_applied += 1;
-                Ok(())
-            }
-            None => Err("empty KvEvents reply".into()),
-        }
+fn decode_repair(body: Option<kv_events_reply::Body>) -> Result<RepairReply, String> {
+    match body {
+        Some(kv_events_reply::Body::Events(bytes)) => Vec::<KvEvent>::decode(&bytes)
+            .map(RepairReply::Events)
+            .map_err(|e| e.to_string()),
+        Some(kv_events_reply::Body::Dump(bytes)) => KvDump::decode(&bytes)
+            .map(RepairReply::Dump)
+            .map_err(|e| e.to_string()),
+        None => Err("empty KvEvents reply".into()),
     }
 }

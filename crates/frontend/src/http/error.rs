@@ -23,7 +23,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use crate::{ErrorClass, RouteError};
+use tandem_router::{ErrorClass, RouteError};
 
 /// The class of a [`ServeError`]: decides the status code, the error `type`, and whether a
 /// client may retry.

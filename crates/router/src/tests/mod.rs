@@ -4,6 +4,7 @@ mod disagg;
 mod kv;
 mod policies;
 mod pool;
+mod replica;
 mod tracker;
 
 use tandem_indexer::TierCounts;

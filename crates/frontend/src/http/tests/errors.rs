@@ -383,7 +383,7 @@ async fn backend_errors_before_the_first_token_get_their_status() {
             Some("internal_error"),
         ),
         (
-            Script::FailGenerate(ServeError::from(crate::RouteError::NoWorkers)),
+            Script::FailGenerate(ServeError::from(tandem_router::RouteError::NoWorkers)),
             StatusCode::SERVICE_UNAVAILABLE,
             Some("unavailable"),
         ),

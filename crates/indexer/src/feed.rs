@@ -1,0 +1,334 @@
+//! [`IndexFeed`]: the rules that keep a [`KvIndex`] true to the workers it mirrors
+//! (DESIGN.md §4), as a sans-IO state machine. The shell (the frontend's event-plane
+//! subscriber, the standalone indexer, the simulator) hands it what arrives — membership
+//! changes, KV event batches, load reports — and performs the [`Repair`]s it asks for
+//! (a range of events from the worker's ring, or a dump), handing the answer back with
+//! [`IndexFeed::repaired`].
+//!
+//! # Rules
+//! - A worker that joins is dumped, and its index entries replaced by the dump.
+//! - Events are applied in id order per worker. A gap (a lost batch, a restarted event plane)
+//!   is never applied past: the worker is asked for the events after the last applied one.
+//!   Events that arrive for a worker while it is being repaired are dropped: the repair's answer
+//!   covers them or a later gap shows them.
+//! - A worker that numbers from 1 again (an event 1 that the index already has) restarted under
+//!   the same id: its old blocks are gone, so it is dumped.
+//! - A lost *trailing* batch shows no gap by itself: each load report carries the worker's
+//!   last event id, and when the index is still behind the id of the *previous* report (one
+//!   report of slack for events still in flight), the worker is repaired.
+//! - A worker that leaves is purged. Events and reports of non-members are dropped: the dump at
+//!   join covers them.
+//! - At most one repair per worker is outstanding.
+
+use tandem_protocol::{KvDump, KvEvent, SequenceHash, WorkerId};
+
+use crate::error::IndexError;
+use crate::hash::MixMap;
+use crate::index::{ApplyOutcome, KvIndex, OverlapScores};
+
+/// What the shell must fetch from `worker` to bring the index back in step: its events after
+/// `after`, or (when `dump`) its whole state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Repair {
+    pub worker: WorkerId,
+    pub after: u64,
+    pub dump: bool,
+}
+
+/// A worker's answer to a [`Repair`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum RepairReply {
+    /// Events after the requested id, in order.
+    Events(Vec<KvEvent>),
+    /// The worker's whole state.
+    Dump(KvDump),
+}
+
+/// Why a repair answer was not applied. The worker stays as it was; the next gap or load
+/// report asks again.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FeedError {
+    #[error("the repair range of worker {0} has a gap")]
+    RangeGap(WorkerId),
+    #[error("asked worker {asked} for a dump, got worker {got}'s")]
+    WrongDump { asked: WorkerId, got: WorkerId },
+    #[error(transparent)]
+    Index(#[from] IndexError),
+}
+
+/// Counters of the feed, for `/metrics`, tests and the simulator's report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FeedStats {
+    pub events_applied: u64,
+    pub gaps: u64,
+    pub repairs: u64,
+    pub dumps_applied: u64,
+    pub workers_purged: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Member {
+    repairing: bool,
+    /// `last_kv_event_id` of the worker's previous load report.
+    reported: Option<u64>,
+}
+
+/// An index and the rules that feed it (see the module docs).
+#[derive(Debug, Default)]
+pub struct IndexFeed {
+    index: KvIndex,
+    members: MixMap<WorkerId, Member>,
+    stats: FeedStats,
+}
+
+impl IndexFeed {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+
+    pub fn stats(&self) -> FeedStats {
+        self.stats
+    }
+
+    pub fn is_member(&self, worker: WorkerId) -> bool {
+        self.members.contains_key(&worker)
+    }
+
+    /// Per worker, the leading blocks of `hashes` it holds, by tier.
+    pub fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
+        self.index.find_matches(hashes)
+    }
+
+    /// A worker joined, or re-joined with a new record (a restart: its cache is new too):
+    /// it is dumped.
+    pub fn join(&mut self, worker: WorkerId) -> Option<Repair> {
+        self.members.entry(worker).or_default();
+        self.start_repair(worker, true)
+    }
+
+    /// A worker left: its blocks leave the index. Returns whether it was a member.
+    pub fn leave(&mut self, worker: WorkerId) -> bool {
+        self.index.remove_worker(worker);
+        let was = self.members.remove(&worker).is_some();
+        if was {
+            self.stats.workers_purged += 1;
+        }
+        was
+    }
+
+    /// Applies a batch of events (any workers, each worker's in id order); returns the repairs
+    /// the batch showed to be needed.
+    pub fn apply(&mut self, batch: &[KvEvent]) -> Vec<Repair> {
+        let mut repairs: Vec<Repair> = Vec::new();
+        for ev in batch {
+            let w = ev.worker_id;
+            let skip = self.members.get(&w).is_none_or(|m| m.repairing);
+            if skip {
+                continue;
+            }
+            let dump = match self.index.apply(ev) {
+                ApplyOutcome::Applied => {
+                    self.stats.events_applied += 1;
+                    continue;
+                }
+                ApplyOutcome::Duplicate if ev.event_id == 1 => true,
+                ApplyOutcome::Duplicate => continue,
+                ApplyOutcome::Gap { .. } => false,
+            };
+            self.stats.gaps += 1;
+            repairs.extend(self.start_repair(w, dump));
+        }
+        repairs
+    }
+
+    /// A load report of `worker` saying its last published event is `last_kv_event_id`.
+    pub fn report(&mut self, worker: WorkerId, last_kv_event_id: u64) -> Option<Repair> {
+        let m = self.members.get_mut(&worker)?;
+        let previous = m.reported.replace(last_kv_event_id);
+        let applied = self.index.last_event_id(worker).unwrap_or(0);
+        if previous.is_some_and(|p| p > applied) {
+            self.stats.gaps += 1;
+            return self.start_repair(worker, false);
+        }
+        None
+    }
+
+    /// Applies a worker's answer to a repair (or a dump it sent unasked) and ends its repair.
+    pub fn repaired(&mut self, worker: WorkerId, reply: RepairReply) -> Result<(), FeedError> {
+        let Some(m) = self.members.get_mut(&worker) else {
+            return Ok(()); // left meanwhile: nothing to keep
+        };
+        m.repairing = false;
+        match reply {
+            RepairReply::Events(events) => {
+                for ev in events.iter().filter(|e| e.worker_id == worker) {
+                    match self.index.apply(ev) {
+                        ApplyOutcome::Applied => self.stats.events_applied += 1,
+                        ApplyOutcome::Duplicate => {}
+                        ApplyOutcome::Gap { .. } => return Err(FeedError::RangeGap(worker)),
+                    }
+                }
+            }
+            RepairReply::Dump(dump) => {
+                if dump.worker_id != worker {
+                    return Err(FeedError::WrongDump {
+                        asked: worker,
+                        got: dump.worker_id,
+                    });
+                }
+                self.index.replace_worker(&dump)?;
+                self.stats.dumps_applied += 1;
+            }
+        }
+        self.stats.repairs += 1;
+        Ok(())
+    }
+
+    /// The repair of `worker` could not be made (timeout, worker unreachable): left for the
+    /// next gap or load report to ask again.
+    pub fn repair_failed(&mut self, worker: WorkerId) {
+        if let Some(m) = self.members.get_mut(&worker) {
+            m.repairing = false;
+        }
+    }
+
+    fn start_repair(&mut self, worker: WorkerId, dump: bool) -> Option<Repair> {
+        let m = self.members.get_mut(&worker)?;
+        if m.repairing {
+            return None;
+        }
+        m.repairing = true;
+        let after = self.index.last_event_id(worker).unwrap_or(0);
+        Some(Repair {
+            worker,
+            after,
+            dump: dump || after == 0,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_protocol::{KvEventKind, LocalBlockHash, StorageTier, StoredBlock};
+
+    use super::*;
+
+    fn stored(worker: u64, id: u64, hash: u64) -> KvEvent {
+        KvEvent {
+            worker_id: WorkerId(worker),
+            event_id: id,
+            tier: StorageTier::Device,
+            kind: KvEventKind::Stored {
+                parent: None,
+                blocks: vec![StoredBlock {
+                    sequence_hash: SequenceHash(hash),
+                    local_hash: LocalBlockHash(hash),
+                }],
+            },
+        }
+    }
+
+    fn dump(worker: u64, events: Vec<KvEvent>) -> KvDump {
+        KvDump {
+            worker_id: WorkerId(worker),
+            last_event_id: events.last().map_or(0, |e| e.event_id),
+            events,
+        }
+    }
+
+    fn joined(feed: &mut IndexFeed, worker: u64) {
+        let r = feed.join(WorkerId(worker)).expect("a join asks for a dump");
+        assert!(r.dump);
+        feed.repaired(WorkerId(worker), RepairReply::Dump(dump(worker, vec![])))
+            .expect("empty dump");
+    }
+
+    #[test]
+    fn a_gap_asks_for_the_range_and_drops_events_until_repaired() {
+        let mut feed = IndexFeed::new();
+        joined(&mut feed, 1);
+        assert!(feed.apply(&[stored(1, 1, 10)]).is_empty());
+        let repairs = feed.apply(&[stored(1, 3, 30), stored(1, 4, 40)]);
+        assert_eq!(
+            repairs,
+            [Repair {
+                worker: WorkerId(1),
+                after: 1,
+                dump: false
+            }]
+        );
+        // While repairing, even the next event in order is dropped.
+        assert!(feed.apply(&[stored(1, 2, 20)]).is_empty());
+        assert_eq!(feed.index().last_event_id(WorkerId(1)), Some(1));
+        let range = vec![stored(1, 2, 20), stored(1, 3, 30), stored(1, 4, 40)];
+        feed.repaired(WorkerId(1), RepairReply::Events(range))
+            .expect("contiguous range");
+        assert_eq!(feed.index().last_event_id(WorkerId(1)), Some(4));
+        let s = feed.stats();
+        assert_eq!((s.gaps, s.repairs, s.events_applied), (1, 2, 4));
+    }
+
+    #[test]
+    fn non_members_are_ignored_and_leavers_purged() {
+        let mut feed = IndexFeed::new();
+        assert!(feed.apply(&[stored(9, 1, 10)]).is_empty());
+        assert_eq!(feed.index().last_event_id(WorkerId(9)), None);
+        assert_eq!(feed.report(WorkerId(9), 5), None);
+        joined(&mut feed, 2);
+        feed.apply(&[stored(2, 1, 10)]);
+        assert!(feed.leave(WorkerId(2)));
+        assert!(!feed.leave(WorkerId(2)));
+        assert_eq!(feed.index().num_entries(), 0);
+        assert_eq!(feed.stats().workers_purged, 1);
+        // A late answer for a worker that left changes nothing.
+        feed.repaired(
+            WorkerId(2),
+            RepairReply::Dump(dump(2, vec![stored(2, 1, 1)])),
+        )
+        .expect("ignored");
+        assert_eq!(feed.index().num_entries(), 0);
+    }
+
+    #[test]
+    fn a_restart_numbering_from_one_is_dumped() {
+        let mut feed = IndexFeed::new();
+        joined(&mut feed, 3);
+        feed.apply(&[stored(3, 1, 10), stored(3, 2, 20)]);
+        let r = feed.apply(&[stored(3, 1, 99)]);
+        assert_eq!(r.len(), 1);
+        assert!(r[0].dump, "{r:?}");
+    }
+
+    #[test]
+    fn a_lost_trailing_batch_shows_at_the_next_report() {
+        let mut feed = IndexFeed::new();
+        joined(&mut feed, 4);
+        feed.apply(&[stored(4, 1, 10)]);
+        // Event 2 was published and lost; the report saying so gets one report of slack.
+        assert_eq!(feed.report(WorkerId(4), 2), None);
+        let r = feed
+            .report(WorkerId(4), 2)
+            .expect("behind the previous report");
+        assert_eq!((r.after, r.dump), (1, false));
+        // One repair at a time.
+        assert_eq!(feed.report(WorkerId(4), 2), None);
+        feed.repair_failed(WorkerId(4));
+        assert!(feed.report(WorkerId(4), 2).is_some());
+    }
+
+    #[test]
+    fn bad_answers_are_refused() {
+        let mut feed = IndexFeed::new();
+        joined(&mut feed, 5);
+        feed.apply(&[stored(5, 1, 10), stored(5, 3, 30)]);
+        let gap = feed.repaired(WorkerId(5), RepairReply::Events(vec![stored(5, 3, 30)]));
+        assert_eq!(gap, Err(FeedError::RangeGap(WorkerId(5))));
+        let wrong = feed.repaired(WorkerId(5), RepairReply::Dump(dump(6, vec![])));
+        assert!(matches!(wrong, Err(FeedError::WrongDump { .. })));
+        assert_eq!(feed.index().last_event_id(WorkerId(5)), Some(1));
+    }
+}

@@ -1,0 +1,48 @@
+//! What a routing replica is made from: [`RoutingConfig`] (the knobs the frontend's flags and
+//! the simulator's flags both set) and [`ReplicaConfig`] (plus the replica's identity and seed).
+
+use crate::disagg::DisaggConfig;
+use crate::error::ConfigError;
+use crate::pool::PoolConfig;
+use crate::registry::PolicyConfig;
+use crate::tracker::{RouterId, TrackerConfig};
+
+/// How requests are routed: one type for the frontend and `tandem sim`, so a simulated
+/// router is configured exactly as a live one.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RoutingConfig {
+    /// Policy over the decode (aggregated) pool when there is no prefill pool.
+    pub policy: PolicyConfig,
+    /// Warm-up and busy rules of that pool.
+    pub pool: PoolConfig,
+    /// Conditional disaggregation, its thresholds and both pools' `kv` knobs and rules, used
+    /// when a prefill pool exists.
+    pub disagg: DisaggConfig,
+    pub tracker: TrackerConfig,
+    /// Fold the workers' load reports into the tracked loads (the larger of the two on each
+    /// count, [`crate::WorkerLoad::merge_report`]). Off by default: the tracker (with replica
+    /// sync) knows every request routed, while a report lags by up to its interval — a report
+    /// taken while a request was still running makes the worker that just cached its prefix
+    /// look busy, and the next request with that prefix goes elsewhere. Turn it on for
+    /// replicas that do not sync, or to route on reports alone (the simulator's snapshot
+    /// mode). The KV usage (for the busy threshold) always comes from the reports.
+    pub merge_load_reports: bool,
+}
+
+impl RoutingConfig {
+    /// Checks every knob (the policy's by building it).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.pool.validate()?;
+        self.policy.build()?;
+        self.disagg.validate()
+    }
+}
+
+/// One replica: its routing, its identity among the replicas sharing one view, and the seed of
+/// its random draws.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReplicaConfig {
+    pub router_id: RouterId,
+    pub seed: u64,
+    pub routing: RoutingConfig,
+}

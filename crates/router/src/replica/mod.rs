@@ -1,0 +1,441 @@
+//! [`RoutingReplica`]: everything one router replica knows and decides, as one sans-IO state
+//! machine shared by the frontend and `tandem sim` — so the simulator runs the production
+//! router, not a copy of it.
+//!
+//! It owns the KV index with its feed rules ([`IndexFeed`]), the active-sequence tracker, the
+//! policy and the pool rules, the random generator, the pools' members and their latest load
+//! reports. The shell feeds it with [`RoutingReplica::apply`] (membership changes, KV events
+//! and repair answers, load reports, peers' sync messages) and performs the [`Repair`]s that
+//! returns; per request it calls [`RoutingReplica::route`] (or [`RoutingReplica::decide`] then
+//! [`RoutingReplica::commit`], when something may change its mind in between), then
+//! [`RoutingReplica::first_token`] and [`RoutingReplica::finish`], publishing the
+//! [`SyncMessage`]s each returns to the other replicas.
+//!
+//! # Tracking a request
+//! A request occupies its decode worker under its own id, and, when prefilled remotely, its
+//! prefill worker under the id with the top bit set (the tracker keys one worker per id). The
+//! decode entry carries the prompt tokens the decode worker must compute (none when the prefill
+//! is remote); the prefill entry carries those of the prefill worker and leaves at the first
+//! token, or earlier when the caller knows the prefill worker is done
+//! ([`RoutingReplica::prefill_finished`]). The per-request state lives with the caller, in the
+//! [`InFlight`] of the [`Plan`], so the replica holds nothing per request beyond the tracker.
+
+mod config;
+
+use std::collections::BTreeMap;
+
+use hashbrown::HashMap;
+use tandem_indexer::{FeedError, IndexFeed, OverlapScores, Repair, RepairReply};
+use tandem_protocol::{KvEvent, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole};
+
+pub use config::{ReplicaConfig, RoutingConfig};
+
+use crate::disagg::{self, DisaggDecision, DisaggReason};
+use crate::error::{ConfigError, RouteError};
+use crate::pool::{PoolConfig, Router, RouterConfig};
+use crate::rng::Rng;
+use crate::tracker::{ActiveSequences, NewSequence, SyncMessage};
+use crate::view::{Decision, RouteRequest, WorkerView};
+
+/// Tracker ids of a request's prefill part: the request id with the top bit set.
+const PREFILL_BIT: u64 = 1 << 63;
+
+/// Something the replica learns from the cluster.
+#[derive(Clone, Debug)]
+pub enum Input<'a> {
+    /// A worker appeared in discovery, or re-registered with a new record (most likely a
+    /// restart: its cache is new, so it is dumped again).
+    Joined {
+        worker: WorkerId,
+        role: WorkerRole,
+    },
+    /// A worker left discovery (deregistered, lease lapsed): purged from index and pools.
+    Left {
+        worker: WorkerId,
+    },
+    /// A batch of KV events from the event plane.
+    KvEvents(&'a [KvEvent]),
+    /// A worker's answer to a [`Repair`].
+    Repaired {
+        worker: WorkerId,
+        reply: RepairReply,
+    },
+    /// A [`Repair`] that could not be made; asked again at the next gap or report.
+    RepairFailed {
+        worker: WorkerId,
+    },
+    LoadReport(&'a LoadReport),
+    /// A peer replica's tracker change (our own, echoed back, are ignored).
+    PeerSync(&'a SyncMessage),
+}
+
+/// One request, as the replica routes it.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteInput<'a> {
+    /// The caller's id for the request, unique among this replica's requests in flight, top
+    /// bit clear. A request routed again (a retry, a migration) needs a fresh one.
+    pub request: RequestId,
+    pub route: RouteRequest,
+    /// Sequence hashes of the prompt's full blocks.
+    pub hashes: &'a [SequenceHash],
+    /// Output tokens expected (e.g. `max_tokens`): counted as KV the request will hold.
+    pub expected_output_tokens: u64,
+    /// Overlap per worker from a standalone indexer; `None`: the replica's own index.
+    pub overlap: Option<&'a OverlapScores>,
+}
+
+/// A request's place in the tracker, held by whoever owns the request until it ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InFlight {
+    request: RequestId,
+    remote: bool,
+    /// The prefill entry still counts on the prefill worker.
+    prefill_booked: bool,
+    first_token: bool,
+}
+
+impl InFlight {
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+
+    /// Prefilled on a prefill worker.
+    pub fn is_remote(&self) -> bool {
+        self.remote
+    }
+
+    fn prefill_id(&self) -> RequestId {
+        RequestId(self.request.0 | PREFILL_BIT)
+    }
+}
+
+/// Where a request goes, why, and what to tell the other replicas.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub decision: DisaggDecision,
+    pub flight: InFlight,
+    pub sync: Vec<SyncMessage>,
+}
+
+impl Plan {
+    pub fn decode_worker(&self) -> WorkerId {
+        self.decision.decode_worker()
+    }
+
+    pub fn prefill_worker(&self) -> Option<WorkerId> {
+        self.decision.prefill_worker()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Member {
+    /// When the worker joined, for warm-up.
+    joined_ms: u64,
+}
+
+type Pool = BTreeMap<WorkerId, Member>;
+
+/// One router replica (see the module docs).
+#[derive(Debug)]
+pub struct RoutingReplica {
+    config: ReplicaConfig,
+    router: Router,
+    feed: IndexFeed,
+    tracker: ActiveSequences,
+    rng: Rng,
+    /// Decode and aggregated workers, by id.
+    decode: Pool,
+    prefill: Pool,
+    reports: HashMap<WorkerId, LoadReport>,
+}
+
+impl RoutingReplica {
+    pub fn new(config: ReplicaConfig) -> Result<Self, ConfigError> {
+        let r = &config.routing;
+        r.validate()?;
+        let router = Router::new(RouterConfig {
+            policy: r.policy,
+            pool: r.pool,
+        })?;
+        Ok(RoutingReplica {
+            router,
+            feed: IndexFeed::new(),
+            tracker: ActiveSequences::new(config.router_id, r.tracker),
+            rng: Rng::seed_from_u64(config.seed),
+            decode: Pool::new(),
+            prefill: Pool::new(),
+            reports: HashMap::new(),
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &ReplicaConfig {
+        &self.config
+    }
+
+    /// Applies what the cluster says; returns the repairs the index needs.
+    pub fn apply(&mut self, input: Input<'_>, now_ms: u64) -> Result<Vec<Repair>, FeedError> {
+        Ok(match input {
+            Input::Joined { worker, role } => {
+                let joined_ms = self.pool_of(worker).map_or(now_ms, |m| m.joined_ms);
+                self.decode.remove(&worker);
+                self.prefill.remove(&worker);
+                let pool = match role {
+                    WorkerRole::Prefill => &mut self.prefill,
+                    WorkerRole::Decode | WorkerRole::Aggregated => &mut self.decode,
+                };
+                pool.insert(worker, Member { joined_ms });
+                self.feed.join(worker).into_iter().collect()
+            }
+            Input::Left { worker } => {
+                self.decode.remove(&worker);
+                self.prefill.remove(&worker);
+                self.reports.remove(&worker);
+                self.feed.leave(worker);
+                self.tracker.remove_worker(worker);
+                Vec::new()
+            }
+            Input::KvEvents(batch) => self.feed.apply(batch),
+            Input::Repaired { worker, reply } => {
+                self.feed.repaired(worker, reply)?;
+                Vec::new()
+            }
+            Input::RepairFailed { worker } => {
+                self.feed.repair_failed(worker);
+                Vec::new()
+            }
+            Input::LoadReport(r) => {
+                if self.pool_of(r.worker_id).is_none() {
+                    return Ok(Vec::new());
+                }
+                self.reports.insert(r.worker_id, *r);
+                self.feed
+                    .report(r.worker_id, r.last_kv_event_id)
+                    .into_iter()
+                    .collect()
+            }
+            Input::PeerSync(msg) => {
+                self.tracker.apply(msg, now_ms);
+                Vec::new()
+            }
+        })
+    }
+
+    /// Decides where a request goes and records it: [`RoutingReplica::decide`] then
+    /// [`RoutingReplica::commit`].
+    pub fn route(
+        &mut self,
+        input: &RouteInput<'_>,
+        excluded: &[WorkerId],
+        now_ms: u64,
+    ) -> Result<Plan, RouteError> {
+        let decision = self.decide(input, excluded, now_ms)?;
+        self.commit(input, decision, now_ms)
+    }
+
+    /// Picks the decode worker, and the prefill worker when prefill is remote, among the
+    /// members not in `excluded` (workers that already failed this request). Records nothing:
+    /// [`RoutingReplica::commit`] does.
+    pub fn decide(
+        &mut self,
+        input: &RouteInput<'_>,
+        excluded: &[WorkerId],
+        now_ms: u64,
+    ) -> Result<DisaggDecision, RouteError> {
+        self.tracker.expire(now_ms);
+        let own;
+        let scores = match input.overlap {
+            Some(s) => s,
+            None => {
+                own = self.feed.find_matches(input.hashes);
+                &own
+            }
+        };
+        let cfg = &self.config.routing;
+        let prefill = self.views(
+            &self.prefill,
+            &cfg.disagg.prefill_pool,
+            scores,
+            excluded,
+            now_ms,
+        );
+        let decode_pool = if prefill.is_empty() {
+            &cfg.pool
+        } else {
+            &cfg.disagg.decode_pool
+        };
+        let decode = self.views(&self.decode, decode_pool, scores, excluded, now_ms);
+        if decode.is_empty() {
+            return Err(if self.decode.is_empty() {
+                RouteError::NoWorkers
+            } else {
+                RouteError::AllExcluded
+            });
+        }
+        if prefill.is_empty() {
+            let d = self.router.select(&input.route, &decode, &mut self.rng)?;
+            return Ok(DisaggDecision {
+                decode: d,
+                prefill: None,
+                why: DisaggReason::NoPrefillPool,
+            });
+        }
+        disagg::decide(&cfg.disagg, &input.route, &decode, &prefill, &mut self.rng)
+    }
+
+    /// Records `decision` for `input` in the tracker.
+    pub fn commit(
+        &mut self,
+        input: &RouteInput<'_>,
+        decision: DisaggDecision,
+        now_ms: u64,
+    ) -> Result<Plan, RouteError> {
+        let request = input.request;
+        if request.0 & PREFILL_BIT != 0 {
+            return Err(RouteError::InvalidRequestId(request));
+        }
+        let route = &input.route;
+        let bs = u64::from(route.block_size.get());
+        let prompt = route.prompt_tokens;
+        let overlap = |d: &Decision| d.chosen_terms().map_or(0, |t| u64::from(t.overlap.total()));
+        let remote = decision.prefill.is_some();
+        let mut sync = Vec::with_capacity(2);
+        sync.push(self.tracker.add(
+            NewSequence {
+                request,
+                worker: decision.decode.worker,
+                blocks: input.hashes.to_vec(),
+                prefill_tokens: if remote {
+                    0
+                } else {
+                    prompt.saturating_sub(overlap(&decision.decode) * bs)
+                },
+                private_blocks: NewSequence::private_blocks_for(
+                    prompt,
+                    input.expected_output_tokens,
+                    route.block_size,
+                ),
+            },
+            now_ms,
+        ));
+        let flight = InFlight {
+            request,
+            remote,
+            prefill_booked: remote,
+            first_token: false,
+        };
+        if let Some(p) = &decision.prefill {
+            sync.push(self.tracker.add(
+                NewSequence {
+                    request: flight.prefill_id(),
+                    worker: p.worker,
+                    blocks: input.hashes.to_vec(),
+                    prefill_tokens: prompt.saturating_sub(overlap(p) * bs),
+                    private_blocks: 1,
+                },
+                now_ms,
+            ));
+        }
+        Ok(Plan {
+            decision,
+            flight,
+            sync,
+        })
+    }
+
+    /// The request's first token: its prefill load leaves (the prefill worker's entry too).
+    pub fn first_token(&mut self, flight: &mut InFlight, now_ms: u64) -> Vec<SyncMessage> {
+        if flight.first_token {
+            return Vec::new();
+        }
+        flight.first_token = true;
+        let mut sync = vec![self.tracker.prefill_done(flight.request, now_ms)];
+        sync.extend(self.release_prefill(flight, now_ms));
+        sync
+    }
+
+    /// The prefill worker finished its part of a remote prefill (the KV is on its way): its
+    /// entry leaves before the first token.
+    pub fn prefill_finished(&mut self, flight: &mut InFlight, now_ms: u64) -> Vec<SyncMessage> {
+        self.release_prefill(flight, now_ms).into_iter().collect()
+    }
+
+    /// The request ended (finished, cancelled, failed, refused): all its load leaves.
+    pub fn finish(&mut self, mut flight: InFlight, now_ms: u64) -> Vec<SyncMessage> {
+        let mut sync = vec![self.tracker.free(flight.request, now_ms)];
+        sync.extend(self.release_prefill(&mut flight, now_ms));
+        sync
+    }
+
+    fn release_prefill(&mut self, flight: &mut InFlight, now_ms: u64) -> Option<SyncMessage> {
+        if !flight.prefill_booked {
+            return None;
+        }
+        flight.prefill_booked = false;
+        Some(self.tracker.free(flight.prefill_id(), now_ms))
+    }
+
+    /// Moves on tracker entries whose time is up (call now and then).
+    pub fn expire(&mut self, now_ms: u64) {
+        self.tracker.expire(now_ms);
+    }
+
+    pub fn feed(&self) -> &IndexFeed {
+        &self.feed
+    }
+
+    pub fn tracker(&self) -> &ActiveSequences {
+        &self.tracker
+    }
+
+    /// The latest load report of a member.
+    pub fn report(&self, worker: WorkerId) -> Option<&LoadReport> {
+        self.reports.get(&worker)
+    }
+
+    /// Members of the decode (aggregated) pool, by id.
+    pub fn decode_workers(&self) -> impl ExactSizeIterator<Item = WorkerId> + '_ {
+        self.decode.keys().copied()
+    }
+
+    /// Members of the prefill pool, by id.
+    pub fn prefill_workers(&self) -> impl ExactSizeIterator<Item = WorkerId> + '_ {
+        self.prefill.keys().copied()
+    }
+
+    fn pool_of(&self, worker: WorkerId) -> Option<&Member> {
+        self.decode
+            .get(&worker)
+            .or_else(|| self.prefill.get(&worker))
+    }
+
+    /// The candidate views of a pool's members not in `excluded`.
+    fn views(
+        &self,
+        pool: &Pool,
+        cfg: &PoolConfig,
+        scores: &OverlapScores,
+        excluded: &[WorkerId],
+        now_ms: u64,
+    ) -> Vec<WorkerView> {
+        pool.iter()
+            .filter(|(id, _)| !excluded.contains(id))
+            .map(|(&id, m)| {
+                let mut load = self.tracker.load(id).to_worker_load();
+                if let Some(r) = self.reports.get(&id) {
+                    if self.config.routing.merge_load_reports {
+                        load.merge_report(r);
+                    } else {
+                        load.kv_usage = r.kv_usage();
+                    }
+                }
+                WorkerView {
+                    id,
+                    overlap: scores.get(id).unwrap_or_default(),
+                    load,
+                    warming_up: cfg.is_warming_up(m.joined_ms, now_ms),
+                }
+            })
+            .collect()
+    }
+}
