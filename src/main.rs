@@ -2,7 +2,6 @@
 
 mod bench;
 mod plan;
-mod replay;
 mod serve;
 mod sim;
 mod up;
@@ -24,9 +23,6 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Replay a Mooncake trace through mocker engines in virtual time, routed with the global
-    /// KV index, and report prefix-cache hit rate and latency per routing policy.
-    Replay(replay::ReplayArgs),
     /// Simulate a cluster in virtual time: real mocker engines and the real router (policies,
     /// KV index, tracker, disaggregation), a simulated event plane; latency percentiles,
     /// goodput under an SLO, prefix hit rate, load spread; rate sweeps and SVG plots.
@@ -55,7 +51,6 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Replay(args) => replay::run(args),
         Command::Sim(args) => sim::run(*args),
         Command::Up(args) => block_on(up::run(*args)),
         Command::Frontend(args) => block_on(serve::run_frontend(*args)),

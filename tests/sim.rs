@@ -248,3 +248,70 @@ fn plan_finds_the_smallest_clusters_that_meet_the_slo() {
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+/// Runs `tandem sim` on the bundled conversation trace and returns its JSON report.
+fn trace_report(dir: &std::path::Path, name: &str, args: &[&str]) -> serde_json::Value {
+    let json = dir.join(name);
+    run_ok(
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .arg("sim")
+            .arg("--trace")
+            .arg(trace("conversation_trace.jsonl"))
+            .args(args)
+            .arg("--json")
+            .arg(&json),
+    );
+    serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+}
+
+/// On a real trace, prefix affinity beats round-robin on cache hits, and the KV index's
+/// prediction at routing time matches the engines' real hits (what `tandem replay` showed).
+#[test]
+fn prefix_affinity_beats_round_robin_and_the_index_predicts_the_hits() {
+    let dir = temp_dir("sim-trace");
+    let args = ["--workers", "8", "--limit", "300", "--host-blocks", "4096"];
+    let run = |policy: &str| {
+        let mut a = args.to_vec();
+        a.extend(["--policy", policy]);
+        trace_report(&dir, &format!("{policy}.json"), &a)
+    };
+    let (rr, affinity, kv) = (run("round-robin"), run("cache-aware"), run("kv"));
+    let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap();
+    for r in [&rr, &affinity, &kv] {
+        assert_eq!(r["completed"], 300);
+        assert!(f(r, "kv_events_applied") > 0.0);
+        // Without preemption, prediction and real hits differ only by evictions between
+        // routing and admission.
+        assert_eq!(r["preemptions"], 0);
+        let gap = (f(r, "predicted_cached_tokens") - f(r, "cached_tokens")).abs();
+        assert!(
+            gap / f(r, "prompt_tokens") < 0.01,
+            "index prediction off by {gap} tokens: {r}"
+        );
+    }
+    let hits = |r: &serde_json::Value| f(r, "prefix_hit_rate");
+    assert!(hits(&affinity) > 1.3 * hits(&rr), "{affinity} vs {rr}");
+    assert!(hits(&kv) > hits(&rr), "{kv} vs {rr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn sim_refuses_bad_trace_input_with_a_clear_error() {
+    for (args, expect) in [
+        (
+            &["--block-size", "0"][..],
+            "--block-size must be at least 1",
+        ),
+        (&["--trace", "/nonexistent.jsonl"][..], "cannot read trace"),
+    ] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        cmd.arg("sim").args(args);
+        if args[0] != "--trace" {
+            cmd.arg("--trace").arg(trace("synthetic_trace.jsonl"));
+        }
+        let out = cmd.output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expect), "{args:?}: {err}");
+    }
+}

@@ -20,7 +20,8 @@
 //!   tokens at arrival.
 //! - `queue.rs`: the event heap. `sim.rs`: the event loop and the request lifecycle.
 //!   `replica.rs`: one router replica. `stats.rs`, `metrics.rs`: counters and [`SimReport`].
-//! - `sweep.rs`: rate sweeps. `svg.rs`: hand-written SVG plots.
+//! - `sweep.rs`: rate sweeps. `plan.rs`: `tandem plan`'s search for the smallest cluster
+//!   meeting an SLO. `svg.rs`: hand-written SVG plots.
 //!
 //! # Model, and where it is approximate
 //!
@@ -61,6 +62,7 @@
 mod config;
 mod error;
 mod metrics;
+mod plan;
 mod queue;
 mod replica;
 mod sim;
@@ -75,6 +77,7 @@ pub use config::{
 };
 pub use error::SimError;
 pub use metrics::{SimReport, Spread};
+pub use plan::{Candidate, Plan, Topologies, plan};
 pub use sweep::{SweepPoint, SweepReport, sweep};
 /// The router's names and knobs a [`SimConfig`] is made of, for callers that build one.
 pub use tandem_router::{DisaggConfig, DisaggMode, KvConfig, PolicyConfig, PolicyKind};

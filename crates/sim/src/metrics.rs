@@ -12,6 +12,12 @@
 //!   prompt tokens, from the `cached_tokens` of each request's first token on the engine that
 //!   prefilled it (the prefill worker for a remote prefill: the decode side's reuse of the
 //!   transferred KV is counted as transferred, not as a hit).
+//! - Index-predicted hit rate: what the router's KV index predicted of the same, at routing:
+//!   for each request, the blocks the index said the prefilling worker holds (any tier), of
+//!   which an engine can reuse all but the one holding the last prompt token (always
+//!   computed), over all prompt tokens. Against the real hit rate it shows how true the index
+//!   is: they differ by blocks evicted between routing and admission, preemptions, and
+//!   whatever the index does not know (event delays, snapshots, lost events).
 //! - In-flight load imbalance (`inflight_imbalance_*`): every `sample_interval_us` of virtual
 //!   time (`--sample-interval-ms`, from t = 0, until the last request ends), the requests in
 //!   flight on each aggregated (or decode) worker are counted: waiting, running, or awaiting
@@ -150,6 +156,9 @@ pub struct SimReport {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub prefix_hit_rate: f64,
+    /// Cached tokens the index predicted at routing (see the module docs).
+    pub predicted_cached_tokens: u64,
+    pub predicted_hit_rate: f64,
     /// Requests prefilled on a prefill worker.
     pub remote_prefills: u64,
     pub local_prefills: u64,
@@ -283,6 +292,10 @@ impl SimReport {
         row(
             "prefix hit rate",
             format!("{:.1} %", 100.0 * self.prefix_hit_rate),
+        );
+        row(
+            "index-predicted hit rate",
+            format!("{:.1} %", 100.0 * self.predicted_hit_rate),
         );
         if self.prefill_workers > 0 {
             row(

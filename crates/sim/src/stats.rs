@@ -206,6 +206,9 @@ pub(crate) fn report(
         prompt_tokens: stats.prompt_tokens,
         cached_tokens: stats.cached_tokens,
         prefix_hit_rate: stats.cached_tokens as f64 / stats.prompt_tokens.max(1) as f64,
+        predicted_cached_tokens: stats.predicted_cached_tokens,
+        predicted_hit_rate: stats.predicted_cached_tokens as f64
+            / stats.prompt_tokens.max(1) as f64,
         remote_prefills: stats.remote_prefills,
         local_prefills: stats.local_prefills,
         transferred_tokens: stats.transferred_tokens,

@@ -320,3 +320,57 @@ fn kv_bytes_depend_on_the_prefix_only() {
     assert_eq!(bytes(&e1, 1), bytes(&e2, 1));
     assert_ne!(bytes(&e1, 2), bytes(&e2, 2));
 }
+
+/// The KV bytes change no figure: with and without them (timing-only), the same requests take
+/// the same steps, hit the same cached prefixes and end at the same times. What the simulator
+/// relies on when it runs timing-only engines.
+#[test]
+fn timing_only_engines_time_and_cache_exactly_like_byte_engines() {
+    let timeline = |shape: KvShape| {
+        let mut e = engine(256, 16, SchedulerConfig::default(), shape);
+        let shared = prompt(9, 96);
+        let mut out = Vec::new();
+        let mut now = 0;
+        for i in 0..24u64 {
+            let mut p = if i % 3 == 0 {
+                prompt(i as u32, 40 + i as usize)
+            } else {
+                shared.clone()
+            };
+            p.extend(prompt(100 + i as u32, 8 * (i as usize % 5)));
+            e.add_request(request(i, p, 4 + (i as u32 % 7)), now)
+                .unwrap();
+            // Arrivals interleave with steps.
+            if let Some(step) = e.begin_step(now) {
+                now += step.duration_us();
+                for o in e.finish_step(now) {
+                    out.push((
+                        now,
+                        o.id,
+                        o.first_token,
+                        o.cached_tokens,
+                        o.finish.is_some(),
+                    ));
+                }
+            }
+        }
+        while let Some(step) = e.begin_step(now) {
+            now += step.duration_us();
+            for o in e.finish_step(now) {
+                out.push((
+                    now,
+                    o.id,
+                    o.first_token,
+                    o.cached_tokens,
+                    o.finish.is_some(),
+                ));
+            }
+        }
+        (out, e.stats().preemptions)
+    };
+    let (bytes, p1) = timeline(KvShape::MOCKER_DEFAULT);
+    let (timing, p2) = timeline(KvShape::TIMING_ONLY);
+    assert!(bytes.iter().any(|o| o.3 > 0), "some prefix hits");
+    assert_eq!(bytes, timing);
+    assert_eq!(p1, p2);
+}
