@@ -3,8 +3,9 @@
 use anyhow::Context;
 use clap::{ArgAction, Args};
 use tandem_sim::{
-    EngineSettings, EventPlaneConfig, SimConfig, SloConfig, TopologyConfig, TransferConfig,
+    EngineSettings, EventPlaneConfig, SimConfig, Slo, TopologyConfig, TransferConfig,
 };
+use tandem_workload::plot;
 
 use crate::workload_args::ms_to_us;
 
@@ -62,8 +63,14 @@ pub struct SimArgs {
     /// SLO: time to first token.
     #[arg(long, env = "TANDEM_SIM_SLO_TTFT_MS", default_value_t = 2000.0)]
     slo_ttft_ms: f64,
-    /// SLO: a request's mean inter-token latency.
-    #[arg(long, env = "TANDEM_SIM_SLO_ITL_MS", default_value_t = 25.0)]
+    /// SLO: a request's mean inter-token latency (its TPOT; `--slo-tpot-ms` as in `tandem
+    /// bench`).
+    #[arg(
+        long,
+        visible_alias = "slo-tpot-ms",
+        env = "TANDEM_SIM_SLO_ITL_MS",
+        default_value_t = 25.0
+    )]
     slo_itl_ms: f64,
     /// A rate meets the SLO when this fraction of requests do.
     #[arg(long, env = "TANDEM_SIM_SLO_ATTAINMENT", default_value_t = 0.9)]
@@ -109,9 +116,9 @@ impl SimArgs {
                 kv_bytes_per_token: self.kv_bytes_per_token,
                 transfer_gbps: self.transfer_gbps,
             },
-            slo: SloConfig {
+            slo: Slo {
                 ttft_ms: self.slo_ttft_ms,
-                itl_ms: self.slo_itl_ms,
+                tpot_ms: self.slo_itl_ms,
                 attainment: self.slo_attainment,
             },
             sample_interval_us: ms_to_us("--sample-interval-ms", self.sample_interval_ms)?,
@@ -136,18 +143,15 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             tandem_sim::write_json(path, &sweep)?;
         }
         if let Some(dir) = &args.out.plot_dir {
-            write_plot(
-                dir,
-                "goodput_vs_rate.svg",
-                &tandem_sim::svg::goodput_curve(&sweep),
-            )?;
+            let svg = plot::goodput_vs_rate(sweep.rate_unit, &sweep.goodput_points())?;
+            write_plot(dir, "goodput_vs_rate.svg", &svg)?;
             let labels: Vec<String> = sweep.points.iter().map(|p| format!("{}", p.rate)).collect();
-            let runs: Vec<(&str, &tandem_sim::SimReport)> = labels
+            let runs: Vec<(&str, &[f64])> = labels
                 .iter()
                 .zip(&sweep.points)
-                .map(|(l, p)| (l.as_str(), &p.report))
+                .map(|(l, p)| (l.as_str(), p.report.ttft_cdf_ms.as_slice()))
                 .collect();
-            write_plot(dir, "ttft_cdf.svg", &tandem_sim::svg::ttft_cdf(&runs))?;
+            write_plot(dir, "ttft_cdf.svg", &plot::ttft_cdf(&runs)?)?;
         }
         return Ok(());
     }
@@ -157,7 +161,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         tandem_sim::write_json(path, &report)?;
     }
     if let Some(dir) = &args.out.plot_dir {
-        let svg = tandem_sim::svg::ttft_cdf(&[(report.policy.as_str(), &report)]);
+        let svg = plot::ttft_cdf(&[(report.policy.as_str(), report.ttft_cdf_ms.as_slice())])?;
         write_plot(dir, "ttft_cdf.svg", &svg)?;
     }
     Ok(())

@@ -1,12 +1,12 @@
 //! The workload flags `tandem sim` and `tandem bench` share (a Mooncake trace, or a synthetic
 //! workload: prompt shape, lengths, arrivals), and their output flags (rate sweeps, JSON,
-//! plots).
+//! plots). They fill `tandem-workload`'s types, which both commands' libraries take.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use tandem_sim::{
+use tandem_workload::{
     ArrivalProcess, LengthDist, PromptShape, SyntheticConfig, TraceWorkload, WorkloadConfig,
 };
 

@@ -17,7 +17,9 @@ use tandem_protocol::grpc::{
 use tandem_protocol::{HashSeed, WorkerId, WorkerRole};
 use tandem_runtime::discovery::MemoryDiscovery;
 use tandem_runtime::events::MemoryEventPlane;
+use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::{WorkerConfig, WorkerDeps};
+use tandem_workload::LatencyHistogram;
 use tokio_util::sync::CancellationToken;
 
 const PROMPT: usize = 16_384;
@@ -36,8 +38,9 @@ async fn start(id: u64, role: WorkerRole, shape: KvShape, deps: &WorkerDeps) -> 
     cfg.prefill_timeout = Duration::from_secs(60);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let stop = CancellationToken::new();
-    let (d, s) = (deps.clone(), stop.clone());
+    let s = Shutdown::new();
+    let stop = s.drain_token().clone();
+    let d = deps.clone();
     let task = tokio::spawn(async move {
         match role {
             WorkerRole::Prefill => tandem_prefill_worker::run(cfg, listener, d, s).await,
@@ -78,11 +81,6 @@ async fn ttft(d: &Worker, p: &Worker, seed: u32, remote: bool) -> (f64, i32) {
     (t.elapsed().as_secs_f64() * 1e3, first.prefill)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 async fn run(shape_name: &str, shape: KvShape) {
     let kv_mib = (shape.bytes_per_token() * PROMPT) as f64 / (1 << 20) as f64;
     for kind in [
@@ -107,16 +105,16 @@ async fn run(shape_name: &str, shape: KvShape) {
         let p = start(1, WorkerRole::Prefill, shape, &deps).await;
         let d = start(2, WorkerRole::Decode, shape, &deps).await;
         let name = kind.map_or("inline (gRPC)", |k| k.as_str());
-        let (mut local, mut remote) = (Vec::new(), Vec::new());
+        let (mut local, mut remote) = (LatencyHistogram::default(), LatencyHistogram::default());
         for i in 0..RUNS as u32 {
             let (ms, how) = ttft(&d, &p, 1000 + i, false).await;
             assert_eq!(how, PrefillOutcome::Local as i32);
-            local.push(ms);
+            local.record_ms(ms);
             let (ms, how) = ttft(&d, &p, 2000 + i, true).await;
             assert_eq!(how, PrefillOutcome::Remote as i32, "{name}: fell back");
-            remote.push(ms);
+            remote.record_ms(ms);
         }
-        let (l, r) = (median(local), median(remote));
+        let (l, r) = (local.quantile_ms(0.5), remote.quantile_ms(0.5));
         println!(
             "| {shape_name} ({kv_mib:.0} MiB of KV) | {name} | {l:.0} | {r:.0} | {:+.0} ({:.2}×) |",
             r - l,

@@ -24,7 +24,7 @@ use tandem_engine::{BlockPool, BlockPoolConfig};
 use tandem_indexer::{ApplyOutcome, KvIndex, ShardedIndex};
 use tandem_protocol::hashing::compute_block_hashes;
 use tandem_protocol::{BlockSize, HashSeed, KvEvent, RequestId, SequenceHash, WorkerId};
-use tandem_workload::{expand_tokens, load_trace};
+use tandem_workload::{LatencyHistogram, Resolution, expand_tokens, load_trace};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 #[global_allocator]
@@ -147,34 +147,31 @@ fn generate(o: &Opts) -> Workload {
     w
 }
 
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
-}
-
 /// Latency percentiles of find_matches over `queries`, in microseconds, and mean matches.
 fn time_queries(index: &KvIndex, queries: &[Vec<SequenceHash>]) -> (f64, f64, f64, f64) {
-    let mut lat = Vec::with_capacity(queries.len());
+    let mut lat = LatencyHistogram::new(Resolution::Nanos);
     let mut matched = 0usize;
+    // A benchmark knob, read by the benchmark itself (not by library code).
+    #[allow(clippy::disallowed_methods)]
     let rounds = std::env::var("TANDEM_BENCH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
     for _ in 0..rounds {
-        lat.clear();
+        lat = LatencyHistogram::new(Resolution::Nanos);
         matched = 0;
         for q in queries {
             let t = Instant::now();
             let s = black_box(index.find_matches(black_box(q)));
-            lat.push(t.elapsed().as_secs_f64() * 1e6);
+            lat.record_duration(t.elapsed());
             matched += s.len();
         }
     }
-    lat.sort_by(f64::total_cmp);
+    let us = lat.summary().scaled(1000.0);
     (
-        percentile(&lat, 0.5),
-        percentile(&lat, 0.99),
-        *lat.last().unwrap_or(&0.0),
+        us.p50,
+        us.p99,
+        us.max,
         matched as f64 / queries.len().max(1) as f64,
     )
 }
@@ -232,7 +229,7 @@ fn concurrent(
     // Paced runs stop after 2 s of writing: enough samples, bounded time.
     let budget = std::time::Duration::from_secs(2);
     let done = AtomicBool::new(false);
-    let mut lat = Vec::new();
+    let mut lat = LatencyHistogram::new(Resolution::Nanos);
     let mut written = (0u64, 0.0);
     std::thread::scope(|s| {
         let writer = s.spawn(|| {
@@ -259,17 +256,13 @@ fn concurrent(
         while !done.load(Ordering::Acquire) {
             let t = Instant::now();
             black_box(index.find_matches(&qs[i % qs.len()]));
-            lat.push(t.elapsed().as_secs_f64() * 1e6);
+            lat.record_duration(t.elapsed());
             i += 1;
         }
         written = writer.join().expect("writer");
     });
-    lat.sort_by(f64::total_cmp);
-    (
-        written.0 as f64 / written.1 / 1e6,
-        percentile(&lat, 0.5),
-        percentile(&lat, 0.99),
-    )
+    let us = lat.summary().scaled(1000.0);
+    (written.0 as f64 / written.1 / 1e6, us.p50, us.p99)
 }
 
 fn main() {

@@ -24,6 +24,7 @@ use tandem_router::{
     ActiveSequences, NewSequence, PolicyConfig, PolicyKind, Rng, RouteRequest, Router,
     RouterConfig, RouterId, TrackerConfig, WorkerView,
 };
+use tandem_workload::{LatencyHistogram, Resolution};
 
 const WORKERS: u64 = 64;
 const CONVERSATIONS: u32 = 512;
@@ -112,7 +113,7 @@ fn main() {
     let mut tracker = ActiveSequences::new(RouterId(1), TrackerConfig::default());
     let mut rng = Rng::seed_from_u64(7);
     let mut buf = Vec::with_capacity(WORKERS as usize);
-    let mut lat = Vec::new();
+    let mut lat = LatencyHistogram::new(Resolution::Nanos);
     let mut hits = 0u64;
     let rounds = 20_000u64;
     for i in 0..rounds {
@@ -149,21 +150,20 @@ fn main() {
             tracker.free(RequestId(old), i);
         }
         if i >= 1000 {
-            lat.push(elapsed.as_secs_f64() * 1e6);
+            lat.record_duration(elapsed);
         }
     }
-    lat.sort_by(f64::total_cmp);
-    let pct = |q: f64| lat[((q * lat.len() as f64).ceil() as usize).clamp(1, lat.len()) - 1];
+    let us = lat.summary().scaled(1000.0);
     println!(
         "route decision ({} workers, {}-token prompt, kv policy, {} in flight): p50 {:.2} µs, p90 {:.2} µs, p99 {:.2} µs, max {:.1} µs over {} decisions; {:.1} % routed to the worker holding the whole prompt",
         WORKERS,
         PROMPT_TOKENS,
         IN_FLIGHT,
-        pct(0.5),
-        pct(0.9),
-        pct(0.99),
-        lat[lat.len() - 1],
-        lat.len(),
+        us.p50,
+        us.p90,
+        us.p99,
+        us.max,
+        us.count,
         100.0 * hits as f64 / rounds as f64
     );
 }

@@ -27,8 +27,9 @@
 //!
 //! No async runtime, no clock (time is `u64` milliseconds passed in), no environment, no
 //! threads, no sockets; `cargo tree -p tandem-router -e normal` has no tokio, tonic, axum or
-//! tandem-runtime. All randomness comes from the seeded [`Rng`] (xoshiro256**, implemented here
-//! so that a seed means the same decisions on every platform and version).
+//! tandem-runtime. All randomness comes from the seeded [`Rng`] (xoshiro256**, implemented in
+//! tandem-protocol and re-exported here, so that a seed means the same decisions on every
+//! platform and version).
 //!
 //! # Layout
 //!
@@ -42,7 +43,7 @@
 //! - `pool.rs`: busy thresholds and warm-up ([`PoolConfig`]), and [`Router`].
 //! - `tracker.rs`: [`ActiveSequences`] and replica sync. `disagg.rs`: conditional
 //!   disaggregation.
-//! - `rng.rs`: [`Rng`]. `error.rs`: [`RouteError`], [`ConfigError`].
+//! - `error.rs`: [`RouteError`], [`ConfigError`]. [`Rng`] is `tandem_protocol::Rng`.
 //!
 //! # Invariants
 //!
@@ -64,7 +65,8 @@ mod pool;
 pub mod prefix_hash;
 mod registry;
 mod replica;
-mod rng;
+// The policies name it `crate::rng::Rng`; it lives in tandem-protocol.
+use tandem_protocol::rng;
 mod simple;
 pub mod tracker;
 mod view;
@@ -83,9 +85,9 @@ pub use registry::{PolicyConfig, PolicyKind};
 pub use replica::{
     InFlight, Input, Plan, ReplicaConfig, RouteInput, RoutingConfig, RoutingReplica,
 };
-pub use rng::Rng;
 pub use simple::{LeastLoaded, PowerOfTwo, RandomPolicy, RoundRobin};
 pub use tandem_indexer::{FeedError, FeedStats, Repair, RepairReply, TierCounts};
+pub use tandem_protocol::Rng;
 pub use tracker::{
     ActiveSequences, NewSequence, RouterId, SyncMessage, TrackedLoad, TrackerConfig,
 };

@@ -1,9 +1,9 @@
 //! [`SimConfig`]: everything a run is made from, as plain data, validated once by
-//! [`SimConfig::validate`] before anything is built.
-
-use std::path::PathBuf;
+//! [`SimConfig::validate`] before anything is built. The workload and the SLO are
+//! `tandem-workload`'s types, validated by that crate.
 
 use tandem_router::{ReplicaConfig, RouterId, RoutingConfig};
+use tandem_workload::{Slo, SyntheticConfig, WorkloadConfig};
 
 use crate::error::SimError;
 
@@ -21,7 +21,7 @@ pub struct SimConfig {
     pub routing: RoutingConfig,
     pub event_plane: EventPlaneConfig,
     pub transfer: TransferConfig,
-    pub slo: SloConfig,
+    pub slo: Slo,
     /// How often the requests in flight per (decode) worker are sampled for the
     /// `inflight_imbalance_*` figures (µs).
     pub sample_interval_us: u64,
@@ -50,7 +50,7 @@ impl SimConfig {
             routing: RoutingConfig::default(),
             event_plane: EventPlaneConfig::default(),
             transfer: TransferConfig::default(),
-            slo: SloConfig::default(),
+            slo: Slo::default(),
             sample_interval_us: 1_000_000,
             arrival_jitter_us: 0,
         }
@@ -81,21 +81,8 @@ impl SimConfig {
         if self.sample_interval_us == 0 {
             return bad("the load sample interval must be positive");
         }
-        let s = &self.slo;
-        if !(positive(s.ttft_ms) && positive(s.itl_ms)) {
-            return bad("--slo-ttft-ms and --slo-itl-ms must be positive numbers");
-        }
-        if !(s.attainment > 0.0 && s.attainment <= 1.0) {
-            return bad("--slo-attainment must be in (0, 1]");
-        }
-        match &self.workload {
-            WorkloadConfig::Trace(tr) => {
-                if !positive(tr.arrival_speedup) {
-                    return bad("--arrival-speedup must be a positive number");
-                }
-            }
-            WorkloadConfig::Synthetic(sy) => sy.validate()?,
-        }
+        self.slo.validate()?;
+        self.workload.validate()?;
         self.routing
             .policy
             .build()
@@ -123,120 +110,8 @@ impl SimConfig {
     }
 }
 
-pub(crate) fn positive(x: f64) -> bool {
+fn positive(x: f64) -> bool {
     x.is_finite() && x > 0.0
-}
-
-/// Where requests come from.
-#[derive(Clone, Debug)]
-pub enum WorkloadConfig {
-    Trace(TraceWorkload),
-    Synthetic(SyntheticConfig),
-}
-
-/// A Mooncake trace replayed (see `shared/traces/README.md`).
-#[derive(Clone, Debug)]
-pub struct TraceWorkload {
-    pub path: PathBuf,
-    /// Inter-arrival times are divided by this.
-    pub arrival_speedup: f64,
-    /// Only the first N requests (None: all).
-    pub limit: Option<usize>,
-}
-
-/// A generated workload.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SyntheticConfig {
-    pub requests: usize,
-    /// Mean arrival rate, requests per second.
-    pub rate: f64,
-    pub arrival: ArrivalProcess,
-    /// Prompt length (for multi-turn: the new user text of each turn).
-    pub isl: LengthDist,
-    pub osl: LengthDist,
-    pub shape: PromptShape,
-}
-
-impl Default for SyntheticConfig {
-    fn default() -> Self {
-        SyntheticConfig {
-            requests: 1000,
-            rate: 10.0,
-            arrival: ArrivalProcess::Poisson,
-            isl: LengthDist::fixed(1024),
-            osl: LengthDist::fixed(128),
-            shape: PromptShape::Random,
-        }
-    }
-}
-
-impl SyntheticConfig {
-    fn validate(&self) -> Result<(), SimError> {
-        let bad = |what: &str| Err(SimError::InvalidConfig(what.to_owned()));
-        if self.requests == 0 {
-            return bad("--requests must be at least 1");
-        }
-        if !positive(self.rate) {
-            return bad("--rate must be a positive number");
-        }
-        if let ArrivalProcess::Gamma { shape } = self.arrival
-            && !positive(shape)
-        {
-            return bad("--burstiness (gamma shape) must be a positive number");
-        }
-        for (name, d) in [("--isl", self.isl), ("--osl", self.osl)] {
-            if d.mean == 0 || !(0.0..=1.0).contains(&d.spread) {
-                return Err(SimError::InvalidConfig(format!(
-                    "{name} must be at least 1 and its spread in [0, 1]"
-                )));
-            }
-        }
-        match self.shape {
-            PromptShape::SharedPrefix { groups: 0, .. } => {
-                bad("--prefix-groups must be at least 1")
-            }
-            PromptShape::MultiTurn { turns: 0, .. } => bad("--turns must be at least 1"),
-            _ => Ok(()),
-        }
-    }
-}
-
-/// Inter-arrival times.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum ArrivalProcess {
-    /// Exponential gaps.
-    Poisson,
-    /// Gamma gaps with this shape (< 1: burstier than Poisson; 1: Poisson).
-    Gamma { shape: f64 },
-    /// Equal gaps.
-    Constant,
-}
-
-/// A length: `mean`, drawn uniformly from `[mean·(1−spread), mean·(1+spread)]` (at least 1).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LengthDist {
-    pub mean: u32,
-    pub spread: f64,
-}
-
-impl LengthDist {
-    pub const fn fixed(mean: u32) -> Self {
-        LengthDist { mean, spread: 0.0 }
-    }
-}
-
-/// How synthetic prompts relate to each other.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum PromptShape {
-    /// Every prompt unique.
-    Random,
-    /// Each request picks one of `groups` shared prefixes of `prefix_len` tokens uniformly,
-    /// followed by its own ISL-long suffix.
-    SharedPrefix { groups: u32, prefix_len: u32 },
-    /// Sessions of `turns` requests; turn k's prompt is the whole conversation so far (earlier
-    /// user texts and answers) plus a new ISL-long text, sent `think_time_us` after the
-    /// previous turn was sent (open loop). Sessions start at the arrival process's times.
-    MultiTurn { turns: u32, think_time_us: u64 },
 }
 
 /// Workers and routers.
@@ -303,26 +178,6 @@ impl Default for TransferConfig {
         TransferConfig {
             kv_bytes_per_token: 131_072,
             transfer_gbps: 25.0,
-        }
-    }
-}
-
-/// The service-level objective behind goodput.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SloConfig {
-    pub ttft_ms: f64,
-    /// Bound on a request's mean inter-token latency (its TPOT).
-    pub itl_ms: f64,
-    /// A rate meets the SLO when at least this fraction of its requests do (sweeps, capacity).
-    pub attainment: f64,
-}
-
-impl Default for SloConfig {
-    fn default() -> Self {
-        SloConfig {
-            ttft_ms: 2000.0,
-            itl_ms: 25.0,
-            attainment: 0.9,
         }
     }
 }

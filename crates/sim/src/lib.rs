@@ -10,18 +10,20 @@
 //! reports and replica-sync messages after a configurable delay, either streamed or as
 //! periodic snapshots (phase-aligned or staggered across routers). [`run`] returns the
 //! figures as a [`SimReport`]; [`sweep`] runs the same workload at several rates and finds the
-//! capacity; [`svg`] draws plots.
+//! capacity. The workload, the SLO, the latency percentiles and the plots are
+//! `tandem-workload`'s (re-exported here where a [`SimConfig`] needs them).
 //!
 //! # Layout
 //!
 //! - `config.rs`: [`SimConfig`] and its parts, validated once.
-//! - `workload.rs`: Mooncake trace and synthetic workloads (Poisson, gamma, constant arrivals;
-//!   random, shared-prefix, multi-turn prompts; optional seeded arrival jitter), expanded to
-//!   tokens at arrival.
+//! - `workload.rs`: the requests, from [`tandem_workload::build`] (Mooncake trace and
+//!   synthetic workloads: Poisson, gamma, constant arrivals; random, shared-prefix, multi-turn
+//!   prompts; optional seeded arrival jitter), expanded to tokens at arrival.
 //! - `queue.rs`: the event heap. `sim.rs`: the event loop and the request lifecycle.
 //!   `replica.rs`: one router replica. `stats.rs`, `metrics.rs`: counters and [`SimReport`].
 //! - `sweep.rs`: rate sweeps. `plan.rs`: `tandem plan`'s search for the smallest cluster
-//!   meeting an SLO. `svg.rs`: hand-written SVG plots.
+//!   meeting an SLO. Plots: [`tandem_workload::plot`] over [`SimReport::ttft_cdf_ms`] and
+//!   [`SweepReport::goodput_points`].
 //!
 //! # Model, and where it is approximate
 //!
@@ -43,7 +45,7 @@
 //!   decode worker instead (`transfer_fallbacks`, counted as a local prefill). Transfers
 //!   never fail in the simulation.
 //! - Time is integer microseconds; ties are broken by scheduling order; every random draw
-//!   comes from [`tandem_router::Rng`] seeded from [`SimConfig::seed`]. Same config, same
+//!   comes from [`tandem_protocol::Rng`] seeded from [`SimConfig::seed`]. Same config, same
 //!   report, byte for byte. Nothing reads a clock.
 //! - What that tie rule means for arrivals: every arrival is queued before the run starts, so
 //!   at an equal microsecond an arrival is handled before any sync message, KV event (snapshot
@@ -67,20 +69,20 @@ mod queue;
 mod replica;
 mod sim;
 mod stats;
-pub mod svg;
 mod sweep;
 mod workload;
 
-pub use config::{
-    ArrivalProcess, EngineSettings, EventPlaneConfig, LengthDist, PromptShape, SimConfig,
-    SloConfig, SyntheticConfig, TopologyConfig, TraceWorkload, TransferConfig, WorkloadConfig,
-};
+pub use config::{EngineSettings, EventPlaneConfig, SimConfig, TopologyConfig, TransferConfig};
 pub use error::SimError;
 pub use metrics::{SimReport, Spread};
 pub use plan::{Candidate, Plan, Topologies, plan};
 pub use sweep::{SweepPoint, SweepReport, sweep};
 /// The router's names and knobs a [`SimConfig`] is made of, for callers that build one.
 pub use tandem_router::{DisaggConfig, DisaggMode, KvConfig, PolicyConfig, PolicyKind};
+/// The workload and SLO types a [`SimConfig`] is made of (`tandem-workload`'s).
+pub use tandem_workload::{
+    ArrivalProcess, LengthDist, PromptShape, Slo, SyntheticConfig, TraceWorkload, WorkloadConfig,
+};
 /// The requests of a workload (what `tandem bench` sends to a live endpoint).
 pub use workload::{PromptSpec, RequestSpec, build as build_workload};
 

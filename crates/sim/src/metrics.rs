@@ -5,9 +5,14 @@
 //! - ITL: the gap between two consecutive tokens of a request; every gap of every request is
 //!   one sample. TPOT: a request's mean ITL, `(last − first token) / (tokens − 1)`.
 //! - E2E: arrival to the last token.
+//! - Percentiles (`*_p50_ms` … `*_p99_ms`, `ttft_cdf_ms`, `transfer_p50_ms`) are nearest-rank
+//!   over every sample, from a [`tandem_workload::LatencyHistogram`]: within 0.1 % of the
+//!   exact value (the top of its 1 µs … 1/1,024-wide bucket); means, maxima and counts are
+//!   exact.
 //! - A request *meets the SLO* when it completed, its TTFT ≤ `slo_ttft_ms` and its TPOT ≤
-//!   `slo_itl_ms`. Goodput is the number of such requests per second of the run (first
-//!   arrival to last completion); `slo_attainment` is their fraction of all requests.
+//!   `slo_itl_ms` ([`Slo::met`]). Goodput is the number of such requests per second of the
+//!   run (first arrival to last completion); `slo_attainment` is their fraction of all
+//!   requests.
 //! - Prefix hit rate: prompt tokens the engines served from their prefix cache, over all
 //!   prompt tokens, from the `cached_tokens` of each request's first token on the engine that
 //!   prefilled it (the prefill worker for a remote prefill: the decode side's reuse of the
@@ -30,47 +35,7 @@
 
 use serde::Serialize;
 
-use crate::config::SloConfig;
-
-/// Nearest-rank percentile of sorted samples; 0 for none.
-pub(crate) fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
-}
-
-/// p50, p90, p95, p99 and max of samples in ms.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct Summary {
-    pub p50: f64,
-    pub p90: f64,
-    pub p95: f64,
-    pub p99: f64,
-    pub max: f64,
-    pub mean: f64,
-}
-
-impl Summary {
-    pub(crate) fn of(mut xs: Vec<f64>) -> (Summary, Vec<f64>) {
-        xs.sort_by(f64::total_cmp);
-        let mean = if xs.is_empty() {
-            0.0
-        } else {
-            xs.iter().sum::<f64>() / xs.len() as f64
-        };
-        let s = Summary {
-            p50: percentile(&xs, 0.50),
-            p90: percentile(&xs, 0.90),
-            p95: percentile(&xs, 0.95),
-            p99: percentile(&xs, 0.99),
-            max: xs.last().copied().unwrap_or(0.0),
-            mean,
-        };
-        (s, xs)
-    }
-}
+use tandem_workload::Slo;
 
 /// Spread of a per-worker count.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -198,8 +163,8 @@ pub struct SimReport {
 
 impl SimReport {
     /// Whether the run meets the SLO at the configured attainment.
-    pub fn meets_slo(&self, slo: &SloConfig) -> bool {
-        self.slo_attainment >= slo.attainment
+    pub fn meets_slo(&self, slo: &Slo) -> bool {
+        slo.attained(self.slo_attainment)
     }
 
     /// A two-column markdown table of the main figures.
@@ -358,25 +323,12 @@ impl SimReport {
     }
 }
 
-/// TTFT at each percent from sorted samples.
-pub(crate) fn cdf(sorted: &[f64]) -> Vec<f64> {
-    if sorted.is_empty() {
-        return Vec::new();
-    }
-    (0..=100)
-        .map(|p| percentile(sorted, f64::from(p) / 100.0))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn nearest_rank_percentiles_and_spread() {
-        let (s, _) = Summary::of(vec![5.0, 1.0, 4.0, 2.0, 3.0]);
-        assert_eq!((s.p50, s.p90, s.max, s.mean), (3.0, 5.0, 5.0, 3.0));
-        assert_eq!(Summary::of(Vec::new()).0, Summary::default());
+    fn spread_of_per_worker_counts() {
         let sp = Spread::of(&[2, 2, 2]);
         assert_eq!((sp.min, sp.max, sp.cv), (2, 2, 0.0));
         assert!(Spread::of(&[0, 4]).cv > 0.99);

@@ -294,7 +294,7 @@ impl<'a> Sim<'a> {
                     }
                     // Refused as a local request too, by `submit`.
                     ErrorClass::InvalidRequest => decision.prefill_locally(),
-                    ErrorClass::Internal => {
+                    ErrorClass::Unavailable | ErrorClass::Cancelled | ErrorClass::Internal => {
                         return Err(SimError::Internal(format!("request {i}: {e}")));
                     }
                 },
@@ -525,7 +525,7 @@ impl<'a> Sim<'a> {
                 msgs.extend(rep.first_token(f, now_ms));
             }
         } else {
-            self.stats.itl_us.push((now - st.last_token_us) as u32);
+            self.stats.itl.record_us(now - st.last_token_us);
         }
         st.last_token_us = now;
         if o.finish.is_some() {
@@ -551,7 +551,7 @@ impl<'a> Sim<'a> {
         let secs = (tokens * t.kv_bytes_per_token) as f64 / (t.transfer_gbps * 1e9);
         let us = (secs * 1e6).ceil() as u64;
         self.stats.transferred_tokens += tokens;
-        self.stats.transfer_us.push(us);
+        self.stats.transfer.record_us(us);
         self.queue
             .push(now + us, Ev::TransferDone { i, first_token });
     }

@@ -1,7 +1,9 @@
 //! Counters gathered during a run, and the [`SimReport`] made from them at the end.
 
-use crate::config::{SimConfig, WorkloadConfig};
-use crate::metrics::{SimReport, Spread, Summary, cdf};
+use tandem_workload::{LatencyHistogram, Slo, WorkloadConfig};
+
+use crate::config::SimConfig;
+use crate::metrics::{SimReport, Spread};
 use crate::sim::Sim;
 use crate::workload::RequestSpec;
 
@@ -15,9 +17,10 @@ pub(crate) struct Stats {
     pub remote_prefills: u64,
     pub local_prefills: u64,
     pub transfer_fallbacks: u64,
-    pub transfer_us: Vec<u64>,
-    /// Every inter-token gap, µs.
-    pub itl_us: Vec<u32>,
+    /// Every KV transfer's duration.
+    pub transfer: LatencyHistogram,
+    /// Every inter-token gap (bounded memory however many tokens the run makes).
+    pub itl: LatencyHistogram,
     /// One sample per `sample_interval_us` while requests are in flight.
     pub imbalance: Vec<ImbalanceSample>,
 }
@@ -87,6 +90,49 @@ fn workload_name(cfg: &SimConfig) -> String {
     }
 }
 
+/// What the finished requests measured: per-request latencies and counts.
+#[derive(Default)]
+struct RequestFigures {
+    ttft: LatencyHistogram,
+    /// A single-token request counts with a TPOT of 0.
+    tpot: LatencyHistogram,
+    e2e: LatencyHistogram,
+    completed: u64,
+    rejected: u64,
+    /// Requests meeting the SLO.
+    good: u64,
+    out_tokens: u64,
+}
+
+impl RequestFigures {
+    fn of(sim: &Sim<'_>, slo: &Slo) -> Self {
+        let mut f = RequestFigures::default();
+        for st in &sim.reqs {
+            if st.rejected {
+                f.rejected += 1;
+                continue;
+            }
+            let Some(first) = st.first_token_us.filter(|_| st.done) else {
+                continue;
+            };
+            f.completed += 1;
+            f.out_tokens += u64::from(st.tokens);
+            let tpot = if st.tokens > 1 {
+                (st.last_token_us - first) as f64 / 1000.0 / f64::from(st.tokens - 1)
+            } else {
+                0.0
+            };
+            f.ttft.record_us(first - st.arrival_us);
+            f.tpot.record_ms(tpot);
+            f.e2e.record_us(st.last_token_us - st.arrival_us);
+            if slo.met((first - st.arrival_us) as f64 / 1000.0, Some(tpot)) {
+                f.good += 1;
+            }
+        }
+        f
+    }
+}
+
 pub(crate) fn report(
     cfg: &SimConfig,
     specs: &[RequestSpec],
@@ -94,48 +140,23 @@ pub(crate) fn report(
     end_us: u64,
 ) -> SimReport {
     let slo = cfg.slo;
-    let (mut ttft, mut tpot, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut completed, mut rejected, mut good, mut out_tokens) = (0u64, 0u64, 0u64, 0u64);
-    for st in &sim.reqs {
-        if st.rejected {
-            rejected += 1;
-            continue;
-        }
-        let Some(first) = st.first_token_us.filter(|_| st.done) else {
-            continue;
-        };
-        completed += 1;
-        out_tokens += u64::from(st.tokens);
-        let t = (first - st.arrival_us) as f64 / 1000.0;
-        let p = if st.tokens > 1 {
-            (st.last_token_us - first) as f64 / 1000.0 / f64::from(st.tokens - 1)
-        } else {
-            0.0
-        };
-        ttft.push(t);
-        tpot.push(p);
-        e2e.push((st.last_token_us - st.arrival_us) as f64 / 1000.0);
-        if t <= slo.ttft_ms && p <= slo.itl_ms {
-            good += 1;
-        }
-    }
+    let RequestFigures {
+        ttft,
+        tpot,
+        e2e,
+        completed,
+        rejected,
+        good,
+        out_tokens,
+    } = RequestFigures::of(&sim, &slo);
     let stats = &sim.stats;
-    let itl: Vec<f64> = stats
-        .itl_us
-        .iter()
-        .map(|&u| f64::from(u) / 1000.0)
-        .collect();
-    let (ttft_s, ttft_sorted) = Summary::of(ttft);
-    let (tpot_s, _) = Summary::of(tpot);
-    let (itl_s, _) = Summary::of(itl);
-    let (e2e_s, _) = Summary::of(e2e);
-    let (transfer_s, _) = Summary::of(
-        stats
-            .transfer_us
-            .iter()
-            .map(|&u| u as f64 / 1000.0)
-            .collect(),
+    let (ttft_s, tpot_s, itl_s, e2e_s) = (
+        ttft.summary(),
+        tpot.summary(),
+        stats.itl.summary(),
+        e2e.summary(),
     );
+    let transfer_s = stats.transfer.summary();
     // The first arrival is at 0 unless `arrival_jitter_us` moved it later.
     let first_us = specs.first().map_or(0, |s| s.arrival_us);
     let secs = (end_us.saturating_sub(first_us) as f64 / 1e6).max(1e-6);
@@ -200,7 +221,7 @@ pub(crate) fn report(
         e2e_max_ms: e2e_s.max,
         e2e_mean_ms: e2e_s.mean,
         slo_ttft_ms: slo.ttft_ms,
-        slo_itl_ms: slo.itl_ms,
+        slo_itl_ms: slo.tpot_ms,
         slo_attainment: good as f64 / n.max(1) as f64,
         goodput_rps: good as f64 / secs,
         prompt_tokens: stats.prompt_tokens,
@@ -232,7 +253,7 @@ pub(crate) fn report(
         preemptions: sim.preemptions(),
         kv_events_applied: applied,
         index_gaps_repaired: gaps,
-        ttft_cdf_ms: cdf(&ttft_sorted),
+        ttft_cdf_ms: ttft.cdf_ms(),
         inflight_imbalance_max_minus_min_series: imb
             .iter()
             .map(|x| (x.secs, x.max_minus_min))

@@ -1,10 +1,10 @@
 //! Rate sweeps: the same workload at several rates (synthetic: requests per second; trace:
 //! arrival speedups), the goodput curve, and the capacity: the highest rate whose SLO
-//! attainment reaches [`crate::SloConfig::attainment`].
+//! attainment reaches [`tandem_workload::Slo::attainment`].
 
 use serde::Serialize;
 
-use crate::config::{SimConfig, WorkloadConfig};
+use crate::config::SimConfig;
 use crate::error::SimError;
 use crate::metrics::SimReport;
 
@@ -28,6 +28,15 @@ pub struct SweepReport {
 }
 
 impl SweepReport {
+    /// `(rate, goodput, throughput)` of every point, for
+    /// [`tandem_workload::plot::goodput_vs_rate`].
+    pub fn goodput_points(&self) -> Vec<(f64, f64, f64)> {
+        self.points
+            .iter()
+            .map(|p| (p.rate, p.report.goodput_rps, p.report.throughput_rps))
+            .collect()
+    }
+
     pub fn to_markdown(&self) -> String {
         let mut s = format!(
             "| {} | goodput req/s | SLO attainment | TTFT p90 ms | ITL p90 ms | prefix hit rate | meets SLO |\n|---:|---:|---:|---:|---:|---:|---|\n",
@@ -61,17 +70,11 @@ pub fn sweep(config: &SimConfig, rates: &[f64]) -> Result<SweepReport, SimError>
             "--sweep-rate needs at least one rate".into(),
         ));
     }
-    let rate_unit = match config.workload {
-        WorkloadConfig::Trace(_) => "arrival_speedup",
-        WorkloadConfig::Synthetic(_) => "requests_per_second",
-    };
+    let rate_unit = config.workload.rate_unit();
     let mut points = Vec::with_capacity(rates.len());
     for &rate in rates {
         let mut cfg = config.clone();
-        match &mut cfg.workload {
-            WorkloadConfig::Trace(t) => t.arrival_speedup = rate,
-            WorkloadConfig::Synthetic(s) => s.rate = rate,
-        }
+        cfg.workload = config.workload.with_rate(rate);
         let report = crate::run(cfg)?;
         points.push(SweepPoint {
             rate,

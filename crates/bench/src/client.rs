@@ -8,9 +8,10 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 /// Which OpenAI API the prompts go to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Api {
     /// `/v1/completions` with the prompt as text: exact prefixes.
+    #[default]
     Completions,
     /// `/v1/chat/completions` with the prompt as one user message (the endpoint's chat
     /// template goes around it).
@@ -19,7 +20,7 @@ pub enum Api {
 
 /// What one request is.
 #[derive(Clone, Debug)]
-pub struct Call {
+pub(crate) struct Call {
     pub api: Api,
     pub model: String,
     pub prompt: String,
@@ -28,14 +29,14 @@ pub struct Call {
 }
 
 impl Call {
-    pub fn path(&self) -> &'static str {
+    pub(crate) fn path(&self) -> &'static str {
         match self.api {
             Api::Completions => "/v1/completions",
             Api::Chat => "/v1/chat/completions",
         }
     }
 
-    pub fn body(&self) -> Value {
+    pub(crate) fn body(&self) -> Value {
         let mut body = json!({
             "model": self.model,
             "max_tokens": self.max_tokens,
@@ -54,8 +55,9 @@ impl Call {
     }
 }
 
-/// How one request went. Times in ms from sending it.
-#[derive(Clone, Debug, Default, Serialize)]
+/// How one request went. Times in ms from sending it. Its inter-token gaps are not kept
+/// here: they go into the report's ITL histogram when the request ends.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Record {
     /// When it was sent, ms after the run started.
     pub sent_ms: f64,
@@ -64,8 +66,6 @@ pub struct Record {
     pub error: Option<String>,
     pub ttft_ms: Option<f64>,
     pub e2e_ms: Option<f64>,
-    /// Gaps between chunks with text after the first.
-    pub itl_ms: Vec<f64>,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub cached_tokens: u64,
@@ -78,7 +78,7 @@ impl Record {
         (self.completion_tokens > 1).then(|| (e2e - ttft) / (self.completion_tokens - 1) as f64)
     }
 
-    fn failed(sent_ms: f64, error: String) -> Record {
+    pub(crate) fn failed(sent_ms: f64, error: String) -> Record {
         Record {
             sent_ms,
             error: Some(error),
@@ -87,15 +87,32 @@ impl Record {
     }
 }
 
+/// A finished request: its record, and the gaps between its chunks with text after the first
+/// (ms), until the report has taken them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Timed {
+    pub record: Record,
+    pub itl_ms: Vec<f64>,
+}
+
+impl From<Record> for Timed {
+    fn from(record: Record) -> Self {
+        Timed {
+            record,
+            itl_ms: Vec::new(),
+        }
+    }
+}
+
 /// Sends `call` to `base` (e.g. `http://127.0.0.1:8000`) and reads its stream to the end.
-pub async fn send(
+pub(crate) async fn send(
     http: &reqwest::Client,
     base: &str,
     api_key: Option<&str>,
     call: &Call,
     sent_ms: f64,
     timeout: Duration,
-) -> Record {
+) -> Timed {
     let start = Instant::now();
     let mut req = http
         .post(format!("{base}{}", call.path()))
@@ -106,7 +123,7 @@ pub async fn send(
     }
     let resp = match req.send().await {
         Ok(r) => r,
-        Err(e) => return Record::failed(sent_ms, format!("request: {}", error_chain(&e))),
+        Err(e) => return Record::failed(sent_ms, format!("request: {}", error_chain(&e))).into(),
     };
     let status = resp.status();
     if !status.is_success() {
@@ -115,13 +132,14 @@ pub async fn send(
             .ok()
             .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
             .unwrap_or_else(|| text.chars().take(200).collect());
-        return Record::failed(sent_ms, format!("HTTP {}: {message}", status.as_u16()));
+        return Record::failed(sent_ms, format!("HTTP {}: {message}", status.as_u16())).into();
     }
     let mut stream = SseReader::default();
     let mut record = Record {
         sent_ms,
         ..Record::default()
     };
+    let mut itl_ms = Vec::new();
     let mut last_chunk: Option<Instant> = None;
     let mut body = resp.bytes_stream();
     let mut done = false;
@@ -129,7 +147,7 @@ pub async fn send(
         let bytes = match body.next().await {
             Some(Ok(b)) => b,
             Some(Err(e)) => {
-                return Record::failed(sent_ms, format!("stream: {}", error_chain(&e)));
+                return Record::failed(sent_ms, format!("stream: {}", error_chain(&e))).into();
             }
             None => break,
         };
@@ -139,12 +157,12 @@ pub async fn send(
                 SseEvent::Done => done = true,
                 SseEvent::Data(v) => {
                     if let Some(msg) = v["error"]["message"].as_str() {
-                        return Record::failed(sent_ms, format!("stream error: {msg}"));
+                        return Record::failed(sent_ms, format!("stream error: {msg}")).into();
                     }
                     if chunk_has_text(&v) {
                         match last_chunk {
                             None => record.ttft_ms = Some(ms(now - start)),
-                            Some(prev) => record.itl_ms.push(ms(now - prev)),
+                            Some(prev) => itl_ms.push(ms(now - prev)),
                         }
                         last_chunk = Some(now);
                     }
@@ -161,14 +179,14 @@ pub async fn send(
     }
     record.e2e_ms = Some(ms(start.elapsed()));
     if record.ttft_ms.is_none() {
-        return Record::failed(sent_ms, "the stream ended without any text".into());
+        return Record::failed(sent_ms, "the stream ended without any text".into()).into();
     }
     if record.completion_tokens == 0 {
         // No usage reported: count chunks with text.
-        record.completion_tokens = record.itl_ms.len() as u64 + 1;
+        record.completion_tokens = itl_ms.len() as u64 + 1;
     }
     record.ok = true;
-    record
+    Timed { record, itl_ms }
 }
 
 fn ms(d: Duration) -> f64 {

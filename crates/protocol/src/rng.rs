@@ -1,4 +1,6 @@
-//! [`Rng`]: the crate's only source of randomness, seeded by the caller.
+//! [`Rng`]: the one seeded random generator of tandem (the router's policies, the workload
+//! generator, the simulator), seeded by the caller. Moved here from `tandem-router`, which
+//! re-exports it; its output is unchanged bit for bit.
 //!
 //! xoshiro256** seeded through SplitMix64, both implemented here so that a seed gives the same
 //! decisions on every platform and with every version of every dependency: `tandem sim` runs

@@ -1,51 +1,36 @@
 //! What a bench run measured: latency percentiles, throughput, goodput under the SLO, the
 //! prefix-cache hit rate the endpoint reported; as Markdown and JSON.
+//!
+//! A [`Collector`] takes each request as it ends: its latencies go into histograms (bounded
+//! memory, however long the run) and its [`Record`], without its inter-token gaps, is kept
+//! for the report's `records`.
 
 use serde::Serialize;
+use tandem_workload::{LatencyHistogram, LatencySummary, Slo};
 
-use super::client::Record;
+use crate::client::{Record, Timed};
 
-/// Latency SLO of one request.
-#[derive(Clone, Copy, Debug, Serialize)]
-pub struct Slo {
-    pub ttft_ms: f64,
-    pub tpot_ms: f64,
+/// The requests of one rate, as they end.
+#[derive(Debug, Default)]
+pub(crate) struct Collector {
+    records: Vec<Record>,
+    ttft: LatencyHistogram,
+    tpot: LatencyHistogram,
+    itl: LatencyHistogram,
+    e2e: LatencyHistogram,
 }
 
-impl Slo {
-    /// A successful request within both bounds (TPOT counts only with two tokens or more).
-    pub fn met_by(&self, r: &Record) -> bool {
-        r.ok && r.ttft_ms.is_some_and(|t| t <= self.ttft_ms)
-            && r.tpot_ms().is_none_or(|t| t <= self.tpot_ms)
-    }
-}
-
-/// Percentiles of one latency, ms.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
-pub struct Percentiles {
-    pub count: usize,
-    pub mean: f64,
-    pub p50: f64,
-    pub p90: f64,
-    pub p99: f64,
-    pub max: f64,
-}
-
-impl Percentiles {
-    pub fn of(mut values: Vec<f64>) -> Percentiles {
-        if values.is_empty() {
-            return Percentiles::default();
+impl Collector {
+    /// Takes one finished request (failed ones only count, they have no latencies).
+    pub(crate) fn add(&mut self, t: Timed) {
+        let r = t.record;
+        if r.ok {
+            r.ttft_ms.into_iter().for_each(|v| self.ttft.record_ms(v));
+            r.tpot_ms().into_iter().for_each(|v| self.tpot.record_ms(v));
+            r.e2e_ms.into_iter().for_each(|v| self.e2e.record_ms(v));
+            t.itl_ms.into_iter().for_each(|v| self.itl.record_ms(v));
         }
-        values.sort_by(f64::total_cmp);
-        let q = |q: f64| values[((values.len() - 1) as f64 * q).round() as usize];
-        Percentiles {
-            count: values.len(),
-            mean: values.iter().sum::<f64>() / values.len() as f64,
-            p50: q(0.5),
-            p90: q(0.9),
-            p99: q(0.99),
-            max: values[values.len() - 1],
-        }
+        self.records.push(r);
     }
 }
 
@@ -74,18 +59,27 @@ pub struct BenchReport {
     pub slo: Slo,
     /// Requests within the SLO.
     pub slo_attainment: f64,
+    /// Whether `slo_attainment` reaches the SLO's attainment.
+    pub meets_slo: bool,
     /// Requests within the SLO per second.
     pub goodput: f64,
-    pub ttft_ms: Percentiles,
-    pub tpot_ms: Percentiles,
-    pub itl_ms: Percentiles,
-    pub e2e_ms: Percentiles,
+    /// Nearest-rank percentiles within 0.1 % (`tandem_workload::LatencyHistogram`); count,
+    /// mean and max exact. TPOT counts requests with two tokens or more; ITL is every gap
+    /// between two chunks with text.
+    pub ttft_ms: LatencySummary,
+    pub tpot_ms: LatencySummary,
+    pub itl_ms: LatencySummary,
+    pub e2e_ms: LatencySummary,
+    /// TTFT at each percent 0, 1, …, 100 (the CDF, for plots).
+    pub ttft_cdf_ms: Vec<f64>,
     /// Every request, in send order.
     pub records: Vec<Record>,
 }
 
 impl BenchReport {
-    pub fn new(url: &str, rate: f64, slo: Slo, mut records: Vec<Record>) -> BenchReport {
+    /// The report of the requests `c` took at `rate`.
+    pub(crate) fn new(url: &str, rate: f64, slo: Slo, salt: String, c: Collector) -> BenchReport {
+        let mut records = c.records;
         records.sort_by(|a, b| a.sent_ms.total_cmp(&b.sent_ms));
         let ok: Vec<&Record> = records.iter().filter(|r| r.ok).collect();
         let end_ms = records
@@ -108,11 +102,12 @@ impl BenchReport {
                 failures.push((e.clone(), 1));
             }
         }
-        let within = records.iter().filter(|r| slo.met_by(r)).count();
+        let within = records.iter().filter(|r| met_by(&slo, r)).count();
+        let slo_attainment = within as f64 / records.len().max(1) as f64;
         BenchReport {
             url: url.to_string(),
             rate,
-            salt: String::new(),
+            salt,
             requests: records.len(),
             completed: ok.len(),
             failed: records.len() - ok.len(),
@@ -129,12 +124,14 @@ impl BenchReport {
                 cached as f64 / prompt as f64
             },
             slo,
-            slo_attainment: within as f64 / records.len().max(1) as f64,
+            slo_attainment,
+            meets_slo: slo.attained(slo_attainment),
             goodput: within as f64 / duration_s,
-            ttft_ms: Percentiles::of(ok.iter().filter_map(|r| r.ttft_ms).collect()),
-            tpot_ms: Percentiles::of(ok.iter().filter_map(|r| r.tpot_ms()).collect()),
-            itl_ms: Percentiles::of(ok.iter().flat_map(|r| r.itl_ms.iter().copied()).collect()),
-            e2e_ms: Percentiles::of(ok.iter().filter_map(|r| r.e2e_ms).collect()),
+            ttft_ms: c.ttft.summary(),
+            tpot_ms: c.tpot.summary(),
+            itl_ms: c.itl.summary(),
+            e2e_ms: c.e2e.summary(),
+            ttft_cdf_ms: c.ttft.cdf_ms(),
             records,
         }
     }
@@ -189,6 +186,11 @@ impl BenchReport {
     }
 }
 
+/// A successful request within both bounds (TPOT counts only with two tokens or more).
+fn met_by(slo: &Slo, r: &Record) -> bool {
+    r.ok && r.ttft_ms.is_some_and(|t| slo.met(t, r.tpot_ms()))
+}
+
 /// Runs at several rates.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchSweep {
@@ -196,6 +198,15 @@ pub struct BenchSweep {
 }
 
 impl BenchSweep {
+    /// `(rate, goodput, throughput)` of every point, for
+    /// [`tandem_workload::plot::goodput_vs_rate`].
+    pub fn goodput_points(&self) -> Vec<(f64, f64, f64)> {
+        self.points
+            .iter()
+            .map(|p| (p.rate, p.goodput, p.request_throughput))
+            .collect()
+    }
+
     pub fn to_markdown(&self) -> String {
         let mut s = String::from(
             "| rate | completed | req/s | goodput | SLO % | TTFT p50 | TTFT p99 | TPOT p50 | \
@@ -225,17 +236,19 @@ impl BenchSweep {
 mod tests {
     use super::*;
 
-    fn rec(sent: f64, ttft: f64, e2e: f64, tokens: u64, cached: u64) -> Record {
-        Record {
-            sent_ms: sent,
-            ok: true,
-            error: None,
-            ttft_ms: Some(ttft),
-            e2e_ms: Some(e2e),
+    fn rec(sent: f64, ttft: f64, e2e: f64, tokens: u64, cached: u64) -> Timed {
+        Timed {
+            record: Record {
+                sent_ms: sent,
+                ok: true,
+                error: None,
+                ttft_ms: Some(ttft),
+                e2e_ms: Some(e2e),
+                prompt_tokens: 100,
+                completion_tokens: tokens,
+                cached_tokens: cached,
+            },
             itl_ms: vec![(e2e - ttft) / (tokens - 1) as f64; tokens as usize - 1],
-            prompt_tokens: 100,
-            completion_tokens: tokens,
-            cached_tokens: cached,
         }
     }
 
@@ -244,22 +257,18 @@ mod tests {
         let slo = Slo {
             ttft_ms: 100.0,
             tpot_ms: 10.0,
+            attainment: 0.3,
         };
         let failed = Record {
             sent_ms: 500.0,
             error: Some("HTTP 503: no decode worker".into()),
             ..Record::default()
         };
-        let r = BenchReport::new(
-            "http://x",
-            2.0,
-            slo,
-            vec![
-                rec(1000.0, 50.0, 140.0, 10, 50), // within: 10 ms/token
-                failed,
-                rec(0.0, 150.0, 240.0, 10, 0), // TTFT over
-            ],
-        );
+        let mut c = Collector::default();
+        c.add(rec(1000.0, 50.0, 140.0, 10, 50)); // within: 10 ms/token
+        c.add(failed.into());
+        c.add(rec(0.0, 150.0, 240.0, 10, 0)); // TTFT over
+        let r = BenchReport::new("http://x", 2.0, slo, "s-0".into(), c);
         assert_eq!((r.requests, r.completed, r.failed), (3, 2, 1));
         assert_eq!(
             r.failures,
@@ -268,16 +277,37 @@ mod tests {
         assert!((r.duration_s - 1.14).abs() < 1e-9, "{}", r.duration_s);
         assert!((r.cache_hit_rate - 0.25).abs() < 1e-9);
         assert!((r.slo_attainment - 1.0 / 3.0).abs() < 1e-9);
-        assert_eq!(r.ttft_ms.p50, 150.0);
+        assert!(r.meets_slo);
+        // Nearest rank: the median of two is the lower (within the histogram's 0.1 %).
+        assert!((r.ttft_ms.p50 - 50.0).abs() <= 0.05, "{:?}", r.ttft_ms);
+        assert_eq!(r.ttft_ms.max, 150.0);
         assert_eq!(r.ttft_ms.count, 2);
+        assert_eq!(r.itl_ms.count, 18);
+        assert!((r.itl_ms.mean - 10.0).abs() < 1e-9);
+        assert_eq!(r.ttft_cdf_ms.len(), 101);
         assert_eq!(r.records[0].sent_ms, 0.0, "in send order");
+        assert_eq!(r.salt, "s-0");
         assert!(r.to_markdown().contains("failed ×1: HTTP 503"));
+        let sweep = BenchSweep { points: vec![r] };
+        assert_eq!(sweep.goodput_points().len(), 1);
+        assert!(sweep.to_markdown().contains("| 2 | 2/3 |"));
     }
 
     #[test]
-    fn percentiles_of_nothing_are_zero() {
-        assert_eq!(Percentiles::of(vec![]).count, 0);
-        let p = Percentiles::of((1..=100).map(f64::from).collect());
-        assert_eq!((p.p50, p.p99, p.max), (51.0, 99.0, 100.0));
+    fn one_token_requests_are_judged_on_ttft_alone() {
+        let slo = Slo {
+            ttft_ms: 100.0,
+            tpot_ms: 1.0,
+            attainment: 1.0,
+        };
+        let one = Record {
+            ok: true,
+            ttft_ms: Some(20.0),
+            e2e_ms: Some(20.0),
+            completion_tokens: 1,
+            ..Record::default()
+        };
+        assert!(met_by(&slo, &one));
+        assert!(!met_by(&slo, &Record { ok: false, ..one }));
     }
 }
