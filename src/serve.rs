@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::{ArgAction, Args};
 use tandem_engine::SchedulerConfig;
 use tandem_frontend::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
@@ -18,9 +18,9 @@ use tandem_protocol::{BlockSize, WorkerId, WorkerRole};
 use tandem_router::{DisaggConfig, DisaggMode, PolicyConfig, PolicyKind, RouterId, RoutingConfig};
 use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
 use tandem_runtime::events::{EventPlane, NatsAuth, NatsConfig, NatsEventPlane};
+use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::{WorkerConfig, WorkerDeps};
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 /// Where discovery and the event plane are.
 #[derive(Args, Debug, Clone)]
@@ -75,24 +75,13 @@ impl PlaneArgs {
                 .await
                 .context("connecting to etcd")?,
         );
-        let auth = match (
-            &self.nats_user,
-            &self.nats_password,
-            &self.nats_token,
-            &self.nats_creds,
-        ) {
-            (Some(user), Some(password), None, None) => NatsAuth::UserPassword {
-                user: user.clone(),
-                password: password.clone(),
-            },
-            (None, None, Some(token), None) => NatsAuth::Token(token.clone()),
-            (None, None, None, Some(path)) => NatsAuth::CredsFile(path.clone()),
-            (None, None, None, None) => NatsAuth::None,
-            _ => bail!(
-                "NATS auth: give --nats-user with --nats-password, or --nats-token, or \
-                 --nats-creds (one of them)"
-            ),
-        };
+        let auth = NatsAuth::from_parts(
+            self.nats_user.clone(),
+            self.nats_password.clone(),
+            self.nats_token.clone(),
+            self.nats_creds.clone(),
+        )
+        .context("--nats-user/--nats-password/--nats-token/--nats-creds")?;
         let nats = NatsConfig {
             url: self.nats_url.clone(),
             auth,
@@ -211,14 +200,6 @@ impl KvTransportArgs {
         };
         cfg.ucx.net_devices = self.ucx_net_devices.clone();
         cfg.ucx.tls = self.ucx_tls.clone();
-        if cfg.ucx.tls.as_deref() == Some("tcp") {
-            // UCX 1.13's TCP segments default to 8 KiB: 64 KiB is several times faster
-            // (crates/kv-transfer/BENCHMARKS.md).
-            cfg.ucx.options = vec![
-                ("TX_SEG_SIZE".into(), "64k".into()),
-                ("RX_SEG_SIZE".into(), "64k".into()),
-            ];
-        }
         let t = tandem_kv_transfer::open(kind, &cfg)
             .await
             .with_context(|| format!("opening the {} KV transport", kind.as_str()))?;
@@ -233,61 +214,44 @@ pub fn random_id() -> u64 {
 
 impl WorkerArgs {
     pub fn config(&self, role: WorkerRole) -> anyhow::Result<WorkerConfig> {
-        worker_config(
-            &self.engine,
-            role,
-            WorkerId(self.worker_id.unwrap_or_else(random_id)),
-            &self.model,
-            &self.plane.namespace,
-            &self.advertise_host,
-            self,
-        )
+        let id = WorkerId(self.worker_id.unwrap_or_else(random_id));
+        let mut c = self
+            .engine
+            .config(role, id, &self.model, &self.plane.namespace)?;
+        c.advertise_host = self.advertise_host.clone();
+        c.corrupt_transfers = self.inject_kv_corruption;
+        c.drain_timeout = Duration::from_secs(self.drain_timeout_s);
+        c.prefill_timeout = Duration::from_millis(self.prefill_timeout_ms);
+        c.load_interval = Duration::from_millis(self.load_interval_ms);
+        c.transfer_fence_timeout = Duration::from_secs(self.transfer_fence_timeout_s);
+        c.kv_memory = self.kv_memory;
+        Ok(c)
     }
 }
 
-/// A worker's config from engine flags and the lifecycle flags of `w`.
-pub fn worker_config(
-    engine: &EngineArgs,
-    role: WorkerRole,
-    id: WorkerId,
-    model: &str,
-    namespace: &str,
-    advertise_host: &str,
-    w: &WorkerArgs,
-) -> anyhow::Result<WorkerConfig> {
-    let mut c = engine_worker_config(engine, role, id, model, namespace, advertise_host)?;
-    c.corrupt_transfers = w.inject_kv_corruption;
-    c.drain_timeout = Duration::from_secs(w.drain_timeout_s);
-    c.prefill_timeout = Duration::from_millis(w.prefill_timeout_ms);
-    c.load_interval = Duration::from_millis(w.load_interval_ms);
-    c.transfer_fence_timeout = Duration::from_secs(w.transfer_fence_timeout_s);
-    c.kv_memory = w.kv_memory;
-    Ok(c)
-}
-
-/// A worker's config from engine flags, lifecycle defaults.
-pub fn engine_worker_config(
-    engine: &EngineArgs,
-    role: WorkerRole,
-    id: WorkerId,
-    model: &str,
-    namespace: &str,
-    advertise_host: &str,
-) -> anyhow::Result<WorkerConfig> {
-    let mut c = WorkerConfig::new(id, role);
-    c.model = model.to_string();
-    c.namespace = namespace.to_string();
-    c.advertise_host = advertise_host.to_string();
-    c.engine.pool.block_size = BlockSize::new(engine.block_size).context("--block-size")?;
-    c.engine.pool.device_blocks = engine.device_blocks;
-    c.engine.pool.host_blocks = engine.host_blocks;
-    c.engine.scheduler = SchedulerConfig {
-        max_num_batched_tokens: engine.max_batched_tokens,
-        max_num_seqs: engine.max_num_seqs,
-        ..Default::default()
-    };
-    c.engine.mocker.speedup_ratio = engine.speedup_ratio;
-    Ok(c)
+impl EngineArgs {
+    /// A worker's config from these engine flags, with lifecycle defaults.
+    pub fn config(
+        &self,
+        role: WorkerRole,
+        id: WorkerId,
+        model: &str,
+        namespace: &str,
+    ) -> anyhow::Result<WorkerConfig> {
+        let mut c = WorkerConfig::new(id, role);
+        c.model = model.to_string();
+        c.namespace = namespace.to_string();
+        c.engine.pool.block_size = BlockSize::new(self.block_size).context("--block-size")?;
+        c.engine.pool.device_blocks = self.device_blocks;
+        c.engine.pool.host_blocks = self.host_blocks;
+        c.engine.scheduler = SchedulerConfig {
+            max_num_batched_tokens: self.max_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            ..Default::default()
+        };
+        c.engine.mocker.speedup_ratio = self.speedup_ratio;
+        Ok(c)
+    }
 }
 
 /// How the frontend (and `tandem sim`'s routers) route.
@@ -458,9 +422,9 @@ fn init_logs(json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The root cancellation token, cancelled on SIGTERM or SIGINT.
-fn shutdown_token() -> CancellationToken {
-    let root = CancellationToken::new();
+/// The process's shutdown: drained on SIGTERM or SIGINT, stopped on a second one.
+fn shutdown_on_signals() -> Shutdown {
+    let root = Shutdown::new();
     tandem_runtime::shutdown::shutdown_on_signals(root.clone());
     root
 }
@@ -478,7 +442,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
         events: deps.events,
         transport: args.kv.open().await?,
     };
-    let shutdown = shutdown_token();
+    let shutdown = shutdown_on_signals();
     match role {
         WorkerRole::Prefill => tandem_prefill_worker::run(cfg, listener, deps, shutdown).await?,
         _ => tandem_decode_worker::run(cfg, listener, deps, shutdown).await?,
@@ -498,7 +462,7 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     )?;
     let listener = bind(&args.listen).await?;
     let deps = args.plane.connect("frontend").await?;
-    tandem_frontend::run_frontend(cfg, listener, deps, shutdown_token()).await?;
+    tandem_frontend::run_frontend(cfg, listener, deps, shutdown_on_signals()).await?;
     Ok(())
 }
 
@@ -513,6 +477,6 @@ pub async fn run_indexer(args: IndexerArgs) -> anyhow::Result<()> {
         connect_timeout: Duration::from_secs(2),
         embedded_index: true,
     };
-    tandem_frontend::run_indexer(cfg, listener, deps, shutdown_token()).await?;
+    tandem_frontend::run_indexer(cfg, listener, deps, shutdown_on_signals()).await?;
     Ok(())
 }

@@ -7,7 +7,6 @@
 //!
 //! Ctrl-C (or SIGTERM) stops everything: the frontend drains first, then the workers.
 
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,13 +15,12 @@ use clap::Args;
 use tandem_protocol::{WorkerId, WorkerRole};
 use tandem_runtime::discovery::MemoryDiscovery;
 use tandem_runtime::events::MemoryEventPlane;
-use tandem_runtime::external::{EtcdOptions, EtcdServer, NatsOptions, NatsServer};
+use tandem_runtime::external::{EtcdOptions, EtcdServer, NatsOptions, NatsServer, ProcessGroup};
+use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::WorkerDeps;
 use tokio::net::TcpListener;
-use tokio::process::{Child, Command};
-use tokio_util::sync::CancellationToken;
 
-use crate::serve::{EngineArgs, HttpArgs, RoutingArgs, engine_worker_config, frontend_config};
+use crate::serve::{EngineArgs, HttpArgs, RoutingArgs, frontend_config};
 
 #[derive(Args, Debug, Clone)]
 pub struct UpArgs {
@@ -60,7 +58,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     if args.decode == 0 {
         anyhow::bail!("--decode must be at least 1");
     }
-    let root = CancellationToken::new();
+    let root = Shutdown::new();
     tandem_runtime::shutdown::shutdown_on_signals(root.clone());
     if args.processes {
         run_processes(args, root).await
@@ -69,7 +67,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn run_embedded(args: UpArgs, root: CancellationToken) -> anyhow::Result<()> {
+async fn run_embedded(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     let discovery = Arc::new(MemoryDiscovery::new());
     let events = Arc::new(MemoryEventPlane::new());
     // One process: KV moves by an in-process copy into the decode worker's region.
@@ -83,20 +81,16 @@ async fn run_embedded(args: UpArgs, root: CancellationToken) -> anyhow::Result<(
         events: events.clone(),
         transport: Some(transport),
     };
-    let workers_stop = CancellationToken::new();
+    // The workers drain once the frontend has (it may still need them for its streams).
+    let workers_stop = root.under();
     let mut workers = tokio::task::JoinSet::new();
     let roles = (0..args.prefill)
         .map(|_| WorkerRole::Prefill)
         .chain((0..args.decode).map(|_| WorkerRole::Decode));
     for (i, role) in roles.enumerate() {
-        let cfg = engine_worker_config(
-            &args.engine,
-            role,
-            WorkerId(i as u64 + 1),
-            &args.http.model,
-            "default",
-            "127.0.0.1",
-        )?;
+        let cfg = args
+            .engine
+            .config(role, WorkerId(i as u64 + 1), &args.http.model, "default")?;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let (deps, stop) = (deps.clone(), workers_stop.clone());
         workers.spawn(async move {
@@ -123,8 +117,8 @@ async fn run_embedded(args: UpArgs, root: CancellationToken) -> anyhow::Result<(
         args.prefill, args.decode, args.routing.policy, args.routing.disagg
     );
     let cluster = tandem_frontend::ClusterDeps { discovery, events };
-    let served = tandem_frontend::run_frontend(cfg, listener, cluster, root).await;
-    workers_stop.cancel();
+    let served = tandem_frontend::run_frontend(cfg, listener, cluster, root.child()).await;
+    workers_stop.drain();
     while let Some(r) = workers.join_next().await {
         if let Ok(Err(e)) = r {
             tracing::warn!(error = %e, "worker stopped with an error");
@@ -134,13 +128,7 @@ async fn run_embedded(args: UpArgs, root: CancellationToken) -> anyhow::Result<(
     Ok(())
 }
 
-/// A child `tandem` process, stopped with SIGTERM then killed.
-struct Role {
-    name: String,
-    child: Child,
-}
-
-async fn run_processes(args: UpArgs, root: CancellationToken) -> anyhow::Result<()> {
+async fn run_processes(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     let etcd = EtcdServer::start(EtcdOptions::default()).await?;
     let nats = NatsServer::start(NatsOptions::default()).await?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
@@ -159,25 +147,16 @@ async fn run_processes(args: UpArgs, root: CancellationToken) -> anyhow::Result<
         format!("--speedup-ratio={}", args.engine.speedup_ratio),
         format!("--model={}", args.http.model),
     ];
-    let mut roles = Vec::new();
-    let spawn = |name: String, cmd: &[String]| -> anyhow::Result<Role> {
-        let child = Command::new(&exe)
-            .args(cmd)
-            .stdin(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {name}"))?;
-        Ok(Role { name, child })
-    };
+    let mut roles = ProcessGroup::new();
     for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
         for i in 0..n {
-            let mut cmd = vec![role.to_string()];
-            cmd.extend(plane.iter().cloned());
-            cmd.extend(engine.iter().cloned());
-            roles.push(spawn(format!("{role}-{i}"), &cmd)?);
+            let flags = std::iter::once(role.to_string())
+                .chain(plane.clone())
+                .chain(engine.clone());
+            roles.spawn(format!("{role}-{i}"), &exe, flags)?;
         }
     }
-    let mut cmd = vec![
+    let frontend = [
         "frontend".to_string(),
         format!("--listen={}:{}", args.host, args.port),
         format!("--policy={}", args.routing.policy),
@@ -186,8 +165,7 @@ async fn run_processes(args: UpArgs, root: CancellationToken) -> anyhow::Result<
         format!("--model={}", args.http.model),
         format!("--tokenizer={}", args.http.tokenizer),
     ];
-    cmd.extend(plane.iter().cloned());
-    roles.push(spawn("frontend".to_string(), &cmd)?);
+    roles.spawn("frontend", &exe, frontend.into_iter().chain(plane))?;
     println!(
         "tandem up --processes: http://{}:{}/v1  (etcd {}, nats {}; {} prefill, {} decode \
          processes; Ctrl-C stops)",
@@ -199,45 +177,14 @@ async fn run_processes(args: UpArgs, root: CancellationToken) -> anyhow::Result<
         args.decode
     );
     tokio::select! {
-        _ = root.cancelled() => {}
-        exited = wait_any(&mut roles) => {
+        () = root.draining() => {}
+        exited = roles.wait_any() => {
             tracing::error!(role = %exited, "a role exited: stopping the cluster");
         }
     }
-    // Frontend first (last in the list), then the workers.
-    for role in roles.iter_mut().rev() {
-        stop_role(role).await;
-    }
+    // The frontend first (started last), then the workers: each drains within its own
+    // drain timeout (30 s by default) before it is killed.
+    roles.stop(Duration::from_secs(35)).await;
     drop((etcd, nats));
     Ok(())
-}
-
-/// Resolves with the name of the first role that exits.
-async fn wait_any(roles: &mut [Role]) -> String {
-    if roles.is_empty() {
-        return std::future::pending().await;
-    }
-    let exits = roles.iter_mut().map(|r| {
-        Box::pin(async move {
-            let _ = r.child.wait().await;
-            r.name.clone()
-        })
-    });
-    futures::future::select_all(exits).await.0
-}
-
-async fn stop_role(role: &mut Role) {
-    if let Some(pid) = role.child.id() {
-        let _ = Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .await;
-    }
-    if tokio::time::timeout(Duration::from_secs(35), role.child.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!(role = %role.name, "did not stop in time: killing");
-        let _ = role.child.kill().await;
-    }
 }

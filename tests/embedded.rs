@@ -17,6 +17,7 @@ use tandem_router::{RouterId, RoutingReplica};
 use tandem_runtime::RuntimeError;
 use tandem_runtime::discovery::MemoryDiscovery;
 use tandem_runtime::events::{EventPlane, MemoryEventPlane, Subscription};
+use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::{WorkerConfig, WorkerDeps};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -176,7 +177,7 @@ async fn the_index_follows_a_worker_through_lost_events_and_its_departure() {
     .await;
     assert_eq!(view.feed_stats().workers_purged, 1);
 
-    worker_stop.cancel();
+    worker_stop.drain();
     worker.await.unwrap().unwrap();
     stop.cancel();
     tasks.close();
@@ -193,7 +194,7 @@ async fn the_standalone_indexer_answers_find_matches_from_the_event_plane() {
     let plane = Arc::new(MemoryEventPlane::new());
     let indexer_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let indexer_addr = indexer_listener.local_addr().unwrap().to_string();
-    let indexer_stop = CancellationToken::new();
+    let indexer_stop = Shutdown::new();
     let cfg = ViewConfig {
         namespace: "default".into(),
         model: None,
@@ -217,7 +218,7 @@ async fn the_standalone_indexer_answers_find_matches_from_the_event_plane() {
     wcfg.engine.mocker.speedup_ratio = 20.0;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let worker_stop = CancellationToken::new();
+    let worker_stop = Shutdown::new();
     let worker = tokio::spawn(tandem_decode_worker::run(
         wcfg,
         listener,
@@ -258,9 +259,9 @@ async fn the_standalone_indexer_answers_find_matches_from_the_event_plane() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    worker_stop.cancel();
+    worker_stop.drain();
     worker.await.unwrap().unwrap();
-    indexer_stop.cancel();
+    indexer_stop.drain();
     indexer.await.unwrap().unwrap();
 }
 
@@ -271,7 +272,7 @@ async fn start_worker(
     plane: Arc<dyn EventPlane>,
 ) -> (
     WorkerClient<tonic::transport::Channel>,
-    CancellationToken,
+    Shutdown,
     tokio::task::JoinHandle<Result<(), tandem_worker::WorkerError>>,
 ) {
     let mut cfg = WorkerConfig::new(WorkerId(id), WorkerRole::Decode);
@@ -280,7 +281,7 @@ async fn start_worker(
     cfg.load_interval = Duration::from_millis(30);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let stop = CancellationToken::new();
+    let stop = Shutdown::new();
     let deps = WorkerDeps {
         discovery: Arc::new(discovery.clone()),
         events: plane,
@@ -323,7 +324,7 @@ async fn a_worker_restarted_under_the_same_id_replaces_its_old_cache() {
     .await;
 
     for (s, t) in [(old_stop, old_task), (new_stop, new_task)] {
-        s.cancel();
+        s.drain();
         t.await.unwrap().unwrap();
     }
     stop.cancel();

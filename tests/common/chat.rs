@@ -2,7 +2,7 @@
 //! cluster at a time (on a two-core CI machine, clusters side by side would compete for the
 //! CPU that lease keep-alives and real-time engine steps need).
 
-use std::sync::{Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard};
 
 use serde_json::{Value, json};
 
@@ -14,7 +14,7 @@ use super::openai::{ChatCompletionChunk, Usage};
 /// runs test binaries one after another.
 pub fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    LOCK.lock()
 }
 
 /// A chat request: a long system prompt (the shared prefix) and a short question.

@@ -566,8 +566,11 @@ impl Drop for Cluster {
         for w in &mut self.workers {
             w.kill9();
         }
-        // TANDEM_TEST_KEEP_LOGS keeps a passing test's logs too.
-        if !std::thread::panicking() && std::env::var_os("TANDEM_TEST_KEEP_LOGS").is_none() {
+        // TANDEM_TEST_KEEP_LOGS keeps a passing test's logs too (a test harness switch, not
+        // configuration of tandem).
+        #[allow(clippy::disallowed_methods)]
+        let keep = std::env::var_os("TANDEM_TEST_KEEP_LOGS").is_some();
+        if !std::thread::panicking() && !keep {
             std::fs::remove_dir_all(&self.dir).ok();
         }
     }

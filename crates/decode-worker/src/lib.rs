@@ -25,12 +25,14 @@ use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
 use futures::{Stream, stream};
 use tandem_engine::{EngineRequest, FinishReason};
+use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
     self, AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
     HealthRequest, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillOutcome, PrefillRequest,
     worker_server,
 };
 use tandem_protocol::{HashSeed, RequestId, WorkerRole};
+use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::{
     EngineHost, HostOutput, RequestHandle, WorkerConfig, WorkerContext, WorkerDeps, WorkerError,
 };
@@ -47,14 +49,14 @@ pub async fn run(
     config: WorkerConfig,
     listener: TcpListener,
     deps: WorkerDeps,
-    shutdown: CancellationToken,
+    shutdown: Shutdown,
 ) -> Result<(), WorkerError> {
     if config.role == WorkerRole::Prefill {
         return Err(WorkerError::InvalidRequest(
             "a decode worker cannot take the prefill role".into(),
         ));
     }
-    let ctx = WorkerContext::start(config, &deps).await?;
+    let ctx = WorkerContext::start(config, &deps, &shutdown).await?;
     let service = DecodeService::new(ctx.clone());
     ctx.serve(listener, service, deps, shutdown).await
 }
@@ -252,7 +254,8 @@ fn generate_stream(
         let (mut handle, outcome, guard, first) = state?;
         loop {
             match handle.next().await {
-                Some(HostOutput::Token(out)) => {
+                Some(Err(e)) => return Some((Err(Status::from(e)), None)),
+                Some(Ok(HostOutput::Token(out))) => {
                     let finish = match out.finish {
                         None => grpc::FinishReason::Unspecified,
                         Some(FinishReason::Length) => grpc::FinishReason::Length,
@@ -277,9 +280,12 @@ fn generate_stream(
                     return Some((Ok(chunk), next));
                 }
                 // Decode workers never export blocks.
-                Some(HostOutput::Blocks(_)) => continue,
+                Some(Ok(HostOutput::Blocks(_))) => continue,
                 None => {
-                    return Some((Err(Status::unavailable("decode worker stopped")), None));
+                    return Some((
+                        Err(ErrorClass::Unavailable.status("decode worker stopped")),
+                        None,
+                    ));
                 }
             }
         }
@@ -298,7 +304,7 @@ impl worker_server::Worker for DecodeService {
         self.ctx.check_accepting()?;
         let req = request.into_inner();
         let engine_req = engine_request(&req)?;
-        let cancel = CancellationToken::new();
+        let cancel = self.ctx.stopping().child_token();
         let (handle, outcome) = match req.remote_prefill {
             None => (
                 self.ctx.host.submit(engine_req)?,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 use tandem_engine::RemotePrefill;
+use tandem_protocol::ErrorClass;
 use tandem_protocol::RequestId;
 use tandem_protocol::grpc::{
     AbortPrefillRequest, PrefillRequest, RemotePrefillTarget, prefill_chunk, worker_client,
@@ -197,7 +198,7 @@ pub async fn fence(
         let attempt = async {
             let mut client = clients
                 .client(address, FENCE_CALL_TIMEOUT)
-                .map_err(|e| Status::unavailable(e.to_string()))?;
+                .map_err(|e| ErrorClass::Unavailable.status(e.to_string()))?;
             let mut call = tonic::Request::new(request.clone());
             call.set_timeout(FENCE_CALL_TIMEOUT);
             client.abort_prefill(call).await

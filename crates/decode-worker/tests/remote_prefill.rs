@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tandem_kv_transfer::{RegionDescriptor, Transport, TransportConfig, TransportKind};
+use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
     AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
     HealthRequest, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillOutcome, PrefillRequest,
@@ -14,6 +15,7 @@ use tandem_protocol::grpc::{
 use tandem_protocol::{Envelope, KvEvent, WorkerId, WorkerRole};
 use tandem_runtime::discovery::MemoryDiscovery;
 use tandem_runtime::events::{MemoryEventPlane, subjects};
+use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::{WorkerConfig, WorkerDeps};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -59,8 +61,9 @@ async fn start_with(cfg: WorkerConfig, deps: &WorkerDeps) -> Running {
     let role = cfg.role;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let stop = CancellationToken::new();
-    let (deps, s) = (deps.clone(), stop.clone());
+    let s = Shutdown::new();
+    let stop = s.drain_token().clone();
+    let deps = deps.clone();
     let task = tokio::spawn(async move {
         match role {
             WorkerRole::Prefill => tandem_prefill_worker::run(cfg, listener, deps, s).await,
@@ -604,15 +607,27 @@ async fn abort_prefill_stops_the_writer_and_refuses_late_prefills() {
     let reply = c.abort_prefill(abort(1)).await.unwrap().into_inner();
     assert!(reply.was_running);
     let ended = running.message().await.unwrap_err();
-    assert_eq!(ended.code(), tonic::Code::Aborted, "{ended}");
+    assert_eq!(
+        ErrorClass::of_status(&ended),
+        ErrorClass::Cancelled,
+        "{ended}"
+    );
     let again = c.prefill(prefill(1)).await.unwrap_err();
-    assert_eq!(again.code(), tonic::Code::Aborted, "{again}");
+    assert_eq!(
+        ErrorClass::of_status(&again),
+        ErrorClass::Cancelled,
+        "{again}"
+    );
 
     // Aborted before it arrived: nothing to stop, and refused when it comes.
     let reply = c.abort_prefill(abort(2)).await.unwrap().into_inner();
     assert!(!reply.was_running);
     let late = c.prefill(prefill(2)).await.unwrap_err();
-    assert_eq!(late.code(), tonic::Code::Aborted, "{late}");
+    assert_eq!(
+        ErrorClass::of_status(&late),
+        ErrorClass::Cancelled,
+        "{late}"
+    );
     p.stop.cancel();
     p.task.await.unwrap().unwrap();
 }

@@ -2,22 +2,7 @@
 
 use std::time::Duration;
 
-/// How a caller should react to an error: decides retry, fallback and status codes upstream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ErrorClass {
-    /// The caller asked for something impossible (bad block id, wrong size, bad descriptor, a
-    /// transport or memory kind this build cannot serve): do not retry.
-    InvalidRequest,
-    /// A bound was hit; retrying later may succeed.
-    Overloaded,
-    /// The peer or the transport cannot be reached or failed (dead peer, timeout, reset): the
-    /// transfer is lost; fall back (e.g. prefill locally) or retry with another peer.
-    Unavailable,
-    /// The operation was cancelled by its owner or by a shutdown.
-    Cancelled,
-    /// A bug or an environment problem that retrying will not fix.
-    Internal,
-}
+pub use tandem_protocol::ErrorClass;
 
 /// Everything that can go wrong in tandem-kv-transfer. `Clone` because one failure of a
 /// pipelined write is reported to every later `put` and to the next `flush`.

@@ -1,8 +1,9 @@
 //! The in-process transport: a process-wide registry of exposed regions, and writers that copy
 //! straight into them. For the embedded cluster (`tandem up`) and tests.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock};
 
 use async_trait::async_trait;
 
@@ -14,10 +15,10 @@ use crate::transport::{BlockWriter, Transport};
 /// Regions exposed by every `LocalTransport` of this process, by region id.
 static REGISTRY: LazyLock<Mutex<HashMap<u64, Arc<Region>>>> = LazyLock::new(Default::default);
 
-fn registry() -> std::sync::MutexGuard<'static, HashMap<u64, Arc<Region>>> {
+fn registry() -> parking_lot::MutexGuard<'static, HashMap<u64, Arc<Region>>> {
     // A panic while holding this lock cannot leave the map inconsistent (single inserts and
     // removes), so a poisoned lock is still usable.
-    REGISTRY.lock().unwrap_or_else(|p| p.into_inner())
+    REGISTRY.lock()
 }
 
 fn local_address() -> String {
@@ -38,7 +39,7 @@ impl LocalTransport {
 
 impl Drop for LocalTransport {
     fn drop(&mut self) {
-        let ids = std::mem::take(&mut *self.exposed.lock().unwrap_or_else(|p| p.into_inner()));
+        let ids = std::mem::take(&mut *self.exposed.lock());
         let mut reg = registry();
         for id in ids {
             reg.remove(&id);
@@ -63,15 +64,12 @@ impl Transport for LocalTransport {
             memory: region.memory_kind(),
         };
         registry().insert(region.id(), region);
-        self.exposed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(descriptor.region);
+        self.exposed.lock().push(descriptor.region);
         Ok(descriptor)
     }
 
     async fn withdraw(&self, descriptor: &RegionDescriptor) -> Result<(), TransferError> {
-        let mut mine = self.exposed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut mine = self.exposed.lock();
         let Some(pos) = mine.iter().position(|&id| id == descriptor.region) else {
             return Err(TransferError::InvalidArgument(format!(
                 "region {} was not exposed by this transport",

@@ -21,12 +21,14 @@ use std::time::Duration;
 use futures::{Stream, StreamExt, stream};
 use tandem_engine::{EngineRequest, ExportedBlock};
 use tandem_kv_transfer::{Region, RegionDescriptor};
+use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
     AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
     HealthRequest, KvBlock, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillDone,
     PrefillRequest, prefill_chunk, worker_server,
 };
 use tandem_protocol::{HashSeed, RequestId, WorkerRole};
+use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::{
     HostOutput, KvDigest, RequestHandle, WorkerConfig, WorkerContext, WorkerDeps, WorkerError,
     digest_block,
@@ -49,10 +51,10 @@ pub async fn run(
     mut config: WorkerConfig,
     listener: TcpListener,
     deps: WorkerDeps,
-    shutdown: CancellationToken,
+    shutdown: Shutdown,
 ) -> Result<(), WorkerError> {
     config.role = WorkerRole::Prefill;
-    let ctx = WorkerContext::start(config, &deps).await?;
+    let ctx = WorkerContext::start(config, &deps, &shutdown).await?;
     let service = PrefillService::new(ctx.clone());
     ctx.serve(listener, service, deps, shutdown).await
 }
@@ -67,8 +69,8 @@ pub struct PrefillService {
 impl PrefillService {
     pub fn new(ctx: WorkerContext) -> Self {
         PrefillService {
+            transfers: Arc::new(Transfers::new(ctx.stopping())),
             ctx,
-            transfers: Arc::default(),
         }
     }
 
@@ -96,7 +98,7 @@ impl PrefillService {
         let mut ticket = self
             .transfers
             .start((req.request_id, req.destination.clone()))
-            .map_err(|e| Status::aborted(e.to_string()))?;
+            .map_err(|e| ErrorClass::Cancelled.status(e.to_string()))?;
         let writer = transport
             .connect(&remote)
             .await
@@ -164,9 +166,12 @@ impl Prefill {
     /// The chunks for one engine output; None when the prefill is over.
     async fn step(&mut self) -> Option<Result<Vec<PrefillChunk>, Status>> {
         let next = tokio::select! {
-            next = self.handle.next() => next?,
+            next = self.handle.next() => match next? {
+                Ok(next) => next,
+                Err(e) => return Some(Err(Status::from(e))),
+            },
             () = self.aborted.cancelled() => {
-                return Some(Err(Status::aborted("the decode worker aborted this prefill")));
+                return Some(Err(ErrorClass::Cancelled.status("the decode worker aborted this prefill")));
             }
         };
         match next {
@@ -176,7 +181,9 @@ impl Prefill {
                     && let Some(writer) = ticket.writer()
                     && let Err(e) = writer.flush().await
                 {
-                    return Some(Err(Status::unavailable(format!("KV transfer flush: {e}"))));
+                    return Some(Err(
+                        ErrorClass::Unavailable.status(format!("KV transfer flush: {e}"))
+                    ));
                 }
                 let done = PrefillDone {
                     first_token: out.token,
@@ -197,12 +204,13 @@ impl Prefill {
             if let Some(source) = &self.source {
                 // Pinned in the arena until the writer is closed: hash it where it is, and
                 // send it from there unless it has to be corrupted on the way.
-                digest_block(source, b.block, &mut self.digest)
-                    .map_err(|e| Status::internal(format!("reading exported KV: {e}")))?;
+                digest_block(source, b.block, &mut self.digest).map_err(|e| {
+                    ErrorClass::Internal.status(format!("reading exported KV: {e}"))
+                })?;
                 if self.corrupt {
-                    b.bytes = source
-                        .read_block(b.block)
-                        .map_err(|e| Status::internal(format!("reading exported KV: {e}")))?;
+                    b.bytes = source.read_block(b.block).map_err(|e| {
+                        ErrorClass::Internal.status(format!("reading exported KV: {e}"))
+                    })?;
                 }
             } else {
                 self.digest.update(&b.bytes);
@@ -218,11 +226,11 @@ impl Prefill {
                     })),
                 }),
                 Sink::Transport { ticket, blocks } => {
-                    let writer = ticket
-                        .writer()
-                        .ok_or_else(|| Status::internal("KV transfer without a writer"))?;
+                    let writer = ticket.writer().ok_or_else(|| {
+                        ErrorClass::Internal.status("KV transfer without a writer")
+                    })?;
                     let dst = *blocks.get(b.index).ok_or_else(|| {
-                        Status::invalid_argument(format!(
+                        ErrorClass::InvalidRequest.status(format!(
                             "block {} has no destination ({} given)",
                             b.index,
                             blocks.len()
@@ -234,7 +242,9 @@ impl Prefill {
                         }
                         _ => writer.put(dst, &b.bytes).await,
                     };
-                    put.map_err(|e| Status::unavailable(format!("KV transfer put: {e}")))?;
+                    put.map_err(|e| {
+                        ErrorClass::Unavailable.status(format!("KV transfer put: {e}"))
+                    })?;
                 }
             }
         }
@@ -257,7 +267,7 @@ fn prefill_stream(prefill: Prefill) -> BoxStream<PrefillChunk> {
             }
             Some(Err(status)) => Some((vec![Err(status)], None)),
             None => Some((
-                vec![Err(Status::unavailable("prefill worker stopped"))],
+                vec![Err(ErrorClass::Unavailable.status("prefill worker stopped"))],
                 None,
             )),
         }
@@ -307,7 +317,8 @@ impl worker_server::Worker for PrefillService {
         }
         let aborted = match &sink {
             Sink::Transport { ticket, .. } => ticket.cancelled(),
-            Sink::Inline => CancellationToken::new(),
+            // Nothing aborts an inline send but the stream's drop (or the worker stopping).
+            Sink::Inline => self.ctx.stopping().child_token(),
         };
         Ok(Response::new(prefill_stream(Prefill {
             handle,
@@ -329,7 +340,7 @@ impl worker_server::Worker for PrefillService {
         };
         match tokio::time::timeout(ABORT_WAIT, closed.wait_for(|c| *c)).await {
             Ok(_) => Ok(Response::new(AbortPrefillReply { was_running: true })),
-            Err(_) => Err(Status::deadline_exceeded(format!(
+            Err(_) => Err(ErrorClass::Unavailable.status(format!(
                 "the transfer's writer is still closing after {ABORT_WAIT:?}: ask again"
             ))),
         }

@@ -32,9 +32,11 @@ const CLOSE_FLUSH_TIMEOUT: Duration = Duration::from_secs(10);
 pub type TransferKey = (u64, String);
 
 /// Transfers in progress and tombstones of aborted ones.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Transfers {
     inner: Mutex<Inner>,
+    /// The worker's stop token: every transfer's token is its child.
+    stop: CancellationToken,
 }
 
 #[derive(Debug, Default)]
@@ -56,13 +58,21 @@ struct Running {
 pub struct AbortedBeforeStart;
 
 impl Transfers {
+    /// Transfers of a worker whose tasks stop with `stop`.
+    pub fn new(stop: CancellationToken) -> Self {
+        Transfers {
+            inner: Mutex::default(),
+            stop,
+        }
+    }
+
     /// Registers a transfer about to start; its ticket must own the writer once connected.
     pub fn start(self: &Arc<Self>, key: TransferKey) -> Result<TransferTicket, AbortedBeforeStart> {
         let mut inner = self.inner.lock();
         if inner.tombstones.contains(&key) || inner.running.contains_key(&key) {
             return Err(AbortedBeforeStart);
         }
-        let cancel = CancellationToken::new();
+        let cancel = self.stop.child_token();
         let (tx, rx) = watch::channel(false);
         inner.running.insert(
             key.clone(),
@@ -196,7 +206,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_abort_waits_for_the_writer_and_blocks_a_late_start() {
-        let t = Arc::new(Transfers::default());
+        let t = Arc::new(Transfers::new(CancellationToken::new()));
         let ticket = t.start(key(1)).unwrap();
         assert!(t.start(key(1)).is_err(), "one transfer per key");
         let cancelled = ticket.cancelled();
@@ -218,7 +228,7 @@ mod tests {
 
     #[tokio::test]
     async fn tombstones_are_bounded() {
-        let t = Arc::new(Transfers::default());
+        let t = Arc::new(Transfers::new(CancellationToken::new()));
         for id in 0..(MAX_TOMBSTONES as u64 + 10) {
             t.abort(key(id));
         }

@@ -2,18 +2,7 @@
 
 use tandem_protocol::{RequestId, WorkerId};
 
-/// How a caller should treat an error: decides retry and the HTTP status upstream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ErrorClass {
-    /// The input is wrong; retrying it unchanged cannot help (4xx).
-    InvalidRequest,
-    /// No capacity right now; retry later (429).
-    Overloaded,
-    /// Nothing to route to at the moment (503).
-    Unavailable,
-    /// A bug or a broken invariant (500).
-    Internal,
-}
+pub use tandem_protocol::ErrorClass;
 
 /// Why no decision could be made.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]

@@ -2,20 +2,7 @@
 
 use std::time::Duration;
 
-/// How a caller should react to an error: decides retry, migration and status codes upstream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ErrorClass {
-    /// The caller asked for something impossible (bad config, bad argument): do not retry.
-    InvalidRequest,
-    /// A bound was hit; retrying later may succeed.
-    Overloaded,
-    /// A dependency (etcd, NATS, a peer) cannot be reached right now; retry or fail over.
-    Unavailable,
-    /// The operation was cancelled by its owner.
-    Cancelled,
-    /// A bug or an environment problem that retrying will not fix.
-    Internal,
-}
+pub use tandem_protocol::ErrorClass;
 
 /// Boxed source error for client libraries whose error types are generic.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

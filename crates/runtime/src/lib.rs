@@ -11,8 +11,9 @@
 //!   generated from proto/etcd/ without protoc) and [`MemoryDiscovery`].
 //! - [`events`]: the [`EventPlane`] trait over bytes; [`NatsEventPlane`] (core pub/sub) and
 //!   [`MemoryEventPlane`]; subject names in [`events::subjects`].
-//! - [`shutdown`]: re-exported `CancellationToken` / `TaskTracker`, [`shutdown_on_signals`],
-//!   [`shutdown::drain`] and [`Drain`].
+//! - [`shutdown`]: [`Shutdown`] (drain, then stop; the root of every service's cancellation
+//!   tree), re-exported `CancellationToken` / `TaskTracker`, [`shutdown_on_signals`],
+//!   [`shutdown::drain`].
 //! - [`telemetry`]: [`telemetry::init`], idempotent.
 //! - [`grpc`]: [`grpc::serve_tonic`] on a caller-bound listener, [`grpc::connect_channel`].
 //! - [`external`]: [`EtcdServer`] and [`NatsServer`] child processes.
@@ -46,5 +47,5 @@ pub use events::{
     EventPlane, MemoryEventPlane, NatsAuth, NatsConfig, NatsEventPlane, Subscription, subjects,
 };
 pub use external::{EtcdOptions, EtcdServer, NatsOptions, NatsServer};
-pub use shutdown::{CancellationToken, Drain, TaskTracker, shutdown_on_signals};
+pub use shutdown::{CancellationToken, Shutdown, TaskTracker, shutdown_on_signals};
 pub use telemetry::TelemetryConfig;

@@ -15,6 +15,7 @@ use tandem_runtime::{
     RuntimeError,
 };
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 const TTL: Duration = Duration::from_secs(2);
 
@@ -94,7 +95,7 @@ async fn register_watch_expire_and_deregister() -> Result<()> {
     logs();
     let server = EtcdServer::start(EtcdOptions::default()).await?;
     let discovery = EtcdDiscovery::connect(config(&server, TTL)).await?;
-    let mut watch = discovery.watch().await?;
+    let mut watch = discovery.watch(&CancellationToken::new()).await?;
 
     let a = record(1, WorkerRole::Decode);
     let reg_a = discovery.register(a.clone()).await?;
@@ -166,7 +167,7 @@ async fn watch_starts_with_the_present_workers() -> Result<()> {
     let b = record(2, WorkerRole::Aggregated);
     let _ra = discovery.register(a.clone()).await?;
     let _rb = discovery.register(b.clone()).await?;
-    let mut watch = discovery.watch().await?;
+    let mut watch = discovery.watch(&CancellationToken::new()).await?;
     let mut first = vec![
         next_event(&mut watch, Duration::from_secs(5)).await?,
         next_event(&mut watch, Duration::from_secs(5)).await?,
@@ -199,7 +200,7 @@ async fn wiped_etcd_restart_reregisters_and_the_watch_resyncs() -> Result<()> {
         None,
     )
     .await?;
-    let mut watch = discovery.watch().await?;
+    let mut watch = discovery.watch(&CancellationToken::new()).await?;
     let mut view = WorkerView::new();
     wait_for(&mut watch, &mut view, Duration::from_secs(5), |v| {
         v.len() == 2
@@ -243,7 +244,7 @@ async fn etcd_restart_with_same_data_keeps_the_registration() -> Result<()> {
     let discovery = EtcdDiscovery::connect(config(&server, TTL)).await?;
     let a = record(3, WorkerRole::Aggregated);
     let _reg = discovery.register(a.clone()).await?;
-    let mut watch = discovery.watch().await?;
+    let mut watch = discovery.watch(&CancellationToken::new()).await?;
     let mut view = WorkerView::new();
     wait_for(&mut watch, &mut view, Duration::from_secs(5), |v| {
         v.len() == 1
@@ -344,7 +345,7 @@ async fn our_watch_and_list_follow_etcd_client_writes() -> Result<()> {
     let key_5 = "/tandem/it/workers/decode/0000000000000005";
     raw.put(key_5, serde_json::to_vec(&before)?, None).await?;
 
-    let mut watch = discovery.watch().await?;
+    let mut watch = discovery.watch(&CancellationToken::new()).await?;
     let within = Duration::from_secs(5);
     assert_eq!(
         next_event(&mut watch, within).await?,
@@ -463,7 +464,7 @@ async fn authenticated_registration_and_clear_auth_errors() -> Result<()> {
     // The limited user registers and watches: our token goes with unary calls and streams.
     let worker = with_credentials(config(&server, TTL), "worker", "worker-pw");
     let discovery = EtcdDiscovery::connect(worker.clone()).await?;
-    let mut watch = discovery.watch().await?;
+    let mut watch = discovery.watch(&CancellationToken::new()).await?;
     let a = record(10, WorkerRole::Decode);
     let _reg = discovery.register(a.clone()).await?;
     assert_eq!(

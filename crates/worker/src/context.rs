@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tandem_engine::{MockEngine, MockEngineConfig};
 use tandem_kv_transfer::{MemoryKind, Region, RegionDescriptor, Transport};
+use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
     HealthReply, KvEventsReply, KvEventsRequest, kv_events_reply, worker_server,
 };
@@ -16,6 +17,7 @@ use tandem_protocol::{
 };
 use tandem_runtime::discovery::{Discovery, role_name};
 use tandem_runtime::events::{EventPlane, subjects};
+use tandem_runtime::shutdown::Shutdown;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -51,6 +53,9 @@ pub struct WorkerConfig {
     /// Prefill workers, fault injection for tests: flip one byte of the first block of every
     /// transfer after its digest is taken (the decode worker must notice and fall back).
     pub corrupt_transfers: bool,
+    /// Outputs (about one per engine step) a request's consumer may fall behind before the
+    /// request is aborted: bounds a stalled stream's memory.
+    pub output_buffer: usize,
 }
 
 impl WorkerConfig {
@@ -70,6 +75,7 @@ impl WorkerConfig {
             kv_memory: KvMemory::Host,
             transfer_fence_timeout: Duration::from_secs(60),
             corrupt_transfers: false,
+            output_buffer: 1024,
         }
     }
 }
@@ -119,7 +125,13 @@ impl WorkerContext {
     /// Builds the engine and starts its host tasks. The engine's device arena is a region
     /// of the KV transport for a decode worker with one (exposed, so that prefill workers
     /// write into it), CUDA memory with [`KvMemory::Cuda`], plain host memory otherwise.
-    pub async fn start(mut config: WorkerConfig, deps: &WorkerDeps) -> Result<Self, WorkerError> {
+    /// Its tasks hang under `shutdown`'s stop token: they end after [`WorkerContext::serve`]
+    /// drained, or at once when the process stops.
+    pub async fn start(
+        mut config: WorkerConfig,
+        deps: &WorkerDeps,
+        shutdown: &Shutdown,
+    ) -> Result<Self, WorkerError> {
         let events = deps.events.clone();
         config.engine.pool.worker_id = config.worker_id;
         let (region, exposed) = arena_region(&config, deps.transport.as_deref()).await?;
@@ -132,14 +144,20 @@ impl WorkerContext {
         }
         .map_err(|e| WorkerError::InvalidRequest(format!("engine config: {e}")))?;
         let tasks = TaskTracker::new();
-        let stop = CancellationToken::new();
+        let stop = shutdown.stop_token().child_token();
         let publishing = HostPublishing {
             events,
             kv_subject: subjects::kv_events(&config.namespace),
             load_subject: subjects::load_reports(&config.namespace),
             load_interval: config.load_interval,
         };
-        let host = EngineHost::start(engine, publishing, &tasks, stop.clone());
+        let host = EngineHost::start(
+            engine,
+            publishing,
+            config.output_buffer,
+            &tasks,
+            stop.clone(),
+        );
         Ok(WorkerContext {
             config: Arc::new(config),
             host,
@@ -180,7 +198,7 @@ impl WorkerContext {
     /// holds the range.
     pub fn kv_events(&self, req: KvEventsRequest) -> Result<KvEventsReply, Status> {
         let encoded = |r: Result<Vec<u8>, tandem_protocol::CodecError>| {
-            r.map_err(|e| Status::internal(format!("encoding KV events: {e}")))
+            r.map_err(|e| ErrorClass::Internal.status(format!("encoding KV events: {e}")))
         };
         // An `after` beyond our last event comes from a consumer that knew an earlier run of
         // this worker id: only a dump can correct it.
@@ -229,7 +247,7 @@ impl WorkerContext {
         listener: TcpListener,
         service: S,
         deps: WorkerDeps,
-        shutdown: CancellationToken,
+        shutdown: Shutdown,
     ) -> Result<(), WorkerError>
     where
         S: worker_server::Worker,
@@ -238,7 +256,7 @@ impl WorkerContext {
             .local_addr()
             .map_err(|e| WorkerError::Internal(format!("listener address: {e}")))?;
         let record = self.record(addr);
-        let server_stop = CancellationToken::new();
+        let server_stop = self.stop.child_token();
         let router = tonic::transport::Server::builder()
             .add_service(worker_server::WorkerServer::new(service));
         let server = tokio::spawn(tandem_runtime::grpc::serve_tonic(
@@ -260,12 +278,16 @@ impl WorkerContext {
             %addr,
             "worker serving"
         );
-        shutdown.cancelled().await;
+        shutdown.draining().await;
 
         tracing::info!(in_flight = self.host.in_flight(), "draining");
         self.draining.store(true, Ordering::Release);
         registration.deregister().await;
-        if !self.host.wait_idle(self.config.drain_timeout).await {
+        let drained = tokio::select! {
+            idle = self.host.wait_idle(self.config.drain_timeout) => idle,
+            () = shutdown.stopped() => false,
+        };
+        if !drained {
             tracing::warn!(
                 in_flight = self.host.in_flight(),
                 "drain timeout: stopping with requests in flight"

@@ -1,6 +1,7 @@
-//! The worker's typed errors and their one mapping to gRPC status codes.
+//! The worker's typed errors, their class, and through it their gRPC status.
 
-use tonic::{Code, Status};
+use tandem_protocol::ErrorClass;
+use tonic::Status;
 
 /// Why a worker refused or failed a request.
 #[derive(Debug, thiserror::Error)]
@@ -21,17 +22,25 @@ pub enum WorkerError {
     Internal(String),
 }
 
+impl WorkerError {
+    /// The class that decides what the frontend does: another worker for `Overloaded`,
+    /// `Unavailable` and `Internal` (this worker's trouble), nothing for `InvalidRequest`.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            WorkerError::InvalidRequest(_) | WorkerError::DuplicateRequest(_) => {
+                ErrorClass::InvalidRequest
+            }
+            WorkerError::Overloaded(_) => ErrorClass::Overloaded,
+            // A runtime failure while serving (event plane, discovery) is this worker's, not
+            // the request's.
+            WorkerError::Draining | WorkerError::Runtime(_) => ErrorClass::Unavailable,
+            WorkerError::BadTransfer(_) | WorkerError::Internal(_) => ErrorClass::Internal,
+        }
+    }
+}
+
 impl From<WorkerError> for Status {
-    /// `Unavailable` and `ResourceExhausted` tell the frontend to try another worker;
-    /// `InvalidArgument` and `AlreadyExists` that no worker would take the request.
     fn from(e: WorkerError) -> Status {
-        let code = match &e {
-            WorkerError::InvalidRequest(_) => Code::InvalidArgument,
-            WorkerError::DuplicateRequest(_) => Code::AlreadyExists,
-            WorkerError::Overloaded(_) => Code::ResourceExhausted,
-            WorkerError::Draining | WorkerError::Runtime(_) => Code::Unavailable,
-            WorkerError::BadTransfer(_) | WorkerError::Internal(_) => Code::Internal,
-        };
-        Status::new(code, e.to_string())
+        e.class().status(e.to_string())
     }
 }

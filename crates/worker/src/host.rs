@@ -9,8 +9,14 @@
 //! Requests are submitted through [`EngineHost::submit`] and friends and answered through a
 //! [`RequestHandle`]; dropping the handle before the request ends aborts it, which frees its
 //! blocks (a client that goes away costs nothing after the current step).
+//!
+//! Each request's outputs wait in a bounded channel (`output_buffer` of them, about one per
+//! step). A consumer that falls that far behind (a stalled client upstream) has its request
+//! aborted, its blocks freed, and its handle ends with [`WorkerError::Overloaded`]: memory per
+//! request is bounded by configuration, not by `max_tokens`.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -58,11 +64,18 @@ impl std::fmt::Debug for HostPublishing {
     }
 }
 
+/// Where one request's outputs go.
+struct Output {
+    tx: mpsc::Sender<HostOutput>,
+    /// Set when the channel was full: the request was aborted for it.
+    overflowed: Arc<AtomicBool>,
+}
+
 struct State {
     engine: MockEngine,
-    /// Per-request output channels. Unbounded, but a request sends at most `max_tokens`
-    /// tokens plus one block batch per step of its prompt: its own length bounds it.
-    outputs: HashMap<RequestId, mpsc::UnboundedSender<HostOutput>>,
+    /// Per-request output channels, bounded by `output_buffer`.
+    outputs: HashMap<RequestId, Output>,
+    output_buffer: usize,
     /// Requests whose prompt KV is exported.
     exporting: Vec<RequestId>,
 }
@@ -95,10 +108,12 @@ impl std::fmt::Debug for EngineHost {
 
 impl EngineHost {
     /// Starts the driver, the event publisher and the load reporter on `tasks`; they stop
-    /// when `cancel` fires.
+    /// when `cancel` fires. Each request's outputs wait in a channel of `output_buffer`
+    /// (at least 1).
     pub fn start(
         engine: MockEngine,
         publishing: HostPublishing,
+        output_buffer: usize,
         tasks: &TaskTracker,
         cancel: CancellationToken,
     ) -> EngineHost {
@@ -109,6 +124,7 @@ impl EngineHost {
                 state: Mutex::new(State {
                     engine,
                     outputs: HashMap::new(),
+                    output_buffer: output_buffer.max(1),
                     exporting: Vec::new(),
                 }),
                 work: Notify::new(),
@@ -166,8 +182,7 @@ impl EngineHost {
     ) -> Result<RequestHandle, WorkerError> {
         let id = req.id;
         let now = self.now_us();
-        let (tx, rx) = mpsc::unbounded_channel();
-        {
+        let handle = {
             let mut st = self.inner.state.lock();
             if st.outputs.contains_key(&id) {
                 return Err(WorkerError::DuplicateRequest(id.0));
@@ -181,11 +196,11 @@ impl EngineHost {
             if export_from.is_some() {
                 st.exporting.push(id);
             }
-            st.outputs.insert(id, tx);
-        }
+            self.track(&mut st, id)
+        };
         self.inner.work.notify_one();
         self.inner.dirty.notify_one();
-        Ok(self.handle(id, rx))
+        Ok(handle)
     }
 
     /// Reserves blocks for a remote prefill of `req` (the decode side). On success the
@@ -204,8 +219,7 @@ impl EngineHost {
     ) -> Result<(RequestHandle, RemotePrefill), WorkerError> {
         let id = req.id;
         let now = self.now_us();
-        let (tx, rx) = mpsc::unbounded_channel();
-        let rp = {
+        let (handle, rp) = {
             let mut st = self.inner.state.lock();
             if st.outputs.contains_key(&id) {
                 return Err(WorkerError::DuplicateRequest(id.0));
@@ -220,11 +234,10 @@ impl EngineHost {
                     "holding transfer blocks: {e}"
                 )));
             }
-            st.outputs.insert(id, tx);
-            rp
+            (self.track(&mut st, id), rp)
         };
         self.inner.dirty.notify_one();
-        Ok((self.handle(id, rx), rp))
+        Ok((handle, rp))
     }
 
     /// Writes one received block of request `id` into the device arena. `block` must be one
@@ -345,10 +358,22 @@ impl EngineHost {
         f(&self.inner.state.lock().engine)
     }
 
-    fn handle(&self, id: RequestId, rx: mpsc::UnboundedReceiver<HostOutput>) -> RequestHandle {
+    /// Tracks a new request: its bounded output channel and its handle.
+    fn track(&self, st: &mut State, id: RequestId) -> RequestHandle {
+        let (tx, rx) = mpsc::channel(st.output_buffer);
+        let overflowed = Arc::new(AtomicBool::new(false));
+        st.outputs.insert(
+            id,
+            Output {
+                tx,
+                overflowed: overflowed.clone(),
+            },
+        );
         RequestHandle {
             id,
             rx,
+            overflowed,
+            buffer: st.output_buffer,
             host: self.clone(),
             ended: false,
         }
@@ -414,10 +439,8 @@ impl EngineHost {
             let Some((blocks, finished)) = st.engine.take_exported(id) else {
                 continue;
             };
-            if !blocks.is_empty()
-                && let Some(tx) = st.outputs.get(&id)
-            {
-                let _ = tx.send(HostOutput::Blocks(blocks));
+            if !blocks.is_empty() {
+                deliver(&mut st, id, HostOutput::Blocks(blocks));
             }
             if !finished {
                 keep.push(id);
@@ -507,12 +530,31 @@ pub fn cpu_bound<R>(f: impl FnOnce() -> R) -> R {
 fn route_output(st: &mut State, out: RequestOutput) {
     let id = out.id;
     let last = out.finish.is_some();
-    if let Some(tx) = st.outputs.get(&id) {
-        let _ = tx.send(HostOutput::Token(out));
-    }
-    if last {
+    if deliver(st, id, HostOutput::Token(out)) && last {
         // Ended: no longer tracked (a later drop of the handle aborts nothing).
         st.outputs.remove(&id);
+    }
+}
+
+/// Puts one output in its request's channel. A full channel means the consumer fell
+/// `output_buffer` outputs behind: the request is aborted (its blocks freed) and its handle
+/// told so. Returns whether the request is still tracked.
+fn deliver(st: &mut State, id: RequestId, out: HostOutput) -> bool {
+    let Some(o) = st.outputs.get(&id) else {
+        return false;
+    };
+    match o.tx.try_send(out) {
+        Ok(()) => true,
+        // The handle is gone; its drop is releasing the request.
+        Err(mpsc::error::TrySendError::Closed(_)) => true,
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            o.overflowed.store(true, Ordering::Release);
+            st.outputs.remove(&id);
+            st.exporting.retain(|r| *r != id);
+            st.engine.abort(id);
+            tracing::warn!(request = id.0, "request aborted: its consumer fell behind");
+            false
+        }
     }
 }
 
@@ -520,14 +562,18 @@ fn scheduler_error(e: SchedulerError) -> WorkerError {
     match e.class() {
         ErrorClass::InvalidRequest => WorkerError::InvalidRequest(e.to_string()),
         ErrorClass::Overloaded => WorkerError::Overloaded(e.to_string()),
-        ErrorClass::Internal => WorkerError::Internal(e.to_string()),
+        ErrorClass::Unavailable | ErrorClass::Cancelled | ErrorClass::Internal => {
+            WorkerError::Internal(e.to_string())
+        }
     }
 }
 
 /// A request's outputs. Dropping it before the last token aborts the request.
 pub struct RequestHandle {
     id: RequestId,
-    rx: mpsc::UnboundedReceiver<HostOutput>,
+    rx: mpsc::Receiver<HostOutput>,
+    overflowed: Arc<AtomicBool>,
+    buffer: usize,
     host: EngineHost,
     ended: bool,
 }
@@ -546,23 +592,96 @@ impl RequestHandle {
         self.id
     }
 
-    /// The next output; None after the last token (or if the host stopped).
-    pub async fn next(&mut self) -> Option<HostOutput> {
+    /// The next output; None after the last token (or if the host stopped); an error once,
+    /// when the request was aborted because this handle fell too far behind.
+    pub async fn next(&mut self) -> Option<Result<HostOutput, WorkerError>> {
         if self.ended {
             return None;
         }
         let out = self.rx.recv().await;
         match &out {
             Some(HostOutput::Token(o)) if o.finish.is_some() => self.ended = true,
-            None => self.ended = true,
+            None => {
+                self.ended = true;
+                if self.overflowed.load(Ordering::Acquire) {
+                    return Some(Err(WorkerError::Overloaded(format!(
+                        "request {} aborted: its consumer fell {} outputs behind",
+                        self.id.0, self.buffer
+                    ))));
+                }
+            }
             _ => {}
         }
-        out
+        out.map(Ok)
     }
 }
 
 impl Drop for RequestHandle {
     fn drop(&mut self) {
         self.host.release(self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_engine::{BlockPoolConfig, MockEngineConfig};
+    use tandem_runtime::events::MemoryEventPlane;
+
+    use super::*;
+
+    fn host(output_buffer: usize, tasks: &TaskTracker, stop: &CancellationToken) -> EngineHost {
+        let mut cfg = MockEngineConfig::new(BlockPoolConfig::new(WorkerId(1), 64));
+        cfg.mocker.kv_shape = tandem_engine::KvShape::TIMING_ONLY;
+        let publishing = HostPublishing {
+            events: Arc::new(MemoryEventPlane::new()),
+            kv_subject: "kv".into(),
+            load_subject: "load".into(),
+            load_interval: Duration::from_secs(1),
+        };
+        let engine = MockEngine::new(cfg).expect("engine");
+        EngineHost::start(engine, publishing, output_buffer, tasks, stop.clone())
+    }
+
+    fn request(id: u64, max_tokens: u32) -> EngineRequest {
+        let mut r = EngineRequest::new(RequestId(id), (0..40).collect(), max_tokens);
+        r.ignore_eos = true;
+        r
+    }
+
+    /// A consumer that stops reading holds at most `output_buffer` outputs: then its request
+    /// is aborted, its blocks freed, and its handle says why.
+    #[tokio::test(start_paused = true)]
+    async fn a_consumer_that_falls_behind_loses_its_request_not_memory() {
+        let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+        let host = host(4, &tasks, &stop);
+        let mut slow = host.submit(request(1, 500)).expect("submitted");
+        let mut fast = host.submit(request(2, 20)).expect("submitted");
+        let mut fast_tokens = 0;
+        while let Some(out) = fast.next().await {
+            assert!(matches!(out, Ok(HostOutput::Token(_))), "{out:?}");
+            fast_tokens += 1;
+        }
+        assert_eq!(fast_tokens, 20, "a consumer that keeps up gets everything");
+        assert!(
+            host.wait_idle(Duration::from_secs(60)).await,
+            "the slow request ended"
+        );
+        assert_eq!(host.with_engine(|e| e.num_running() + e.num_waiting()), 0);
+        let mut buffered = 0;
+        let end = loop {
+            match slow.next().await {
+                Some(Ok(HostOutput::Token(_))) => buffered += 1,
+                other => break other,
+            }
+        };
+        assert_eq!(buffered, 4);
+        assert!(
+            matches!(&end, Some(Err(WorkerError::Overloaded(m))) if m.contains("fell 4 outputs behind")),
+            "{end:?}"
+        );
+        assert!(slow.next().await.is_none());
+        stop.cancel();
+        tasks.close();
+        tasks.wait().await;
     }
 }

@@ -116,16 +116,7 @@ impl EngineRequest {
     }
 }
 
-/// How a class of error is handled upstream (CONVENTIONS.md §4).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ErrorClass {
-    /// The request can never succeed as sent (4xx, no retry).
-    InvalidRequest,
-    /// Try later or elsewhere (429).
-    Overloaded,
-    /// A bug or broken contract between engine and caller.
-    Internal,
-}
+pub use tandem_protocol::ErrorClass;
 
 /// Errors of the scheduler.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -29,13 +29,13 @@ use tandem_protocol::grpc::{
     indexer_client::IndexerClient,
 };
 use tandem_protocol::hashing::compute_block_hashes;
-use tandem_protocol::{Envelope, HashSeed, RequestId, SequenceHash, WorkerId};
+use tandem_protocol::{Envelope, ErrorClass, HashSeed, RequestId, SequenceHash, WorkerId};
 use tandem_runtime::events::{EventPlane, subjects};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tonic::Status;
 use tonic::transport::Channel;
-use tonic::{Code, Status};
 
 use super::metrics::RouteCounters;
 use super::view::{ClusterView, WorkerEntry};
@@ -436,27 +436,17 @@ impl ClusterBackend {
 
 /// Whether another decode worker may succeed where this one failed (before any token).
 fn retryable(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable
-            | Code::ResourceExhausted
-            | Code::Unknown
-            | Code::Aborted
-            | Code::Cancelled
-            | Code::DeadlineExceeded
-            | Code::Internal
-    )
+    ErrorClass::of_status(status).may_succeed_elsewhere()
 }
 
 fn status_to_error(status: &Status) -> ServeError {
-    match status.code() {
-        Code::InvalidArgument | Code::OutOfRange | Code::AlreadyExists => {
-            ServeError::invalid(status.message().to_string())
+    let message = status.message().to_string();
+    match ErrorClass::of_status(status) {
+        ErrorClass::InvalidRequest => ServeError::invalid(message),
+        ErrorClass::Overloaded => ServeError::overloaded(message, Duration::from_secs(1)),
+        ErrorClass::Unavailable | ErrorClass::Cancelled | ErrorClass::Internal => {
+            ServeError::unavailable(format!("worker failed: {message}"))
         }
-        Code::ResourceExhausted => {
-            ServeError::overloaded(status.message().to_string(), Duration::from_secs(1))
-        }
-        _ => ServeError::unavailable(format!("worker failed: {}", status.message())),
     }
 }
 

@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use tandem_runtime::discovery::Discovery;
 use tandem_runtime::events::EventPlane;
+use tandem_runtime::shutdown::Shutdown;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use backend::{BackendConfig, ClusterBackend};
@@ -69,18 +69,19 @@ pub struct FrontendConfig {
     pub drain_timeout: Duration,
 }
 
-/// Serves the OpenAI API on `listener` until `shutdown`; then drains: `/health` turns 503,
-/// new requests are refused, responses in flight finish (up to the drain timeout).
+/// Serves the OpenAI API on `listener` until `shutdown` drains; then drains: `/health` turns
+/// 503, new requests are refused, responses in flight finish (up to the drain timeout, or
+/// until `shutdown` stops). Every task and token of the frontend hangs under `shutdown`.
 pub async fn run_frontend(
     cfg: FrontendConfig,
     listener: TcpListener,
     deps: ClusterDeps,
-    shutdown: CancellationToken,
+    shutdown: Shutdown,
 ) -> Result<(), ServiceError> {
     let tokenizer =
         Tokenizer::load(&cfg.tokenizer).map_err(|e| ServiceError::Config(e.to_string()))?;
     let tasks = TaskTracker::new();
-    let stop = CancellationToken::new();
+    let stop = shutdown.stop_token().child_token();
     let mut view_cfg = cfg.view.clone();
     view_cfg.embedded_index = cfg.backend.indexer_url.is_none();
     let replica = RoutingReplica::new(cfg.backend.replica_config())
@@ -113,7 +114,7 @@ pub async fn run_frontend(
         Arc::new(tokenizer),
         registry,
     );
-    let server_stop = CancellationToken::new();
+    let server_stop = stop.child_token();
     let addr = listener.local_addr()?;
     let server = tokio::spawn(http::serve(
         listener,
@@ -122,13 +123,14 @@ pub async fn run_frontend(
     ));
     tracing::info!(%addr, model = %cfg.http.served_model_name, "frontend serving");
 
-    shutdown.cancelled().await;
+    shutdown.draining().await;
     state.start_draining();
     tracing::info!(in_flight = state.in_flight(), "frontend draining");
-    if tokio::time::timeout(cfg.drain_timeout, state.wait_idle())
-        .await
-        .is_err()
-    {
+    let drained = tokio::select! {
+        idle = tokio::time::timeout(cfg.drain_timeout, state.wait_idle()) => idle.is_ok(),
+        () = shutdown.stopped() => false,
+    };
+    if !drained {
         tracing::warn!(
             in_flight = state.in_flight(),
             "drain timeout: closing with requests in flight"
@@ -150,17 +152,17 @@ pub async fn run_frontend(
     }
 }
 
-/// Serves `FindMatches` on `listener` from an index fed by the event plane, until
-/// `shutdown`.
+/// Serves `FindMatches` on `listener` from an index fed by the event plane, until `shutdown`
+/// drains (it holds no requests to drain).
 pub async fn run_indexer(
     mut cfg: ViewConfig,
     listener: TcpListener,
     deps: ClusterDeps,
-    shutdown: CancellationToken,
+    shutdown: Shutdown,
 ) -> Result<(), ServiceError> {
     cfg.embedded_index = true;
     let tasks = TaskTracker::new();
-    let stop = CancellationToken::new();
+    let stop = shutdown.stop_token().child_token();
     // A replica that never routes: its index and feed rules are all the indexer uses.
     let replica = RoutingReplica::new(ReplicaConfig {
         router_id: RouterId(0),
@@ -182,7 +184,8 @@ pub async fn run_indexer(
     );
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "indexer serving");
-    let served = tandem_runtime::grpc::serve_tonic(router, listener, shutdown).await;
+    let served =
+        tandem_runtime::grpc::serve_tonic(router, listener, shutdown.drain_token().clone()).await;
     stop.cancel();
     tasks.close();
     tasks.wait().await;

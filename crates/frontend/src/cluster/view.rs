@@ -104,7 +104,7 @@ impl ClusterView {
         } else {
             None
         };
-        let mut watch = discovery.watch().await?;
+        let mut watch = discovery.watch(&view.cancel).await?;
 
         let v = view.clone();
         view.tasks.spawn(async move {

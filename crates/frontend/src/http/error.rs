@@ -23,7 +23,8 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use tandem_router::{ErrorClass, RouteError};
+use tandem_protocol::ErrorClass;
+use tandem_router::RouteError;
 
 /// The class of a [`ServeError`]: decides the status code, the error `type`, and whether a
 /// client may retry.
@@ -278,6 +279,7 @@ impl From<RouteError> for ServeError {
             ErrorClass::InvalidRequest => ServeError::invalid(message),
             ErrorClass::Overloaded => ServeError::overloaded(message, Duration::from_secs(1)),
             ErrorClass::Unavailable => ServeError::unavailable(message),
+            ErrorClass::Cancelled => ServeError::cancelled(message),
             ErrorClass::Internal => ServeError::internal(message),
         }
     }

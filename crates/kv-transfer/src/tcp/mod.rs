@@ -22,10 +22,11 @@
 mod receiver;
 mod writer;
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -85,9 +86,9 @@ impl std::fmt::Debug for TcpTransport {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+fn lock<T>(m: &Mutex<T>) -> parking_lot::MutexGuard<'_, T> {
     // Every critical section here is a single map operation: a poisoned lock is still usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
+    m.lock()
 }
 
 impl TcpTransport {

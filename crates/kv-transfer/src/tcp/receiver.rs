@@ -1,10 +1,11 @@
 //! The receiving side of the TCP transport: the accept loop and one task per connection,
 //! reading `PUT` frames straight into the region with vectored reads.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::IoSliceMut;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;

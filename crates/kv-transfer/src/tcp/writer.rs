@@ -1,8 +1,9 @@
 //! The sending side of the TCP transport: one connection into one remote region.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::IoSlice;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -1,9 +1,9 @@
 //! A one-shot completion slot that can be awaited by async code and waited on by blocking
 //! code (a `Drop` that must not return before UCX has let go of a borrowed buffer).
 
+use parking_lot::{Condvar, Mutex};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 
 use crate::error::TransferError;
@@ -23,9 +23,8 @@ struct State {
 }
 
 impl Completion {
-    fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        // Critical sections only move values in and out: a poisoned lock is still consistent.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn state(&self) -> parking_lot::MutexGuard<'_, State> {
+        self.state.lock()
     }
 
     /// Records the outcome (the first one wins) and wakes whoever waits.
@@ -53,7 +52,7 @@ impl Completion {
     pub(crate) fn wait_blocking(&self) {
         let mut s = self.state();
         while s.outcome.is_none() {
-            s = self.cv.wait(s).unwrap_or_else(|p| p.into_inner());
+            self.cv.wait(&mut s);
         }
     }
 

@@ -143,7 +143,7 @@ pub(super) struct Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         // Before `ucp` (a field) destroys the worker: no signal may reach it afterwards.
-        *self.wake.worker.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.wake.worker.lock() = None;
     }
 }
 

@@ -3,8 +3,9 @@
 
 #![allow(unsafe_code)]
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, mpsc};
 
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
@@ -26,11 +27,11 @@ pub(crate) struct WriterState {
 
 impl WriterState {
     pub(crate) fn error(&self) -> Option<TransferError> {
-        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.error.lock().clone()
     }
 
     pub(crate) fn fail(&self, e: TransferError) {
-        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.error.lock();
         if slot.is_none() {
             *slot = Some(e);
         }
@@ -125,7 +126,7 @@ unsafe impl Send for WorkerPtr {}
 
 impl Wake {
     fn signal(&self) {
-        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner());
+        let worker = self.worker.lock();
         if let Some(w) = worker.as_ref() {
             // SAFETY: the worker is alive while it is in the slot (see `WorkerPtr`).
             unsafe { w.0.ucp_worker_signal(w.1) };

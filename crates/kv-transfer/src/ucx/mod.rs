@@ -30,8 +30,9 @@ mod library;
 pub(crate) mod sys;
 mod ucp;
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -144,10 +145,7 @@ impl Transport for UcxTransport {
         let keep = Arc::clone(&region);
         self.engine.send(Command::Expose { region, reply: tx })?;
         let rkey = reply(rx, "ucx expose", self.config.op_timeout + GRACE).await?;
-        self.exposed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(descriptor.region, keep);
+        self.exposed.lock().insert(descriptor.region, keep);
         Ok(RegionDescriptor { rkey, ..descriptor })
     }
 
@@ -155,7 +153,6 @@ impl Transport for UcxTransport {
         let region = self
             .exposed
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .remove(&descriptor.region)
             .ok_or_else(|| {
                 TransferError::InvalidArgument("region was not exposed by this transport".into())

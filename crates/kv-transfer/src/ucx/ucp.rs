@@ -78,7 +78,8 @@ impl Ucp {
         let named = [("TLS", &config.tls), ("NET_DEVICES", &config.net_devices)]
             .into_iter()
             .filter_map(|(k, v)| v.as_ref().map(|v| (k, v)));
-        let extra = config.options.iter().map(|(k, v)| (k.as_str(), v));
+        let options = config.effective_options();
+        let extra = options.iter().map(|(k, v)| (k.as_str(), v));
         let modified = named.chain(extra).try_for_each(|(key, value)| {
             let bad = |e: std::ffi::NulError| TransferError::InvalidArgument(e.to_string());
             let k = CString::new(key).map_err(bad)?;

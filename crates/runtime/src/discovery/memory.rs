@@ -5,8 +5,9 @@
 //! after the lease TTL given to [`MemoryDiscovery::with_lease_ttl`] (mimicking a lapsed lease).
 //! [`MemoryDiscovery::expire`] removes a worker as if its lease had lapsed, for fault tests.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -119,7 +120,7 @@ impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the map half-updated (every update is one
         // insert or remove), so a poisoned lock is still consistent.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock()
     }
 
     /// Called with the state lock held, so the feed's order is the state's order.
@@ -188,14 +189,14 @@ impl Discovery for MemoryDiscovery {
         Ok(all)
     }
 
-    async fn watch(&self) -> Result<DiscoveryWatch, RuntimeError> {
+    async fn watch(&self, stop: &CancellationToken) -> Result<DiscoveryWatch, RuntimeError> {
         // Subscribe and snapshot under one lock: the feed then holds exactly what follows.
         let (feed, snapshot) = {
             let state = self.inner.lock();
             (self.inner.changes.subscribe(), Inner::snapshot(&state))
         };
         let (tx, rx) = mpsc::channel(WATCH_BUFFER);
-        let cancel = CancellationToken::new();
+        let cancel = stop.child_token();
         tokio::spawn(watch_task(
             self.inner.clone(),
             feed,
@@ -307,11 +308,29 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_watch_ends_with_its_service() {
+        let discovery = MemoryDiscovery::new();
+        let stop = CancellationToken::new();
+        let mut watch = discovery.watch(&stop).await.expect("watch");
+        let _reg = discovery
+            .register(record(1, WorkerRole::Decode))
+            .await
+            .expect("register");
+        assert!(matches!(next(&mut watch).await, DiscoveryEvent::Added(_)));
+        stop.cancel();
+        let end = tokio::time::timeout(Duration::from_secs(5), watch.next()).await;
+        assert_eq!(end.expect("ends in time"), None);
+    }
+
+    #[tokio::test]
     async fn watch_starts_with_present_workers_then_follows_changes() {
         let discovery = MemoryDiscovery::new();
         let a = record(1, WorkerRole::Decode);
         let reg_a = discovery.register(a.clone()).await.expect("register");
-        let mut watch = discovery.watch().await.expect("watch");
+        let mut watch = discovery
+            .watch(&CancellationToken::new())
+            .await
+            .expect("watch");
         assert_eq!(next(&mut watch).await, DiscoveryEvent::Added(a.clone()));
 
         let b = record(2, WorkerRole::Prefill);
@@ -361,7 +380,10 @@ mod tests {
         let discovery = MemoryDiscovery::new();
         let a = record(7, WorkerRole::Aggregated);
         let reg = discovery.register(a.clone()).await.expect("register");
-        let mut watch = discovery.watch().await.expect("watch");
+        let mut watch = discovery
+            .watch(&CancellationToken::new())
+            .await
+            .expect("watch");
         assert_eq!(next(&mut watch).await, DiscoveryEvent::Added(a.clone()));
         assert!(discovery.expire(WorkerId(7)));
         assert!(!discovery.expire(WorkerId(7)));
@@ -383,7 +405,10 @@ mod tests {
             .register(record(3, WorkerRole::Decode))
             .await
             .expect("register");
-        let mut watch = discovery.watch().await.expect("watch");
+        let mut watch = discovery
+            .watch(&CancellationToken::new())
+            .await
+            .expect("watch");
         let _ = next(&mut watch).await;
         let dropped_at = tokio::time::Instant::now();
         drop(reg);
@@ -418,7 +443,10 @@ mod tests {
     #[tokio::test]
     async fn a_lagging_watch_resyncs_without_missing_removals() {
         let discovery = MemoryDiscovery::new();
-        let mut watch = discovery.watch().await.expect("watch");
+        let mut watch = discovery
+            .watch(&CancellationToken::new())
+            .await
+            .expect("watch");
         // Far more changes than the feed holds, while the watch task is not being polled much:
         // the task must end up reporting exactly the final set.
         let keep = discovery

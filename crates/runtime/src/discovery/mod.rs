@@ -24,6 +24,7 @@ use async_trait::async_trait;
 use futures::Stream;
 use tandem_protocol::{WorkerId, WorkerRecord, WorkerRole};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use tokio_util::sync::DropGuard;
 
 use crate::error::RuntimeError;
@@ -54,8 +55,9 @@ pub trait Discovery: Send + Sync + 'static {
     /// The workers registered now.
     async fn list(&self) -> Result<Vec<WorkerRecord>, RuntimeError>;
 
-    /// A stream of changes, starting with `Added` for every worker present.
-    async fn watch(&self) -> Result<DiscoveryWatch, RuntimeError>;
+    /// A stream of changes, starting with `Added` for every worker present. Its task ends
+    /// when the watch is dropped or `stop` (the service's token) is cancelled.
+    async fn watch(&self, stop: &CancellationToken) -> Result<DiscoveryWatch, RuntimeError>;
 }
 
 /// What a [`Registration`] delegates to: one implementation per discovery backend.

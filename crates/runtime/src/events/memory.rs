@@ -5,8 +5,9 @@
 //! slow NATS consumer. Consumers detect the gap by event ids. Subjects match exactly (no
 //! wildcards).
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -57,10 +58,7 @@ impl MemoryEventPlane {
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, broadcast::Sender<Bytes>>> {
         // Every critical section is a single map operation: a poisoned map is still consistent.
-        self.inner
-            .subjects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.inner.subjects.lock()
     }
 }
 

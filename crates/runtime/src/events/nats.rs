@@ -34,6 +34,32 @@ pub enum NatsAuth {
     CredsFile(PathBuf),
 }
 
+impl NatsAuth {
+    /// The one way of authenticating that a set of optional settings names (the frontend's and
+    /// workers' `--nats-*` flags): a user with a password, a token, a credentials file, or
+    /// none; anything else (a user without a password, two ways at once) is refused.
+    pub fn from_parts(
+        user: Option<String>,
+        password: Option<String>,
+        token: Option<String>,
+        creds: Option<PathBuf>,
+    ) -> Result<NatsAuth, RuntimeError> {
+        Ok(match (user, password, token, creds) {
+            (Some(user), Some(password), None, None) => NatsAuth::UserPassword { user, password },
+            (None, None, Some(token), None) => NatsAuth::Token(token),
+            (None, None, None, Some(path)) => NatsAuth::CredsFile(path),
+            (None, None, None, None) => NatsAuth::None,
+            _ => {
+                return Err(RuntimeError::Config(
+                    "NATS auth: give a user with a password, or a token, or a credentials \
+                     file (one of them)"
+                        .into(),
+                ));
+            }
+        })
+    }
+}
+
 impl std::fmt::Debug for NatsAuth {
     // Secrets stay out of logs.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -1,5 +1,5 @@
 //! Real etcd and nats-server processes, for the local multi-process mode (`tandem up
-//! --processes`) and for integration tests.
+//! --processes`) and for integration tests, and [`ProcessGroup`] for the roles of that mode.
 //!
 //! Each server runs on free loopback ports (bind `127.0.0.1:0`, read the port, release it;
 //! retried on the rare collision), keeps its data and log in a temporary directory (never on our
@@ -11,6 +11,7 @@
 //! missing one is a [`RuntimeError::MissingBinary`] naming the Debian package to install.
 
 mod etcd;
+mod group;
 mod nats;
 
 use std::fs::{File, OpenOptions};
@@ -26,6 +27,7 @@ use tokio::time::Instant;
 use crate::error::RuntimeError;
 
 pub use etcd::{EtcdOptions, EtcdServer};
+pub use group::ProcessGroup;
 pub use nats::{NatsOptions, NatsServer};
 
 /// How often readiness is polled while a server starts.

@@ -6,7 +6,9 @@ mod ops;
 mod responses;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock};
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use axum::Router;
@@ -63,6 +65,8 @@ pub(crate) struct FakeBackend {
     route: RouteInfo,
     pub seen: Mutex<Vec<ValidRequest>>,
     dropped: Arc<AtomicBool>,
+    /// Notified when a request arrives and when a stream is dropped.
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl FakeBackend {
@@ -76,6 +80,7 @@ impl FakeBackend {
             },
             seen: Mutex::new(Vec::new()),
             dropped: Arc::new(AtomicBool::new(false)),
+            changed: Arc::new(tokio::sync::Notify::new()),
         })
     }
 
@@ -98,12 +103,7 @@ impl FakeBackend {
     }
 
     pub(crate) fn last_request(&self) -> ValidRequest {
-        self.seen
-            .lock()
-            .unwrap()
-            .last()
-            .cloned()
-            .expect("a request")
+        self.seen.lock().last().cloned().expect("a request")
     }
 
     pub(crate) fn was_dropped(&self) -> bool {
@@ -112,22 +112,40 @@ impl FakeBackend {
 
     /// Waits (up to 5 s) for the last stream to be dropped.
     pub(crate) async fn wait_dropped(&self) {
-        for _ in 0..500 {
-            if self.was_dropped() {
-                return;
+        self.wait_until(|b| b.was_dropped(), "the backend stream was not dropped")
+            .await;
+    }
+
+    /// Waits (up to 5 s) for a request to reach the backend.
+    pub(crate) async fn wait_seen(&self) {
+        self.wait_until(
+            |b| !b.seen.lock().is_empty(),
+            "no request reached the backend",
+        )
+        .await;
+    }
+
+    async fn wait_until(&self, done: impl Fn(&Self) -> bool, what: &str) {
+        let waited = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                let changed = self.changed.notified();
+                if done(self) {
+                    return;
+                }
+                changed.await;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the backend stream was not dropped");
+        });
+        waited.await.unwrap_or_else(|_| panic!("{what}"));
     }
 }
 
-/// Sets a flag when dropped (moved into the fake's stream).
-struct DropFlag(Arc<AtomicBool>);
+/// Sets a flag when dropped (moved into the fake's stream), and says so.
+struct DropFlag(Arc<AtomicBool>, Arc<tokio::sync::Notify>);
 
 impl Drop for DropFlag {
     fn drop(&mut self) {
         self.0.store(true, Ordering::SeqCst);
+        self.1.notify_waiters();
     }
 }
 
@@ -150,9 +168,10 @@ fn chunks_of(text: &str, finish: Option<FinishReason>) -> Vec<Result<TokenChunk,
 #[async_trait::async_trait]
 impl Backend for FakeBackend {
     async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError> {
-        self.seen.lock().unwrap().push(req);
+        self.seen.lock().push(req);
         self.dropped.store(false, Ordering::SeqCst);
-        let script = self.script.lock().unwrap().clone();
+        self.changed.notify_waiters();
+        let script = self.script.lock().clone();
         let (items, hang) = match script {
             Script::Text { text, finish, hang } => {
                 (chunks_of(&text, (!hang).then_some(finish)), hang)
@@ -167,7 +186,7 @@ impl Backend for FakeBackend {
             Script::Hang => (Vec::new(), true),
             Script::Empty => (Vec::new(), false),
         };
-        let flag = DropFlag(self.dropped.clone());
+        let flag = DropFlag(self.dropped.clone(), self.changed.clone());
         let tail = if hang {
             futures::stream::pending().boxed()
         } else {

@@ -23,13 +23,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tandem_protocol::{WorkerId, WorkerRecord, WorkerRole};
+use tokio_util::sync::CancellationToken;
 
 use self::client::EtcdClient;
 use super::{Discovery, DiscoveryWatch, Registration, parse_role, role_name};
 use crate::error::{RuntimeError, with_timeout};
 
 /// How to reach etcd and how to register there.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct EtcdConfig {
     /// Client URLs, e.g. `http://127.0.0.1:2379` (`http://` is assumed when missing).
     pub endpoints: Vec<String>,
@@ -45,6 +46,21 @@ pub struct EtcdConfig {
     /// Credentials when etcd has auth enabled (both or neither).
     pub username: Option<String>,
     pub password: Option<String>,
+}
+
+impl std::fmt::Debug for EtcdConfig {
+    /// The password stays out of logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdConfig")
+            .field("endpoints", &self.endpoints)
+            .field("namespace", &self.namespace)
+            .field("lease_ttl", &self.lease_ttl)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_backoff", &self.max_backoff)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 impl Default for EtcdConfig {
@@ -219,8 +235,8 @@ impl Discovery for EtcdDiscovery {
 
     /// Lists now (returning the error if etcd cannot be reached), then follows changes forever,
     /// reconnecting and resyncing after any loss.
-    async fn watch(&self) -> Result<DiscoveryWatch, RuntimeError> {
-        watch::watch(self.config.clone()).await
+    async fn watch(&self, stop: &CancellationToken) -> Result<DiscoveryWatch, RuntimeError> {
+        watch::watch(self.config.clone(), stop.child_token()).await
     }
 }
 
@@ -258,6 +274,20 @@ mod tests {
         let wrong = config.worker_key(WorkerRole::Decode, WorkerId(1));
         assert!(decode_record(&config, &wrong, &value).is_err());
         assert!(decode_record(&config, &key, b"{not json").is_err());
+    }
+
+    #[test]
+    fn debug_output_hides_the_password() {
+        let config = EtcdConfig {
+            username: Some("root".into()),
+            password: Some("s3cret".into()),
+            ..EtcdConfig::default()
+        };
+        let shown = format!("{config:?}");
+        assert!(
+            shown.contains("root") && !shown.contains("s3cret"),
+            "{shown}"
+        );
     }
 
     #[test]

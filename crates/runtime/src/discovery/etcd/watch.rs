@@ -18,12 +18,15 @@ use crate::error::{RuntimeError, with_timeout};
 
 const INITIAL_BACKOFF: Duration = Duration::from_millis(100);
 
-pub(super) async fn watch(config: EtcdConfig) -> Result<DiscoveryWatch, RuntimeError> {
+/// `cancel` is a child of the caller's stop token; dropping the watch cancels it too.
+pub(super) async fn watch(
+    config: EtcdConfig,
+    cancel: CancellationToken,
+) -> Result<DiscoveryWatch, RuntimeError> {
     // The first listing happens here so that an unreachable etcd is the caller's error.
     let mut client = connect(&config).await?;
     let (snapshot, revision) = list_workers(&mut client, &config).await?;
     let (tx, rx) = mpsc::channel(WATCH_BUFFER);
-    let cancel = CancellationToken::new();
     let task = WatchTask {
         config,
         view: WorkerView::new(),
