@@ -99,7 +99,7 @@ pub(crate) fn run_specs(
 ) -> Result<SimReport, SimError> {
     let mut sim = sim::Sim::new(config, specs)?;
     let end = sim.run()?;
-    Ok(stats::report(config, specs, sim, end))
+    Ok(stats::report(config, specs, sim.outcome(end)))
 }
 
 /// Writes `value` as pretty JSON to `path`.

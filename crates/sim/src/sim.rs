@@ -24,7 +24,7 @@ use crate::config::SimConfig;
 use crate::error::SimError;
 use crate::queue::EventQueue;
 use crate::replica::{KvPayload, deliver};
-use crate::stats::Stats;
+use crate::stats::{Outcome, RequestTimes, Stats};
 use crate::workload::RequestSpec;
 
 #[derive(Debug)]
@@ -571,25 +571,38 @@ impl<'a> Sim<'a> {
         self.kick(d, now)
     }
 
-    pub fn workers_routed(&self) -> (Vec<u64>, Vec<u64>) {
+    /// The run's figures, as plain data for the report.
+    pub fn outcome(self, end_us: u64) -> Outcome {
         let routed: Vec<u64> = self.workers.iter().map(|w| w.routed).collect();
-        let (d, p) = routed.split_at(self.n_decode as usize);
-        (d.to_vec(), p.to_vec())
-    }
-
-    pub fn preemptions(&self) -> u64 {
-        self.workers
-            .iter()
-            .map(|w| w.engine.stats().preemptions)
-            .sum()
-    }
-
-    pub fn index_counters(&self) -> (u64, u64) {
-        let applied = self
-            .replicas
-            .iter()
-            .map(|r| r.feed().stats().events_applied)
-            .sum();
-        (applied, self.gaps_repaired)
+        let (decode_routed, prefill_routed) = routed.split_at(self.n_decode as usize);
+        Outcome {
+            requests: self
+                .reqs
+                .iter()
+                .map(|r| RequestTimes {
+                    arrival_us: r.arrival_us,
+                    first_token_us: r.first_token_us,
+                    last_token_us: r.last_token_us,
+                    tokens: r.tokens,
+                    done: r.done,
+                    rejected: r.rejected,
+                })
+                .collect(),
+            decode_routed: decode_routed.to_vec(),
+            prefill_routed: prefill_routed.to_vec(),
+            preemptions: self
+                .workers
+                .iter()
+                .map(|w| w.engine.stats().preemptions)
+                .sum(),
+            events_applied: self
+                .replicas
+                .iter()
+                .map(|r| r.feed().stats().events_applied)
+                .sum(),
+            gaps_repaired: self.gaps_repaired,
+            stats: self.stats,
+            end_us,
+        }
     }
 }

@@ -4,7 +4,6 @@ use tandem_workload::{LatencyHistogram, Slo, WorkloadConfig};
 
 use crate::config::SimConfig;
 use crate::metrics::{SimReport, Spread};
-use crate::sim::Sim;
 use crate::workload::RequestSpec;
 
 #[derive(Debug, Default)]
@@ -91,6 +90,33 @@ fn workload_name(cfg: &SimConfig) -> String {
 }
 
 /// What the finished requests measured: per-request latencies and counts.
+/// One request's times, as the report needs them (µs of virtual time).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RequestTimes {
+    pub arrival_us: u64,
+    pub first_token_us: Option<u64>,
+    pub last_token_us: u64,
+    pub tokens: u32,
+    pub done: bool,
+    pub rejected: bool,
+}
+
+/// What a finished run hands the report: plain data, no simulator state.
+#[derive(Debug)]
+pub(crate) struct Outcome {
+    pub requests: Vec<RequestTimes>,
+    pub stats: Stats,
+    /// Requests routed per aggregated (or decode) worker, and per prefill worker.
+    pub decode_routed: Vec<u64>,
+    pub prefill_routed: Vec<u64>,
+    pub preemptions: u64,
+    /// KV events the replicas' indexes applied, and the repairs made for them.
+    pub events_applied: u64,
+    pub gaps_repaired: u64,
+    /// Virtual time of the last event.
+    pub end_us: u64,
+}
+
 #[derive(Default)]
 struct RequestFigures {
     ttft: LatencyHistogram,
@@ -105,9 +131,9 @@ struct RequestFigures {
 }
 
 impl RequestFigures {
-    fn of(sim: &Sim<'_>, slo: &Slo) -> Self {
+    fn of(requests: &[RequestTimes], slo: &Slo) -> Self {
         let mut f = RequestFigures::default();
-        for st in &sim.reqs {
+        for st in requests {
             if st.rejected {
                 f.rejected += 1;
                 continue;
@@ -133,12 +159,8 @@ impl RequestFigures {
     }
 }
 
-pub(crate) fn report(
-    cfg: &SimConfig,
-    specs: &[RequestSpec],
-    sim: Sim<'_>,
-    end_us: u64,
-) -> SimReport {
+pub(crate) fn report(cfg: &SimConfig, specs: &[RequestSpec], outcome: Outcome) -> SimReport {
+    let end_us = outcome.end_us;
     let slo = cfg.slo;
     let RequestFigures {
         ttft,
@@ -148,8 +170,8 @@ pub(crate) fn report(
         rejected,
         good,
         out_tokens,
-    } = RequestFigures::of(&sim, &slo);
-    let stats = &sim.stats;
+    } = RequestFigures::of(&outcome.requests, &slo);
+    let stats = &outcome.stats;
     let (ttft_s, tpot_s, itl_s, e2e_s) = (
         ttft.summary(),
         tpot.summary(),
@@ -167,8 +189,8 @@ pub(crate) fn report(
         0.0
     };
     let imb = &stats.imbalance;
-    let (decode_routed, prefill_routed) = sim.workers_routed();
-    let (applied, gaps) = sim.index_counters();
+    let (decode_routed, prefill_routed) = (&outcome.decode_routed, &outcome.prefill_routed);
+    let (applied, gaps) = (outcome.events_applied, outcome.gaps_repaired);
     let n = specs.len() as u64;
     SimReport {
         workload: workload_name(cfg),
@@ -250,7 +272,7 @@ pub(crate) fn report(
             .iter()
             .map(|x| x.max_over_mean)
             .fold(0.0, f64::max),
-        preemptions: sim.preemptions(),
+        preemptions: outcome.preemptions,
         kv_events_applied: applied,
         index_gaps_repaired: gaps,
         ttft_cdf_ms: ttft.cdf_ms(),

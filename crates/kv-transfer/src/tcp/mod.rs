@@ -20,6 +20,7 @@
 //! reused by later `connect`s, so a sender pays the handshake once per peer.
 
 mod receiver;
+mod wire;
 mod writer;
 
 use parking_lot::Mutex;
@@ -37,33 +38,8 @@ use crate::descriptor::{RegionDescriptor, TransportKind};
 use crate::error::{TransferError, with_timeout};
 use crate::region::Region;
 use crate::transport::{BlockWriter, Transport, TransportConfig};
+use wire::{Exposed, HELLO_LEN, MAGIC, MAX_MESSAGE, PoolKey};
 use writer::TcpWriter;
-
-const MAGIC: &[u8; 4] = b"TKV1";
-const HELLO_LEN: usize = 4 + 8 + 8 + 4;
-/// Op byte + `u64` argument.
-const FRAME_HEADER: usize = 9;
-const OP_PUT: u8 = 1;
-/// Most blocks one `PUT` frame may carry (the receiver's bound).
-const MAX_FRAME_BLOCKS: usize = 1024;
-const OP_FLUSH: u8 = 2;
-const REPLY_ACK: u8 = 1;
-const REPLY_ERR: u8 = 2;
-/// A batch of queued `put_region` blocks is written once it holds this many blocks...
-const BATCH_BLOCKS: usize = 32;
-/// ... or this many bytes.
-const BATCH_BYTES: usize = 2 << 20;
-/// Connections a listener serves at once; more are closed on accept.
-const MAX_CONNECTIONS: usize = 1024;
-/// Longest error message either side accepts.
-const MAX_MESSAGE: u32 = 4096;
-
-type PoolKey = (String, u64);
-
-struct Exposed {
-    region: Arc<Region>,
-    withdrawn: Arc<AtomicBool>,
-}
 
 struct Listening {
     addr: String,
@@ -84,11 +60,6 @@ impl std::fmt::Debug for TcpTransport {
             .field("bind", &self.config.tcp_bind)
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> parking_lot::MutexGuard<'_, T> {
-    // Every critical section here is a single map operation: a poisoned lock is still usable.
-    m.lock()
 }
 
 impl TcpTransport {
@@ -128,7 +99,7 @@ impl TcpTransport {
     }
 
     fn take_idle(&self, key: &PoolKey) -> Option<TcpStream> {
-        let mut idle = lock(&self.idle);
+        let mut idle = self.idle.lock();
         let streams = idle.get_mut(key)?;
         while let Some(s) = streams.pop() {
             // A live idle connection has nothing to read; EOF or an error means the peer went.
@@ -184,7 +155,7 @@ impl Transport for TcpTransport {
             num_blocks: region.num_blocks(),
             memory: region.memory_kind(),
         };
-        lock(&self.regions).insert(
+        self.regions.lock().insert(
             region.id(),
             Exposed {
                 region,
@@ -195,7 +166,7 @@ impl Transport for TcpTransport {
     }
 
     async fn withdraw(&self, descriptor: &RegionDescriptor) -> Result<(), TransferError> {
-        let removed = lock(&self.regions).remove(&descriptor.region);
+        let removed = self.regions.lock().remove(&descriptor.region);
         match removed {
             Some(e) => {
                 e.withdrawn.store(true, Ordering::Release);
@@ -275,13 +246,4 @@ async fn read_message<R: AsyncReadExt + Unpin>(r: &mut R) -> Result<String, Tran
         .await
         .map_err(TransferError::io("tcp read"))?;
     Ok(String::from_utf8_lossy(&buf).into_owned())
-}
-
-fn message_frame(tag: u8, text: &str) -> Vec<u8> {
-    let text = &text.as_bytes()[..text.len().min(MAX_MESSAGE as usize)];
-    let mut out = Vec::with_capacity(5 + text.len());
-    out.push(tag);
-    out.extend_from_slice(&(text.len() as u32).to_le_bytes());
-    out.extend_from_slice(text);
-    out
 }

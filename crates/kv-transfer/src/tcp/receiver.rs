@@ -12,9 +12,9 @@ use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
-use super::{
+use super::wire::{
     Exposed, FRAME_HEADER, HELLO_LEN, MAGIC, MAX_CONNECTIONS, MAX_FRAME_BLOCKS, MAX_MESSAGE,
-    OP_FLUSH, OP_PUT, REPLY_ACK, REPLY_ERR, lock, message_frame,
+    OP_FLUSH, OP_PUT, REPLY_ACK, REPLY_ERR, message_frame,
 };
 use crate::descriptor::MemoryKind;
 use crate::error::{TransferError, with_timeout};
@@ -143,7 +143,7 @@ fn accept_hello(
     let id = u64::from_le_bytes(hello[4..12].try_into().unwrap_or_default());
     let bpb = u64::from_le_bytes(hello[12..20].try_into().unwrap_or_default());
     let blocks = u32::from_le_bytes(hello[20..24].try_into().unwrap_or_default());
-    let regions = lock(regions);
+    let regions = regions.lock();
     let e = regions
         .get(&id)
         .ok_or_else(|| format!("no region {id} is exposed here"))?;

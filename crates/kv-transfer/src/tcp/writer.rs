@@ -9,9 +9,9 @@ use async_trait::async_trait;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::{
+use super::wire::{
     BATCH_BLOCKS, BATCH_BYTES, FRAME_HEADER, MAX_MESSAGE, OP_FLUSH, OP_PUT, PoolKey, REPLY_ACK,
-    REPLY_ERR, lock,
+    REPLY_ERR,
 };
 use crate::descriptor::RegionDescriptor;
 use crate::error::{TransferError, with_timeout};
@@ -244,7 +244,7 @@ impl Drop for TcpWriter {
             return;
         }
         if let Some(stream) = self.stream.take() {
-            let mut idle = lock(&self.idle);
+            let mut idle = self.idle.lock();
             let streams = idle.entry(self.key.clone()).or_default();
             if streams.len() < self.config.tcp_idle_per_peer {
                 streams.push(stream);

@@ -1,5 +1,5 @@
-//! The async side's view of the UCX worker thread: the commands it takes, the handle that
-//! sends them and wakes the thread, and the start-up.
+//! The async side's view of the UCX worker thread: the commands it takes and the handle that
+//! sends them and wakes the thread (`thread.rs` starts it).
 
 #![allow(unsafe_code)]
 
@@ -10,12 +10,9 @@ use std::sync::{Arc, mpsc};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use super::completion::Completion;
-use super::engine::Engine;
 use super::sys::{UcpLib, ucp_worker_h};
-use super::ucp::Ucp;
 use crate::error::TransferError;
 use crate::region::{BlockLease, External, HOST_ALIGN, Region};
-use crate::transport::TransportConfig;
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
 
@@ -117,7 +114,7 @@ pub(super) struct Wake {
     pub(super) sleeping: AtomicBool,
 }
 
-pub(super) struct WorkerPtr(&'static UcpLib, ucp_worker_h);
+pub(super) struct WorkerPtr(pub(super) &'static UcpLib, pub(super) ucp_worker_h);
 
 // SAFETY: the pointer is only used for `ucp_worker_signal`, which UCX documents as callable
 // from any thread, and only under `Wake::worker`'s lock, which the thread clears before it
@@ -138,9 +135,9 @@ impl Wake {
 pub(crate) struct EngineHandle {
     /// Process-unique id of this engine (tags the memory it allocates).
     pub(crate) instance: u64,
-    tx: Option<mpsc::Sender<Command>>,
-    wake: Arc<Wake>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    pub(super) tx: Option<mpsc::Sender<Command>>,
+    pub(super) wake: Arc<Wake>,
+    pub(super) thread: Option<std::thread::JoinHandle<()>>,
     pub(crate) worker_address: Vec<u8>,
     pub(crate) cuda_memory: bool,
 }
@@ -180,68 +177,6 @@ impl Drop for EngineHandle {
             if t.thread().id() != std::thread::current().id() {
                 let _ = t.join();
             }
-        }
-    }
-}
-
-/// Starts the worker thread; returns once UCX is initialised (or failed to).
-pub(crate) fn start(config: TransportConfig) -> Result<EngineHandle, TransferError> {
-    static INSTANCES: AtomicUsize = AtomicUsize::new(1);
-    let instance = INSTANCES.fetch_add(1, Ordering::Relaxed) as u64;
-    let (tx, rx) = mpsc::channel();
-    let (ready_tx, ready_rx) = mpsc::channel();
-    let thread = std::thread::Builder::new()
-        .name("tandem-ucx".into())
-        .spawn(move || {
-            let setup = Ucp::new(&config.ucx).and_then(|ucp| {
-                let address = ucp.address()?;
-                let efd = ucp.event_fd()?;
-                Ok((ucp, address, efd))
-            });
-            let (ucp, address, efd) = match setup {
-                Ok(v) => v,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
-            };
-            let wake = Arc::new(Wake {
-                worker: Mutex::new(Some(WorkerPtr(ucp.lib, ucp.worker))),
-                queued: AtomicUsize::new(0),
-                sleeping: AtomicBool::new(false),
-            });
-            let cuda = ucp.supports_cuda();
-            if ready_tx
-                .send(Ok((address, Arc::clone(&wake), cuda)))
-                .is_err()
-            {
-                return;
-            }
-            Engine::new(ucp, instance, efd, rx, wake, config).run();
-        })
-        .map_err(|e| TransferError::Io {
-            op: "spawn ucx thread",
-            detail: e.to_string(),
-        })?;
-    match ready_rx.recv() {
-        Ok(Ok((worker_address, wake, cuda_memory))) => Ok(EngineHandle {
-            instance,
-            tx: Some(tx),
-            wake,
-            thread: Some(thread),
-            worker_address,
-            cuda_memory,
-        }),
-        Ok(Err(e)) => {
-            let _ = thread.join();
-            Err(e)
-        }
-        Err(_) => {
-            let _ = thread.join();
-            Err(TransferError::Ucx {
-                op: "start",
-                detail: "the UCX thread exited during start-up".into(),
-            })
         }
     }
 }

@@ -28,6 +28,7 @@ mod engine;
 mod handle;
 mod library;
 pub(crate) mod sys;
+mod thread;
 mod ucp;
 
 use parking_lot::Mutex;
@@ -75,7 +76,7 @@ impl UcxTransport {
     /// Fails like [`probe`] when libucp cannot be loaded.
     pub fn new(config: TransportConfig) -> Result<Self, TransferError> {
         config.validate()?;
-        let engine = handle::start(config.clone())?;
+        let engine = thread::start(config.clone())?;
         let address = hex_encode(&engine.worker_address);
         Ok(UcxTransport {
             exposed: Mutex::default(),
