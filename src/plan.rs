@@ -43,7 +43,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let plan = tandem_sim::plan(&base, max_workers, topologies)?;
     print!("{}", plan.to_markdown());
     if let Some(path) = &args.sim.out.json {
-        tandem_sim::write_json(path, &plan)?;
+        tandem_workload::plot::write_json(path, &plan)?;
     }
     Ok(())
 }

@@ -1,11 +1,12 @@
 //! `tandem sim`: flags → [`SimConfig`], then `tandem_sim::run` (or `sweep`) and the outputs.
 
-use anyhow::Context;
 use clap::{ArgAction, Args};
 use tandem_sim::{
     EngineSettings, EventPlaneConfig, SimConfig, Slo, TopologyConfig, TransferConfig,
 };
-use tandem_workload::plot;
+use tandem_workload::plot::write_json;
+
+use tandem_workload::parse_rates;
 
 use crate::workload_args::ms_to_us;
 
@@ -127,42 +128,25 @@ impl SimArgs {
     }
 }
 
-pub(crate) fn write_plot(dir: &std::path::Path, name: &str, svg: &str) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join(name);
-    std::fs::write(&path, svg).with_context(|| format!("writing {}", path.display()))
-}
-
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
     let config = args.config()?;
+    let (json, plots) = (&args.out.json, &args.out.plot_dir);
     if let Some(rates) = &args.out.sweep_rate {
-        let rates = crate::workload_args::parse_rates(rates)?;
-        let sweep = tandem_sim::sweep(&config, &rates)?;
+        let sweep = tandem_sim::sweep(&config, &parse_rates(rates)?)?;
         print!("{}", sweep.to_markdown());
-        if let Some(path) = &args.out.json {
-            tandem_sim::write_json(path, &sweep)?;
-        }
-        if let Some(dir) = &args.out.plot_dir {
-            let svg = plot::goodput_vs_rate(sweep.rate_unit, &sweep.goodput_points())?;
-            write_plot(dir, "goodput_vs_rate.svg", &svg)?;
-            let labels: Vec<String> = sweep.points.iter().map(|p| format!("{}", p.rate)).collect();
-            let runs: Vec<(&str, &[f64])> = labels
-                .iter()
-                .zip(&sweep.points)
-                .map(|(l, p)| (l.as_str(), p.report.ttft_cdf_ms.as_slice()))
-                .collect();
-            write_plot(dir, "ttft_cdf.svg", &plot::ttft_cdf(&runs)?)?;
-        }
+        json.as_ref().map(|p| write_json(p, &sweep)).transpose()?;
+        plots
+            .as_ref()
+            .map(|d| sweep.figures().write(d))
+            .transpose()?;
         return Ok(());
     }
     let report = tandem_sim::run(config)?;
     print!("{}", report.to_markdown());
-    if let Some(path) = &args.out.json {
-        tandem_sim::write_json(path, &report)?;
-    }
-    if let Some(dir) = &args.out.plot_dir {
-        let svg = plot::ttft_cdf(&[(report.policy.as_str(), report.ttft_cdf_ms.as_slice())])?;
-        write_plot(dir, "ttft_cdf.svg", &svg)?;
-    }
+    json.as_ref().map(|p| write_json(p, &report)).transpose()?;
+    plots
+        .as_ref()
+        .map(|d| report.figures().write(d))
+        .transpose()?;
     Ok(())
 }

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::{Args, ValueEnum};
 use tandem_workload::{
     ArrivalProcess, LengthDist, PromptShape, SyntheticConfig, TraceWorkload, WorkloadConfig,
@@ -111,33 +111,6 @@ pub fn ms_to_us(name: &str, ms: f64) -> anyhow::Result<u64> {
     Ok((ms * 1000.0).round() as u64)
 }
 
-/// `a,b,c` or `start:end:step` (inclusive).
-pub fn parse_rates(s: &str) -> anyhow::Result<Vec<f64>> {
-    let num = |x: &str| -> anyhow::Result<f64> {
-        let v: f64 = x
-            .trim()
-            .parse()
-            .with_context(|| format!("--sweep-rate: {x:?}"))?;
-        if !(v.is_finite() && v > 0.0) {
-            bail!("--sweep-rate: rates must be positive, got {v}");
-        }
-        Ok(v)
-    };
-    let parts: Vec<&str> = s.split(':').collect();
-    if let [a, b, step] = parts[..] {
-        let (a, b, step) = (num(a)?, num(b)?, num(step)?);
-        if b < a || (b - a) / step > 1000.0 {
-            bail!("--sweep-rate start:end:step needs start ≤ end and at most 1000 steps");
-        }
-        let n = ((b - a) / step + 1e-9).floor() as usize;
-        return Ok((0..=n).map(|k| a + step * k as f64).collect());
-    }
-    if parts.len() != 1 {
-        bail!("--sweep-rate is `a,b,c` or `start:end:step`");
-    }
-    s.split(',').map(num).collect()
-}
-
 impl WorkloadArgs {
     /// The workload these flags describe.
     pub fn config(&self) -> anyhow::Result<WorkloadConfig> {
@@ -183,19 +156,5 @@ impl WorkloadArgs {
     /// `--arrival-jitter-ms` in µs.
     pub fn jitter_us(&self) -> anyhow::Result<u64> {
         ms_to_us("--arrival-jitter-ms", self.arrival_jitter_ms)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_rates;
-
-    #[test]
-    fn rates_parse_as_lists_and_ranges() {
-        assert_eq!(parse_rates("1,2.5,4").unwrap(), [1.0, 2.5, 4.0]);
-        assert_eq!(parse_rates("2:4:1").unwrap(), [2.0, 3.0, 4.0]);
-        assert!(parse_rates("1,-2").is_err());
-        assert!(parse_rates("4:2:1").is_err());
-        assert!(parse_rates("1:2").is_err());
     }
 }

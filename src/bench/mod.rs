@@ -1,12 +1,13 @@
 //! `tandem bench`: flags → [`tandem_bench::BenchConfig`], then [`tandem_bench::run_with`] and
 //! the outputs (each rate's table as it ends, the sweep's table, JSON, SVG plots).
 
-use anyhow::Context;
 use clap::{Args, ValueEnum};
-use tandem_bench::{Api, BenchConfig, BenchReport, BenchSweep, Slo};
-use tandem_workload::plot;
+use tandem_bench::{Api, BenchConfig, Slo};
+use tandem_workload::plot::write_json;
 
-use crate::workload_args::{OutputArgs, WorkloadArgs, parse_rates};
+use tandem_workload::parse_rates;
+
+use crate::workload_args::{OutputArgs, WorkloadArgs};
 
 /// Which API the prompts go to (`tandem_bench::Api`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -108,33 +109,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         print!("\n{}", sweep.to_markdown());
     }
     if let Some(path) = &args.out.json {
-        let json = match sweep.points.as_slice() {
-            [one] => serde_json::to_string_pretty(one)?,
-            _ => serde_json::to_string_pretty(&sweep)?,
-        };
-        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        match sweep.points.as_slice() {
+            [one] => write_json(path, one)?,
+            _ => write_json(path, &sweep)?,
+        }
     }
     if let Some(dir) = &args.out.plot_dir {
-        write_plots(dir, &sweep)?;
-    }
-    Ok(())
-}
-
-fn write_plots(dir: &std::path::Path, sweep: &BenchSweep) -> anyhow::Result<()> {
-    let labels: Vec<String> = sweep
-        .points
-        .iter()
-        .map(|p| format!("rate {}", p.rate))
-        .collect();
-    let runs: Vec<(&str, &[f64])> = labels
-        .iter()
-        .zip(&sweep.points)
-        .map(|(l, p): (&String, &BenchReport)| (l.as_str(), p.ttft_cdf_ms.as_slice()))
-        .collect();
-    crate::sim::write_plot(dir, "ttft_cdf.svg", &plot::ttft_cdf(&runs)?)?;
-    if sweep.points.len() > 1 {
-        let svg = plot::goodput_vs_rate("offered rate", &sweep.goodput_points())?;
-        crate::sim::write_plot(dir, "goodput_vs_rate.svg", &svg)?;
+        sweep.figures().write(dir)?;
     }
     Ok(())
 }

@@ -200,6 +200,19 @@ pub struct BenchSweep {
 impl BenchSweep {
     /// `(rate, goodput, throughput)` of every point, for
     /// [`tandem_workload::plot::goodput_vs_rate`].
+    /// The run's plots: each rate's TTFT CDF, and goodput against the offered rate when more
+    /// than one rate ran.
+    pub fn figures(&self) -> tandem_workload::plot::Figures<'_> {
+        tandem_workload::plot::Figures {
+            ttft_cdfs: self
+                .points
+                .iter()
+                .map(|p| (format!("rate {}", p.rate), p.ttft_cdf_ms.as_slice()))
+                .collect(),
+            goodput: (self.points.len() > 1).then(|| ("offered rate", self.goodput_points())),
+        }
+    }
+
     pub fn goodput_points(&self) -> Vec<(f64, f64, f64)> {
         self.points
             .iter()

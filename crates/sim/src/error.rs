@@ -31,8 +31,6 @@ pub enum SimError {
         path: String,
         source: std::io::Error,
     },
-    #[error("json: {0}")]
-    Json(#[from] serde_json::Error),
 }
 
 impl SimError {

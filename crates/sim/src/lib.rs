@@ -101,12 +101,3 @@ pub(crate) fn run_specs(
     let end = sim.run()?;
     Ok(stats::report(config, specs, sim.outcome(end)))
 }
-
-/// Writes `value` as pretty JSON to `path`.
-pub fn write_json(path: &std::path::Path, value: &impl serde::Serialize) -> Result<(), SimError> {
-    let bytes = serde_json::to_vec_pretty(value)?;
-    std::fs::write(path, bytes).map_err(|source| SimError::Io {
-        path: path.display().to_string(),
-        source,
-    })
-}

@@ -167,6 +167,14 @@ impl SimReport {
         slo.attained(self.slo_attainment)
     }
 
+    /// The run's plot: its TTFT CDF, labelled with the policy.
+    pub fn figures(&self) -> tandem_workload::plot::Figures<'_> {
+        tandem_workload::plot::Figures {
+            ttft_cdfs: vec![(self.policy.clone(), self.ttft_cdf_ms.as_slice())],
+            goodput: None,
+        }
+    }
+
     /// A two-column markdown table of the main figures.
     pub fn to_markdown(&self) -> String {
         let mut s = String::new();

@@ -37,6 +37,18 @@ impl SweepReport {
             .collect()
     }
 
+    /// The sweep's plots: each rate's TTFT CDF, and goodput against the rate.
+    pub fn figures(&self) -> tandem_workload::plot::Figures<'_> {
+        tandem_workload::plot::Figures {
+            ttft_cdfs: self
+                .points
+                .iter()
+                .map(|p| (format!("{}", p.rate), p.report.ttft_cdf_ms.as_slice()))
+                .collect(),
+            goodput: Some((self.rate_unit, self.goodput_points())),
+        }
+    }
+
     pub fn to_markdown(&self) -> String {
         let mut s = format!(
             "| {} | goodput req/s | SLO attainment | TTFT p90 ms | ITL p90 ms | prefix hit rate | meets SLO |\n|---:|---:|---:|---:|---:|---:|---|\n",

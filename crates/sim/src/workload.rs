@@ -14,6 +14,7 @@ impl From<WorkloadError> for SimError {
             WorkloadError::Trace(e) => SimError::Trace(e),
             WorkloadError::Empty => SimError::EmptyWorkload,
             WorkloadError::Plot(what) => SimError::Internal(format!("plot: {what}")),
+            WorkloadError::Io { path, source } => SimError::Io { path, source },
         }
     }
 }

@@ -18,14 +18,17 @@
 //! - `slo.rs`: [`Slo`] (TTFT and TPOT bounds, and the attainment a run needs).
 //! - `latency.rs`: [`LatencyHistogram`] and its [`LatencySummary`], the one percentile type
 //!   of the workspace (the simulator's report, the bench's report, the crates' benches).
-//! - [`plot`]: SVG line charts (TTFT CDF, goodput against rate).
+//! - [`plot`]: SVG line charts (TTFT CDF, goodput against rate), [`plot::Figures`] (the plots
+//!   of a run or a sweep, written to a directory) and [`plot::write_json`].
+//! - `rates.rs`: [`parse_rates`], a sweep's rates as `--sweep-rate` writes them.
 //! - `error.rs`: [`WorkloadError`].
 //!
 //! # Invariants
 //!
 //! - Same config and seed, same requests, bit for bit: every draw comes from
 //!   [`tandem_protocol::Rng`] in a fixed order, and nothing reads a clock or the environment.
-//!   The only I/O is reading the trace file the caller names.
+//!   The only I/O is reading the trace file the caller names, and writing the outputs it
+//!   asks for.
 //! - Latency memory is bounded: a [`LatencyHistogram`] is a few tens of KB whatever the
 //!   number of samples.
 //!
@@ -54,6 +57,7 @@ mod config;
 mod error;
 mod latency;
 pub mod plot;
+mod rates;
 mod requests;
 mod slo;
 pub mod trace;
@@ -63,6 +67,7 @@ pub use config::{
 };
 pub use error::WorkloadError;
 pub use latency::{LatencyHistogram, LatencySummary, Resolution};
+pub use rates::parse_rates;
 pub use requests::{PromptSpec, RequestSpec, build};
 pub use slo::Slo;
 pub use trace::{TraceError, TraceRecord, expand_tokens, load_trace, parse_trace};

@@ -190,3 +190,52 @@ mod tests {
         assert!(s.contains("goodput") && s.contains("throughput"));
     }
 }
+
+/// The figures of one run (a TTFT CDF) or of a sweep (a CDF per rate, and goodput against the
+/// rate), as `tandem sim` and `tandem bench` write them.
+#[derive(Clone, Debug, Default)]
+pub struct Figures<'a> {
+    /// `(label, TTFT at each percent 0…100)` of each run.
+    pub ttft_cdfs: Vec<(String, &'a [f64])>,
+    /// For a sweep of more than one rate: the rate's unit and `(rate, goodput, throughput)`.
+    pub goodput: Option<(&'a str, Vec<(f64, f64, f64)>)>,
+}
+
+impl Figures<'_> {
+    /// Writes `ttft_cdf.svg` (and `goodput_vs_rate.svg` for a sweep) into `dir`, made if
+    /// missing.
+    pub fn write(&self, dir: &std::path::Path) -> Result<(), WorkloadError> {
+        let io = |path: &std::path::Path| {
+            let path = path.display().to_string();
+            move |source| WorkloadError::Io { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let runs: Vec<(&str, &[f64])> = self
+            .ttft_cdfs
+            .iter()
+            .map(|(label, cdf)| (label.as_str(), *cdf))
+            .collect();
+        let mut files = vec![("ttft_cdf.svg", ttft_cdf(&runs)?)];
+        if let Some((unit, points)) = &self.goodput {
+            files.push(("goodput_vs_rate.svg", goodput_vs_rate(unit, points)?));
+        }
+        for (name, svg) in files {
+            let path = dir.join(name);
+            std::fs::write(&path, svg).map_err(io(&path))?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes `value` as pretty JSON to `path` (the `--json` record of a run or a sweep).
+pub fn write_json(
+    path: &std::path::Path,
+    value: &impl serde::Serialize,
+) -> Result<(), WorkloadError> {
+    let io = |source| WorkloadError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let bytes = serde_json::to_vec_pretty(value).map_err(|e| io(std::io::Error::other(e)))?;
+    std::fs::write(path, bytes).map_err(io)
+}
