@@ -191,6 +191,9 @@ mod tests {
     }
 }
 
+/// `(rate, goodput, throughput)` of each point of a sweep, requests per second.
+pub type GoodputPoints = Vec<(f64, f64, f64)>;
+
 /// The figures of one run (a TTFT CDF) or of a sweep (a CDF per rate, and goodput against the
 /// rate), as `tandem sim` and `tandem bench` write them.
 #[derive(Clone, Debug, Default)]
@@ -198,7 +201,7 @@ pub struct Figures<'a> {
     /// `(label, TTFT at each percent 0…100)` of each run.
     pub ttft_cdfs: Vec<(String, &'a [f64])>,
     /// For a sweep of more than one rate: the rate's unit and `(rate, goodput, throughput)`.
-    pub goodput: Option<(&'a str, Vec<(f64, f64, f64)>)>,
+    pub goodput: Option<(&'a str, GoodputPoints)>,
 }
 
 impl Figures<'_> {
