@@ -258,8 +258,8 @@ pub(crate) fn report(cfg: &SimConfig, specs: &[RequestSpec], outcome: Outcome) -
         transfer_p50_ms: transfer_s.p50,
         transfer_max_ms: transfer_s.max,
         transfer_fallbacks: stats.transfer_fallbacks,
-        worker_requests: Spread::of(&decode_routed),
-        prefill_worker_requests: Spread::of(&prefill_routed),
+        worker_requests: Spread::of(decode_routed),
+        prefill_worker_requests: Spread::of(prefill_routed),
         inflight_imbalance_samples: imb.len() as u64,
         inflight_imbalance_max_minus_min_mean: mean(imb.iter().map(|x| x.max_minus_min as f64)),
         inflight_imbalance_max_minus_min_max: imb
