@@ -16,7 +16,8 @@
 //!   [`shutdown::drain`].
 //! - [`telemetry`]: [`telemetry::init`], idempotent.
 //! - [`grpc`]: [`grpc::serve_tonic`] on a caller-bound listener, [`grpc::connect_channel`].
-//! - [`external`]: [`EtcdServer`] and [`NatsServer`] child processes.
+//! - [`external`]: [`EtcdServer`] and [`NatsServer`] child processes, and
+//!   [`external::ProcessGroup`] for `tandem up --processes`' roles.
 //! - [`error`]: [`RuntimeError`] and its [`ErrorClass`]; [`EtcdError`] for etcd failures.
 //!
 //! **Invariants.**

@@ -3,10 +3,11 @@
 //! # Job
 //!
 //! Every worker is a real [`tandem_engine::MockEngine`] (block pool, continuous-batching
-//! scheduler, mocker step timing; timing-only KV). Every router replica is the real router
-//! code: its own [`tandem_indexer::KvIndex`], its own [`tandem_router::ActiveSequences`]
-//! tracker, a [`tandem_router::Router`] (aggregated) or [`tandem_router::disagg::decide`]
-//! (with a prefill pool). Between them a simulated event plane carries KV events, load
+//! scheduler, mocker step timing; timing-only KV). Every router replica is a
+//! [`tandem_router::RoutingReplica`], the type the frontend routes with, configured from the
+//! same [`tandem_router::RoutingConfig`] ([`SimConfig::replica_config`]): its own KV index and
+//! feed rules, its own active-sequence tracker, the policy or the disaggregation rule, the
+//! load reports it received. Between them a simulated event plane carries KV events, load
 //! reports and replica-sync messages after a configurable delay, either streamed or as
 //! periodic snapshots (phase-aligned or staggered across routers). [`run`] returns the
 //! figures as a [`SimReport`]; [`sweep`] runs the same workload at several rates and finds the
@@ -20,7 +21,8 @@
 //!   synthetic workloads: Poisson, gamma, constant arrivals; random, shared-prefix, multi-turn
 //!   prompts; optional seeded arrival jitter), expanded to tokens at arrival.
 //! - `queue.rs`: the event heap. `sim.rs`: the event loop and the request lifecycle.
-//!   `replica.rs`: one router replica. `stats.rs`, `metrics.rs`: counters and [`SimReport`].
+//!   `replica.rs`: what the event plane delivers to a replica, and its repairs answered.
+//!   `stats.rs`, `metrics.rs`: counters, the run's plain outcome, and [`SimReport`].
 //! - `sweep.rs`: rate sweeps. `plan.rs`: `tandem plan`'s search for the smallest cluster
 //!   meeting an SLO. Plots: [`tandem_workload::plot`] over [`SimReport::ttft_cdf_ms`] and
 //!   [`SweepReport::goodput_points`].
@@ -34,7 +36,9 @@
 //! - Streaming mode (snapshot interval 0): a worker's new KV events are sent after each of
 //!   its engine steps; routers use their trackers as the load signal (no load reports).
 //!   Snapshot mode: every T, each router gets every worker's events since its last snapshot
-//!   and every worker's load report, merged into the tracker's load (`WorkerLoad::merge_report`).
+//!   and every worker's load report; with `merge_load_reports` (`--merge-load-reports true`)
+//!   the reports are folded into the tracker's load (`WorkerLoad::merge_report`), otherwise
+//!   only their KV usage is used (the frontend's default).
 //! - Remote prefill: at routing, the decode worker reserves blocks for the prompt tokens it
 //!   does not cache (`MockEngine::begin_remote_prefill`; they are held, not evictable, until
 //!   the KV is in); the prefill worker runs the prompt as a one-token request; the KV of the

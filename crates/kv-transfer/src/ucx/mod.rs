@@ -6,7 +6,8 @@
 //! Layout: `sys` holds the bindings (bindgen's output, generated ahead of time and checked in);
 //! `library` loads `libucp.so.0` at run time, once, and is the only way to its functions;
 //! `ucp` thin wrappers over the UCP calls; `engine` the worker thread, the only place that
-//! calls UCX; `handle` the commands and the handle the async side sends them through; `direct`
+//! calls UCX; `thread` starts it; `handle` the commands and the handle the async side sends
+//! them through; `direct`
 //! copies into a same-host peer's mapped memory; this module the safe async types.
 //!
 //! - Receiver: `expose` maps the region and packs its remote key; the descriptor carries the
