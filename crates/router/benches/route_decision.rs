@@ -1,7 +1,11 @@
 //! One routing decision, end to end as the frontend makes it: hash a 4,096-token prompt
 //! (256 blocks of 16), `find_matches` in the global index, build the 64 candidates' views
 //! from the index and the active-sequence tracker, score them with the `kv` policy, and
-//! record the request in the tracker. Reports per-decision latency percentiles.
+//! record the request in the tracker. Reports per-decision latency percentiles, twice in one
+//! run: over the bare pieces (index, tracker, `Router`), and through `RoutingReplica::route`,
+//! the path the frontend and the simulator take (its candidate views, warm-up and busy rules,
+//! the prefill part of the plan, the sync messages), in alternating passes so that the two
+//! figures compare within one run.
 //!
 //! State: 64 workers; 512 conversations, each a 32-block system prompt shared by all plus 224
 //! blocks of its own history, cached on the worker it lives on (and the system prompt
@@ -20,9 +24,11 @@ use tandem_protocol::{
     BlockSize, HashSeed, KvEvent, KvEventKind, RequestId, SequenceHash, StorageTier, StoredBlock,
     WorkerId,
 };
+use tandem_protocol::{KvDump, WorkerRole};
 use tandem_router::{
-    ActiveSequences, NewSequence, PolicyConfig, PolicyKind, Rng, RouteRequest, Router,
-    RouterConfig, RouterId, TrackerConfig, WorkerView,
+    ActiveSequences, Input, NewSequence, PolicyConfig, PolicyKind, RepairReply, ReplicaConfig, Rng,
+    RouteInput, RouteRequest, Router, RouterConfig, RouterId, RoutingConfig, RoutingReplica,
+    TrackerConfig, WorkerView,
 };
 use tandem_workload::{LatencyHistogram, Resolution};
 
@@ -44,10 +50,10 @@ fn conversation(c: u32) -> Vec<u32> {
         .collect()
 }
 
-fn store(index: &mut KvIndex, worker: WorkerId, hashes: &[SequenceHash]) {
-    let ev = KvEvent {
+fn stored(worker: WorkerId, event_id: u64, hashes: &[SequenceHash]) -> KvEvent {
+    KvEvent {
         worker_id: worker,
-        event_id: index.last_event_id(worker).unwrap_or(0) + 1,
+        event_id,
         tier: StorageTier::Device,
         kind: KvEventKind::Stored {
             parent: None,
@@ -59,8 +65,24 @@ fn store(index: &mut KvIndex, worker: WorkerId, hashes: &[SequenceHash]) {
                 })
                 .collect(),
         },
+    }
+}
+
+/// Every conversation cached on its worker, the shared system prompt on every worker, as the
+/// (worker, sequence hashes) of each store, in order.
+fn stores(prompts: &[Vec<u32>]) -> Vec<(WorkerId, Vec<SequenceHash>)> {
+    let (bs, seed) = (BlockSize::DEFAULT, HashSeed::UNSALTED);
+    let hashes = |t: &[u32]| -> Vec<SequenceHash> {
+        compute_block_hashes(t, bs, seed)
+            .iter()
+            .map(|h| h.sequence)
+            .collect()
     };
-    index.apply(&ev);
+    let mut out: Vec<_> = (0..prompts.len())
+        .map(|c| (WorkerId(c as u64 % WORKERS), hashes(&prompts[c])))
+        .collect();
+    out.extend((0..WORKERS).map(|w| (WorkerId(w), hashes(&prompts[0][..512]))));
+    out
 }
 
 fn views(scores: &OverlapScores, tracker: &ActiveSequences, out: &mut Vec<WorkerView>) {
@@ -86,24 +108,14 @@ fn views(scores: &OverlapScores, tracker: &ActiveSequences, out: &mut Vec<Worker
     }
 }
 
-fn main() {
+/// Decisions over the bare pieces; returns the timed ones' histogram and the whole-prompt hits.
+fn bare(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
     let bs = BlockSize::DEFAULT;
     let seed = HashSeed::UNSALTED;
-    let prompts: Vec<Vec<u32>> = (0..CONVERSATIONS).map(conversation).collect();
     let mut index = KvIndex::new();
-    for (c, p) in prompts.iter().enumerate() {
-        let hs: Vec<SequenceHash> = compute_block_hashes(p, bs, seed)
-            .iter()
-            .map(|h| h.sequence)
-            .collect();
-        store(&mut index, WorkerId(c as u64 % WORKERS), &hs);
-    }
-    for w in 0..WORKERS {
-        let hs: Vec<SequenceHash> = compute_block_hashes(&prompts[0][..512], bs, seed)
-            .iter()
-            .map(|h| h.sequence)
-            .collect();
-        store(&mut index, WorkerId(w), &hs);
+    for (w, hs) in stores(prompts) {
+        let id = index.last_event_id(w).unwrap_or(0) + 1;
+        index.apply(&stored(w, id, &hs));
     }
     let mut router = Router::new(RouterConfig {
         policy: PolicyConfig::new(PolicyKind::Kv),
@@ -115,7 +127,6 @@ fn main() {
     let mut buf = Vec::with_capacity(WORKERS as usize);
     let mut lat = LatencyHistogram::new(Resolution::Nanos);
     let mut hits = 0u64;
-    let rounds = 20_000u64;
     for i in 0..rounds {
         let tokens = &prompts[(i as usize * 7919) % prompts.len()];
         let t = Instant::now();
@@ -153,17 +164,96 @@ fn main() {
             lat.record_duration(elapsed);
         }
     }
-    let us = lat.summary().scaled(1000.0);
-    println!(
-        "route decision ({} workers, {}-token prompt, kv policy, {} in flight): p50 {:.2} µs, p90 {:.2} µs, p99 {:.2} µs, max {:.1} µs over {} decisions; {:.1} % routed to the worker holding the whole prompt",
-        WORKERS,
-        PROMPT_TOKENS,
-        IN_FLIGHT,
-        us.p50,
-        us.p90,
-        us.p99,
-        us.max,
-        us.count,
-        100.0 * hits as f64 / rounds as f64
-    );
+    (lat, hits)
+}
+
+/// The same decisions through the routing replica.
+fn replica(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
+    let (bs, seed) = (BlockSize::DEFAULT, HashSeed::UNSALTED);
+    let mut r = RoutingReplica::new(ReplicaConfig {
+        router_id: RouterId(1),
+        seed: 7,
+        routing: RoutingConfig::default(),
+    })
+    .expect("replica");
+    for w in 0..WORKERS {
+        let worker = WorkerId(w);
+        let role = WorkerRole::Aggregated;
+        r.apply(Input::Joined { worker, role }, 0).expect("join");
+        let reply = RepairReply::Dump(KvDump {
+            worker_id: worker,
+            last_event_id: 0,
+            events: vec![],
+        });
+        r.apply(Input::Repaired { worker, reply }, 0).expect("dump");
+    }
+    for (w, hs) in stores(prompts) {
+        let id = r.feed().index().last_event_id(w).unwrap_or(0) + 1;
+        r.apply(Input::KvEvents(&[stored(w, id, &hs)]), 0)
+            .expect("events");
+    }
+    let mut lat = LatencyHistogram::new(Resolution::Nanos);
+    let mut hits = 0u64;
+    let mut flights = std::collections::VecDeque::new();
+    for i in 0..rounds {
+        let tokens = &prompts[(i as usize * 7919) % prompts.len()];
+        let t = Instant::now();
+        let hashes: Vec<SequenceHash> = compute_block_hashes(tokens, bs, seed)
+            .iter()
+            .map(|h| h.sequence)
+            .collect();
+        let input = RouteInput {
+            request: RequestId(i),
+            route: RouteRequest::from_tokens(tokens, bs, seed),
+            hashes: &hashes,
+            expected_output_tokens: 128,
+            overlap: None,
+        };
+        let plan = r.route(&input, &[], i).expect("plan");
+        let elapsed = t.elapsed();
+        let cached = plan
+            .decision
+            .decode
+            .chosen_terms()
+            .map_or(0, |t| t.overlap.total());
+        if cached as usize == hashes.len() {
+            hits += 1;
+        }
+        flights.push_back(plan.flight);
+        black_box(&plan.sync);
+        if flights.len() > IN_FLIGHT
+            && let Some(old) = flights.pop_front()
+        {
+            r.finish(old, i);
+        }
+        if i >= 1000 {
+            lat.record_duration(elapsed);
+        }
+    }
+    (lat, hits)
+}
+
+fn main() {
+    let prompts: Vec<Vec<u32>> = (0..CONVERSATIONS).map(conversation).collect();
+    let rounds = 20_000u64;
+    for pass in 1..=2 {
+        for (what, (lat, hits)) in [
+            ("bare pieces", bare(&prompts, rounds)),
+            ("RoutingReplica::route", replica(&prompts, rounds)),
+        ] {
+            let us = lat.summary().scaled(1000.0);
+            println!(
+                "pass {pass}, {what} ({} workers, {}-token prompt, kv policy, {} in flight): p50 {:.2} µs, p90 {:.2} µs, p99 {:.2} µs, max {:.1} µs over {} decisions; {:.1} % routed to the worker holding the whole prompt",
+                WORKERS,
+                PROMPT_TOKENS,
+                IN_FLIGHT,
+                us.p50,
+                us.p90,
+                us.p99,
+                us.max,
+                us.count,
+                100.0 * hits as f64 / rounds as f64
+            );
+        }
+    }
 }
