@@ -29,8 +29,13 @@ fi
 cp /etc/resolv.conf "$root/etc/resolv.conf"
 mkdir -p "$root/opt/rust" "$root/src"
 cleanup() {
-  [ -f "$root/root/up.pid" ] && kill -TERM "$(cat "$root/root/up.pid")" 2>/dev/null || true
-  for m in opt/rust src proc dev; do umount "$root/$m" 2>/dev/null || true; done
+  if [ -f "$root/root/up.pid" ]; then
+    pid=$(cat "$root/root/up.pid")
+    kill -TERM "$pid" 2>/dev/null || true
+    # The cluster drains, then exits; the mounts can go once nothing in the root uses them.
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+  fi
+  for m in opt/rust src proc dev; do umount "$root/$m" 2>/dev/null || umount -l "$root/$m" || true; done
 }
 trap cleanup EXIT
 mount --bind "$toolchain" "$root/opt/rust" && mount -o remount,bind,ro "$root/opt/rust"
