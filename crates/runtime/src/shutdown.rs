@@ -260,14 +260,8 @@ mod tests {
     async fn sigterm_drains_then_a_second_one_stops() {
         let root = Shutdown::new();
         let task = shutdown_on_signals(root.clone());
-        let term = || {
-            // The handler is installed: SIGTERM to ourselves no longer kills the test process.
-            let status = std::process::Command::new("kill")
-                .args(["-TERM", &std::process::id().to_string()])
-                .status()
-                .expect("run kill");
-            assert!(status.success());
-        };
+        // The handler is installed: SIGTERM to ourselves no longer kills the test process.
+        let term = || crate::external::terminate(std::process::id());
         term();
         tokio::time::timeout(Duration::from_secs(5), root.draining())
             .await

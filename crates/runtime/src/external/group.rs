@@ -2,8 +2,8 @@
 //! multi-process mode's roles (`tandem up --processes`).
 //!
 //! Children are killed when the group is dropped (`kill_on_drop`); [`ProcessGroup::stop`]
-//! asks each to drain first (SIGTERM, through `kill(1)`: this crate has no unsafe code), in the
-//! reverse order of their start, and kills the ones still running after the grace period.
+//! asks each to drain first (SIGTERM), in the reverse order of their start, and kills the ones
+//! still running after the grace period.
 
 use std::ffi::OsStr;
 use std::process::Stdio;
@@ -67,16 +67,23 @@ impl ProcessGroup {
     pub async fn stop(&mut self, grace: Duration) {
         for (name, child) in self.children.iter_mut().rev() {
             if let Some(pid) = child.id() {
-                let _ = Command::new("kill")
-                    .args(["-TERM", &pid.to_string()])
-                    .status()
-                    .await;
+                terminate(pid);
             }
             if tokio::time::timeout(grace, child.wait()).await.is_err() {
                 tracing::warn!(%name, "did not stop in time: killing");
                 let _ = child.kill().await;
             }
         }
+    }
+}
+
+/// Sends SIGTERM to `pid`; a process that is already gone is no error worth reporting.
+pub fn terminate(pid: u32) {
+    let pid = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw);
+    if let Some(pid) = pid {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
     }
 }
 

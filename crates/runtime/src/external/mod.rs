@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use crate::error::RuntimeError;
 
 pub use etcd::{EtcdOptions, EtcdServer};
-pub use group::ProcessGroup;
+pub use group::{ProcessGroup, terminate};
 pub use nats::{NatsOptions, NatsServer};
 
 /// How often readiness is polled while a server starts.
