@@ -13,6 +13,12 @@ APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server libucx-d
 . scripts/lib/apt.sh
 ensure_apt "${APT_PACKAGES[@]}"
 
+# Python packages the interop tests use as independent implementations: msgspec and pyzmq
+# encode KV event batches the way vLLM and SGLang do (their publishers are built on them); the
+# official `openai` and `anthropic` clients talk to the frontend's Responses and Messages APIs.
+PIP_PACKAGES=(msgspec pyzmq openai anthropic)
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${PIP_PACKAGES[@]}"
+
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 

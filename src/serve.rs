@@ -19,6 +19,7 @@ use tandem_router::{DisaggConfig, DisaggMode, PolicyConfig, PolicyKind, RouterId
 use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
 use tandem_runtime::events::{EventPlane, NatsAuth, NatsConfig, NatsEventPlane};
 use tandem_runtime::shutdown::Shutdown;
+use tandem_worker::external::{EngineKind, SidecarConfig};
 use tandem_worker::{WorkerConfig, WorkerDeps};
 use tokio::net::TcpListener;
 
@@ -120,6 +121,51 @@ pub struct EngineArgs {
     pub speedup_ratio: f64,
 }
 
+/// The engine behind a worker: the in-process mocker, or an external engine fronted by this
+/// worker as a sidecar.
+#[derive(Args, Debug, Clone)]
+pub struct ExternalEngineArgs {
+    /// mocker (in-process), vllm, sglang, or openai (an OpenAI-compatible server with vLLM's
+    /// `return_token_ids`); the last three are reached at --engine-url.
+    #[arg(long, env = "TANDEM_ENGINE", default_value = "mocker")]
+    pub engine: String,
+    /// The external engine's HTTP API, e.g. http://10.0.0.5:8000.
+    #[arg(long, env = "TANDEM_ENGINE_URL")]
+    pub engine_url: Option<String>,
+    /// The engine's ZMQ KV event publisher, e.g. tcp://10.0.0.5:5557 (vLLM:
+    /// --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+    /// "endpoint": "tcp://*:5557"}'). Without it the frontend knows nothing of the engine's
+    /// cache.
+    #[arg(long, env = "TANDEM_ENGINE_KV_EVENTS")]
+    pub engine_kv_events: Option<String>,
+    /// The engine's ZMQ replay socket (vLLM's `replay_endpoint`), for repairing lost events;
+    /// without it a gap costs a clear of this worker's entries in the index.
+    #[arg(long, env = "TANDEM_ENGINE_KV_REPLAY")]
+    pub engine_kv_replay: Option<String>,
+    /// The ZMQ topic the engine publishes on (vLLM's `topic`).
+    #[arg(long, env = "TANDEM_ENGINE_KV_TOPIC", default_value = "")]
+    pub engine_kv_topic: String,
+    /// The model name the engine serves, when it is not --model.
+    #[arg(long, env = "TANDEM_ENGINE_MODEL")]
+    pub engine_model: Option<String>,
+    /// Milliseconds between the engine's health checks.
+    #[arg(long, env = "TANDEM_ENGINE_HEALTH_INTERVAL_MS", default_value_t = 1000)]
+    pub engine_health_interval_ms: u64,
+    /// Failed health checks in a row before the engine's worker leaves discovery.
+    #[arg(long, env = "TANDEM_ENGINE_HEALTH_FAILURES", default_value_t = 3)]
+    pub engine_health_failures: u32,
+    /// Seconds to wait at start for the engine to answer /health (loading weights).
+    #[arg(long, env = "TANDEM_ENGINE_STARTUP_TIMEOUT_S", default_value_t = 600)]
+    pub engine_startup_timeout_s: u64,
+    /// SGLang started with --incremental-streaming-output.
+    #[arg(
+        long,
+        env = "TANDEM_ENGINE_INCREMENTAL_OUTPUT",
+        default_value_t = false
+    )]
+    pub engine_incremental_output: bool,
+}
+
 /// One worker process.
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {
@@ -127,6 +173,8 @@ pub struct WorkerArgs {
     pub plane: PlaneArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub external: ExternalEngineArgs,
     /// gRPC listen address.
     #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: String,
@@ -429,8 +477,64 @@ fn shutdown_on_signals() -> Shutdown {
     root
 }
 
+impl WorkerArgs {
+    /// The sidecar's config, when the engine is external.
+    pub fn sidecar_config(&self, role: WorkerRole) -> anyhow::Result<Option<SidecarConfig>> {
+        let x = &self.external;
+        if x.engine == "mocker" {
+            if x.engine_url.is_some() || x.engine_kv_events.is_some() {
+                anyhow::bail!(
+                    "--engine-url and --engine-kv-events need --engine vllm|sglang|openai"
+                );
+            }
+            return Ok(None);
+        }
+        let kind: EngineKind = x.engine.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+        let url = x
+            .engine_url
+            .as_deref()
+            .with_context(|| format!("--engine {} needs --engine-url", x.engine))?;
+        let id = WorkerId(self.worker_id.unwrap_or_else(random_id));
+        let mut c = SidecarConfig::new(id, role, kind, url);
+        c.model = self.model.clone();
+        c.engine_model = x.engine_model.clone();
+        c.namespace = self.plane.namespace.clone();
+        c.advertise_host = self.advertise_host.clone();
+        c.kv_events = x.engine_kv_events.clone();
+        c.kv_replay = x.engine_kv_replay.clone();
+        c.kv_topic = x.engine_kv_topic.clone();
+        c.block_size = Some(self.engine.block_size);
+        c.device_blocks = Some(u64::from(self.engine.device_blocks));
+        c.host_blocks = Some(u64::from(self.engine.host_blocks));
+        c.incremental_output = x.engine_incremental_output;
+        c.load_interval = Duration::from_millis(self.load_interval_ms);
+        c.health_interval = Duration::from_millis(x.engine_health_interval_ms.max(10));
+        c.health_failures = x.engine_health_failures.max(1);
+        c.startup_timeout = Duration::from_secs(x.engine_startup_timeout_s);
+        c.drain_timeout = Duration::from_secs(self.drain_timeout_s);
+        c.prefill_timeout = Duration::from_millis(self.prefill_timeout_ms);
+        Ok(Some(c))
+    }
+}
+
 pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()> {
     init_logs(args.plane.log_json)?;
+    if let Some(cfg) = args.sidecar_config(role)? {
+        let listener = bind(&args.listen).await?;
+        let deps = args
+            .plane
+            .connect(&format!("{role:?}-{}", cfg.worker_id.0))
+            .await?;
+        tandem_worker::external::sidecar::run(
+            cfg,
+            listener,
+            deps.discovery,
+            deps.events,
+            shutdown_on_signals(),
+        )
+        .await?;
+        return Ok(());
+    }
     let cfg = args.config(role)?;
     let listener = bind(&args.listen).await?;
     let deps = args

@@ -66,9 +66,11 @@ async fn run(client: &mut WorkerClient<tonic::transport::Channel>, id: u64, toke
             temperature: 0.0,
             stop_token: None,
             ignore_eos: true,
+            top_p: None,
         }),
         hash_seed: HashSeed::UNSALTED.0,
         remote_prefill: None,
+        cache_salt: String::new(),
     };
     let mut stream = client.generate(req).await.unwrap().into_inner();
     while stream.message().await.unwrap().is_some() {}

@@ -66,6 +66,9 @@ pub struct Options {
     pub kv_transport: &'static str,
     /// Prefill workers corrupt one byte of every transfer (fault injection).
     pub corrupt_transfers: bool,
+    /// Workers front an external engine of this kind (`vllm`): each is a `tandem-standin`
+    /// process plus a sidecar (`tandem decode --engine vllm …`) in front of it.
+    pub engine: Option<&'static str>,
 }
 
 impl Default for Options {
@@ -83,6 +86,7 @@ impl Default for Options {
             indexer: false,
             kv_transport: "ucx",
             corrupt_transfers: false,
+            engine: None,
         }
     }
 }
@@ -102,9 +106,20 @@ pub struct Proc {
 impl Proc {
     /// Starts the `tandem` binary with `args`, stdout and stderr into `log`.
     pub fn spawn(name: &str, role: &'static str, args: &[String], log: &Path) -> Proc {
+        Proc::spawn_bin(env!("CARGO_BIN_EXE_tandem"), name, role, args, log)
+    }
+
+    /// Starts `bin` with `args`, stdout and stderr into `log`.
+    pub fn spawn_bin(
+        bin: &str,
+        name: &str,
+        role: &'static str,
+        args: &[String],
+        log: &Path,
+    ) -> Proc {
         let out = std::fs::File::create(log).unwrap();
         let err = out.try_clone().unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        let child = Command::new(bin)
             .args(args)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
@@ -287,6 +302,8 @@ pub struct Cluster {
     /// None only while starting.
     frontend: Option<Proc>,
     pub workers: Vec<Proc>,
+    /// The stand-in engines behind the workers (`Options::engine`), by worker id.
+    pub engines: Vec<Engine>,
     pub etcd: EtcdServer,
     pub nats: NatsServer,
     /// Runs the external servers' async API.
@@ -330,6 +347,7 @@ impl Cluster {
             dir,
             opts: opts.clone(),
             workers: Vec::new(),
+            engines: Vec::new(),
             etcd,
             nats,
             rt,
@@ -378,11 +396,78 @@ impl Cluster {
         ]
     }
 
+    /// Starts a stand-in engine for worker `id`; its HTTP address and ZMQ endpoints.
+    pub fn spawn_engine(&mut self, id: u64) -> Engine {
+        let http = free_port().unwrap();
+        let (kv, replay) = (free_port().unwrap(), free_port().unwrap());
+        let args: Vec<String> = [
+            "--listen".to_string(),
+            format!("127.0.0.1:{http}"),
+            "--kv-events".into(),
+            format!("tcp://127.0.0.1:{kv}"),
+            "--kv-replay".into(),
+            format!("tcp://127.0.0.1:{replay}"),
+            "--speedup-ratio".into(),
+            self.opts.speedup.to_string(),
+            "--device-blocks".into(),
+            self.opts.device_blocks.to_string(),
+            "--engine-id".into(),
+            format!("standin-{id}"),
+        ]
+        .into();
+        let name = format!("engine-{id}");
+        let log = self.dir.join(format!("{name}.log"));
+        let mut p = Proc::spawn_bin(
+            env!("CARGO_BIN_EXE_tandem-standin"),
+            &name,
+            "engine",
+            &args,
+            &log,
+        );
+        p.worker_id = Some(id);
+        let engine = Engine {
+            id,
+            addr: SocketAddr::from(([127, 0, 0, 1], http)),
+            kv_events: format!("tcp://127.0.0.1:{kv}"),
+            kv_replay: format!("tcp://127.0.0.1:{replay}"),
+            proc: p,
+        };
+        wait_for(
+            "the stand-in engine's /health",
+            Duration::from_secs(30),
+            || {
+                http::get(engine.addr, "/health")
+                    .ok()
+                    .filter(|r| r.status == 200)
+            },
+        );
+        engine
+    }
+
+    /// The stand-in engine behind worker `id`.
+    pub fn engine(&mut self, id: u64) -> &mut Engine {
+        self.engines
+            .iter_mut()
+            .find(|e| e.id == id)
+            .unwrap_or_else(|| panic!("no engine {id}"))
+    }
+
     /// Starts one more worker process (`role` is `prefill` or `decode`).
     pub fn spawn_worker(&mut self, role: &'static str, id: u64) {
+        let external = self.opts.engine.map(|kind| (kind, self.spawn_engine(id)));
         let o = &self.opts;
         let mut args = vec![role.to_string()];
         args.extend(self.plane_args());
+        if let Some((kind, engine)) = &external {
+            args.extend([
+                format!("--engine={kind}"),
+                format!("--engine-url=http://{}", engine.addr),
+                format!("--engine-kv-events={}", engine.kv_events),
+                format!("--engine-kv-replay={}", engine.kv_replay),
+                "--engine-health-interval-ms=100".into(),
+                "--engine-health-failures=3".into(),
+            ]);
+        }
         args.extend(
             [
                 "--worker-id",
@@ -412,6 +497,9 @@ impl Cluster {
         let mut p = Proc::spawn(&name, role, &args, &log);
         p.worker_id = Some(id);
         self.workers.push(p);
+        if let Some((_, engine)) = external {
+            self.engines.push(engine);
+        }
     }
 
     fn start_frontend(&mut self) {
@@ -529,6 +617,31 @@ impl Cluster {
     }
 }
 
+/// A stand-in engine process behind a worker.
+#[derive(Debug)]
+pub struct Engine {
+    pub id: u64,
+    /// Its HTTP API.
+    pub addr: SocketAddr,
+    pub kv_events: String,
+    pub kv_replay: String,
+    pub proc: Proc,
+}
+
+impl Engine {
+    /// The engine's own `/metrics`.
+    pub fn metrics(&self) -> Metrics {
+        let r = http::get(self.addr, "/metrics").expect("engine /metrics");
+        Metrics::parse(&r.text())
+    }
+
+    /// Fault injection: the engine's next KV event batch is not published (only replayable).
+    pub fn drop_next_event(&self) {
+        let r = http::post_json(self.addr, "/standin/drop-next-event", "{}").unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+}
+
 /// Reads the routing headers of a successful chat completion.
 pub fn routed(r: &Response) -> Routed {
     let num = |h: &str| -> Option<u64> {
@@ -563,12 +676,18 @@ impl Drop for Cluster {
             for w in &self.workers {
                 w.print_tail();
             }
+            for e in &self.engines {
+                e.proc.print_tail();
+            }
         }
         if let Some(f) = &mut self.frontend {
             f.kill9();
         }
         for w in &mut self.workers {
             w.kill9();
+        }
+        for e in &mut self.engines {
+            e.proc.kill9();
         }
         // TANDEM_TEST_KEEP_LOGS keeps a passing test's logs too (a test harness switch, not
         // configuration of tandem).

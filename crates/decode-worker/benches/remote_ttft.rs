@@ -68,12 +68,14 @@ async fn ttft(d: &Worker, p: &Worker, seed: u32, remote: bool) -> (f64, i32) {
             temperature: 0.0,
             stop_token: None,
             ignore_eos: true,
+            top_p: None,
         }),
         hash_seed: HashSeed::UNSALTED.0,
         remote_prefill: remote.then(|| RemotePrefillTarget {
             worker_id: 1,
             address: p.addr.clone(),
         }),
+        cache_salt: String::new(),
     };
     let t = Instant::now();
     let mut stream = client.generate(req).await.unwrap().into_inner();

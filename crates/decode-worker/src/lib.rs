@@ -130,6 +130,8 @@ impl DecodeService {
             bytes_per_block: host.bytes_per_block() as u64,
             destination_blocks: Vec::new(),
             destination: String::new(),
+            engine_handshake: false,
+            cache_salt: String::new(),
         };
         let mut prefill = prefill;
         let mut hold = None;

@@ -96,12 +96,14 @@ fn request(id: u64, prompt: Vec<u32>, remote: Option<&Running>) -> GenerateReque
             temperature: 0.0,
             stop_token: None,
             ignore_eos: true,
+            top_p: None,
         }),
         hash_seed: tandem_protocol::HashSeed::UNSALTED.0,
         remote_prefill: remote.map(|p| RemotePrefillTarget {
             worker_id: 1,
             address: p.addr.clone(),
         }),
+        cache_salt: String::new(),
     }
 }
 
@@ -597,6 +599,7 @@ async fn abort_prefill_stops_the_writer_and_refuses_late_prefills() {
         bytes_per_block: 8192,
         destination_blocks: (0..188).collect(),
         destination: destination.clone(),
+        ..Default::default()
     };
     let abort = |id: u64| AbortPrefillRequest {
         request_id: id,

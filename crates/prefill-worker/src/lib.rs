@@ -121,7 +121,7 @@ impl PrefillService {
                 req.block_size, req.bytes_per_block
             )));
         }
-        if req.from_token % bs != 0 || req.from_token as usize > req.prompt.len() {
+        if !req.from_token.is_multiple_of(bs) || req.from_token as usize > req.prompt.len() {
             return Err(WorkerError::InvalidRequest(format!(
                 "from_token {} is not a block boundary within the {}-token prompt",
                 req.from_token,
@@ -190,6 +190,7 @@ impl Prefill {
                     digest: self.digest.value(),
                     blocks: self.digest.blocks(),
                     cached_tokens: out.cached_tokens as u32,
+                    kv_transfer_params: String::new(),
                 };
                 Some(Ok(vec![PrefillChunk {
                     item: Some(prefill_chunk::Item::Done(done)),

@@ -18,6 +18,7 @@ pub mod arena;
 pub mod context;
 pub mod digest;
 pub mod error;
+pub mod external;
 pub mod host;
 
 pub use arena::{KvMemory, RegionStorage, digest_block, region_digest};

@@ -338,12 +338,14 @@ impl ClusterBackend {
                 temperature: job.temperature,
                 stop_token: None,
                 ignore_eos: job.ignore_eos,
+                top_p: None,
             }),
             hash_seed: job.seed.0,
             remote_prefill: plan.prefill.as_ref().map(|p| RemotePrefillTarget {
                 worker_id: p.record.id.0,
                 address: p.record.addresses.grpc.clone(),
             }),
+            cache_salt: job.cache_salt.clone().unwrap_or_default(),
         };
         let mut client = plan.decode.client.clone();
         let mut stream = client.generate(greq).await?.into_inner();
@@ -365,6 +367,8 @@ struct Job {
     ignore_eos: bool,
     seed: HashSeed,
     sampling_seed: u64,
+    /// The client's cache salt, passed on for external engines' own salting.
+    cache_salt: Option<String>,
 }
 
 /// A request started on a decode worker, its first chunk in hand.
@@ -499,6 +503,7 @@ impl Backend for ClusterBackend {
             max_tokens: req.max_tokens,
             temperature: req.temperature,
             ignore_eos: req.ignore_eos,
+            cache_salt: req.cache_salt.clone(),
         };
         let mut excluded = Vec::new();
         let started = self.start_job(&job, &mut excluded).await?;

@@ -358,10 +358,10 @@ impl KvIndex {
         let t = tier.index();
         match kind {
             KvEventKind::Stored { parent, blocks } => {
-                if let (true, Some(p)) = (check, parent) {
-                    if !self.holds_at_or_below(slot, p.0, t) {
-                        self.set_non_closed(slot, true);
-                    }
+                if let (true, Some(p)) = (check, parent)
+                    && !self.holds_at_or_below(slot, p.0, t)
+                {
+                    self.set_non_closed(slot, true);
                 }
                 for b in blocks {
                     self.insert_entry(slot, t, b.sequence_hash.0);

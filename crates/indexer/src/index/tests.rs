@@ -373,7 +373,7 @@ struct World {
 
 fn node_hash(i: usize) -> u64 {
     // Spread like real xxh3 outputs sometimes, small integers other times.
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
     } else {
         i as u64 + 1

@@ -197,7 +197,7 @@ pub(crate) fn region_from_alloc(
         }
     };
     let ptr = match std::ptr::NonNull::new(address as *mut u8) {
-        Some(p) if address % HOST_ALIGN as u64 == 0 => p,
+        Some(p) if address.is_multiple_of(HOST_ALIGN as u64) => p,
         _ => {
             free();
             return Err(TransferError::Ucx {

@@ -82,11 +82,11 @@ impl EventPlane for MemoryEventPlane {
     async fn publish(&self, subject: &str, payload: Bytes) -> Result<(), RuntimeError> {
         validate_subject(subject, false)?;
         let mut subjects = self.lock();
-        if let Some(sender) = subjects.get(subject) {
-            if sender.send(payload).is_err() {
-                // Nobody listens any more: forget the subject so the map does not grow forever.
-                subjects.remove(subject);
-            }
+        if let Some(sender) = subjects.get(subject)
+            && sender.send(payload).is_err()
+        {
+            // Nobody listens any more: forget the subject so the map does not grow forever.
+            subjects.remove(subject);
         }
         Ok(())
     }

@@ -1,0 +1,274 @@
+//! Reading an engine's Prometheus text: its load and its cache geometry.
+//!
+//! Names, from the engines' sources:
+//! - vLLM (`vllm/v1/metrics/loggers.py`): `vllm:num_requests_running`,
+//!   `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction, 0..1; older
+//!   releases `vllm:gpu_cache_usage_perc`), and the info gauge `vllm:cache_config_info`
+//!   whose labels carry the cache config (`block_size`, `num_gpu_blocks`,
+//!   `num_cpu_blocks`).
+//! - SGLang (`python/sglang/srt/metrics/collector.py`): `sglang:num_running_reqs`,
+//!   `sglang:num_queue_reqs`, `sglang:token_usage` (a fraction of KV tokens in use).
+//!
+//! Several series of one name (one per model or engine label) are summed: the sidecar
+//! fronts one engine.
+
+use hashbrown::HashMap;
+
+use super::engine::EngineKind;
+
+/// One sample: metric name, labels, value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+impl Sample {
+    pub fn label(&self, key: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Parses the Prometheus text exposition format (version 0.0.4 and OpenMetrics' subset of
+/// it): comments and blank lines skipped, malformed lines skipped (an engine's one odd line
+/// must not blind the sidecar to the rest).
+pub fn parse(text: &str) -> Vec<Sample> {
+    text.lines().filter_map(parse_line).collect()
+}
+
+fn parse_line(line: &str) -> Option<Sample> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let (name, labels, rest) = match line.find(['{', ' ']) {
+        Some(i) if line.as_bytes()[i] == b'{' => {
+            let close = find_labels_end(&line[i + 1..])? + i + 1;
+            (
+                &line[..i],
+                parse_labels(&line[i + 1..close])?,
+                &line[close + 1..],
+            )
+        }
+        Some(i) => (&line[..i], Vec::new(), &line[i..]),
+        None => return None,
+    };
+    let value = rest.split_whitespace().next()?;
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    Some(Sample {
+        name: name.to_string(),
+        labels,
+        value,
+    })
+}
+
+/// Index of the `}` closing a label set (quotes and escapes respected).
+fn find_labels_end(s: &str) -> Option<usize> {
+    let mut in_quotes = false;
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_quotes => escaped = true,
+            '"' => in_quotes = !in_quotes,
+            '}' if !in_quotes => return Some(i),
+            _ => {}
+        }
+    }
+    None
+}
+
+fn parse_labels(s: &str) -> Option<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    let mut rest = s.trim();
+    while !rest.is_empty() {
+        let eq = rest.find('=')?;
+        let key = rest[..eq].trim().to_string();
+        let after = rest[eq + 1..].trim_start().strip_prefix('"')?;
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let mut end = None;
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, c)) => value.push(c),
+                    None => return None,
+                },
+                '"' => {
+                    end = Some(i);
+                    break;
+                }
+                c => value.push(c),
+            }
+        }
+        out.push((key, value));
+        rest = after[end? + 1..].trim_start();
+        rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
+    }
+    Some(out)
+}
+
+/// What the sidecar reads of an engine's load.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineLoad {
+    pub running: u32,
+    pub waiting: u32,
+    /// Fraction of the KV cache in use, 0..=1.
+    pub kv_usage: f64,
+}
+
+/// The engine's cache geometry, where its metrics say.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineGeometry {
+    pub block_size: Option<u32>,
+    pub device_blocks: Option<u64>,
+    pub host_blocks: Option<u64>,
+}
+
+fn sum(samples: &[Sample], names: &[&str]) -> Option<f64> {
+    for name in names {
+        let mut found = false;
+        let mut total = 0.0;
+        for s in samples.iter().filter(|s| s.name == *name) {
+            found = true;
+            total += s.value;
+        }
+        if found {
+            return Some(total);
+        }
+    }
+    None
+}
+
+/// The load in `samples`, by the engine's names; None when none of them is there (the
+/// engine is not the kind configured, or has metrics off).
+pub fn load(kind: EngineKind, samples: &[Sample]) -> Option<EngineLoad> {
+    let (running, waiting, usage): (&[&str], &[&str], &[&str]) = match kind {
+        EngineKind::Vllm | EngineKind::Openai => (
+            &["vllm:num_requests_running"],
+            &["vllm:num_requests_waiting"],
+            &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+        ),
+        EngineKind::Sglang => (
+            &["sglang:num_running_reqs"],
+            &["sglang:num_queue_reqs"],
+            &["sglang:token_usage"],
+        ),
+    };
+    let r = sum(samples, running);
+    let w = sum(samples, waiting);
+    let u = sum(samples, usage);
+    if r.is_none() && w.is_none() && u.is_none() {
+        return None;
+    }
+    let count = |v: Option<f64>| v.unwrap_or(0.0).clamp(0.0, f64::from(u32::MAX)) as u32;
+    Some(EngineLoad {
+        running: count(r),
+        waiting: count(w),
+        kv_usage: u.unwrap_or(0.0).clamp(0.0, 1.0),
+    })
+}
+
+/// vLLM's `vllm:cache_config_info` labels; empty for other engines.
+pub fn geometry(samples: &[Sample]) -> EngineGeometry {
+    let mut g = EngineGeometry::default();
+    let Some(info) = samples.iter().find(|s| s.name == "vllm:cache_config_info") else {
+        return g;
+    };
+    let num = |k: &str| info.label(k).and_then(|v| v.parse::<u64>().ok());
+    g.block_size = num("block_size").and_then(|b| u32::try_from(b).ok());
+    g.device_blocks = num("num_gpu_blocks");
+    g.host_blocks = num("num_cpu_blocks");
+    g
+}
+
+/// Counts by name (for tests and the stand-in's own checks).
+pub fn by_name(samples: &[Sample]) -> HashMap<&str, f64> {
+    let mut m = HashMap::new();
+    for s in samples {
+        *m.entry(s.name.as_str()).or_insert(0.0) += s.value;
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.25
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",num_cpu_blocks="None",num_gpu_blocks="27000"} 1.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1.2e+06
+weird line without value
+vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="a \"quoted\" name"} 7
+"#;
+
+    #[test]
+    fn reads_vllm_load_and_geometry() {
+        let s = parse(VLLM);
+        assert_eq!(
+            load(EngineKind::Vllm, &s),
+            Some(EngineLoad {
+                running: 3,
+                waiting: 2,
+                kv_usage: 0.25
+            })
+        );
+        let g = geometry(&s);
+        assert_eq!(g.block_size, Some(16));
+        assert_eq!(g.device_blocks, Some(27000));
+        assert_eq!(g.host_blocks, None, "\"None\" is not a number");
+        let named = by_name(&s);
+        assert_eq!(named["vllm:prompt_tokens_total"], 1.2e6);
+        let q = s
+            .iter()
+            .find(|s| s.name == "vllm:e2e_request_latency_seconds_bucket")
+            .unwrap();
+        assert_eq!(q.label("model_name"), Some("a \"quoted\" name"));
+        assert_eq!(q.label("le"), Some("+Inf"));
+    }
+
+    #[test]
+    fn reads_sglang_load() {
+        let s = parse(
+            "sglang:num_running_reqs{model_name=\"q\"} 5\nsglang:num_queue_reqs{model_name=\"q\"} 1\n\
+             sglang:token_usage{model_name=\"q\"} 0.5\n",
+        );
+        assert_eq!(
+            load(EngineKind::Sglang, &s),
+            Some(EngineLoad {
+                running: 5,
+                waiting: 1,
+                kv_usage: 0.5
+            })
+        );
+        assert_eq!(load(EngineKind::Vllm, &s), None, "another engine's names");
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        for text in [
+            "{",
+            "a{b=\"c",
+            "a{b=\"c\"} x",
+            "a{=}",
+            "\u{0}\u{1}{{}}",
+            "a{b=\"\\",
+        ] {
+            let _ = parse(text);
+        }
+        assert!(parse("x 1\ny{a=\"1\"} 2").len() == 2);
+    }
+}

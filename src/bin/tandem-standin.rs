@@ -1,0 +1,85 @@
+//! `tandem-standin`: a stand-in for a vLLM server on tandem's own engine, for tests and
+//! benchmarks without a GPU (see the `tandem-standin` crate).
+
+use clap::Parser;
+use tandem_standin::StandinConfig;
+use tandem_worker::external::events::WireShape;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tandem-standin",
+    about = "A vLLM stand-in on tandem's own engine"
+)]
+struct Args {
+    /// HTTP listen address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Served model name.
+    #[arg(long, default_value = "mocker")]
+    model: String,
+    /// Connector engine id (`remote_engine_id`); default: from the process id.
+    #[arg(long)]
+    engine_id: Option<String>,
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    #[arg(long, default_value_t = 4096)]
+    device_blocks: u32,
+    #[arg(long, default_value_t = 32768)]
+    max_model_len: u32,
+    /// Divide the mocker's step times by this (1e9: answer at once).
+    #[arg(long, default_value_t = 1.0)]
+    speedup_ratio: f64,
+    /// ZMQ PUB endpoint to bind for KV events, e.g. tcp://127.0.0.1:5557.
+    #[arg(long)]
+    kv_events: Option<String>,
+    /// ZMQ ROUTER endpoint to bind for replay.
+    #[arg(long)]
+    kv_replay: Option<String>,
+    #[arg(long, default_value = "")]
+    kv_topic: String,
+    /// Event encoding: array (older vLLM, SGLang) or map (newest vLLM).
+    #[arg(long, default_value = "array")]
+    kv_wire: String,
+    /// Host other stand-ins reach this one's KV side channel at.
+    #[arg(long, default_value = "127.0.0.1")]
+    advertise_host: String,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tandem_runtime::telemetry::init(tandem_runtime::telemetry::TelemetryConfig {
+        json: false,
+        filter: None,
+    })?;
+    let mut c = StandinConfig::new(&args.model);
+    if let Some(id) = args.engine_id {
+        c.engine_id = id;
+    }
+    c.block_size = args.block_size;
+    c.device_blocks = args.device_blocks;
+    c.max_model_len = args.max_model_len;
+    c.speedup_ratio = args.speedup_ratio;
+    c.kv_events = args.kv_events;
+    c.kv_replay = args.kv_replay;
+    c.topic = args.kv_topic;
+    c.wire = match args.kv_wire.as_str() {
+        "array" => WireShape::ArrayLike,
+        "map" => WireShape::Map,
+        other => anyhow::bail!("--kv-wire {other:?}: array or map"),
+    };
+    c.advertise_host = args.advertise_host;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&args.listen).await?;
+        // Tests read the bound address from this line.
+        println!("standin listening on http://{}", listener.local_addr()?);
+        let stop = tokio_util::sync::CancellationToken::new();
+        let on_signal = stop.clone();
+        tokio::spawn(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            on_signal.cancel();
+        });
+        tandem_standin::run(c, listener, stop).await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,228 @@
+//! tandem in front of external engines, on real processes, etcd and nats-server: each worker
+//! is a sidecar (`tandem decode|prefill --engine vllm …`) in front of a `tandem-standin`, an
+//! OpenAI-compatible server on tandem's own engine that speaks vLLM's API, publishes vLLM's
+//! ZMQ KV events (with vLLM-style block hashes that are not tandem's) and answers vLLM's
+//! `kv_transfer_params` handshake by moving the KV between two stand-ins.
+//!
+//! Covered: a repeated long prompt goes to the engine holding it (headers, the engine's own
+//! cached-token count and its prefix-cache metric); P/D through the connector handshake gives
+//! the tokens an aggregated run gives; a dropped ZMQ batch is repaired from the replay
+//! socket; an engine killed mid-stream takes its worker out of the pool and the index while
+//! the stream migrates.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::chat::*;
+use common::cluster::{Cluster, Options, decode_id, prefill_id, words};
+use common::http::{self, StreamEnd};
+use common::openai::{ChatCompletion, Completion};
+use serde_json::{Value, json};
+
+fn external(decode: usize, prefill: usize) -> Options {
+    Options {
+        decode,
+        prefill,
+        engine: Some("vllm"),
+        speedup: 20.0,
+        ..Options::default()
+    }
+}
+
+/// A successful chat's decode worker, prefill worker, header cached tokens and body.
+fn chat_on(c: &Cluster, body: &Value) -> (u64, Option<u64>, u32, ChatCompletion) {
+    let r = c.post("/v1/chat/completions", body);
+    assert_eq!(r.status, 200, "chat failed: {}", r.text());
+    let num = |h: &str| r.header(h).map(|v| v.parse::<u64>().unwrap());
+    (
+        num("x-tandem-decode-worker").expect("decode header"),
+        num("x-tandem-prefill-worker"),
+        num("x-tandem-cached-tokens").expect("cached header") as u32,
+        r.json(),
+    )
+}
+
+#[test]
+fn a_repeated_prompt_goes_to_the_engine_that_holds_it() {
+    let _serial = serial();
+    let mut c = Cluster::start("engines-affinity", external(2, 0));
+    let system = words(21, 1500);
+    let (home, _, cached, first) = chat_on(&c, &chat(&system, "First question?", 4));
+    let prompt = first.usage.prompt_tokens;
+    assert!(prompt >= 1500, "{prompt}");
+    assert_eq!(cached, 0);
+    assert_eq!(first.usage.prompt_tokens_details.cached_tokens, 0);
+    // The engine's ZMQ events, recomputed into tandem's hashes by the sidecar and relayed on
+    // NATS, put the prompt in the frontend's index.
+    c.wait_metrics("the prompt in the index", Duration::from_secs(20), |m| {
+        m.index_workers() == 2 && m.index_entries() >= blocks(prompt)
+    });
+    for i in 0..3 {
+        let question = format!("Follow-up {i}: {}?", words(200 + i, 6));
+        let (decode, prefill, header, r) = chat_on(&c, &chat(&system, &question, 4));
+        assert_eq!(
+            decode, home,
+            "follow-up {i} left the engine holding its prefix"
+        );
+        assert!(prefill.is_none());
+        // The engine's own count, from its usage.
+        let engine_cached = r.usage.prompt_tokens_details.cached_tokens;
+        assert!(
+            engine_cached >= 1400,
+            "follow-up {i}: the engine cached {engine_cached}"
+        );
+        // The first chunk's estimate, from the relayed events, is within a block of it.
+        assert!(
+            header.abs_diff(engine_cached) <= 16,
+            "header {header} vs engine {engine_cached}"
+        );
+    }
+    // The engine's own prefix-cache metric agrees: the hits happened on the home engine.
+    let hits = c
+        .engine(home)
+        .metrics()
+        .get("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"mocker\"}");
+    assert!(hits >= 3.0 * 1400.0, "home engine hits {hits}");
+    let other = if home == decode_id(0) {
+        decode_id(1)
+    } else {
+        decode_id(0)
+    };
+    let other_hits = c
+        .engine(other)
+        .metrics()
+        .get("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"mocker\"}");
+    assert!(
+        other_hits < 1400.0,
+        "the other engine served the prefix: {other_hits}"
+    );
+}
+
+#[test]
+fn prefill_and_decode_through_the_connector_handshake_match_an_aggregated_run() {
+    let _serial = serial();
+    let mut c = Cluster::start(
+        "engines-pd",
+        Options {
+            disagg: "always",
+            ..external(1, 1)
+        },
+    );
+    // Token ids in, so the test knows exactly what the engines prefill.
+    let prompt: Vec<u32> = (0..2000u32).map(|i| (i * 7919 + 13) % 30000).collect();
+    let body = json!({
+        "prompt": prompt, "max_tokens": 24, "seed": 5, "temperature": 0,
+    });
+    let r = c.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("x-tandem-prefill-worker"),
+        Some(prefill_id(0).to_string().as_str()),
+        "the prompt was not prefilled remotely"
+    );
+    assert_eq!(
+        r.header("x-tandem-decode-worker"),
+        Some(decode_id(0).to_string().as_str())
+    );
+    let remote: Completion = r.json();
+    // The decode engine pulled the prefill engine's KV over the connector's side channel.
+    let m = c.engine(decode_id(0)).metrics();
+    assert_eq!(m.get("standin:kv_pulls_total"), 1.0);
+    assert_eq!(m.get("standin:kv_pull_failures_total"), 0.0);
+    // The same request run whole (aggregated) on the prefill engine gives the same tokens:
+    // the mocker's tokens follow the KV bytes, so a corrupted or missing transfer would show.
+    let engine = c.engine(prefill_id(0)).addr;
+    let direct = json!({
+        "model": "mocker", "prompt": prompt, "max_tokens": 24, "seed": 5, "temperature": 0,
+        "return_token_ids": true,
+    });
+    let r = http::post_json(engine, "/v1/completions", &direct.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: Value = r.json();
+    let ids: Vec<u32> = serde_json::from_value(v["choices"][0]["token_ids"].clone()).unwrap();
+    assert_eq!(ids.len(), 24);
+    let tokenizer = tandem_frontend::http::Tokenizer::load(&Default::default()).unwrap();
+    assert_eq!(remote.choices[0].text, tokenizer.decode(&ids));
+}
+
+#[test]
+fn a_dropped_event_batch_is_repaired_from_the_replay_socket() {
+    let _serial = serial();
+    let mut c = Cluster::start("engines-replay", external(1, 0));
+    // The sidecar follows the engine's stream...
+    let warm = words(26, 300);
+    let (_, _, _, w) = chat_on(&c, &chat(&warm, "Zero.", 1));
+    c.wait_metrics(
+        "the warm-up prompt in the index",
+        Duration::from_secs(20),
+        |m| m.index_entries() >= blocks(w.usage.prompt_tokens),
+    );
+    // ...then the batch announcing the next prompt's blocks never reaches its SUB socket;
+    // the batch after it shows the gap, and the replay socket fills it.
+    c.engine(decode_id(0)).drop_next_event();
+    let a = words(23, 800);
+    let (_, _, _, first) = chat_on(&c, &chat(&a, "One.", 1));
+    let b = words(24, 800);
+    let (_, _, _, second) = chat_on(&c, &chat(&b, "Two.", 1));
+    let want = blocks(w.usage.prompt_tokens)
+        + blocks(first.usage.prompt_tokens)
+        + blocks(second.usage.prompt_tokens);
+    c.wait_metrics("both prompts in the index", Duration::from_secs(20), |m| {
+        m.index_entries() >= want
+    });
+    let log = c.worker(decode_id(0)).log();
+    assert!(
+        log.contains("KV event gap repaired from the replay socket"),
+        "the sidecar's log does not show a replay:\n{log}"
+    );
+}
+
+#[test]
+fn an_engine_killed_mid_stream_leaves_the_pool_and_its_stream_migrates() {
+    let _serial = serial();
+    let mut c = Cluster::start(
+        "engines-kill",
+        Options {
+            speedup: 1.0,
+            ..external(2, 0)
+        },
+    );
+    let system = words(25, 1200);
+    let (home, _, _, first) = chat_on(&c, &chat(&system, "Warm up.", 2));
+    let prompt = first.usage.prompt_tokens;
+    c.wait_metrics("the prompt in the index", Duration::from_secs(20), |m| {
+        m.index_workers() == 2 && m.index_entries() >= blocks(prompt)
+    });
+    let mut story = chat(&system, "Tell a story.", 300);
+    story["seed"] = json!(7);
+    let mut s = open_stream(&c, &streamed(story.clone()));
+    assert_eq!(
+        s.header("x-tandem-decode-worker"),
+        Some(home.to_string().as_str())
+    );
+    let mut events = read_events(&mut s, 5);
+    // The engine dies; its sidecar lives on.
+    c.engine(home).proc.kill9();
+    let killed = Instant::now();
+    let (rest, end) = s.collect();
+    assert!(killed.elapsed() < http::READ_TIMEOUT, "the stream hung");
+    assert!(matches!(end, StreamEnd::Done), "{end:?}");
+    events.extend(rest);
+    let migrated = chunks(&events);
+    assert_eq!(finish_reasons(&migrated), ["length"]);
+    assert_eq!(final_usage(&migrated).completion_tokens, 300);
+    assert!(c.frontend().log().contains("migrating the request"));
+    // After three failed health checks the sidecar leaves discovery: the frontend drops the
+    // worker and the index its blocks.
+    c.wait_metrics(
+        "the dead engine's worker purged",
+        Duration::from_secs(20),
+        |m| m.decode_workers() == 1 && m.index_workers() == 1,
+    );
+    let log = c.worker(home).log();
+    assert!(log.contains("engine down: leaving discovery"), "{log}");
+    // The survivor serves on.
+    let (decode, _, _, _) = chat_on(&c, &chat(&system, "Still there?", 2));
+    assert_ne!(decode, home);
+}
