@@ -1,5 +1,6 @@
 //! The `tandem` binary: parses flags and hands them to the library code that does the work.
 
+mod backends;
 mod bench;
 mod plan;
 mod serve;
@@ -31,11 +32,14 @@ enum Command {
     /// process (in-memory discovery and events, real gRPC), or each as its own process on
     /// etcd and NATS with `--processes`.
     Up(Box<up::UpArgs>),
-    /// The OpenAI-compatible frontend with the KV-aware router, on etcd and NATS.
+    /// The OpenAI-compatible frontend with the KV-aware router, on etcd and NATS; or, with
+    /// `--backend-url`, straight in front of OpenAI-compatible servers.
     Frontend(Box<serve::FrontendArgs>),
-    /// A prefill worker (mocker engine), on etcd and NATS.
+    /// A prefill worker (the mocker engine, or a sidecar to vLLM / SGLang with `--engine`), on
+    /// etcd and NATS.
     Prefill(Box<serve::WorkerArgs>),
-    /// A decode worker (mocker engine), on etcd and NATS.
+    /// A decode worker (the mocker engine, or a sidecar to vLLM / SGLang with `--engine`), on
+    /// etcd and NATS.
     Decode(Box<serve::WorkerArgs>),
     /// The global KV index as a standalone gRPC service shared by frontend replicas.
     Indexer(Box<serve::IndexerArgs>),

@@ -12,10 +12,12 @@ use anyhow::Context;
 use clap::{ArgAction, Args};
 use tandem_engine::SchedulerConfig;
 use tandem_frontend::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
-use tandem_frontend::http::{HttpConfig, TokenizerSpec};
+use tandem_frontend::http::{ChatTemplateSpec, HttpConfig, ResponsesStoreConfig, TokenizerSpec};
 use tandem_kv_transfer::{Transport, TransportConfig, TransportKind};
 use tandem_protocol::{BlockSize, WorkerId, WorkerRole};
-use tandem_router::{DisaggConfig, DisaggMode, PolicyConfig, PolicyKind, RouterId, RoutingConfig};
+use tandem_router::{
+    ApproxConfig, DisaggConfig, DisaggMode, PolicyConfig, PolicyKind, RouterId, RoutingConfig,
+};
 use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
 use tandem_runtime::events::{EventPlane, NatsAuth, NatsConfig, NatsEventPlane};
 use tandem_runtime::shutdown::Shutdown;
@@ -29,13 +31,9 @@ pub struct PlaneArgs {
     /// Namespace of keys and subjects: clusters in different namespaces never see each other.
     #[arg(long, env = "TANDEM_NAMESPACE", default_value = "default")]
     pub namespace: String,
-    /// etcd client endpoints, comma-separated.
-    #[arg(
-        long,
-        env = "TANDEM_ETCD_ENDPOINTS",
-        value_delimiter = ',',
-        required = true
-    )]
+    /// etcd client endpoints, comma-separated (required, except for a frontend with
+    /// --backend-url).
+    #[arg(long, env = "TANDEM_ETCD_ENDPOINTS", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
     /// Worker lease TTL in seconds (kept alive every third of it).
     #[arg(long, env = "TANDEM_LEASE_TTL_S", default_value_t = 10)]
@@ -44,9 +42,9 @@ pub struct PlaneArgs {
     pub etcd_user: Option<String>,
     #[arg(long, env = "TANDEM_ETCD_PASSWORD", hide_env_values = true)]
     pub etcd_password: Option<String>,
-    /// NATS server URL.
-    #[arg(long, env = "TANDEM_NATS_URL", required = true)]
-    pub nats_url: String,
+    /// NATS server URL (required, except for a frontend with --backend-url).
+    #[arg(long, env = "TANDEM_NATS_URL")]
+    pub nats_url: Option<String>,
     #[arg(long, env = "TANDEM_NATS_USER")]
     pub nats_user: Option<String>,
     #[arg(long, env = "TANDEM_NATS_PASSWORD", hide_env_values = true)]
@@ -63,6 +61,12 @@ pub struct PlaneArgs {
 
 impl PlaneArgs {
     pub async fn connect(&self, name: &str) -> anyhow::Result<ClusterDeps> {
+        if self.etcd_endpoints.is_empty() {
+            anyhow::bail!("--etcd-endpoints (or TANDEM_ETCD_ENDPOINTS) is required");
+        }
+        let Some(nats_url) = self.nats_url.clone() else {
+            anyhow::bail!("--nats-url (or TANDEM_NATS_URL) is required");
+        };
         let etcd = EtcdConfig {
             endpoints: self.etcd_endpoints.clone(),
             namespace: self.namespace.clone(),
@@ -84,7 +88,7 @@ impl PlaneArgs {
         )
         .context("--nats-user/--nats-password/--nats-token/--nats-creds")?;
         let nats = NatsConfig {
-            url: self.nats_url.clone(),
+            url: nats_url,
             auth,
             name: Some(name.to_string()),
             ..Default::default()
@@ -164,6 +168,14 @@ pub struct ExternalEngineArgs {
         default_value_t = false
     )]
     pub engine_incremental_output: bool,
+    /// SGLang prefill engines: the host decode engines reach its bootstrap server at
+    /// (default: --engine-url's host).
+    #[arg(long, env = "TANDEM_ENGINE_BOOTSTRAP_HOST")]
+    pub engine_bootstrap_host: Option<String>,
+    /// SGLang prefill engines: its --disaggregation-bootstrap-port (default: as its server
+    /// info says).
+    #[arg(long, env = "TANDEM_ENGINE_BOOTSTRAP_PORT")]
+    pub engine_bootstrap_port: Option<u16>,
 }
 
 /// One worker process.
@@ -340,6 +352,13 @@ pub struct RoutingArgs {
     #[arg(long, env = "TANDEM_MERGE_LOAD_REPORTS", default_value_t = false, action = ArgAction::Set,
           num_args = 0..=1, default_missing_value = "true")]
     pub merge_load_reports: bool,
+    /// Workers without KV events (approximate KV): seconds a prompt routed to one counts as
+    /// cached there.
+    #[arg(long, env = "TANDEM_KV_APPROX_TTL_S", default_value_t = 120.0)]
+    pub kv_approx_ttl_s: f64,
+    /// Most (worker, block) entries the approximate index keeps.
+    #[arg(long, env = "TANDEM_KV_APPROX_MAX_ENTRIES", default_value_t = 1 << 20)]
+    pub kv_approx_max_entries: usize,
 }
 
 impl RoutingArgs {
@@ -363,6 +382,10 @@ impl RoutingArgs {
             policy,
             disagg,
             merge_load_reports: self.merge_load_reports,
+            approx: ApproxConfig {
+                ttl_ms: (self.kv_approx_ttl_s * 1000.0).round().max(0.0) as u64,
+                max_entries: self.kv_approx_max_entries,
+            },
             ..Default::default()
         };
         routing.validate().context("routing flags")?;
@@ -385,6 +408,26 @@ pub struct HttpArgs {
     /// Seconds a draining frontend lets responses finish.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// The chat template: a Jinja file, or a tokenizer_config.json whose `chat_template` to
+    /// use. Default: the tokenizer_config.json beside a Hugging Face --tokenizer, else the
+    /// built-in ChatML (the mocker's). It must be the engine's, or the router hashes other
+    /// tokens than the engine caches.
+    #[arg(long, env = "TANDEM_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
+    /// Which of a tokenizer_config.json's named templates (default: "default", or
+    /// "tool_use" for requests with tools when there is one).
+    #[arg(long, env = "TANDEM_CHAT_TEMPLATE_NAME")]
+    pub chat_template_name: Option<String>,
+    /// Tool calls read out of the generated text: auto (on when the template knows
+    /// `<tool_call>`), hermes (Hermes / Qwen `<tool_call>` JSON), or none.
+    #[arg(long, env = "TANDEM_TOOL_CALL_PARSER", default_value = "auto")]
+    pub tool_call_parser: String,
+    /// Responses kept for `previous_response_id` (0: none are stored).
+    #[arg(long, env = "TANDEM_RESPONSES_STORE_MAX", default_value_t = 10_000)]
+    pub responses_store_max: usize,
+    /// Bytes the stored responses may take at most.
+    #[arg(long, env = "TANDEM_RESPONSES_STORE_MAX_BYTES", default_value_t = 256 << 20)]
+    pub responses_store_max_bytes: usize,
 }
 
 /// `tandem frontend`.
@@ -408,6 +451,8 @@ pub struct FrontendArgs {
     /// Share active-sequence deltas with other frontend replicas.
     #[arg(long, env = "TANDEM_REPLICA_SYNC", default_value_t = true, action = ArgAction::Set)]
     pub replica_sync: bool,
+    #[command(flatten)]
+    pub backends: crate::backends::BackendArgs,
 }
 
 /// A frontend's config from its flags.
@@ -435,12 +480,35 @@ pub fn frontend_config(
         http: HttpConfig {
             served_model_name: http.model.clone(),
             context_length: http.context_length,
+            chat_template: chat_template(http, &tokenizer),
+            tool_call_parser: http
+                .tool_call_parser
+                .parse()
+                .map_err(|e| anyhow::anyhow!("--tool-call-parser: {e}"))?,
+            responses_store: ResponsesStoreConfig {
+                max_responses: http.responses_store_max,
+                max_bytes: http.responses_store_max_bytes,
+            },
             ..Default::default()
         },
         tokenizer,
         backend,
         drain_timeout: Duration::from_secs(http.drain_timeout_s),
     })
+}
+
+/// The chat template the flags name; the tokenizer_config.json beside a Hugging Face
+/// tokenizer.json when none is named.
+fn chat_template(http: &HttpArgs, tokenizer: &TokenizerSpec) -> ChatTemplateSpec {
+    let beside = match tokenizer {
+        TokenizerSpec::HuggingFace(path) => ChatTemplateSpec::tokenizer_config_beside(path),
+        TokenizerSpec::Tiktoken(_) => None,
+    };
+    ChatTemplateSpec::from_flags(
+        http.chat_template.as_deref(),
+        http.chat_template_name.as_deref(),
+        beside.as_deref(),
+    )
 }
 
 /// `tandem indexer`.
@@ -507,6 +575,8 @@ impl WorkerArgs {
         c.device_blocks = Some(u64::from(self.engine.device_blocks));
         c.host_blocks = Some(u64::from(self.engine.host_blocks));
         c.incremental_output = x.engine_incremental_output;
+        c.bootstrap_host = x.engine_bootstrap_host.clone();
+        c.bootstrap_port = x.engine_bootstrap_port;
         c.load_interval = Duration::from_millis(self.load_interval_ms);
         c.health_interval = Duration::from_millis(x.engine_health_interval_ms.max(10));
         c.health_failures = x.engine_health_failures.max(1);
@@ -565,6 +635,10 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         args.replica_sync,
     )?;
     let listener = bind(&args.listen).await?;
+    if args.backends.is_set() {
+        let sidecars = args.backends.sidecars(&args.http.model, args.block_size)?;
+        return crate::backends::run(cfg, sidecars, listener, shutdown_on_signals()).await;
+    }
     let deps = args.plane.connect("frontend").await?;
     tandem_frontend::run_frontend(cfg, listener, deps, shutdown_on_signals()).await?;
     Ok(())

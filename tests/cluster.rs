@@ -113,7 +113,7 @@ fn chat_stream_and_whole_responses_have_openai_shapes() {
     assert_eq!(whole.usage.total_tokens, usage.prompt_tokens + 12);
     let cached = whole.usage.prompt_tokens_details.cached_tokens;
     assert!(
-        cached >= 16 && cached % 16 == 0 && cached <= usage.prompt_tokens,
+        cached >= 16 && cached.is_multiple_of(16) && cached <= usage.prompt_tokens,
         "cached {cached} of {}",
         usage.prompt_tokens
     );

@@ -15,10 +15,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::chat::*;
-use common::cluster::{Cluster, Options, decode_id, prefill_id, words};
+use common::cluster::{Cluster, Options, Proc, decode_id, prefill_id, words};
 use common::http::{self, StreamEnd};
 use common::openai::{ChatCompletion, Completion};
 use serde_json::{Value, json};
+use tandem_runtime::external::free_port;
 
 fn external(decode: usize, prefill: usize) -> Options {
     Options {
@@ -225,4 +226,122 @@ fn an_engine_killed_mid_stream_leaves_the_pool_and_its_stream_migrates() {
     // The survivor serves on.
     let (decode, _, _, _) = chat_on(&c, &chat(&system, "Still there?", 2));
     assert_ne!(decode, home);
+}
+
+/// Two stand-ins and a `tandem frontend --backend-url …` in front of them: no etcd, NATS or
+/// workers, no KV events either.
+struct Direct {
+    frontend: Proc,
+    addr: std::net::SocketAddr,
+    engines: Vec<(std::net::SocketAddr, Proc)>,
+}
+
+fn direct(name: &str, n: usize) -> Direct {
+    let dir = common::temp_dir(&format!("direct-{name}"));
+    let mut engines = Vec::new();
+    for i in 0..n {
+        let port = free_port().unwrap();
+        let args: Vec<String> = vec![
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--speedup-ratio".into(),
+            "20".into(),
+        ];
+        let log = dir.join(format!("engine-{i}.log"));
+        let p = Proc::spawn_bin(
+            env!("CARGO_BIN_EXE_tandem-standin"),
+            "engine",
+            "engine",
+            &args,
+            &log,
+        );
+        engines.push((std::net::SocketAddr::from(([127, 0, 0, 1], port)), p));
+    }
+    let port = free_port().unwrap();
+    let mut args = vec![
+        "frontend".to_string(),
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--backend-health-interval-ms=100".into(),
+    ];
+    for (addr, _) in &engines {
+        args.push(format!("--backend-url=http://{addr}"));
+    }
+    let log = dir.join("frontend.log");
+    let frontend = Proc::spawn("frontend", "frontend", &args, &log);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let d = Direct {
+        frontend,
+        addr,
+        engines,
+    };
+    d.wait_backends(n);
+    d
+}
+
+impl Direct {
+    fn metrics(&self) -> common::cluster::Metrics {
+        let r = http::get(self.addr, "/metrics").expect("/metrics");
+        common::cluster::Metrics::parse(&r.text())
+    }
+
+    fn wait_backends(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ok = http::get(self.addr, "/metrics")
+                .ok()
+                .filter(|r| r.status == 200)
+                .map(|r| common::cluster::Metrics::parse(&r.text()))
+                .is_some_and(|m| m.decode_workers() == n as u64);
+            if ok {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{n} backends not in the pool; frontend log:\n{}",
+                self.frontend.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn chat(&self, body: &Value) -> (u64, u32, ChatCompletion) {
+        let r = http::post_json(self.addr, "/v1/chat/completions", &body.to_string()).unwrap();
+        assert_eq!(r.status, 200, "{}\n{}", r.text(), self.frontend.log());
+        let num = |h: &str| r.header(h).map(|v| v.parse::<u64>().unwrap());
+        let c: ChatCompletion = r.json();
+        let cached = c.usage.prompt_tokens_details.cached_tokens;
+        (num("x-tandem-decode-worker").unwrap(), cached, c)
+    }
+}
+
+#[test]
+fn backend_urls_are_routed_on_approximate_kv_and_a_dead_one_leaves_the_pool() {
+    let _serial = serial();
+    let mut d = direct("approx", 2);
+    let system = words(27, 1500);
+    let (home, cached, first) = d.chat(&chat(&system, "First?", 4));
+    assert_eq!(cached, 0);
+    assert!(first.usage.prompt_tokens >= 1500);
+    // No events: the router remembers where it sent the prompt and sends its follow-ups
+    // there, where the engine's own prefix cache serves them.
+    for i in 0..3 {
+        let (decode, cached, _) = d.chat(&chat(
+            &system,
+            &format!("Again {i}: {}?", words(300 + i, 5)),
+            4,
+        ));
+        assert_eq!(
+            decode, home,
+            "follow-up {i} left the backend that has its prefix"
+        );
+        assert!(cached >= 1400, "follow-up {i}: the engine cached {cached}");
+    }
+    // A backend that dies leaves the pool after its failed health checks; the other serves.
+    let home_engine = (home - 1) as usize;
+    d.engines[home_engine].1.kill9();
+    d.wait_backends(1);
+    let (decode, _, _) = d.chat(&chat(&system, "After the loss?", 4));
+    assert_ne!(decode, home);
+    assert_eq!(d.metrics().decode_workers(), 1);
 }

@@ -12,7 +12,7 @@ use tandem_protocol::{
     SequenceHash, StorageTier, StoredBlock, WorkerId, WorkerRole,
 };
 use tandem_router::{
-    DisaggMode, InFlight, Input, Plan, PolicyConfig, PolicyKind, RepairReply, RouteInput,
+    DisaggMode, InFlight, Input, KvSource, Plan, PolicyConfig, PolicyKind, RepairReply, RouteInput,
     RouteRequest, RouterId, RoutingConfig, RoutingReplica, SyncMessage,
 };
 use tandem_sim::{SimConfig, SyntheticConfig};
@@ -100,7 +100,16 @@ fn drive(r: &mut RoutingReplica) -> Vec<Answer> {
         (9, WorkerRole::Prefill),
     ] {
         let worker = WorkerId(w);
-        for rep in apply(r, Input::Joined { worker, role }, 0, &mut out) {
+        for rep in apply(
+            r,
+            Input::Joined {
+                worker,
+                role,
+                kv: KvSource::Events,
+            },
+            0,
+            &mut out,
+        ) {
             let dump = KvDump {
                 worker_id: rep.worker,
                 last_event_id: 0,

@@ -132,6 +132,7 @@ impl DecodeService {
             destination: String::new(),
             engine_handshake: false,
             cache_salt: String::new(),
+            bootstrap_room: 0,
         };
         let mut prefill = prefill;
         let mut hold = None;

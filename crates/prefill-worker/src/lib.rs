@@ -296,6 +296,14 @@ impl worker_server::Worker for PrefillService {
     ) -> Result<Response<Self::PrefillStream>, Status> {
         self.ctx.check_accepting()?;
         let req = request.into_inner();
+        if req.engine_handshake {
+            return Err(WorkerError::InvalidRequest(
+                "this prefill worker runs tandem's own engine: an external engine's decode \
+                 worker needs a prefill worker in front of the same kind of engine"
+                    .into(),
+            )
+            .into());
+        }
         let engine_req = self.engine_request(&req)?;
         let mut sink = self.sink(&req).await?;
         // Through a transport, blocks go straight from the arena (they stay pinned there

@@ -181,6 +181,7 @@ mod tests {
                 grpc: "127.0.0.1:1".into(),
                 kv_transfer: None,
             },
+            kv_events: true,
         };
         assert_eq!(WorkerRecord::decode(&rec.encode().unwrap()).unwrap(), rec);
     }

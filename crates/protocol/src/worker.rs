@@ -42,6 +42,10 @@ pub struct WorkerRecord {
     pub block_size: BlockSize,
     pub kv_capacity: TierCapacity,
     pub addresses: WorkerAddresses,
+    /// Whether the worker publishes KV events. False for a worker in front of an engine
+    /// whose events are not relayed: the router then remembers its own decisions for it
+    /// (approximate KV).
+    pub kv_events: bool,
 }
 
 /// A worker's load, published periodically on the event plane.

@@ -26,9 +26,9 @@ use tandem_protocol::{
 };
 use tandem_protocol::{KvDump, WorkerRole};
 use tandem_router::{
-    ActiveSequences, Input, NewSequence, PolicyConfig, PolicyKind, RepairReply, ReplicaConfig, Rng,
-    RouteInput, RouteRequest, Router, RouterConfig, RouterId, RoutingConfig, RoutingReplica,
-    TrackerConfig, WorkerView,
+    ActiveSequences, Input, KvSource, NewSequence, PolicyConfig, PolicyKind, RepairReply,
+    ReplicaConfig, Rng, RouteInput, RouteRequest, Router, RouterConfig, RouterId, RoutingConfig,
+    RoutingReplica, TrackerConfig, WorkerView,
 };
 use tandem_workload::{LatencyHistogram, Resolution};
 
@@ -179,7 +179,15 @@ fn replica(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
     for w in 0..WORKERS {
         let worker = WorkerId(w);
         let role = WorkerRole::Aggregated;
-        r.apply(Input::Joined { worker, role }, 0).expect("join");
+        r.apply(
+            Input::Joined {
+                worker,
+                role,
+                kv: KvSource::Events,
+            },
+            0,
+        )
+        .expect("join");
         let reply = RepairReply::Dump(KvDump {
             worker_id: worker,
             last_event_id: 0,

@@ -8,12 +8,14 @@
 //! - [`RoutingReplica`]: one router replica's whole state — the KV index and its feed rules
 //!   ([`tandem_indexer::IndexFeed`]), the [`ActiveSequences`] tracker, the policy behind the
 //!   pool rules, the disaggregation rule, the pools' members and their load reports, the
-//!   seeded [`Rng`]. `apply` takes what the cluster says (membership, KV events, repair
-//!   answers, load reports, peers' [`SyncMessage`]s); `route` (or `decide` + `commit`) plans a
-//!   request ([`Plan`]: decode worker, prefill worker or local, the explanation, the sync
-//!   messages to publish); `first_token` and `finish` follow its lifecycle. Configured by
-//!   [`ReplicaConfig`] / [`RoutingConfig`], the one type the frontend's and the simulator's
-//!   flags both fill.
+//!   seeded [`Rng`], and the approximate index ([`tandem_indexer::ApproxIndex`]) that stands in
+//!   for KV events for workers that publish none ([`KvSource::Approximate`]: the replica
+//!   records its own decisions for them, with a TTL). `apply` takes what the cluster says
+//!   (membership, KV events, repair answers, load reports, peers' [`SyncMessage`]s); `route`
+//!   (or `decide` + `commit`) plans a request ([`Plan`]: decode worker, prefill worker or
+//!   local, the explanation, the sync messages to publish); `first_token` and `finish` follow
+//!   its lifecycle. Configured by [`ReplicaConfig`] / [`RoutingConfig`], the one type the
+//!   frontend's and the simulator's flags both fill.
 //! - Below it, usable alone: [`Router::select`] (one pool, any [`Policy`] chosen by name —
 //!   [`PolicyKind`]: `round-robin`, `random`, `least-loaded`, `power-of-two`, `kv`,
 //!   `cache-aware`, `prefix-hash` — after the pool rules: busy workers skipped, warming workers
@@ -33,7 +35,8 @@
 //!
 //! # Layout
 //!
-//! - `replica/`: [`RoutingReplica`], [`Input`], [`RouteInput`], [`Plan`], [`InFlight`];
+//! - `replica/`: [`RoutingReplica`], [`Input`], [`KvSource`], [`RouteInput`], [`Plan`],
+//!   [`InFlight`];
 //!   `config.rs`: [`RoutingConfig`], [`ReplicaConfig`].
 //! - `view.rs`: a decision's inputs and outputs ([`WorkerView`], [`WorkerLoad`],
 //!   [`RouteRequest`], [`Decision`], [`ScoreTerms`], [`prefix_key`]).
@@ -53,8 +56,12 @@
 //! - Tracker loads are the sum over live sequences of their contributions, whatever the order
 //!   and multiplicity in which sync messages arrived; a block shared by several live requests
 //!   on one worker counts once there.
-//! - The replica holds nothing per request beyond the tracker (bounded by its TTL): the
-//!   request's [`InFlight`] is the caller's.
+//! - The replica holds nothing per request beyond the tracker (bounded by its TTL) and, for
+//!   approximate workers, the prompt blocks recorded in the approximate index (bounded by its
+//!   TTL and entry cap, [`ApproxConfig`]): the request's [`InFlight`] is the caller's.
+//! - Each worker's overlap comes from one source, its [`KvSource`]: event workers' from the
+//!   exact index (or a standalone indexer), approximate workers' from the approximate index;
+//!   approximate workers are never asked for dumps or repairs.
 
 pub mod cache_aware;
 pub mod disagg;
@@ -83,10 +90,12 @@ pub use pool::{Candidates, PoolConfig, Router, RouterConfig, prepare_candidates}
 pub use prefix_hash::{PrefixHashConfig, PrefixHashPolicy};
 pub use registry::{PolicyConfig, PolicyKind};
 pub use replica::{
-    InFlight, Input, Plan, ReplicaConfig, RouteInput, RoutingConfig, RoutingReplica,
+    InFlight, Input, KvSource, Plan, ReplicaConfig, RouteInput, RoutingConfig, RoutingReplica,
 };
 pub use simple::{LeastLoaded, PowerOfTwo, RandomPolicy, RoundRobin};
-pub use tandem_indexer::{FeedError, FeedStats, Repair, RepairReply, TierCounts};
+pub use tandem_indexer::{
+    ApproxConfig, FeedError, FeedStats, OverlapScores, Repair, RepairReply, TierCounts,
+};
 pub use tandem_protocol::Rng;
 pub use tracker::{
     ActiveSequences, NewSequence, RouterId, SyncMessage, TrackedLoad, TrackerConfig,

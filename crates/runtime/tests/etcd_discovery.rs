@@ -42,6 +42,7 @@ fn record(id: u64, role: WorkerRole) -> WorkerRecord {
             grpc: format!("127.0.0.1:{}", 7000 + id),
             kv_transfer: None,
         },
+        kv_events: true,
     }
 }
 

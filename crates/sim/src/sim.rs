@@ -17,7 +17,7 @@ use tandem_protocol::{
     BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole,
 };
 use tandem_router::{
-    InFlight, Input, RepairReply, RouteInput, RouteRequest, RoutingReplica, SyncMessage,
+    InFlight, Input, KvSource, RepairReply, RouteInput, RouteRequest, RoutingReplica, SyncMessage,
 };
 
 use crate::config::SimConfig;
@@ -147,7 +147,14 @@ impl<'a> Sim<'a> {
                 };
                 let id = WorkerId(w as u64);
                 // A joining worker is dumped: empty at time 0.
-                for _ in rep.apply(Input::Joined { worker: id, role }, 0)? {
+                for _ in rep.apply(
+                    Input::Joined {
+                        worker: id,
+                        role,
+                        kv: KvSource::Events,
+                    },
+                    0,
+                )? {
                     let reply = RepairReply::Dump(worker.engine.dump());
                     rep.apply(Input::Repaired { worker: id, reply }, 0)?;
                 }

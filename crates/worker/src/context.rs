@@ -236,6 +236,7 @@ impl WorkerContext {
                 grpc: format!("{}:{}", self.config.advertise_host, addr.port()),
                 kv_transfer: self.exposed.as_ref().map(|l| l.descriptor.to_compact()),
             },
+            kv_events: true,
         }
     }
 

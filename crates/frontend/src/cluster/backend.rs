@@ -40,7 +40,8 @@ use tonic::transport::Channel;
 use super::metrics::RouteCounters;
 use super::view::{ClusterView, WorkerEntry};
 use crate::http::{
-    Backend, FinishReason, Generation, RouteInfo, ServeError, TokenChunk, ValidRequest,
+    Backend, EngineReport, FinishReason, Generation, RouteInfo, ServeError, TokenChunk,
+    ValidRequest,
 };
 use tandem_router::{
     InFlight, Input, ReplicaConfig, Rng, RouteError, RouteInput, RouteRequest, RouterId,
@@ -338,7 +339,8 @@ impl ClusterBackend {
                 temperature: job.temperature,
                 stop_token: None,
                 ignore_eos: job.ignore_eos,
-                top_p: None,
+                // 1 is every engine's default: not sent, so the engine's own applies.
+                top_p: (job.top_p < 1.0).then_some(job.top_p),
             }),
             hash_seed: job.seed.0,
             remote_prefill: plan.prefill.as_ref().map(|p| RemotePrefillTarget {
@@ -369,6 +371,7 @@ struct Job {
     sampling_seed: u64,
     /// The client's cache salt, passed on for external engines' own salting.
     cache_salt: Option<String>,
+    top_p: f32,
 }
 
 /// A request started on a decode worker, its first chunk in hand.
@@ -494,6 +497,7 @@ impl Drop for Flight {
 #[async_trait::async_trait]
 impl Backend for ClusterBackend {
     async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError> {
+        let engine = req.engine.clone();
         let job = Job {
             seed: HashSeed::from_salt(req.cache_salt.as_deref().map(str::as_bytes)),
             sampling_seed: req
@@ -504,6 +508,7 @@ impl Backend for ClusterBackend {
             temperature: req.temperature,
             ignore_eos: req.ignore_eos,
             cache_salt: req.cache_salt.clone(),
+            top_p: req.top_p,
         };
         let mut excluded = Vec::new();
         let started = self.start_job(&job, &mut excluded).await?;
@@ -517,6 +522,8 @@ impl Backend for ClusterBackend {
             pending: Some(started.first),
             rest: started.rest,
             flight: started.flight,
+            engine,
+            migrated: false,
         };
         Ok(Generation {
             route,
@@ -542,6 +549,9 @@ struct Run {
     pending: Option<GenerateChunk>,
     rest: tonic::Streaming<GenerateChunk>,
     flight: Flight,
+    /// Where the edge reads what the engine reported.
+    engine: EngineReport,
+    migrated: bool,
 }
 
 impl Run {
@@ -554,6 +564,10 @@ impl Run {
                 Ok(c) => {
                     let last = c.finish != grpc::FinishReason::Unspecified as i32;
                     run.generated.extend_from_slice(&c.tokens);
+                    // What the engine counted of the prompt (a continuation's is longer).
+                    if !run.migrated {
+                        run.engine.set_prompt_tokens(c.prompt_tokens);
+                    }
                     Some((Ok(token_chunk(&c)), (!last).then_some(run)))
                 }
                 Err(e) => Some((Err(e), None)),
@@ -584,6 +598,7 @@ impl Run {
             return Err(ServeError::unavailable(failure));
         }
         self.migrations_left -= 1;
+        self.migrated = true;
         self.backend.shared.counters.migration();
         self.excluded.push(self.flight.worker);
         tracing::warn!(

@@ -108,12 +108,13 @@ pub async fn run_frontend(
     )
     .await
     .map_err(|e| ServiceError::Config(e.message().to_string()))?;
-    let state = HttpState::with_registry(
+    let state = HttpState::try_with_registry(
         Arc::new(backend),
         cfg.http.clone(),
         Arc::new(tokenizer),
         registry,
-    );
+    )
+    .map_err(|e| ServiceError::Config(e.to_string()))?;
     let server_stop = stop.child_token();
     let addr = listener.local_addr()?;
     let server = tokio::spawn(http::serve(

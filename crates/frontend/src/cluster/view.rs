@@ -19,7 +19,7 @@ use tandem_protocol::{
     BlockSize, Envelope, KvDump, KvEvent, LoadReport, SequenceHash, WorkerId, WorkerRecord,
     WorkerRole,
 };
-use tandem_router::{Input, RoutingReplica};
+use tandem_router::{Input, KvSource, RoutingReplica};
 use tandem_runtime::discovery::{Discovery, DiscoveryEvent};
 use tandem_runtime::events::{EventPlane, subjects};
 use tokio_util::sync::CancellationToken;
@@ -259,6 +259,13 @@ impl ClusterView {
             }
         };
         let (id, role) = (record.id, record.role);
+        // A worker whose engine's events are not relayed is routed on the router's own
+        // decisions (approximate KV).
+        let kv = if record.kv_events {
+            KvSource::Events
+        } else {
+            KvSource::Approximate
+        };
         let previous = {
             let mut reg = self.registry.write();
             let pool = reg.pool_mut(role);
@@ -281,7 +288,11 @@ impl ClusterView {
             // event ids from 1 again) before its old lease lapsed. Its cache is new too.
             Some(_) => tracing::info!(worker = id.0, ?role, "worker re-joined with a new record"),
         }
-        self.feed(Input::Joined { worker: id, role });
+        self.feed(Input::Joined {
+            worker: id,
+            role,
+            kv,
+        });
     }
 
     /// Asks the worker for what `r` names and hands the answer to the replica.

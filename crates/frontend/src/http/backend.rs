@@ -1,32 +1,52 @@
 //! The seam between the HTTP edge and the routing glue: [`Backend`] and what crosses it.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use futures::stream::BoxStream;
 
 use super::error::ServeError;
 
-/// Which OpenAI endpoint a request came in on; decides the response shapes and the id prefix.
+/// Which endpoint a request came in on; decides the response shapes and the id prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Endpoint {
     /// `POST /v1/chat/completions`: the prompt is the chat template applied to `messages`.
     Chat,
     /// `POST /v1/completions`: the prompt is `prompt`, as text or token ids.
     Completion,
+    /// `POST /v1/responses` (OpenAI Responses): the chat template applied to `input`.
+    Responses,
+    /// `POST /v1/messages` (Anthropic Messages): the chat template applied to `messages`.
+    Messages,
 }
 
 impl Endpoint {
+    /// Every endpoint, for metrics that start at zero.
+    pub const ALL: [Endpoint; 4] = [
+        Endpoint::Chat,
+        Endpoint::Completion,
+        Endpoint::Responses,
+        Endpoint::Messages,
+    ];
+
     /// The label used in metrics and logs.
     pub fn as_str(self) -> &'static str {
         match self {
             Endpoint::Chat => "chat",
             Endpoint::Completion => "completion",
+            Endpoint::Responses => "responses",
+            Endpoint::Messages => "messages",
         }
     }
 
-    /// The prefix of the response id (`chatcmpl-…`, `cmpl-…`), as OpenAI names them.
+    /// The prefix of the response id (`chatcmpl-…`, `cmpl-…`, `resp_…`, `msg_…`), as OpenAI
+    /// and Anthropic name them.
     pub fn id_prefix(self) -> &'static str {
         match self {
             Endpoint::Chat => "chatcmpl",
             Endpoint::Completion => "cmpl",
+            Endpoint::Responses => "resp",
+            Endpoint::Messages => "msg",
         }
     }
 }
@@ -50,6 +70,8 @@ pub struct ValidRequest {
     pub max_tokens: u32,
     /// Sampling temperature in `[0, 2]`; 0 is greedy.
     pub temperature: f32,
+    /// Nucleus sampling in `[0, 1]` (1: off).
+    pub top_p: f32,
     pub seed: Option<u64>,
     /// Stop strings (non-empty ones only). The edge applies them to the text itself and drops
     /// the stream at a match; a worker may use them too but does not have to.
@@ -64,6 +86,38 @@ pub struct ValidRequest {
     pub cache_salt: Option<String>,
     /// Unix time in seconds when the request arrived (the `created` field of responses).
     pub created: u64,
+    /// Where the backend reports what the engine says about the request (its prompt
+    /// length); the edge compares that with `prompt_tokens`.
+    pub engine: EngineReport,
+}
+
+/// What the engine reported about a request, filled in by the backend while it streams (for
+/// a worker: `GenerateChunk.prompt_tokens`) and read by the edge: a prompt length different
+/// from the tokens the edge sent means the router and the engine tokenize differently
+/// (counted in `tandem_frontend_prompt_token_mismatch_total`). Shared, cheap to clone;
+/// setting it is optional.
+#[derive(Clone, Debug, Default)]
+pub struct EngineReport {
+    /// 0: not reported.
+    prompt_tokens: Arc<AtomicU32>,
+}
+
+impl EngineReport {
+    /// The number of prompt tokens the engine saw (0 is taken as "not reported").
+    pub fn set_prompt_tokens(&self, n: u32) {
+        self.prompt_tokens.store(n, Ordering::Relaxed);
+    }
+
+    pub fn prompt_tokens(&self) -> Option<u32> {
+        Some(self.prompt_tokens.load(Ordering::Relaxed)).filter(|&n| n > 0)
+    }
+}
+
+impl PartialEq for EngineReport {
+    /// A side channel, not part of what a request is: any two are equal.
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// Why generation ended.
@@ -94,7 +148,9 @@ pub struct TokenChunk {
     /// Set on the last chunk only; the edge stops reading after it.
     pub finish: Option<FinishReason>,
     /// Prompt tokens served from cache (local prefix cache or transferred), as the worker
-    /// reports it; the same on every chunk. The edge reads it from the first chunk.
+    /// reports it. The edge reads the first chunk's for the `x-tandem-cached-tokens` header
+    /// and the last chunk's for the usage: a worker in front of an external engine knows the
+    /// engine's own count only at the end (its first chunk carries its estimate).
     pub cached_tokens: u32,
 }
 

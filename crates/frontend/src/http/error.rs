@@ -16,6 +16,14 @@
 //!
 //! The body is always `{"error":{"message","type","param","code"}}`; mid-stream the same
 //! object is sent as an SSE `data:` event (see `generate.rs`).
+//!
+//! The Anthropic Messages API (`POST /v1/messages`) answers in Anthropic's shape instead,
+//! `{"type":"error","error":{"type","message"}}` ([`ServeError::to_anthropic_json`]), with
+//! the same statuses except: JSON of the wrong shape is 400 (Anthropic has no 422) and
+//! `Overloaded` is 529 `overloaded_error` (Anthropic's overload status; its SDK retries it).
+//! Types: 400/405 `invalid_request_error`, 404 `not_found_error`, 413 `request_too_large`,
+//! 429 `rate_limit_error`, 529 `overloaded_error`, others `api_error`
+//! (`anthropic-sdk-python`, `src/anthropic/types/shared/error_type.py`).
 
 use std::time::Duration;
 
@@ -252,6 +260,66 @@ impl ServeError {
     }
 }
 
+impl ServeError {
+    /// The status on the Anthropic Messages API (see the module docs).
+    pub fn anthropic_status(&self) -> StatusCode {
+        match self.kind {
+            ErrorKind::Unprocessable => StatusCode::BAD_REQUEST,
+            ErrorKind::Overloaded => {
+                StatusCode::from_u16(529).unwrap_or(StatusCode::TOO_MANY_REQUESTS)
+            }
+            kind => kind.status(),
+        }
+    }
+
+    /// Anthropic's error `type`.
+    pub fn anthropic_type(&self) -> &'static str {
+        match self.kind {
+            ErrorKind::InvalidRequest | ErrorKind::Unprocessable | ErrorKind::MethodNotAllowed => {
+                "invalid_request_error"
+            }
+            ErrorKind::ModelNotFound | ErrorKind::NotFound => "not_found_error",
+            ErrorKind::PayloadTooLarge => "request_too_large",
+            ErrorKind::Overloaded => "overloaded_error",
+            ErrorKind::Cancelled | ErrorKind::Internal | ErrorKind::Unavailable => "api_error",
+        }
+    }
+
+    /// Anthropic's error body, `{"type":"error","error":{"type","message"}}`.
+    pub fn to_anthropic_json(&self) -> String {
+        let message = match &self.param {
+            Some(param) => format!("{param}: {}", self.message),
+            None => self.message.clone(),
+        };
+        serde_json::json!({
+            "type": "error",
+            "error": {"type": self.anthropic_type(), "message": message},
+        })
+        .to_string()
+    }
+
+    /// The response on the Anthropic Messages API.
+    pub fn into_anthropic_response(self) -> Response {
+        let mut response = (
+            self.anthropic_status(),
+            [(header::CONTENT_TYPE, "application/json")],
+            self.to_anthropic_json(),
+        )
+            .into_response();
+        self.add_retry_after(&mut response);
+        response
+    }
+
+    fn add_retry_after(&self, response: &mut Response) {
+        if let Some(after) = self.retry_after {
+            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+    }
+}
+
 impl IntoResponse for ServeError {
     fn into_response(self) -> Response {
         let mut response = (
@@ -260,12 +328,7 @@ impl IntoResponse for ServeError {
             self.to_json(),
         )
             .into_response();
-        if let Some(after) = self.retry_after {
-            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
-        }
+        self.add_retry_after(&mut response);
         response
     }
 }

@@ -1,13 +1,18 @@
-//! The two generation endpoints: admission (drain check, bounded body, validation,
-//! tokenization), the wait for the backend's first chunk, then an SSE stream or a whole
-//! response.
+//! The generation endpoints: admission (drain check, bounded body, validation, the chat
+//! template and tokenization), the wait for the backend's first chunk, then an SSE stream
+//! or a whole response, in the shape of the API the request came through ([`Format`]:
+//! `format_chat.rs`, `responses.rs`, `messages.rs`).
 //!
 //! The response head is sent only after the first chunk, so that the `x-tandem-cached-tokens`
 //! header carries the worker's report and a failure before the first token gets its own
-//! status code (429, 503, …) even when streaming. After the head, a backend error ends the
-//! stream with `data: {"error": {...}}` and then `data: [DONE]` (what vLLM does; clients that
-//! only look for `[DONE]` still terminate). A backend stream that ends without a finish reason
-//! is reported the same way, as an internal error.
+//! status code (429, 503, …) even when streaming, in the API's error shape. After the head,
+//! a backend error ends the stream with the API's error event ([`Format::stream_error`]). A
+//! backend stream that ends without a finish reason is reported the same way, as an internal
+//! error.
+//!
+//! Output goes backend chunks → [`Output`] (detokenization, `max_tokens`, stop strings) →
+//! the tool-call parser when the request has tools and the server parses them
+//! (`tool_calls.rs`) → the format.
 //!
 //! Dropping is cancelling: the backend stream is dropped when a stop string matches, when
 //! `max_tokens` is reached, when the finish arrives, and when the client goes away (hyper
@@ -22,15 +27,40 @@ use futures::stream::BoxStream;
 
 use super::backend::{Endpoint, FinishReason, RouteInfo, TokenChunk, ValidRequest};
 use super::error::ServeError;
+use super::format_chat::ChatFormat;
 use super::ids::unix_now;
+use super::messages;
 use super::metrics::RequestRecord;
-use super::openai::{
-    AssistantMessage, ChatChoice, ChatChunkChoice, CompletionChoice, Delta, ResponseObject, Usage,
-    UsageField,
-};
+use super::openai::Usage;
 use super::output::Output;
+use super::responses;
 use super::state::HttpState;
+use super::tool_calls::{Piece, ToolCallStream};
 use super::validate::{self, Checked};
+
+/// The end of a generation, as the formats need it.
+#[derive(Clone, Debug)]
+pub(crate) struct End {
+    pub finish: FinishReason,
+    /// The stop string that ended the output, if one did.
+    pub stop_sequence: Option<String>,
+    pub usage: Usage,
+    /// At least one tool call was parsed out of the output.
+    pub tool_calls: bool,
+}
+
+/// How one API presents a generation.
+pub(crate) trait Format: Send + 'static {
+    /// Streaming: the events that open the stream (may be empty).
+    fn open(&mut self) -> String;
+    /// Streaming: the events for what one backend chunk released; `end` is set on the last
+    /// call, whose events end the stream.
+    fn step(&mut self, pieces: Vec<Piece>, end: Option<&End>) -> String;
+    /// Streaming: the events for a backend error after the head; they end the stream.
+    fn stream_error(&mut self, e: &ServeError) -> String;
+    /// The whole (non-streaming) response body.
+    fn whole(&mut self, pieces: Vec<Piece>, end: &End) -> String;
+}
 
 pub(crate) async fn chat_completions(
     State(state): State<HttpState>,
@@ -48,15 +78,40 @@ pub(crate) async fn completions(
     handle(state, Endpoint::Completion, headers, body).await
 }
 
+pub(crate) async fn responses(
+    State(state): State<HttpState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(state, Endpoint::Responses, headers, body).await
+}
+
+pub(crate) async fn messages(
+    State(state): State<HttpState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(state, Endpoint::Messages, headers, body).await
+}
+
+/// A request ready for the backend, with the format of its response.
+struct Admitted {
+    req: ValidRequest,
+    format: Box<dyn Format>,
+    parse_tool_calls: bool,
+}
+
 async fn handle(state: HttpState, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let mut record = RequestRecord::start(state.metrics().clone(), endpoint);
-    let req = match admit(&state, endpoint, &headers, body).await {
-        Ok(req) => req,
+    let admitted = match admit(&state, endpoint, &headers, body).await {
+        Ok(a) => a,
         Err(e) => {
-            record.status(e.status().as_u16());
-            return e.into_response();
+            let response = error_response(endpoint, e);
+            record.status(response.status().as_u16());
+            return response;
         }
     };
+    let req = &admitted.req;
     tracing::debug!(
         id = req.id,
         endpoint = endpoint.as_str(),
@@ -65,7 +120,15 @@ async fn handle(state: HttpState, endpoint: Endpoint, headers: HeaderMap, body: 
         stream = req.stream,
         "admitted"
     );
-    respond(&state, req, record).await
+    respond(&state, admitted, record).await
+}
+
+/// An error response in the shape of `endpoint`'s API.
+pub(crate) fn error_response(endpoint: Endpoint, e: ServeError) -> Response {
+    match endpoint {
+        Endpoint::Messages => e.into_anthropic_response(),
+        _ => e.into_response(),
+    }
 }
 
 /// Everything before the backend: drain check, body, validation, tokenization.
@@ -74,7 +137,7 @@ async fn admit(
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
-) -> Result<ValidRequest, ServeError> {
+) -> Result<Admitted, ServeError> {
     if state.is_draining() {
         return Err(
             ServeError::unavailable("the server is draining; retry on another replica")
@@ -83,32 +146,53 @@ async fn admit(
     }
     let config = state.config();
     let bytes = read_body(headers, body, config.max_body_bytes).await?;
+    let mut context = None;
     let checked = match endpoint {
         Endpoint::Chat => validate::check_chat(validate::parse_json(&bytes)?, config)?,
         Endpoint::Completion => validate::check_completion(validate::parse_json(&bytes)?, config)?,
+        Endpoint::Responses => {
+            let (checked, ctx) = responses::check(validate::parse_json(&bytes)?, state)?;
+            context = Some(ctx);
+            checked
+        }
+        Endpoint::Messages => messages::check(validate::parse_json(&bytes)?, config)?,
     };
     drop(bytes);
-    let tokens = tokenize(state, &checked).await?;
+    let (checked, tokens) = tokenize(state, checked).await?;
+    let parse_tool_calls = state.parses_tool_calls() && checked.wants_tool_calls;
     let ids = state.ids().next(endpoint);
-    checked.into_valid(tokens, config, ids, unix_now())
+    let req = checked.into_valid(tokens, config, ids, unix_now())?;
+    let format: Box<dyn Format> = match (endpoint, context) {
+        (Endpoint::Responses, Some(ctx)) => Box::new(responses::ResponsesFormat::new(
+            &req,
+            ctx,
+            state.responses_store().clone(),
+        )),
+        (Endpoint::Messages, _) => Box::new(messages::MessagesFormat::new(&req)),
+        _ => Box::new(ChatFormat::new(&req)),
+    };
+    Ok(Admitted {
+        req,
+        format,
+        parse_tool_calls,
+    })
 }
 
-async fn tokenize(state: &HttpState, checked: &Checked) -> Result<Vec<u32>, ServeError> {
+/// Tokenizes (through the chat template for conversations). Long prompts take milliseconds:
+/// they go to a blocking thread, awaited right here so it has an owner; if the client
+/// leaves, it runs to completion and its result is dropped.
+async fn tokenize(state: &HttpState, checked: Checked) -> Result<(Checked, Vec<u32>), ServeError> {
     if !checked.is_large() {
-        return checked.tokenize(state.tokenizer());
+        let tokens = checked.tokenize(state.tokenizer(), state.prompts())?;
+        return Ok((checked, tokens));
     }
-    // Long prompts take milliseconds to tokenize: keep them off the async threads. The
-    // blocking task is awaited right here, so it has an owner; if the client leaves, it runs
-    // to completion and its result is dropped.
-    let tokenizer = state.tokenizer().clone();
-    let prompt = match &checked.prompt {
-        validate::PromptInput::Text(t) => t.clone(),
-        validate::PromptInput::Tokens(_) => return checked.tokenize(&tokenizer),
-    };
-    tokio::task::spawn_blocking(move || tokenizer.encode(&prompt))
-        .await
-        .map_err(|e| ServeError::internal(format!("tokenizer task failed: {e}")))?
-        .map_err(|e| ServeError::invalid(format!("failed to tokenize the prompt: {e}")))
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || {
+        let tokens = checked.tokenize(state.tokenizer(), state.prompts())?;
+        Ok((checked, tokens))
+    })
+    .await
+    .map_err(|e| ServeError::internal(format!("tokenizer task failed: {e}")))?
 }
 
 /// Reads at most `limit` bytes of body; more is a 413.
@@ -133,167 +217,110 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Byte
     Ok(Bytes::from(buf))
 }
 
-/// What every response object of one request shares.
-#[derive(Debug)]
-struct Meta {
-    endpoint: Endpoint,
-    id: String,
-    created: u64,
-    model: String,
-    include_usage: bool,
-}
-
-impl Meta {
-    /// `usage` on a streamed chunk: absent, or `null` when the client asked for usage.
-    fn chunk_usage(&self) -> Option<Option<Usage>> {
-        self.include_usage.then_some(None)
-    }
-
-    /// A response object of this request.
-    fn object<C: serde::Serialize, U: UsageField>(
-        &self,
-        object: &'static str,
-        choices: C,
-        usage: U,
-    ) -> String {
-        to_json(&ResponseObject {
-            id: &self.id,
-            object,
-            created: self.created,
-            model: &self.model,
-            choices,
-            usage,
-        })
-    }
-
-    /// The `object` of this request's chunks.
-    fn chunk_object(&self) -> &'static str {
-        match self.endpoint {
-            Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completion => "text_completion",
-        }
-    }
-
-    /// The chat chunk that opens a stream: `delta: {"role": "assistant", "content": ""}`.
-    fn role_chunk(&self) -> String {
-        let choice = ChatChunkChoice {
-            index: 0,
-            delta: Delta {
-                role: Some("assistant"),
-                content: Some(""),
-            },
-            logprobs: None,
-            finish_reason: None,
-        };
-        self.object("chat.completion.chunk", [choice], self.chunk_usage())
-    }
-
-    /// A content chunk; an empty `text` with a finish is sent as an empty delta.
-    fn content_chunk(&self, text: &str, finish: Option<FinishReason>) -> String {
-        let finish_reason = finish.map(FinishReason::as_str);
-        let usage = self.chunk_usage();
-        match self.endpoint {
-            Endpoint::Chat => {
-                let choice = ChatChunkChoice {
-                    index: 0,
-                    delta: Delta {
-                        role: None,
-                        content: (!text.is_empty()).then_some(text),
-                    },
-                    logprobs: None,
-                    finish_reason,
-                };
-                self.object(self.chunk_object(), [choice], usage)
-            }
-            Endpoint::Completion => {
-                let choice = CompletionChoice {
-                    text,
-                    index: 0,
-                    logprobs: None,
-                    finish_reason,
-                };
-                self.object(self.chunk_object(), [choice], usage)
-            }
-        }
-    }
-
-    /// The last chunk when `include_usage`: no choices, the usage.
-    fn usage_chunk(&self, usage: Usage) -> String {
-        self.object(self.chunk_object(), [(); 0], Some(Some(usage)))
-    }
-
-    /// The whole (non-streaming) response.
-    fn full(&self, text: &str, finish: FinishReason, usage: Usage) -> String {
-        match self.endpoint {
-            Endpoint::Chat => {
-                let choice = ChatChoice {
-                    index: 0,
-                    message: AssistantMessage {
-                        role: "assistant",
-                        content: text,
-                        refusal: None,
-                    },
-                    logprobs: None,
-                    finish_reason: finish.as_str(),
-                };
-                self.object("chat.completion", [choice], usage)
-            }
-            Endpoint::Completion => {
-                let choice = CompletionChoice {
-                    text,
-                    index: 0,
-                    logprobs: None,
-                    finish_reason: Some(finish.as_str()),
-                };
-                self.object("text_completion", [choice], Some(Some(usage)))
-            }
-        }
-    }
-}
-
-fn to_json<T: serde::Serialize>(value: &T) -> String {
+pub(crate) fn to_json<T: serde::Serialize>(value: &T) -> String {
     // Our response types hold only strings, numbers and options: serializing cannot fail.
     serde_json::to_string(value).unwrap_or_else(|e| {
         ServeError::internal(format!("failed to serialize a response: {e}")).to_json()
     })
 }
 
-fn sse_event(json: &str) -> String {
+/// An SSE event with data only: `data: {json}`.
+pub(crate) fn sse_data(json: &str) -> String {
     format!("data: {json}\n\n")
 }
 
-const SSE_DONE: &str = "data: [DONE]\n\n";
+/// A named SSE event: `event: {name}` and `data: {json}` (Responses, Anthropic).
+pub(crate) fn sse_event(name: &str, json: &str) -> String {
+    format!("event: {name}\ndata: {json}\n\n")
+}
+
+/// Backend chunks → text and tool calls.
+#[derive(Debug)]
+struct Pipeline {
+    output: Output,
+    tools: Option<ToolCallStream>,
+}
+
+/// What one chunk released.
+struct Fed {
+    pieces: Vec<Piece>,
+    /// Set when the output is over: the reason and the stop string that matched.
+    finish: Option<(FinishReason, Option<String>)>,
+}
+
+impl Pipeline {
+    fn feed(&mut self, chunk: &TokenChunk) -> Fed {
+        let step = self.output.feed(chunk);
+        let mut pieces = match &mut self.tools {
+            Some(tools) => tools.push(&step.text),
+            None if step.text.is_empty() => Vec::new(),
+            None => vec![Piece::Text(step.text)],
+        };
+        if step.finish.is_some()
+            && let Some(tools) = &mut self.tools
+        {
+            pieces.extend(tools.finish());
+        }
+        Fed {
+            pieces,
+            finish: step.finish.map(|f| (f, step.stop_sequence)),
+        }
+    }
+
+    fn tool_calls(&self) -> bool {
+        self.tools.as_ref().is_some_and(|t| t.calls() > 0)
+    }
+
+    fn completion_tokens(&self) -> u32 {
+        self.output.completion_tokens()
+    }
+}
+
+/// Tool-call ids of a response: `call_<response id's letters and digits>_<n>`.
+fn call_id_prefix(response_id: &str) -> String {
+    let mut prefix: String = response_id
+        .split(['-', '_'])
+        .skip(1)
+        .collect::<Vec<_>>()
+        .concat();
+    prefix.push('_');
+    prefix
+}
 
 /// Runs an admitted request to its response.
-async fn respond(state: &HttpState, req: ValidRequest, mut record: RequestRecord) -> Response {
-    let meta = Meta {
-        endpoint: req.endpoint,
-        id: req.response_id.clone(),
-        created: req.created,
-        model: req.model.clone(),
-        include_usage: req.include_usage,
-    };
+async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecord) -> Response {
+    let Admitted {
+        req,
+        mut format,
+        parse_tool_calls,
+    } = admitted;
+    let endpoint = req.endpoint;
+    let id = req.response_id.clone();
     let prompt_tokens = u32::try_from(req.prompt_tokens.len()).unwrap_or(u32::MAX);
     let stream = req.stream;
-    let output = Output::new(state.tokenizer().clone(), req.stop.clone(), req.max_tokens);
+    let mut pipeline = Pipeline {
+        output: Output::new(state.tokenizer().clone(), req.stop.clone(), req.max_tokens),
+        tools: parse_tool_calls.then(|| ToolCallStream::new(call_id_prefix(&id))),
+    };
+    record.sent(req.id, req.prompt_tokens.len(), req.engine.clone());
 
     let generation = match state.backend().generate(req).await {
         Ok(g) => g,
-        Err(e) => return fail(e, &meta.id, &mut record),
+        Err(e) => return fail(endpoint, e, &id, &mut record),
     };
     let route = generation.route;
     let mut chunks = generation.chunks;
     let first = match chunks.next().await {
         Some(Ok(chunk)) => chunk,
-        Some(Err(e)) => return fail(e, &meta.id, &mut record),
+        Some(Err(e)) => return fail(endpoint, e, &id, &mut record),
         None => {
             let e = ServeError::internal("the backend ended the request before any output");
-            return fail(e, &meta.id, &mut record);
+            return fail(endpoint, e, &id, &mut record);
         }
     };
     let cached_tokens = first.cached_tokens;
     record.first_chunk(prompt_tokens, cached_tokens);
-    let mut headers = head(&meta.id, route, cached_tokens);
+    let mut headers = head(&id, route, cached_tokens);
 
     if stream {
         record.status(200);
@@ -307,11 +334,12 @@ async fn respond(state: &HttpState, req: ValidRequest, mut record: RequestRecord
             HeaderValue::from_static("no"),
         );
         let sse = Sse {
-            meta,
+            id,
+            format,
             chunks: Some(chunks),
             first: Some(first),
-            output,
-            usage: Usage::new(prompt_tokens, 0, cached_tokens),
+            pipeline,
+            prompt_tokens,
             record,
             phase: Phase::Start,
         };
@@ -322,27 +350,30 @@ async fn respond(state: &HttpState, req: ValidRequest, mut record: RequestRecord
         return (headers, Body::from_stream(body)).into_response();
     }
 
-    let mut output = output;
-    let mut text = String::new();
+    let mut pieces = Vec::new();
+    let usage_cached;
     let mut next = Some(first);
-    let finish = loop {
+    let (finish, stop_sequence) = loop {
         let chunk = match next.take() {
             Some(c) => c,
             None => match chunks.next().await {
                 Some(Ok(c)) => c,
-                Some(Err(e)) => return fail(e, &meta.id, &mut record),
-                None => return fail(unfinished(), &meta.id, &mut record),
+                Some(Err(e)) => return fail(endpoint, e, &id, &mut record),
+                None => return fail(endpoint, unfinished(), &id, &mut record),
             },
         };
-        let step = output.feed(&chunk);
-        text.push_str(&step.text);
-        if let Some(finish) = step.finish {
+        let fed = pipeline.feed(&chunk);
+        pieces.extend(fed.pieces);
+        if let Some(finish) = fed.finish {
+            // An external engine's own count comes with its last chunk (its usage); the
+            // first chunk's was the worker's estimate (the header keeps that one).
+            usage_cached = chunk.cached_tokens;
             break finish;
         }
     };
     // Cancel whatever the workers might still do (after a stop string or max_tokens).
     drop(chunks);
-    let completion_tokens = output.completion_tokens();
+    let completion_tokens = pipeline.completion_tokens();
     record.completion_tokens(completion_tokens);
     record.status(200);
     record.completed();
@@ -350,8 +381,13 @@ async fn respond(state: &HttpState, req: ValidRequest, mut record: RequestRecord
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    let usage = Usage::new(prompt_tokens, completion_tokens, cached_tokens);
-    (headers, meta.full(&text, finish, usage)).into_response()
+    let end = End {
+        finish,
+        stop_sequence,
+        usage: Usage::new(prompt_tokens, completion_tokens, usage_cached),
+        tool_calls: pipeline.tool_calls(),
+    };
+    (headers, format.whole(pieces, &end)).into_response()
 }
 
 fn unfinished() -> ServeError {
@@ -359,10 +395,10 @@ fn unfinished() -> ServeError {
 }
 
 /// An error response before the head, with the request id.
-fn fail(e: ServeError, id: &str, record: &mut RequestRecord) -> Response {
+fn fail(endpoint: Endpoint, e: ServeError, id: &str, record: &mut RequestRecord) -> Response {
     tracing::debug!(id, error = %e, kind = ?e.kind(), "request failed before the response head");
-    record.status(e.status().as_u16());
-    let mut response = e.into_response();
+    let mut response = error_response(endpoint, e);
+    record.status(response.status().as_u16());
     if let Ok(v) = HeaderValue::from_str(id) {
         response.headers_mut().insert(X_REQUEST_ID, v);
     }
@@ -396,33 +432,35 @@ fn head(id: &str, route: RouteInfo, cached_tokens: u32) -> HeaderMap {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
-    /// Nothing sent yet (chat sends the role chunk first).
+    /// Nothing sent yet (the format's opening events come first).
     Start,
-    /// Content chunks.
+    /// Content.
     Content,
-    /// `[DONE]` sent.
+    /// The stream's last event sent.
     Done,
 }
 
 /// The streaming body's state. Owns the backend stream: dropping the body (client gone)
 /// drops it, which cancels the request on the workers.
 struct Sse {
-    meta: Meta,
+    id: String,
+    format: Box<dyn Format>,
     chunks: Option<BoxStream<'static, Result<TokenChunk, ServeError>>>,
     first: Option<TokenChunk>,
-    output: Output,
-    usage: Usage,
+    pipeline: Pipeline,
+    prompt_tokens: u32,
     record: RequestRecord,
     phase: Phase,
 }
 
 impl Sse {
-    /// The next piece of the body; `None` after `[DONE]`.
+    /// The next piece of the body; `None` after the last event.
     async fn next_bytes(&mut self) -> Option<Bytes> {
         if self.phase == Phase::Start {
             self.phase = Phase::Content;
-            if self.meta.endpoint == Endpoint::Chat {
-                return Some(Bytes::from(sse_event(&self.meta.role_chunk())));
+            let opening = self.format.open();
+            if !opening.is_empty() {
+                return Some(Bytes::from(opening));
             }
         }
         if self.phase == Phase::Done {
@@ -441,37 +479,36 @@ impl Sse {
                 Some(Err(e)) => return Some(self.end_with_error(e)),
                 None => return Some(self.end_with_error(unfinished())),
             };
-            let step = self.output.feed(&chunk);
-            self.record
-                .completion_tokens(self.output.completion_tokens());
-            if step.text.is_empty() && step.finish.is_none() {
+            let fed = self.pipeline.feed(&chunk);
+            let completion_tokens = self.pipeline.completion_tokens();
+            self.record.completion_tokens(completion_tokens);
+            if fed.pieces.is_empty() && fed.finish.is_none() {
                 continue;
             }
-            let mut out = sse_event(&self.meta.content_chunk(&step.text, step.finish));
-            if step.finish.is_some() {
-                self.chunks = None;
-                if self.meta.include_usage {
-                    self.usage.completion_tokens = self.output.completion_tokens();
-                    self.usage.total_tokens = self
-                        .usage
-                        .prompt_tokens
-                        .saturating_add(self.usage.completion_tokens);
-                    out.push_str(&sse_event(&self.meta.usage_chunk(self.usage)));
-                }
-                out.push_str(SSE_DONE);
-                self.phase = Phase::Done;
-                self.record.completed();
-            }
+            let Some((finish, stop_sequence)) = fed.finish else {
+                return Some(Bytes::from(self.format.step(fed.pieces, None)));
+            };
+            self.chunks = None;
+            // As in the whole response: the last chunk has the engine's own count.
+            let end = End {
+                finish,
+                stop_sequence,
+                usage: Usage::new(self.prompt_tokens, completion_tokens, chunk.cached_tokens),
+                tool_calls: self.pipeline.tool_calls(),
+            };
+            let out = self.format.step(fed.pieces, Some(&end));
+            self.phase = Phase::Done;
+            self.record.completed();
             return Some(Bytes::from(out));
         }
     }
 
     fn end_with_error(&mut self, e: ServeError) -> Bytes {
-        tracing::debug!(id = %self.meta.id, error = %e, "stream ended by a backend error");
+        tracing::debug!(id = %self.id, error = %e, "stream ended by a backend error");
         self.chunks = None;
         self.phase = Phase::Done;
         self.record.stream_error();
         self.record.completed();
-        Bytes::from(format!("{}{SSE_DONE}", sse_event(&e.to_json())))
+        Bytes::from(self.format.stream_error(&e))
     }
 }

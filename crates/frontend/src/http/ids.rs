@@ -31,10 +31,20 @@ impl RequestIds {
         }
     }
 
-    /// The next id and its client-facing form, e.g. `(42, "chatcmpl-1f2e3d4c-42")`.
+    /// The next id and its client-facing form, e.g. `(42, "chatcmpl-1f2e3d4c-42")`; the
+    /// Responses and Messages APIs' ids are `resp_<prefix><id>` / `msg_<prefix><id>`, as
+    /// theirs look (a prefix, an underscore, letters and digits).
     pub(crate) fn next(&self, endpoint: Endpoint) -> (u64, String) {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        (id, format!("{}-{}-{id}", endpoint.id_prefix(), self.prefix))
+        let text = match endpoint {
+            Endpoint::Chat | Endpoint::Completion => {
+                format!("{}-{}-{id}", endpoint.id_prefix(), self.prefix)
+            }
+            Endpoint::Responses | Endpoint::Messages => {
+                format!("{}_{}{id:08}", endpoint.id_prefix(), self.prefix)
+            }
+        };
+        (id, text)
     }
 }
 
@@ -59,5 +69,11 @@ mod tests {
         assert!(sa.starts_with("chatcmpl-"), "{sa}");
         assert!(sb.starts_with("cmpl-"), "{sb}");
         assert!(sb.ends_with(&format!("-{b}")));
+        let (_, r) = ids.next(Endpoint::Responses);
+        assert!(
+            r.starts_with("resp_") && r[5..].chars().all(|c| c.is_ascii_alphanumeric()),
+            "{r}"
+        );
+        assert!(ids.next(Endpoint::Messages).1.starts_with("msg_"));
     }
 }

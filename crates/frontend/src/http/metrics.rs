@@ -4,7 +4,8 @@
 //! Metrics (OpenMetrics text at `GET /metrics`):
 //!
 //! - `tandem_http_requests_total{endpoint,status}`: generation requests by endpoint (`chat`,
-//!   `completion`) and HTTP status; `499` when the client left before the response head.
+//!   `completion`, `responses`, `messages`) and HTTP status; `499` when the client left
+//!   before the response head.
 //! - `tandem_http_requests_in_flight`: generation requests being served.
 //! - `tandem_http_time_to_first_token_seconds`: arrival → first backend chunk.
 //! - `tandem_http_request_duration_seconds`: arrival → last byte, completed requests only.
@@ -12,6 +13,11 @@
 //! - `tandem_http_stream_errors_total{endpoint}`: streams ended by a backend error after the
 //!   head was sent.
 //! - `tandem_http_client_disconnects_total{endpoint}`: streams the client dropped early.
+//! - `tandem_frontend_prompt_token_mismatch_total`: requests whose prompt length, as the
+//!   engine reported it ([`super::EngineReport`]), differs from the number of tokens the
+//!   frontend sent: the router's tokenization (and so its prefix-cache view) disagrees with
+//!   the engine's. Each is also logged, rate-limited: the 1st, 2nd, 4th, … 1024th, then every
+//!   1024th.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -24,7 +30,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
 
-use super::backend::Endpoint;
+use super::backend::{Endpoint, EngineReport};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -49,6 +55,7 @@ pub struct HttpMetrics {
     cached_tokens: Counter,
     stream_errors: Family<EndpointLabels, Counter>,
     client_disconnects: Family<EndpointLabels, Counter>,
+    prompt_token_mismatch: Counter,
     /// Notified when `in_flight` drops to zero.
     idle: Notify,
 }
@@ -67,8 +74,15 @@ impl HttpMetrics {
             cached_tokens: Counter::default(),
             stream_errors: Family::default(),
             client_disconnects: Family::default(),
+            prompt_token_mismatch: Counter::default(),
             idle: Notify::new(),
         };
+        registry.register(
+            "tandem_frontend_prompt_token_mismatch",
+            "Requests whose prompt token count reported by the engine differs from the tokens \
+             the frontend sent",
+            m.prompt_token_mismatch.clone(),
+        );
         let r = registry.sub_registry_with_prefix("tandem_http");
         r.register(
             "requests",
@@ -112,7 +126,7 @@ impl HttpMetrics {
             m.client_disconnects.clone(),
         );
         // Zero series from the start, so rates and alerts see them before the first event.
-        for endpoint in [Endpoint::Chat, Endpoint::Completion] {
+        for endpoint in Endpoint::ALL {
             let labels = EndpointLabels {
                 endpoint: endpoint.as_str(),
             };
@@ -120,6 +134,34 @@ impl HttpMetrics {
             let _ = m.client_disconnects.get_or_create(&labels);
         }
         m
+    }
+
+    /// Compares the prompt length the engine reported (if it did) with the `sent` tokens;
+    /// a difference is counted and logged (rate-limited).
+    pub(crate) fn check_prompt_tokens(&self, id: u64, sent: usize, reported: Option<u32>) {
+        let Some(reported) = reported else {
+            return;
+        };
+        if u64::from(reported) == sent as u64 {
+            return;
+        }
+        let n = self.prompt_token_mismatch.inc() + 1;
+        if n.is_power_of_two() && n <= 1024 || n.is_multiple_of(1024) {
+            tracing::warn!(
+                id,
+                sent,
+                reported,
+                mismatches = n,
+                "the engine counted a different number of prompt tokens than the frontend \
+                 sent: tokenizers or chat templates disagree (logged for the 1st, 2nd, 4th, … \
+                 mismatch)"
+            );
+        }
+    }
+
+    /// Prompt-token mismatches so far.
+    pub fn prompt_token_mismatches(&self) -> u64 {
+        self.prompt_token_mismatch.get()
     }
 
     /// Generation requests being served now.
@@ -152,6 +194,8 @@ pub(crate) struct RequestRecord {
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: u64,
+    /// `(id, tokens sent, engine report)` until the engine's prompt length was checked.
+    prompt_check: Option<(u64, usize, EngineReport)>,
 }
 
 impl RequestRecord {
@@ -166,6 +210,25 @@ impl RequestRecord {
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_tokens: 0,
+            prompt_check: None,
+        }
+    }
+
+    /// The request went to the backend with `sent` prompt tokens; check what the engine
+    /// reports (at the first chunk, or at the end if it reports only then).
+    pub(crate) fn sent(&mut self, id: u64, sent: usize, engine: EngineReport) {
+        self.prompt_check = Some((id, sent, engine));
+    }
+
+    fn check_prompt_tokens(&mut self) {
+        let reported = match &self.prompt_check {
+            Some((_, _, engine)) => engine.prompt_tokens(),
+            None => return,
+        };
+        if reported.is_some()
+            && let Some((id, sent, _)) = self.prompt_check.take()
+        {
+            self.metrics.check_prompt_tokens(id, sent, reported);
         }
     }
 
@@ -176,6 +239,7 @@ impl RequestRecord {
             .observe(self.start.elapsed().as_secs_f64());
         self.prompt_tokens = prompt_tokens.into();
         self.cached_tokens = cached_tokens.into();
+        self.check_prompt_tokens();
     }
 
     /// The response head is decided.
@@ -205,6 +269,7 @@ impl RequestRecord {
 
 impl Drop for RequestRecord {
     fn drop(&mut self) {
+        self.check_prompt_tokens();
         let m = &self.metrics;
         let endpoint = self.endpoint.as_str();
         let status = self.status.unwrap_or(499);

@@ -1,11 +1,16 @@
-//! The OpenAI-compatible HTTP edge of the frontend (DESIGN.md §1, §9, §10). It turns HTTP requests into [`ValidRequest`]s, hands them to a
-//! [`Backend`] (the routing glue that talks to workers), and turns the backend's token
-//! chunks into OpenAI responses and SSE streams.
+//! The OpenAI- and Anthropic-compatible HTTP edge of the frontend (DESIGN.md §1, §9, §10). It
+//! turns HTTP requests into [`ValidRequest`]s, hands them to a [`Backend`] (the routing glue
+//! that talks to workers), and turns the backend's token chunks into responses and SSE
+//! streams in the shape of the API the request came through.
 //!
 //! # Endpoints ([`app`])
 //!
 //! - `POST /v1/chat/completions`, `POST /v1/completions`: streaming (`stream: true`, SSE
 //!   `data: {chunk}` … `data: [DONE]`) and whole responses, OpenAI's shapes.
+//! - `POST /v1/responses`: the OpenAI Responses API (typed SSE events, `previous_response_id`
+//!   over a bounded store); see `responses.rs` for what is served.
+//! - `POST /v1/messages`: the Anthropic Messages API (its SSE events and error shape); see
+//!   `messages.rs`.
 //! - `GET /v1/models`, `GET /v1/models/{model}`: the served model.
 //! - `GET /health`: 200 when the backend is ready and we are not draining, else 503.
 //! - `GET /live`: 200 while the process serves HTTP at all.
@@ -16,19 +21,37 @@
 //! `x-tandem-cached-tokens`. The head waits for the backend's first chunk (see
 //! `generate.rs`).
 //!
-//! # Request fields
+//! # Chat templates and tokens
+//!
+//! Chat completions, Responses and Messages all become one conversation (`conversation.rs`)
+//! and go through the same chat template ([`HttpConfig::chat_template`]: the built-in ChatML
+//! default, a template file, or a `tokenizer_config.json`), rendered with Hugging Face's
+//! semantics (`chat_template.rs`) and tokenized as Hugging Face does for chats, except that
+//! special-token strings sent by clients stay text (`prompt.rs`). The same conversation gives
+//! the same prompt tokens through any of the three APIs. Tool definitions reach the template
+//! as `tools`; tool calls in the output (Hermes / Qwen `<tool_call>` blocks,
+//! [`HttpConfig::tool_call_parser`], on by default when the template mentions `<tool_call>`)
+//! come back as each API's tool calls (`tool_calls.rs`). A prompt length reported by the
+//! engine ([`EngineReport`]) that differs from the tokens sent is counted in
+//! `tandem_frontend_prompt_token_mismatch_total`.
+//!
+//! # Request fields (chat completions and completions)
 //!
 //! Served: `model` (optional; another name is 404), `messages` (content as a string or a list
 //! of `{"type": "text", "text"}` parts; roles `system`, `developer` (as system), `user`,
-//! `assistant`, `tool`), `prompt` (string, token ids, or a one-element list of either),
-//! `max_tokens` / `max_completion_tokens` (the latter wins), `temperature` (0..=2, default
-//! 1), `seed`, `stop` (string or list; text-level, see below), `ignore_eos`, `stream`,
-//! `stream_options.include_usage`, `cache_salt`, `n` (must be 1).
-//! Refused with 400 `unsupported_parameter`: `n` ≠ 1, `logprobs` / `top_logprobs`, `tools`,
-//! `response_format` other than text, `echo`, `best_of` ≠ 1, `suffix`. Ignored: `top_p`,
-//! penalties, `user`, `logit_bias`, and any unknown field. `Content-Type` is not checked
-//! (the body is parsed as JSON whatever it says). Without `max_tokens`, a request gets
-//! [`HttpConfig::default_max_tokens`] lowered to what fits in the context.
+//! `assistant` (with `tool_calls`), `tool` (with `tool_call_id`); `name`), `tools`
+//! (`{"type": "function", "function": {…}}`, passed to the template as given), `tool_choice`
+//! (`auto`, `none`: tools are shown, calls not parsed), `prompt` (string, token ids, or a
+//! one-element list of either), `max_tokens` / `max_completion_tokens` (the latter wins),
+//! `temperature` (0..=2, default 1), `top_p` (0..=1, default 1), `seed`, `stop` (string or
+//! list; text-level, see below), `ignore_eos`, `stream`, `stream_options.include_usage`,
+//! `cache_salt`, `n` (must be 1).
+//! Refused with 400 `unsupported_parameter`: `n` ≠ 1, `logprobs` / `top_logprobs`,
+//! `tool_choice` `required` or a named function, `response_format` other than text, `echo`,
+//! `best_of` ≠ 1, `suffix`. Ignored: penalties, `user`, `logit_bias`, `parallel_tool_calls`,
+//! and any unknown field. `Content-Type` is not checked (the body is parsed as JSON whatever
+//! it says). Without `max_tokens`, a request gets [`HttpConfig::default_max_tokens`] lowered
+//! to what fits in the context.
 //!
 //! Stop strings are matched on the generated text: the text is cut before the first match,
 //! `finish_reason` is `stop`, and the backend stream is dropped so the workers stop. Empty
@@ -41,9 +64,11 @@
 //! | malformed JSON                                              | 400    | `invalid_json`            |
 //! | JSON of the wrong shape or types (`"max_tokens": "x"`)      | 422    | `invalid_type`            |
 //! | unknown model                                               | 404    | `model_not_found`         |
-//! | empty/missing `messages` or `prompt`, bad role or part      | 400    | `null`                    |
-//! | `max_tokens` ≤ 0, `temperature` outside 0..=2, stop limits  | 400    | `null` (`param` set)      |
-//! | unsupported parameter (`n` = 2, `logprobs`, `tools`, …)     | 400    | `unsupported_parameter`   |
+//! | empty/missing `messages` or `prompt`, bad role, part, tool  | 400    | `null`                    |
+//! | `max_tokens` ≤ 0, `temperature` / `top_p` out of range, stop limits | 400 | `null` (`param` set) |
+//! | unsupported parameter (`n` = 2, `logprobs`, `tool_choice: required`, …) | 400 | `unsupported_parameter` |
+//! | the chat template's `raise_exception`, or a template failure | 400   | `chat_template_error`     |
+//! | unknown `previous_response_id` (Responses)                  | 400    | `previous_response_not_found` |
 //! | prompt ≥ context, or prompt + `max_tokens` > context        | 400    | `context_length_exceeded` |
 //! | body over `max_body_bytes`                                  | 413    | `request_too_large`       |
 //! | unknown path / wrong method                                 | 404 / 405 | `not_found` / `method_not_allowed` |
@@ -53,52 +78,80 @@
 //! | backend: cancelled                                          | 499    | `cancelled`               |
 //! | backend: internal, or a stream that ends before any output  | 500    | `internal_error`          |
 //!
-//! A backend error after the response head (streaming) is sent as `data: {"error": …}`
-//! followed by `data: [DONE]`. Non-streaming responses are sent whole, so a backend error at
-//! any point gets its own status.
+//! `/v1/messages` answers the same cases in Anthropic's error shape, with 400 for wrong
+//! shapes and 529 for overload (see `error.rs`). A backend error after the response head
+//! (streaming) is sent as the API's error event: `data: {"error": …}` then `data: [DONE]`
+//! (chat, completions), `error` then `response.failed` (Responses), `error` (Messages).
+//! Non-streaming responses are sent whole, so a backend error at any point gets its own
+//! status.
 //!
 //! # Layout
 //!
-//! - `backend.rs`: [`Backend`], [`ValidRequest`], [`Generation`], [`TokenChunk`].
-//! - `error.rs`: [`ServeError`], [`ErrorKind`], the status mapping.
+//! - `backend.rs`: [`Backend`], [`ValidRequest`], [`Generation`], [`TokenChunk`],
+//!   [`EngineReport`].
+//! - `error.rs`: [`ServeError`], [`ErrorKind`], the status mapping (OpenAI and Anthropic).
 //! - `state.rs`: [`HttpConfig`], [`HttpState`] (draining lives here).
-//! - `validate.rs`: bodies → [`ValidRequest`]; `openai.rs`: the wire types.
-//! - `generate.rs`: the generation handlers, SSE; `output.rs`: tokens → text with
-//!   `max_tokens` and stop strings; `stop.rs`: the stop-string matcher.
-//! - `tokenizer.rs`: [`Tokenizer`], [`Detokenizer`], [`render_chat`].
+//! - `validate.rs`: chat and completions bodies → [`ValidRequest`]; `openai.rs`: their wire
+//!   types; `responses.rs` (+ `responses_store.rs`), `messages.rs`: the Responses and
+//!   Messages APIs, request and output.
+//! - `conversation.rs`: the internal conversation; `chat_template.rs`: [`ChatTemplate`];
+//!   `pyjson.rs`: order-keeping JSON and Python's `json.dumps`; `strftime.rs`;
+//!   `prompt.rs`: [`Prompts`], rendering and special-token-safe tokenization.
+//! - `generate.rs`: the generation handlers, the output pipeline, SSE; `format_chat.rs`:
+//!   chat and completions output; `output.rs`: tokens → text with `max_tokens` and stop
+//!   strings; `stop.rs`: the stop-string matcher; `tool_calls.rs`: [`ToolCallParser`] and
+//!   the Hermes parser.
+//! - `tokenizer.rs`: [`Tokenizer`], [`Detokenizer`].
 //! - `metrics.rs`: [`HttpMetrics`]; `ids.rs`: request ids.
 //!
 //! # Invariants
 //!
 //! - Nothing past `generate::admit` sees a request that is not a [`ValidRequest`].
-//! - Every error path answers with OpenAI's error JSON; no handler panics on any input.
-//! - Every stream ends with `data: [DONE]`, or is dropped by the client; dropping the
-//!   response (or the handler future) drops the backend stream.
+//! - Every error path answers with the API's error JSON; no handler panics on any input.
+//! - Every stream ends with the API's last event (`data: [DONE]`, `response.completed` /
+//!   `response.incomplete` / `response.failed`, `message_stop` / `error`), or is dropped by
+//!   the client; dropping the response (or the handler future) drops the backend stream.
+//! - Client text cannot become a special token of the model (`prompt.rs`).
 //! - Memory per request is bounded: body by `max_body_bytes`, held-back stop text by
-//!   `max_stop_bytes`, pending UTF-8 by 4 bytes (tiktoken) or 4 tokens (Hugging Face).
+//!   `max_stop_bytes`, a held-back tool call by 1 MiB, pending UTF-8 by 4 bytes (tiktoken) or
+//!   4 tokens (Hugging Face); the Responses store by [`ResponsesStoreConfig`].
 
 mod backend;
+mod chat_template;
+mod conversation;
 mod error;
+mod format_chat;
 mod generate;
 mod ids;
+mod messages;
 mod metrics;
 mod openai;
 mod output;
+mod prompt;
+mod pyjson;
+mod responses;
+mod responses_store;
 mod state;
 mod stop;
+mod strftime;
 pub mod tokenizer;
+mod tool_calls;
 mod validate;
 
 #[cfg(test)]
 mod tests;
 
 pub use backend::{
-    Backend, Endpoint, FinishReason, Generation, RouteInfo, TokenChunk, ValidRequest,
+    Backend, Endpoint, EngineReport, FinishReason, Generation, RouteInfo, TokenChunk, ValidRequest,
 };
+pub use chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec, Clock};
 pub use error::{ErrorKind, ServeError};
 pub use metrics::HttpMetrics;
+pub use prompt::Prompts;
+pub use responses_store::ResponsesStoreConfig;
 pub use state::{HttpConfig, HttpState};
-pub use tokenizer::{Detokenizer, Tokenizer, TokenizerError, TokenizerSpec, render_chat};
+pub use tokenizer::{Detokenizer, Tokenizer, TokenizerError, TokenizerSpec};
+pub use tool_calls::ToolCallParser;
 
 use axum::Router;
 use axum::extract::{Path, State};
@@ -112,6 +165,8 @@ pub fn app(state: HttpState) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(generate::chat_completions))
         .route("/v1/completions", post(generate::completions))
+        .route("/v1/responses", post(generate::responses))
+        .route("/v1/messages", post(generate::messages))
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
         .route("/health", get(health))

@@ -6,6 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::pyjson::Json;
+
 // ---------------------------------------------------------------------------------------
 // Requests
 // ---------------------------------------------------------------------------------------
@@ -26,16 +28,37 @@ pub(crate) struct ChatCompletionRequest {
     pub n: Option<i64>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
-    pub tools: Option<Vec<serde_json::Value>>,
+    pub top_p: Option<f64>,
+    /// Tool definitions, passed to the chat template as given (order kept).
+    pub tools: Option<Vec<Json>>,
+    /// `"auto"`, `"none"`, `"required"` or `{"type": "function", …}`.
+    pub tool_choice: Option<Json>,
     pub response_format: Option<serde_json::Value>,
     pub cache_salt: Option<String>,
 }
 
-/// One chat message. `name`, `tool_calls` and the like are ignored.
+/// One chat message.
 #[derive(Debug, Deserialize)]
 pub(crate) struct ChatMessage {
     pub role: String,
     pub content: Option<MessageContent>,
+    pub name: Option<String>,
+    pub tool_calls: Option<Vec<ChatToolCall>>,
+    pub tool_call_id: Option<String>,
+}
+
+/// A tool call of an assistant message: `{"id", "type": "function", "function": {"name",
+/// "arguments"}}`, `arguments` a JSON string (an object is accepted too).
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatToolCall {
+    pub id: Option<String>,
+    pub function: ChatFunctionCall,
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatFunctionCall {
+    pub name: String,
+    pub arguments: Option<Json>,
 }
 
 /// A message's content: a string, or a list of parts of which only `text` parts are served.
@@ -73,6 +96,7 @@ pub(crate) struct CompletionRequest {
     pub prompt: Option<Prompt>,
     pub max_tokens: Option<i64>,
     pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
     pub ignore_eos: Option<bool>,
@@ -168,8 +192,37 @@ pub(crate) struct ChatChoice<'a> {
 #[derive(Debug, Serialize)]
 pub(crate) struct AssistantMessage<'a> {
     pub role: &'static str,
-    pub content: &'a str,
+    /// `null` when the message is only tool calls.
+    pub content: Option<&'a str>,
     pub refusal: Option<()>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut<'a>>>,
+}
+
+/// A tool call of an assistant message.
+#[derive(Debug, Serialize)]
+pub(crate) struct ToolCallOut<'a> {
+    pub id: &'a str,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionOut<'a>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct FunctionOut<'a> {
+    pub name: &'a str,
+    /// A JSON string.
+    pub arguments: &'a str,
+}
+
+/// A tool call in a streamed delta: with its position among the message's calls.
+#[derive(Debug, Serialize)]
+pub(crate) struct ToolCallDelta<'a> {
+    pub index: usize,
+    pub id: &'a str,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionOut<'a>,
 }
 
 #[derive(Debug, Serialize)]
@@ -180,12 +233,14 @@ pub(crate) struct ChatChunkChoice<'a> {
     pub finish_reason: Option<&'static str>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Default, Serialize)]
 pub(crate) struct Delta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta<'a>>>,
 }
 
 #[derive(Debug, Serialize)]

@@ -14,6 +14,8 @@ pub(crate) struct Step {
     pub text: String,
     /// Set when the output is over; feed nothing after it.
     pub finish: Option<FinishReason>,
+    /// The stop string that ended the output, if one did.
+    pub stop_sequence: Option<String>,
 }
 
 #[derive(Debug)]
@@ -60,13 +62,18 @@ impl Output {
             return Step {
                 text: released.text,
                 finish: Some(FinishReason::Stop),
+                stop_sequence: released.matched,
             };
         }
         let mut text = released.text;
         if finish.is_some() {
             text.push_str(&self.stop.flush());
         }
-        Step { text, finish }
+        Step {
+            text,
+            finish,
+            stop_sequence: None,
+        }
     }
 }
 

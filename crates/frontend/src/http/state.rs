@@ -7,9 +7,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use prometheus_client::registry::Registry;
 
 use super::backend::Backend;
+use super::chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec};
 use super::ids::{RequestIds, unix_now};
 use super::metrics::HttpMetrics;
+use super::prompt::Prompts;
+use super::responses_store::{ResponseStore, ResponsesStoreConfig};
 use super::tokenizer::Tokenizer;
+use super::tool_calls::ToolCallParser;
 
 /// Settings of the HTTP edge.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -29,6 +33,13 @@ pub struct HttpConfig {
     /// bound the text held back while matching.
     pub max_stop_sequences: usize,
     pub max_stop_bytes: usize,
+    /// The chat template of chat completions, Responses and Messages. Default: the built-in
+    /// ChatML template.
+    pub chat_template: ChatTemplateSpec,
+    /// How tool calls are parsed out of generated text. Default: [`ToolCallParser::Auto`].
+    pub tool_call_parser: ToolCallParser,
+    /// Bounds of the Responses API's store (`previous_response_id`).
+    pub responses_store: ResponsesStoreConfig,
 }
 
 impl Default for HttpConfig {
@@ -40,6 +51,9 @@ impl Default for HttpConfig {
             max_body_bytes: 8 * 1024 * 1024,
             max_stop_sequences: 16,
             max_stop_bytes: 1024,
+            chat_template: ChatTemplateSpec::Default,
+            tool_call_parser: ToolCallParser::Auto,
+            responses_store: ResponsesStoreConfig::default(),
         }
     }
 }
@@ -54,6 +68,11 @@ struct Inner {
     backend: Arc<dyn Backend>,
     config: HttpConfig,
     tokenizer: Arc<Tokenizer>,
+    prompts: Prompts,
+    /// Whether tool calls are parsed out of the output (the parser resolved against the
+    /// template).
+    parse_tool_calls: bool,
+    responses: Arc<ResponseStore>,
     metrics: Arc<HttpMetrics>,
     registry: Registry,
     draining: AtomicBool,
@@ -73,24 +92,85 @@ impl fmt::Debug for HttpState {
 
 impl HttpState {
     /// State with its own metrics registry, served whole at `GET /metrics`.
+    ///
+    /// # Panics
+    ///
+    /// If `config.chat_template` cannot be loaded (a file that is missing or does not
+    /// compile); [`Self::try_new`] returns that error instead. The default template always
+    /// loads.
     pub fn new(backend: Arc<dyn Backend>, config: HttpConfig, tokenizer: Arc<Tokenizer>) -> Self {
         Self::with_registry(backend, config, tokenizer, Registry::default())
     }
 
     /// State that registers its metrics into `registry` (which may already hold the rest of
     /// the process's metrics) and serves all of it at `GET /metrics`.
+    ///
+    /// # Panics
+    ///
+    /// As [`Self::new`]; [`Self::try_with_registry`] returns the error instead.
     pub fn with_registry(
         backend: Arc<dyn Backend>,
         config: HttpConfig,
         tokenizer: Arc<Tokenizer>,
+        registry: Registry,
+    ) -> Self {
+        match Self::try_with_registry(backend, config, tokenizer, registry) {
+            Ok(state) => state,
+            Err(e) => panic!("invalid chat template: {e}"),
+        }
+    }
+
+    /// [`Self::new`], failing when the chat template cannot be loaded or compiled.
+    pub fn try_new(
+        backend: Arc<dyn Backend>,
+        config: HttpConfig,
+        tokenizer: Arc<Tokenizer>,
+    ) -> Result<Self, ChatTemplateError> {
+        Self::try_with_registry(backend, config, tokenizer, Registry::default())
+    }
+
+    /// [`Self::with_registry`], failing when the chat template cannot be loaded or compiled
+    /// (call it at startup: an invalid template should stop the process).
+    pub fn try_with_registry(
+        backend: Arc<dyn Backend>,
+        config: HttpConfig,
+        tokenizer: Arc<Tokenizer>,
+        registry: Registry,
+    ) -> Result<Self, ChatTemplateError> {
+        let template = ChatTemplate::load(&config.chat_template)?;
+        Ok(Self::with_template(
+            backend, config, tokenizer, template, registry,
+        ))
+    }
+
+    /// State with an already compiled chat template (`config.chat_template` is not read);
+    /// tests use it to pin the template's clock.
+    pub fn with_template(
+        backend: Arc<dyn Backend>,
+        config: HttpConfig,
+        tokenizer: Arc<Tokenizer>,
+        template: ChatTemplate,
         mut registry: Registry,
     ) -> Self {
         let metrics = Arc::new(HttpMetrics::register(&mut registry));
+        let parse_tool_calls = config
+            .tool_call_parser
+            .enabled(template.mentions_tool_call());
+        tracing::debug!(
+            template = template.origin(),
+            parse_tool_calls,
+            "chat template loaded"
+        );
+        let prompts = Prompts::new(template, tokenizer.clone());
+        let responses = Arc::new(ResponseStore::new(config.responses_store));
         HttpState {
             inner: Arc::new(Inner {
                 backend,
                 config,
                 tokenizer,
+                prompts,
+                parse_tool_calls,
+                responses,
                 metrics,
                 registry,
                 draining: AtomicBool::new(false),
@@ -127,6 +207,20 @@ impl HttpState {
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.inner.tokenizer
+    }
+
+    /// The chat template and prompt tokenization.
+    pub fn prompts(&self) -> &Prompts {
+        &self.inner.prompts
+    }
+
+    /// Whether tool calls are parsed out of generated text.
+    pub fn parses_tool_calls(&self) -> bool {
+        self.inner.parse_tool_calls
+    }
+
+    pub(crate) fn responses_store(&self) -> &Arc<ResponseStore> {
+        &self.inner.responses
     }
 
     pub(crate) fn backend(&self) -> &dyn Backend {

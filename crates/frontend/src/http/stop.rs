@@ -16,6 +16,8 @@ pub(crate) struct Released {
     pub text: String,
     /// A stop string matched; `text` ends just before it and nothing follows.
     pub stopped: bool,
+    /// Which one (Anthropic's `stop_sequence` reports it).
+    pub matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -34,19 +36,22 @@ impl StopMatcher {
             return Released {
                 text: text.to_string(),
                 stopped: false,
+                matched: None,
             };
         }
         self.held.push_str(text);
         let first = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
-        if let Some(at) = first {
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|(at, _)| *at);
+        if let Some((at, stop)) = first {
+            let matched = Some(stop.clone());
             self.held.truncate(at);
             return Released {
                 text: std::mem::take(&mut self.held),
                 stopped: true,
+                matched,
             };
         }
         let keep = self.partial_tail_len();
@@ -55,6 +60,7 @@ impl StopMatcher {
         Released {
             text: std::mem::replace(&mut self.held, rest),
             stopped: false,
+            matched: None,
         }
     }
 
@@ -125,6 +131,8 @@ mod tests {
     #[test]
     fn earliest_of_several_stops_wins_and_multibyte_is_safe() {
         assert_eq!(run(&["zz", "b"], &["aabzz"]), ("aa".into(), true));
+        let mut m = StopMatcher::new(vec!["zz".into(), "b".into()]);
+        assert_eq!(m.push("aabzz").matched.as_deref(), Some("b"));
         assert_eq!(
             run(&["世界"], &["你好", "世", "界!"]),
             ("你好".into(), true)

@@ -1,15 +1,16 @@
-//! Text ↔ tokens at the edge: the tokenizer ([`Tokenizer`], from a [`TokenizerSpec`]),
-//! incremental detokenization ([`Detokenizer`]) and the default chat template
-//! ([`render_chat`]).
+//! Text ↔ tokens at the edge: the tokenizer ([`Tokenizer`], from a [`TokenizerSpec`]) and
+//! incremental detokenization ([`Detokenizer`]). Chat prompts are rendered by the chat
+//! template and tokenized piecewise by `prompt.rs` (`Tokenizer::encode_segment`).
 //!
-//! Invariants: encoding treats special-token strings in user text as plain text (a prompt
-//! cannot forge `<|endoftext|>`); decoding never panics, whatever the token ids (the mocker
+//! Invariants: [`Tokenizer::encode`] treats special-token strings as plain text (a prompt
+//! cannot forge `<|endoftext|>`); only `prompt.rs` asks for special tokens to be parsed, on
+//! template text it has checked. Decoding never panics, whatever the token ids (the mocker
 //! emits arbitrary ids < 32000, which may form invalid UTF-8 or be outside the vocabulary).
 
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Which tokenizer the frontend uses.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,7 +64,12 @@ pub enum TokenizerError {
 
 enum Inner {
     Tiktoken(tiktoken_rs::CoreBPE),
-    HuggingFace(Box<tokenizers::Tokenizer>),
+    HuggingFace {
+        /// Special-token strings are text (`encode_special_tokens` set).
+        plain: Box<tokenizers::Tokenizer>,
+        /// The same tokenizer parsing special tokens, built on first use (templated prompts).
+        specials: OnceLock<Box<tokenizers::Tokenizer>>,
+    },
 }
 
 /// A loaded tokenizer. Cheap to share behind an `Arc`; safe to use from many threads.
@@ -109,7 +115,10 @@ impl Tokenizer {
                 tok.set_encode_special_tokens(true);
                 Ok(Tokenizer {
                     name: path.display().to_string(),
-                    inner: Inner::HuggingFace(Box::new(tok)),
+                    inner: Inner::HuggingFace {
+                        plain: Box::new(tok),
+                        specials: OnceLock::new(),
+                    },
                 })
             }
         }
@@ -125,10 +134,56 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         match &self.inner {
             Inner::Tiktoken(bpe) => Ok(bpe.encode_ordinary(text)),
-            Inner::HuggingFace(tok) => tok
-                .encode(text, true)
-                .map(|enc| enc.get_ids().to_vec())
-                .map_err(|e| TokenizerError::Encode(e.to_string())),
+            Inner::HuggingFace { plain, .. } => hf_encode(plain, text, true),
+        }
+    }
+
+    /// Tokenizes a piece of a rendered chat prompt as Hugging Face does for chats: no
+    /// post-processor (`add_special_tokens=False`: the template writes BOS itself) and, when
+    /// `parse_special`, special-token strings become their ids. Only `prompt.rs` calls this,
+    /// with `parse_special` on template text alone.
+    pub(crate) fn encode_segment(
+        &self,
+        text: &str,
+        parse_special: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        match &self.inner {
+            Inner::Tiktoken(bpe) if parse_special => Ok(bpe.encode_with_special_tokens(text)),
+            Inner::Tiktoken(bpe) => Ok(bpe.encode_ordinary(text)),
+            Inner::HuggingFace { plain, specials } => {
+                let tok = if parse_special {
+                    hf_specials(plain, specials)
+                } else {
+                    plain
+                };
+                hf_encode(tok, text, false)
+            }
+        }
+    }
+
+    /// Builds the special-token-parsing twin of a Hugging Face tokenizer now rather than on
+    /// the first request (it is a copy of the vocabulary).
+    pub(crate) fn prepare_special_encoding(&self) {
+        if let Inner::HuggingFace { plain, specials } = &self.inner {
+            let _ = hf_specials(plain, specials);
+        }
+    }
+
+    /// The special-token strings of the vocabulary (Hugging Face: added tokens marked
+    /// special; tiktoken: its special tokens).
+    pub(crate) fn special_tokens(&self) -> Vec<String> {
+        match &self.inner {
+            Inner::Tiktoken(bpe) => bpe
+                .special_tokens()
+                .into_iter()
+                .map(str::to_string)
+                .collect(),
+            Inner::HuggingFace { plain, .. } => plain
+                .get_added_tokens_decoder()
+                .into_values()
+                .filter(|t| t.special)
+                .map(|t| t.content)
+                .collect(),
         }
     }
 
@@ -136,7 +191,7 @@ impl Tokenizer {
     pub fn is_valid_token(&self, id: u32) -> bool {
         match &self.inner {
             Inner::Tiktoken(bpe) => bpe.decode_bytes(&[id]).is_ok(),
-            Inner::HuggingFace(tok) => tok.id_to_token(id).is_some(),
+            Inner::HuggingFace { plain, .. } => plain.id_to_token(id).is_some(),
         }
     }
 
@@ -151,7 +206,7 @@ impl Tokenizer {
                 }
                 drain_utf8(&mut bytes, true)
             }
-            Inner::HuggingFace(tok) => Tokenizer::hf_decode(tok, ids),
+            Inner::HuggingFace { plain, .. } => Tokenizer::hf_decode(plain, ids),
         }
     }
 
@@ -210,7 +265,7 @@ impl Detokenizer {
                 }
                 drain_utf8(&mut self.pending, false)
             }
-            Inner::HuggingFace(tok) => {
+            Inner::HuggingFace { plain: tok, .. } => {
                 if tokens.is_empty() {
                     return String::new();
                 }
@@ -239,7 +294,7 @@ impl Detokenizer {
     pub fn finish(&mut self) -> String {
         match &self.tokenizer.inner {
             Inner::Tiktoken(_) => drain_utf8(&mut self.pending, true),
-            Inner::HuggingFace(tok) => {
+            Inner::HuggingFace { plain: tok, .. } => {
                 if self.read == self.ids.len() {
                     return String::new();
                 }
@@ -310,44 +365,32 @@ fn drain_utf8(bytes: &mut Vec<u8>, flush: bool) -> String {
     out
 }
 
-/// The default chat template, ChatML-like:
-///
-/// ```text
-/// <|im_start|>{role}\n{content}<|im_end|>\n      (for each message)
-/// <|im_start|>assistant\n                        (the generation prompt)
-/// ```
-///
-/// The whole rendering is tokenized as plain text (the markers are not special tokens of
-/// cl100k_base; with a Hugging Face tokenizer they stay plain text too), which is what the
-/// mocker and prefix caching need: the same conversation always gives the same tokens.
-pub fn render_chat<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
-    let mut out = String::new();
-    for (role, content) in messages {
-        out.push_str("<|im_start|>");
-        out.push_str(role);
-        out.push('\n');
-        out.push_str(content);
-        out.push_str("<|im_end|>\n");
-    }
-    out.push_str("<|im_start|>assistant\n");
-    out
+/// The special-token-parsing twin of `plain`, built once.
+fn hf_specials<'a>(
+    plain: &tokenizers::Tokenizer,
+    specials: &'a OnceLock<Box<tokenizers::Tokenizer>>,
+) -> &'a tokenizers::Tokenizer {
+    specials.get_or_init(|| {
+        let mut tok = plain.clone();
+        tok.set_encode_special_tokens(false);
+        Box::new(tok)
+    })
+}
+
+fn hf_encode(
+    tok: &tokenizers::Tokenizer,
+    text: &str,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, TokenizerError> {
+    tok.encode(text, add_special_tokens)
+        .map(|enc| enc.get_ids().to_vec())
+        .map_err(|e| TokenizerError::Encode(e.to_string()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::http::tests::cl100k;
-
-    #[test]
-    fn chat_template_is_chatml() {
-        let text = render_chat([("system", "Be brief."), ("user", "Hi")]);
-        assert_eq!(
-            text,
-            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
-             <|im_start|>assistant\n"
-        );
-        assert_eq!(render_chat([]), "<|im_start|>assistant\n");
-    }
 
     #[test]
     fn special_token_strings_are_plain_text() {

@@ -5,12 +5,16 @@
 use serde::de::DeserializeOwned;
 
 use super::backend::{Endpoint, ValidRequest};
+use super::conversation::{Content, Conversation, Message, ToolCall};
 use super::error::ServeError;
 use super::openai::{
-    ChatCompletionRequest, CompletionRequest, MessageContent, Prompt, Stop, StreamOptions,
+    ChatCompletionRequest, ChatMessage, CompletionRequest, MessageContent, Prompt, Stop,
+    StreamOptions,
 };
+use super::prompt::Prompts;
+use super::pyjson::Json;
 use super::state::HttpConfig;
-use super::tokenizer::{Tokenizer, render_chat};
+use super::tokenizer::Tokenizer;
 
 /// Parses a JSON body: malformed JSON is 400 (`invalid_json`), well-formed JSON of the wrong
 /// shape or types is 422.
@@ -30,11 +34,16 @@ pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ServeErr
 /// The prompt before tokenization.
 #[derive(Debug)]
 pub(crate) enum PromptInput {
-    /// Text to tokenize (the rendered chat template, or a completions prompt).
+    /// A completions prompt to tokenize.
     Text(String),
     /// Token ids given by the client, checked against the vocabulary.
     Tokens(Vec<u32>),
+    /// A conversation for the chat template (chat completions, Responses, Messages).
+    Chat(Conversation),
 }
+
+/// Prompts longer than this are tokenized on a blocking thread.
+const LARGE_PROMPT_BYTES: usize = 64 * 1024;
 
 /// A request whose fields are checked, waiting for tokenization and the context check.
 #[derive(Debug)]
@@ -47,26 +56,50 @@ pub(crate) struct Checked {
     /// `Some((value, field))` when the client set it (already `>= 1`).
     max_tokens: Option<(u32, &'static str)>,
     temperature: f32,
+    top_p: f32,
     seed: Option<u64>,
-    stop: Vec<String>,
+    pub stop: Vec<String>,
     ignore_eos: bool,
-    stream: bool,
+    pub stream: bool,
     include_usage: bool,
     cache_salt: Option<String>,
+    /// The request has tools and lets the model call them: parse tool calls out of the
+    /// output (when the server's parser is on).
+    pub wants_tool_calls: bool,
 }
 
-/// Fields both endpoints share, as sent.
-struct Common {
-    model: Option<String>,
-    max_tokens: Option<(i64, &'static str)>,
-    temperature: Option<f64>,
-    seed: Option<i64>,
-    stop: Option<Stop>,
-    ignore_eos: Option<bool>,
-    stream: Option<bool>,
-    stream_options: Option<StreamOptions>,
-    n: Option<i64>,
-    cache_salt: Option<String>,
+/// Fields all endpoints share, as sent.
+pub(crate) struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<(i64, &'static str)>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub ignore_eos: Option<bool>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    pub cache_salt: Option<String>,
+}
+
+impl Common {
+    /// Only the model and the generation length set; the rest defaults.
+    pub(crate) fn new(model: Option<String>, max_tokens: Option<(i64, &'static str)>) -> Self {
+        Common {
+            model,
+            max_tokens,
+            temperature: None,
+            top_p: None,
+            seed: None,
+            stop: None,
+            ignore_eos: None,
+            stream: None,
+            stream_options: None,
+            n: None,
+            cache_salt: None,
+        }
+    }
 }
 
 pub(crate) fn check_chat(
@@ -83,6 +116,7 @@ pub(crate) fn check_chat(
         model: req.model,
         max_tokens,
         temperature: req.temperature,
+        top_p: req.top_p,
         seed: req.seed,
         stop: req.stop,
         ignore_eos: req.ignore_eos,
@@ -98,9 +132,6 @@ pub(crate) fn check_chat(
     if req.top_logprobs.is_some_and(|n| n > 0) {
         return Err(unsupported("top_logprobs", "logprobs are not supported"));
     }
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(unsupported("tools", "tool calling is not supported"));
-    }
     if let Some(format) = &req.response_format {
         let kind = format.get("type").and_then(|t| t.as_str());
         if kind != Some("text") {
@@ -110,55 +141,144 @@ pub(crate) fn check_chat(
             ));
         }
     }
+    let tools = check_chat_tools(req.tools, "tools")?;
+    let tool_choice_none = check_tool_choice(req.tool_choice.as_ref())?;
     let messages = req.messages.filter(|m| !m.is_empty()).ok_or_else(|| {
         ServeError::invalid("messages must be a non-empty array").with_param("messages")
     })?;
-    let mut turns = Vec::with_capacity(messages.len());
-    for (i, m) in messages.iter().enumerate() {
-        let role = match m.role.as_str() {
-            // OpenAI's newer name for the system role.
-            "system" | "developer" => "system",
-            "user" => "user",
-            "assistant" => "assistant",
-            "tool" => "tool",
-            other => {
-                return Err(ServeError::invalid(format!(
-                    "unknown role {other:?}: expected system, developer, user, assistant or tool"
-                ))
-                .with_param(format!("messages[{i}].role")));
-            }
-        };
-        let content = match &m.content {
-            None => String::new(),
-            Some(MessageContent::Text(t)) => t.clone(),
-            Some(MessageContent::Parts(parts)) => {
-                let mut texts = Vec::with_capacity(parts.len());
-                for (j, part) in parts.iter().enumerate() {
-                    match (part.kind.as_str(), &part.text) {
-                        ("text", Some(t)) => texts.push(t.as_str()),
-                        _ => {
-                            return Err(ServeError::invalid(
-                                "only content parts {\"type\": \"text\", \"text\": ...} are \
-                                 supported",
-                            )
-                            .with_param(format!("messages[{i}].content[{j}]")));
-                        }
-                    }
-                }
-                texts.join("\n")
-            }
-        };
-        turns.push((role, content));
+    let mut conversation = Conversation {
+        messages: Vec::with_capacity(messages.len()),
+        tools,
+    };
+    for (i, m) in messages.into_iter().enumerate() {
+        conversation.messages.push(chat_message(i, m)?);
     }
-    let text = render_chat(turns.iter().map(|(r, c)| (*r, c.as_str())));
-    finish_common(
+    let wants_tool_calls = conversation.tools.is_some() && !tool_choice_none;
+    let mut checked = finish_common(
         common,
         model,
         Endpoint::Chat,
-        PromptInput::Text(text),
+        PromptInput::Chat(conversation),
         "messages",
         config,
-    )
+    )?;
+    checked.wants_tool_calls = wants_tool_calls;
+    Ok(checked)
+}
+
+/// A chat message → a conversation message.
+fn chat_message(i: usize, m: ChatMessage) -> Result<Message, ServeError> {
+    let role = match m.role.as_str() {
+        // OpenAI's newer name for the system role.
+        "system" | "developer" => "system",
+        "user" => "user",
+        "assistant" => "assistant",
+        "tool" => "tool",
+        other => {
+            return Err(ServeError::invalid(format!(
+                "unknown role {other:?}: expected system, developer, user, assistant or tool"
+            ))
+            .with_param(format!("messages[{i}].role")));
+        }
+    };
+    let content = match m.content {
+        None => Content::Text(String::new()),
+        Some(MessageContent::Text(t)) => Content::Text(t),
+        Some(MessageContent::Parts(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, part) in parts.into_iter().enumerate() {
+                match (part.kind.as_str(), part.text) {
+                    ("text", Some(t)) => texts.push(t),
+                    _ => {
+                        return Err(ServeError::invalid(
+                            "only content parts {\"type\": \"text\", \"text\": ...} are \
+                             supported",
+                        )
+                        .with_param(format!("messages[{i}].content[{j}]")));
+                    }
+                }
+            }
+            Content::Parts(texts)
+        }
+    };
+    let tool_calls = match m.tool_calls {
+        Some(calls) if role == "assistant" => Some(
+            calls
+                .into_iter()
+                .enumerate()
+                .map(|(j, c)| {
+                    let id = c.id.unwrap_or_else(|| format!("call_{i}_{j}"));
+                    match c.function.arguments {
+                        None => ToolCall::from_text(id, c.function.name, "{}"),
+                        Some(Json::Str(text)) => ToolCall::from_text(id, c.function.name, &text),
+                        Some(args) => ToolCall {
+                            id,
+                            name: c.function.name,
+                            arguments: args,
+                        },
+                    }
+                })
+                .collect(),
+        ),
+        _ => None,
+    };
+    Ok(Message {
+        role,
+        content,
+        name: m.name,
+        tool_calls,
+        tool_call_id: if role == "tool" { m.tool_call_id } else { None },
+    })
+}
+
+/// Tool definitions of chat completions: `{"type": "function", "function": {"name", …}}`
+/// each; an empty list is no tools.
+pub(crate) fn check_chat_tools(
+    tools: Option<Vec<Json>>,
+    param: &str,
+) -> Result<Option<Vec<Json>>, ServeError> {
+    let Some(tools) = tools.filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
+    for (i, tool) in tools.iter().enumerate() {
+        let kind = tool.get("type").and_then(Json::as_str);
+        let name = tool
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Json::as_str);
+        if kind != Some("function") || name.is_none_or(str::is_empty) {
+            return Err(ServeError::invalid(
+                "each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \
+                 \"parameters\": ...}}",
+            )
+            .with_param(format!("{param}[{i}]")));
+        }
+    }
+    Ok(Some(tools))
+}
+
+/// `tool_choice`: `auto` (the default) and `none` are served; forcing a call is not.
+/// Returns whether it is `none`.
+pub(crate) fn check_tool_choice(choice: Option<&Json>) -> Result<bool, ServeError> {
+    match choice {
+        None | Some(Json::Null) => Ok(false),
+        Some(Json::Str(s)) if s == "auto" => Ok(false),
+        Some(Json::Str(s)) if s == "none" => Ok(true),
+        Some(Json::Object(_))
+            if choice.and_then(|c| c.get("type")).and_then(Json::as_str) == Some("auto") =>
+        {
+            Ok(false)
+        }
+        Some(Json::Object(_))
+            if choice.and_then(|c| c.get("type")).and_then(Json::as_str) == Some("none") =>
+        {
+            Ok(true)
+        }
+        Some(_) => Err(unsupported(
+            "tool_choice",
+            "only tool_choice \"auto\" and \"none\" are supported",
+        )),
+    }
 }
 
 pub(crate) fn check_completion(
@@ -169,6 +289,7 @@ pub(crate) fn check_completion(
         model: req.model,
         max_tokens: req.max_tokens.map(|v| (v, "max_tokens")),
         temperature: req.temperature,
+        top_p: req.top_p,
         seed: req.seed,
         stop: req.stop,
         ignore_eos: req.ignore_eos,
@@ -206,6 +327,7 @@ pub(crate) fn check_completion(
     let empty = match &prompt {
         PromptInput::Text(t) => t.is_empty(),
         PromptInput::Tokens(t) => t.is_empty(),
+        PromptInput::Chat(c) => c.messages.is_empty(),
     };
     if empty {
         return Err(ServeError::invalid("prompt must not be empty").with_param("prompt"));
@@ -220,7 +342,7 @@ pub(crate) fn check_completion(
     )
 }
 
-fn check_model(model: Option<&str>, config: &HttpConfig) -> Result<String, ServeError> {
+pub(crate) fn check_model(model: Option<&str>, config: &HttpConfig) -> Result<String, ServeError> {
     match model {
         None => Ok(config.served_model_name.clone()),
         Some(m) if m == config.served_model_name => Ok(m.to_string()),
@@ -228,13 +350,13 @@ fn check_model(model: Option<&str>, config: &HttpConfig) -> Result<String, Serve
     }
 }
 
-fn unsupported(param: &'static str, message: &str) -> ServeError {
+pub(crate) fn unsupported(param: &'static str, message: &str) -> ServeError {
     ServeError::invalid(message)
         .with_param(param)
         .with_code("unsupported_parameter")
 }
 
-fn finish_common(
+pub(crate) fn finish_common(
     c: Common,
     model: String,
     endpoint: Endpoint,
@@ -266,6 +388,13 @@ fn finish_common(
             "temperature must be between 0 and 2, got {temperature}"
         ))
         .with_param("temperature"));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(0.0..=1.0).contains(&top_p) {
+        return Err(
+            ServeError::invalid(format!("top_p must be between 0 and 1, got {top_p}"))
+                .with_param("top_p"),
+        );
     }
     let stop: Vec<String> = match c.stop {
         None => Vec::new(),
@@ -302,6 +431,7 @@ fn finish_common(
         prompt_param,
         max_tokens,
         temperature: temperature as f32,
+        top_p: top_p as f32,
         // Any 64-bit seed is accepted; negative ones are taken as their two's complement.
         seed: c.seed.map(|s| s as u64),
         stop,
@@ -309,12 +439,18 @@ fn finish_common(
         stream,
         include_usage,
         cache_salt: c.cache_salt.filter(|s| !s.is_empty()),
+        wants_tool_calls: false,
     })
 }
 
 impl Checked {
-    /// Tokenizes the prompt (and checks given ids against the vocabulary).
-    pub(crate) fn tokenize(&self, tokenizer: &Tokenizer) -> Result<Vec<u32>, ServeError> {
+    /// Tokenizes the prompt (and checks given ids against the vocabulary); a conversation
+    /// goes through the chat template first.
+    pub(crate) fn tokenize(
+        &self,
+        tokenizer: &Tokenizer,
+        prompts: &Prompts,
+    ) -> Result<Vec<u32>, ServeError> {
         match &self.prompt {
             PromptInput::Text(text) => tokenizer.encode(text).map_err(|e| {
                 ServeError::invalid(format!("failed to tokenize the prompt: {e}"))
@@ -329,14 +465,26 @@ impl Checked {
                 .with_param(self.prompt_param)),
                 None => Ok(ids.clone()),
             },
+            PromptInput::Chat(conv) => prompts.encode(conv),
         }
     }
 
     /// Whether tokenizing may take long enough to move it off the async threads.
     pub(crate) fn is_large(&self) -> bool {
         match &self.prompt {
-            PromptInput::Text(t) => t.len() > 64 * 1024,
+            PromptInput::Text(t) => t.len() > LARGE_PROMPT_BYTES,
             PromptInput::Tokens(_) => false,
+            PromptInput::Chat(c) => {
+                let bytes: usize = c
+                    .messages
+                    .iter()
+                    .map(|m| match &m.content {
+                        Content::Text(t) => t.len(),
+                        Content::Parts(p) => p.iter().map(String::len).sum(),
+                    })
+                    .sum();
+                bytes > LARGE_PROMPT_BYTES || c.tools.is_some()
+            }
         }
     }
 
@@ -387,6 +535,7 @@ impl Checked {
             prompt_tokens,
             max_tokens,
             temperature: self.temperature,
+            top_p: self.top_p,
             seed: self.seed,
             stop: self.stop,
             ignore_eos: self.ignore_eos,
@@ -394,6 +543,7 @@ impl Checked {
             include_usage: self.include_usage,
             cache_salt: self.cache_salt,
             created,
+            engine: Default::default(),
         })
     }
 }

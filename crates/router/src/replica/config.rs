@@ -1,6 +1,8 @@
 //! What a routing replica is made from: [`RoutingConfig`] (the knobs the frontend's flags and
 //! the simulator's flags both set) and [`ReplicaConfig`] (plus the replica's identity and seed).
 
+use tandem_indexer::ApproxConfig;
+
 use crate::disagg::DisaggConfig;
 use crate::error::ConfigError;
 use crate::pool::PoolConfig;
@@ -27,6 +29,10 @@ pub struct RoutingConfig {
     /// replicas that do not sync, or to route on reports alone (the simulator's snapshot
     /// mode). The KV usage (for the busy threshold) always comes from the reports.
     pub merge_load_reports: bool,
+    /// The approximate index of workers that publish no KV events
+    /// ([`crate::KvSource::Approximate`]): how long a routed prompt counts as cached there,
+    /// and the most (worker, block) entries kept, oldest pruned first.
+    pub approx: ApproxConfig,
 }
 
 impl RoutingConfig {
@@ -34,8 +40,25 @@ impl RoutingConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.pool.validate()?;
         self.policy.build()?;
-        self.disagg.validate()
+        self.disagg.validate()?;
+        at_least_one("approximate KV TTL (ms)", self.approx.ttl_ms)?;
+        at_least_one(
+            "approximate KV max entries",
+            u64::try_from(self.approx.max_entries).unwrap_or(u64::MAX),
+        )
     }
+}
+
+/// A zero TTL or cap would make the approximate index forget every decision at once.
+fn at_least_one(name: &'static str, value: u64) -> Result<(), ConfigError> {
+    if value == 0 {
+        return Err(ConfigError::OutOfRange {
+            name,
+            requirement: "at least 1",
+            value: 0.0,
+        });
+    }
+    Ok(())
 }
 
 /// One replica: its routing, its identity among the replicas sharing one view, and the seed of

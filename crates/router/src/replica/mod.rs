@@ -18,14 +18,30 @@
 //! is remote); the prefill entry carries those of the prefill worker and leaves at the first
 //! token, or earlier when the caller knows the prefill worker is done
 //! ([`RoutingReplica::prefill_finished`]). The per-request state lives with the caller, in the
-//! [`InFlight`] of the [`Plan`], so the replica holds nothing per request beyond the tracker.
+//! [`InFlight`] of the [`Plan`], so the replica holds nothing per request beyond the tracker
+//! (and, for approximate workers, the approximate index below).
+//!
+//! # Where overlap comes from: [`KvSource`]
+//! Each worker joins with a KV source. An [`KvSource::Events`] worker publishes KV events: it
+//! is a member of the [`IndexFeed`] (dumped at join, repaired at gaps, its load reports'
+//! `last_kv_event_id` checked for trailing loss) and its overlap comes from the exact index —
+//! or from a standalone indexer when [`RouteInput::overlap`] is given. An
+//! [`KvSource::Approximate`] worker (a plain OpenAI-compatible server) publishes none: it is
+//! never a feed member, so it is never asked for a dump or a repair, its events (should any
+//! come) are dropped and its reports' event ids ignored. Instead the replica remembers its own
+//! decisions in an [`ApproxIndex`]: a committed request's prompt blocks count as cached on its
+//! approximate decode worker (and on its approximate prefill worker when prefilled remotely)
+//! for [`RoutingConfig::approx`]'s TTL, all on Device, under its entry cap. A policy sees one
+//! overlap per candidate, taken from the index of that candidate's source, so pools may mix
+//! both kinds. A worker that leaves, or re-joins (a restart: its cache is new), loses its
+//! approximate entries.
 
 mod config;
 
 use std::collections::BTreeMap;
 
 use hashbrown::HashMap;
-use tandem_indexer::{FeedError, IndexFeed, OverlapScores, Repair, RepairReply};
+use tandem_indexer::{ApproxIndex, FeedError, IndexFeed, OverlapScores, Repair, RepairReply};
 use tandem_protocol::{KvEvent, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole};
 
 pub use config::{ReplicaConfig, RoutingConfig};
@@ -40,14 +56,27 @@ use crate::view::{Decision, RouteRequest, WorkerView};
 /// Tracker ids of a request's prefill part: the request id with the top bit set.
 const PREFILL_BIT: u64 = 1 << 63;
 
+/// How the replica learns what a worker caches (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvSource {
+    /// The worker publishes numbered KV events: the exact index, fed by [`IndexFeed`].
+    #[default]
+    Events,
+    /// The worker publishes no KV events: the replica records its own decisions for it, with
+    /// a TTL ([`tandem_indexer::ApproxIndex`]).
+    Approximate,
+}
+
 /// Something the replica learns from the cluster.
 #[derive(Clone, Debug)]
 pub enum Input<'a> {
     /// A worker appeared in discovery, or re-registered with a new record (most likely a
-    /// restart: its cache is new, so it is dumped again).
+    /// restart: its cache is new, so it is dumped again, or its approximate entries dropped).
     Joined {
         worker: WorkerId,
         role: WorkerRole,
+        /// Where its overlap comes from; a re-join may change it.
+        kv: KvSource,
     },
     /// A worker left discovery (deregistered, lease lapsed): purged from index and pools.
     Left {
@@ -80,7 +109,9 @@ pub struct RouteInput<'a> {
     pub hashes: &'a [SequenceHash],
     /// Output tokens expected (e.g. `max_tokens`): counted as KV the request will hold.
     pub expected_output_tokens: u64,
-    /// Overlap per worker from a standalone indexer; `None`: the replica's own index.
+    /// Overlap per worker from a standalone indexer; `None`: the replica's own index. Used
+    /// for [`KvSource::Events`] workers only: approximate workers' overlap always comes from
+    /// the replica's own decisions.
     pub overlap: Option<&'a OverlapScores>,
 }
 
@@ -131,9 +162,17 @@ impl Plan {
 struct Member {
     /// When the worker joined, for warm-up.
     joined_ms: u64,
+    kv: KvSource,
 }
 
 type Pool = BTreeMap<WorkerId, Member>;
+
+/// A prompt's overlap, by source: each candidate reads the one of its [`KvSource`].
+#[derive(Clone, Copy)]
+struct Overlaps<'a> {
+    exact: &'a OverlapScores,
+    approx: &'a OverlapScores,
+}
 
 /// One router replica (see the module docs).
 #[derive(Debug)]
@@ -141,6 +180,8 @@ pub struct RoutingReplica {
     config: ReplicaConfig,
     router: Router,
     feed: IndexFeed,
+    /// The decisions committed to [`KvSource::Approximate`] members, and only those.
+    approx: ApproxIndex,
     tracker: ActiveSequences,
     rng: Rng,
     /// Decode and aggregated workers, by id.
@@ -160,6 +201,7 @@ impl RoutingReplica {
         Ok(RoutingReplica {
             router,
             feed: IndexFeed::new(),
+            approx: ApproxIndex::new(r.approx),
             tracker: ActiveSequences::new(config.router_id, r.tracker),
             rng: Rng::seed_from_u64(config.seed),
             decode: Pool::new(),
@@ -176,7 +218,7 @@ impl RoutingReplica {
     /// Applies what the cluster says; returns the repairs the index needs.
     pub fn apply(&mut self, input: Input<'_>, now_ms: u64) -> Result<Vec<Repair>, FeedError> {
         Ok(match input {
-            Input::Joined { worker, role } => {
+            Input::Joined { worker, role, kv } => {
                 let joined_ms = self.pool_of(worker).map_or(now_ms, |m| m.joined_ms);
                 self.decode.remove(&worker);
                 self.prefill.remove(&worker);
@@ -184,14 +226,26 @@ impl RoutingReplica {
                     WorkerRole::Prefill => &mut self.prefill,
                     WorkerRole::Decode | WorkerRole::Aggregated => &mut self.decode,
                 };
-                pool.insert(worker, Member { joined_ms });
-                self.feed.join(worker).into_iter().collect()
+                pool.insert(worker, Member { joined_ms, kv });
+                // Whatever the source, a (re-)join is a new cache: what was assumed of the old
+                // one goes.
+                self.approx.remove_worker(worker);
+                match kv {
+                    KvSource::Events => self.feed.join(worker).into_iter().collect(),
+                    KvSource::Approximate => {
+                        // Not (or no longer) a feed member: no dump, no repairs, and the
+                        // blocks it had as an event worker leave the exact index.
+                        self.feed.leave(worker);
+                        Vec::new()
+                    }
+                }
             }
             Input::Left { worker } => {
                 self.decode.remove(&worker);
                 self.prefill.remove(&worker);
                 self.reports.remove(&worker);
                 self.feed.leave(worker);
+                self.approx.remove_worker(worker);
                 self.tracker.remove_worker(worker);
                 Vec::new()
             }
@@ -205,14 +259,19 @@ impl RoutingReplica {
                 Vec::new()
             }
             Input::LoadReport(r) => {
-                if self.pool_of(r.worker_id).is_none() {
+                let Some(kv) = self.pool_of(r.worker_id).map(|m| m.kv) else {
                     return Ok(Vec::new());
-                }
+                };
                 self.reports.insert(r.worker_id, *r);
-                self.feed
-                    .report(r.worker_id, r.last_kv_event_id)
-                    .into_iter()
-                    .collect()
+                match kv {
+                    KvSource::Events => self
+                        .feed
+                        .report(r.worker_id, r.last_kv_event_id)
+                        .into_iter()
+                        .collect(),
+                    // It publishes no events: its event id says nothing.
+                    KvSource::Approximate => Vec::new(),
+                }
             }
             Input::PeerSync(msg) => {
                 self.tracker.apply(msg, now_ms);
@@ -244,12 +303,17 @@ impl RoutingReplica {
     ) -> Result<DisaggDecision, RouteError> {
         self.tracker.expire(now_ms);
         let own;
-        let scores = match input.overlap {
+        let exact = match input.overlap {
             Some(s) => s,
             None => {
                 own = self.feed.find_matches(input.hashes);
                 &own
             }
+        };
+        let approx = self.approx_matches(input.hashes, now_ms);
+        let scores = Overlaps {
+            exact,
+            approx: &approx,
         };
         let cfg = &self.config.routing;
         let prefill = self.views(
@@ -283,7 +347,9 @@ impl RoutingReplica {
         disagg::decide(&cfg.disagg, &input.route, &decode, &prefill, &mut self.rng)
     }
 
-    /// Records `decision` for `input` in the tracker.
+    /// Records `decision` for `input` in the tracker, and in the approximate index for the
+    /// chosen workers that are [`KvSource::Approximate`] members: the decode worker, and the
+    /// prefill worker of a remote prefill.
     pub fn commit(
         &mut self,
         input: &RouteInput<'_>,
@@ -324,7 +390,9 @@ impl RoutingReplica {
             prefill_booked: remote,
             first_token: false,
         };
+        self.record_approx(decision.decode.worker, input.hashes, now_ms);
         if let Some(p) = &decision.prefill {
+            self.record_approx(p.worker, input.hashes, now_ms);
             sync.push(self.tracker.add(
                 NewSequence {
                     request: flight.prefill_id(),
@@ -384,6 +452,34 @@ impl RoutingReplica {
         &self.feed
     }
 
+    /// The approximate index: the decisions committed to approximate workers.
+    pub fn approx(&self) -> &ApproxIndex {
+        &self.approx
+    }
+
+    /// A member's KV source.
+    pub fn kv_source(&self, worker: WorkerId) -> Option<KvSource> {
+        self.pool_of(worker).map(|m| m.kv)
+    }
+
+    /// The overlap the policies see for a prompt, as one map (for shells that serve it, e.g. a
+    /// standalone indexer or a debug endpoint): event members' from the exact index,
+    /// approximate members' from the approximate index at `now_ms`.
+    pub fn overlap(&mut self, hashes: &[SequenceHash], now_ms: u64) -> OverlapScores {
+        let exact = self.feed.find_matches(hashes);
+        let approx = self.approx_matches(hashes, now_ms);
+        let is_approx = |w: WorkerId| self.kv_source(w) == Some(KvSource::Approximate);
+        let mut scores: Vec<_> = exact
+            .iter()
+            .filter(|(w, _)| !is_approx(*w))
+            .chain(approx.iter().filter(|(w, _)| is_approx(*w)))
+            .copied()
+            .collect();
+        // Disjoint sets of workers, each sorted: the key is unique.
+        scores.sort_unstable_by_key(|&(w, _)| w);
+        OverlapScores { scores }
+    }
+
     pub fn tracker(&self) -> &ActiveSequences {
         &self.tracker
     }
@@ -403,6 +499,23 @@ impl RoutingReplica {
         self.prefill.keys().copied()
     }
 
+    /// Matches in the approximate index (expiring what is due); nothing to look up while it
+    /// is empty, which keeps pools of event workers free of its cost.
+    fn approx_matches(&mut self, hashes: &[SequenceHash], now_ms: u64) -> OverlapScores {
+        if self.approx.is_empty() {
+            return OverlapScores::default();
+        }
+        self.approx.find_matches(hashes, now_ms)
+    }
+
+    /// Records a prompt routed to `worker` when it is an approximate member (a decision for a
+    /// worker that left meanwhile records nothing, so entries exist only for members).
+    fn record_approx(&mut self, worker: WorkerId, hashes: &[SequenceHash], now_ms: u64) {
+        if self.kv_source(worker) == Some(KvSource::Approximate) && !hashes.is_empty() {
+            self.approx.record(worker, hashes, now_ms);
+        }
+    }
+
     fn pool_of(&self, worker: WorkerId) -> Option<&Member> {
         self.decode
             .get(&worker)
@@ -414,7 +527,7 @@ impl RoutingReplica {
         &self,
         pool: &Pool,
         cfg: &PoolConfig,
-        scores: &OverlapScores,
+        scores: Overlaps<'_>,
         excluded: &[WorkerId],
         now_ms: u64,
     ) -> Vec<WorkerView> {
@@ -429,6 +542,10 @@ impl RoutingReplica {
                         load.kv_usage = r.kv_usage();
                     }
                 }
+                let scores = match m.kv {
+                    KvSource::Events => scores.exact,
+                    KvSource::Approximate => scores.approx,
+                };
                 WorkerView {
                     id,
                     overlap: scores.get(id).unwrap_or_default(),

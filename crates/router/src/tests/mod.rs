@@ -1,5 +1,6 @@
 //! Unit tests of the crate, one file per module under test, sharing the builders below.
 
+mod approx;
 mod disagg;
 mod kv;
 mod policies;

@@ -10,13 +10,13 @@ use tandem_protocol::{
 
 use super::bs;
 use crate::{
-    DisaggMode, Input, PolicyConfig, PolicyKind, ReplicaConfig, RouteError, RouteInput,
+    DisaggMode, Input, KvSource, PolicyConfig, PolicyKind, ReplicaConfig, RouteError, RouteInput,
     RouteRequest, RouterId, RoutingConfig, RoutingReplica, SyncMessage,
 };
 
-const BS: u32 = 16;
+pub(super) const BS: u32 = 16;
 
-fn replica(routing: RoutingConfig) -> RoutingReplica {
+pub(super) fn replica(routing: RoutingConfig) -> RoutingReplica {
     RoutingReplica::new(ReplicaConfig {
         router_id: RouterId(1),
         seed: 42,
@@ -26,9 +26,24 @@ fn replica(routing: RoutingConfig) -> RoutingReplica {
 }
 
 /// Joins `worker` and answers its dump with `blocks` stored on device.
-fn join(r: &mut RoutingReplica, worker: u64, role: WorkerRole, now: u64, blocks: &[SequenceHash]) {
+pub(super) fn join(
+    r: &mut RoutingReplica,
+    worker: u64,
+    role: WorkerRole,
+    now: u64,
+    blocks: &[SequenceHash],
+) {
     let w = WorkerId(worker);
-    let repairs = r.apply(Input::Joined { worker: w, role }, now).unwrap();
+    let repairs = r
+        .apply(
+            Input::Joined {
+                worker: w,
+                role,
+                kv: KvSource::Events,
+            },
+            now,
+        )
+        .unwrap();
     assert_eq!(repairs.len(), 1, "a joining worker is dumped");
     assert!(repairs[0].dump);
     let events = if blocks.is_empty() {
@@ -45,7 +60,7 @@ fn join(r: &mut RoutingReplica, worker: u64, role: WorkerRole, now: u64, blocks:
     r.apply(Input::Repaired { worker: w, reply }, now).unwrap();
 }
 
-fn stored(worker: u64, event_id: u64, blocks: &[SequenceHash]) -> KvEvent {
+pub(super) fn stored(worker: u64, event_id: u64, blocks: &[SequenceHash]) -> KvEvent {
     KvEvent {
         worker_id: WorkerId(worker),
         event_id,
@@ -63,7 +78,7 @@ fn stored(worker: u64, event_id: u64, blocks: &[SequenceHash]) -> KvEvent {
     }
 }
 
-fn prompt(n: u32, salt: u32) -> (Vec<u32>, Vec<SequenceHash>) {
+pub(super) fn prompt(n: u32, salt: u32) -> (Vec<u32>, Vec<SequenceHash>) {
     let tokens: Vec<u32> = (0..n).map(|i| i + salt * 100_000).collect();
     let hashes = compute_block_hashes(&tokens, bs(BS), HashSeed::UNSALTED)
         .iter()
@@ -72,7 +87,7 @@ fn prompt(n: u32, salt: u32) -> (Vec<u32>, Vec<SequenceHash>) {
     (tokens, hashes)
 }
 
-fn input<'a>(id: u64, tokens: &[u32], hashes: &'a [SequenceHash]) -> RouteInput<'a> {
+pub(super) fn input<'a>(id: u64, tokens: &[u32], hashes: &'a [SequenceHash]) -> RouteInput<'a> {
     RouteInput {
         request: RequestId(id),
         route: RouteRequest::from_tokens(tokens, bs(BS), HashSeed::UNSALTED),
@@ -82,7 +97,7 @@ fn input<'a>(id: u64, tokens: &[u32], hashes: &'a [SequenceHash]) -> RouteInput<
     }
 }
 
-fn kv_only() -> RoutingConfig {
+pub(super) fn kv_only() -> RoutingConfig {
     RoutingConfig {
         policy: PolicyConfig::new(PolicyKind::Kv),
         ..RoutingConfig::default()

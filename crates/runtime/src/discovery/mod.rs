@@ -317,6 +317,7 @@ pub(crate) mod tests {
                 grpc: format!("127.0.0.1:{}", 9000 + id),
                 kv_transfer: None,
             },
+            kv_events: true,
         }
     }
 

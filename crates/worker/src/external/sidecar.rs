@@ -91,6 +91,11 @@ pub struct SidecarConfig {
     pub prefill_timeout: Duration,
     /// Replayed or relayed events kept for `KvEvents` range requests.
     pub event_ring: usize,
+    /// SGLang prefill engines: where decode engines reach the engine's bootstrap server
+    /// (`--disaggregation-bootstrap-port`); default: the engine URL's host and the port the
+    /// engine reports in `/get_server_info`.
+    pub bootstrap_host: Option<String>,
+    pub bootstrap_port: Option<u16>,
 }
 
 impl SidecarConfig {
@@ -118,6 +123,8 @@ impl SidecarConfig {
             drain_timeout: Duration::from_secs(30),
             prefill_timeout: Duration::from_secs(30),
             event_ring: 65_536,
+            bootstrap_host: None,
+            bootstrap_port: None,
         }
     }
 }
@@ -139,6 +146,8 @@ pub struct EngineShape {
     pub block_size: BlockSize,
     pub device_blocks: u64,
     pub host_blocks: u64,
+    /// SGLang's bootstrap port, as its server info says.
+    pub bootstrap_port: Option<u16>,
 }
 
 struct Inner {
@@ -155,6 +164,11 @@ struct Inner {
     pending_prefill_tokens: AtomicU64,
     idle: tokio::sync::Notify,
     started: Instant,
+    prefill_clients: parking_lot::Mutex<
+        hashbrown::HashMap<String, grpc::worker_client::WorkerClient<tonic::transport::Channel>>,
+    >,
+    /// Prefill requests running on the engine after their handshake was answered (SGLang).
+    tasks: TaskTracker,
 }
 
 /// The sidecar's shared state and its `Worker` service. Cheap to clone.
@@ -245,6 +259,8 @@ impl Sidecar {
                 pending_prefill_tokens: AtomicU64::new(0),
                 idle: tokio::sync::Notify::new(),
                 started: Instant::now(),
+                prefill_clients: Default::default(),
+                tasks: tasks.clone(),
             }),
         })
     }
@@ -278,6 +294,7 @@ impl Sidecar {
                 grpc: format!("{}:{}", c.advertise_host, addr.port()),
                 kv_transfer: None,
             },
+            kv_events: self.inner.relay.is_some(),
         }
     }
 
@@ -505,10 +522,12 @@ impl Sidecar {
         target: &grpc::RemotePrefillTarget,
         req: &GenerateRequest,
     ) -> Result<serde_json::Value, WorkerError> {
-        let endpoint = format!("http://{}", target.address);
-        let mut client = grpc::worker_client::WorkerClient::connect(endpoint)
-            .await
-            .map_err(|e| WorkerError::BadTransfer(format!("prefill worker unreachable: {e}")))?;
+        let mut client = self.prefill_client(&target.address)?;
+        // SGLang's router picks a random room per request (`random.randint(0, 2**63 - 1)`).
+        let room = xxhash_rust::xxh3::xxh3_64_with_seed(
+            &req.request_id.to_le_bytes(),
+            self.inner.started.elapsed().as_nanos() as u64,
+        ) >> 1;
         let prefill = PrefillRequest {
             request_id: req.request_id,
             prompt: req.prompt.clone(),
@@ -521,6 +540,7 @@ impl Sidecar {
             destination: String::new(),
             engine_handshake: true,
             cache_salt: req.cache_salt.clone(),
+            bootstrap_room: room,
         };
         let mut stream = client
             .prefill(prefill)
@@ -557,6 +577,105 @@ impl Sidecar {
         let most = (req.prompt.len() as u64).saturating_sub(1);
         u32::try_from(held.min(most) / u64::from(bs.get()) * u64::from(bs.get()))
             .unwrap_or(u32::MAX)
+    }
+
+    /// SGLang's disaggregation (as its router, `sglang_router` / `mini_lb`, drives it): the
+    /// prefill and decode engines get the same request with `bootstrap_host`,
+    /// `bootstrap_port` (the prefill engine's bootstrap server) and `bootstrap_room`, at the
+    /// same time; the prefill engine waits in the room for the decode engine and sends it
+    /// the KV. So the handshake is answered at once, and the prefill request runs on in the
+    /// background (its own timeout bounds it).
+    fn prefill_sglang(
+        &self,
+        req: PrefillRequest,
+    ) -> Result<Response<BoxStream<PrefillChunk>>, Status> {
+        let c = &self.inner.config;
+        let host = c
+            .bootstrap_host
+            .clone()
+            .or_else(|| url_host(&c.engine_url))
+            .ok_or_else(|| {
+                ErrorClass::Internal.status("no bootstrap host for the SGLang engine")
+            })?;
+        let port = c
+            .bootstrap_port
+            .or(self.inner.shape.bootstrap_port)
+            .ok_or_else(|| {
+                ErrorClass::Internal.status(
+                    "the SGLang engine reports no disaggregation_bootstrap_port: pass \
+                 --engine-bootstrap-port",
+                )
+            })?;
+        let room = req.bootstrap_room;
+        let bootstrap = super::engine::SglangBootstrap {
+            host: host.clone(),
+            port,
+            room,
+        };
+        let engine_req = EngineGenerate {
+            request_id: format!("tandem-{}", req.request_id),
+            prompt: req.prompt,
+            max_tokens: 1,
+            temperature: 0.0,
+            top_p: None,
+            seed: Some(req.sampling_seed),
+            stop_token: None,
+            ignore_eos: true,
+            cache_salt: None,
+            kv_transfer_params: None,
+            bootstrap: Some(bootstrap),
+        };
+        let flight = self.begin(engine_req.prompt.len() as u64);
+        let api = self.inner.api.clone();
+        let timeout = c.prefill_timeout;
+        self.inner.tasks.spawn(async move {
+            let _flight = flight;
+            match tokio::time::timeout(timeout, api.generate_whole(&engine_req)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(room, error = %e, "SGLang prefill failed"),
+                Err(_) => tracing::warn!(room, ?timeout, "SGLang prefill timed out"),
+            }
+        });
+        let done = PrefillDone {
+            first_token: 0,
+            digest: 0,
+            blocks: 0,
+            cached_tokens: 0,
+            kv_transfer_params: serde_json::json!({
+                "bootstrap_host": host,
+                "bootstrap_port": port,
+                "bootstrap_room": room,
+            })
+            .to_string(),
+        };
+        let chunk = PrefillChunk {
+            item: Some(grpc::prefill_chunk::Item::Done(done)),
+        };
+        Ok(Response::new(Box::pin(futures::stream::once(async move {
+            Ok(chunk)
+        }))))
+    }
+
+    /// A client of the prefill sidecar at `address`, made once per address (connections are
+    /// opened lazily and kept).
+    fn prefill_client(
+        &self,
+        address: &str,
+    ) -> Result<grpc::worker_client::WorkerClient<tonic::transport::Channel>, WorkerError> {
+        let mut clients = self.inner.prefill_clients.lock();
+        if let Some(c) = clients.get(address) {
+            return Ok(c.clone());
+        }
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| WorkerError::BadTransfer(format!("prefill address {address}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .connect_lazy();
+        let client = grpc::worker_client::WorkerClient::new(channel);
+        if clients.len() >= 1024 {
+            clients.clear();
+        }
+        clients.insert(address.to_string(), client.clone());
+        Ok(client)
     }
 
     fn begin(&self, prompt_tokens: u64) -> FlightGuard {
@@ -596,6 +715,26 @@ impl Drop for FlightGuard {
             self.sidecar.inner.idle.notify_waiters();
         }
     }
+}
+
+/// The host part of `http://host:port/...`.
+fn url_host(url: &str) -> Option<String> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next()?;
+    let host = match authority.rsplit_once(':') {
+        Some((h, p)) if p.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => authority,
+    };
+    (!host.is_empty()).then(|| host.trim_matches(['[', ']']).to_string())
+}
+
+/// SGLang's bootstrap fields out of a prefill sidecar's handshake.
+fn bootstrap_of(params: &serde_json::Value) -> Option<super::engine::SglangBootstrap> {
+    Some(super::engine::SglangBootstrap {
+        host: params.get("bootstrap_host")?.as_str()?.to_string(),
+        port: u16::try_from(params.get("bootstrap_port")?.as_u64()?).ok()?,
+        room: params.get("bootstrap_room")?.as_u64()?,
+    })
 }
 
 fn engine_status(e: &EngineError) -> Status {
@@ -645,7 +784,12 @@ async fn engine_shape(api: &EngineApi, c: &SidecarConfig) -> Result<EngineShape,
         Ok(text) => prom::geometry(&prom::parse(&text)),
         Err(_) => prom::EngineGeometry::default(),
     };
+    let mut bootstrap_port = None;
     if let Some(info) = api.server_info(Duration::from_secs(5)).await {
+        bootstrap_port = info
+            .get("disaggregation_bootstrap_port")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|p| u16::try_from(p).ok());
         let page = info.get("page_size").and_then(serde_json::Value::as_u64);
         let tokens = info
             .get("max_total_num_tokens")
@@ -685,6 +829,7 @@ async fn engine_shape(api: &EngineApi, c: &SidecarConfig) -> Result<EngineShape,
         block_size,
         device_blocks: geometry.device_blocks.or(c.device_blocks).unwrap_or(0),
         host_blocks: geometry.host_blocks.or(c.host_blocks).unwrap_or(0),
+        bootstrap_port,
     })
 }
 
@@ -708,7 +853,18 @@ impl worker_server::Worker for Sidecar {
                 .remote_prefills
                 .fetch_add(1, Ordering::Relaxed);
             let timeout = self.inner.config.prefill_timeout;
+            let sglang = self.inner.config.engine == EngineKind::Sglang;
             match tokio::time::timeout(timeout, self.remote_prefill(target, &req)).await {
+                Ok(Ok(params)) if sglang => match bootstrap_of(&params) {
+                    Some(b) => {
+                        engine_req.bootstrap = Some(b);
+                        outcome = PrefillOutcome::Remote;
+                    }
+                    None => {
+                        tracing::debug!(%params, "prefill handshake without a bootstrap room");
+                        outcome = PrefillOutcome::Fallback;
+                    }
+                },
                 Ok(Ok(params)) => {
                     engine_req.kv_transfer_params = Some(params);
                     outcome = PrefillOutcome::Remote;
@@ -721,6 +877,19 @@ impl worker_server::Worker for Sidecar {
                     tracing::debug!(?timeout, "remote prefill timed out: local prefill");
                     outcome = PrefillOutcome::Fallback;
                 }
+            }
+            // An SGLang decode engine cannot prefill by itself: without its prefill engine the
+            // request goes back to the frontend, which tries another worker (nothing was
+            // generated yet).
+            if sglang && outcome == PrefillOutcome::Fallback {
+                self.inner
+                    .stats
+                    .remote_prefill_fallbacks
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(ErrorClass::Unavailable.status(
+                    "the SGLang prefill engine did not take the request (a decode-mode SGLang \
+                     engine cannot prefill by itself)",
+                ));
             }
             if outcome == PrefillOutcome::Fallback {
                 self.inner
@@ -827,11 +996,7 @@ impl worker_server::Worker for Sidecar {
             .into());
         }
         if self.inner.config.engine == EngineKind::Sglang {
-            return Err(WorkerError::InvalidRequest(
-                "SGLang disaggregation (bootstrap rooms) is not served by tandem's sidecar yet"
-                    .into(),
-            )
-            .into());
+            return self.prefill_sglang(req);
         }
         let _flight = self.begin(req.prompt.len() as u64);
         // vLLM's connector protocol, as its disaggregated proxy uses it: the prefill request

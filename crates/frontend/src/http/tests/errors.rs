@@ -161,10 +161,20 @@ async fn malformed_inputs_get_4xx_json() {
         &app,
         chat(json!({"tools": [{"type": "function"}]})),
         bad,
-        Some("unsupported_parameter"),
-        Some("tools"),
+        None,
+        Some("tools[0]"),
     )
     .await;
+    chat_error(
+        &app,
+        chat(json!({"tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {}}}]})),
+        bad,
+        Some("unsupported_parameter"),
+        Some("tool_choice"),
+    )
+    .await;
+    chat_error(&app, chat(json!({"top_p": 1.5})), bad, None, Some("top_p")).await;
     chat_error(
         &app,
         chat(json!({"response_format": {"type": "json_object"}})),

@@ -1,9 +1,11 @@
 //! Tests of the HTTP edge against a fake [`Backend`], through the real axum router
 //! (`tower::ServiceExt::oneshot`) and, for disconnects and shutdown, a loopback listener.
 
+mod agents;
 mod errors;
 mod ops;
 mod responses;
+mod templates;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
@@ -64,6 +66,8 @@ pub(crate) struct FakeBackend {
     ready: AtomicBool,
     route: RouteInfo,
     pub seen: Mutex<Vec<ValidRequest>>,
+    /// `Some(d)`: report `len(prompt) + d` prompt tokens as the engine's count.
+    engine_delta: Mutex<Option<i64>>,
     dropped: Arc<AtomicBool>,
     /// Notified when a request arrives and when a stream is dropped.
     changed: Arc<tokio::sync::Notify>,
@@ -79,6 +83,7 @@ impl FakeBackend {
                 prefill_worker: Some(22),
             },
             seen: Mutex::new(Vec::new()),
+            engine_delta: Mutex::new(None),
             dropped: Arc::new(AtomicBool::new(false)),
             changed: Arc::new(tokio::sync::Notify::new()),
         })
@@ -96,6 +101,16 @@ impl FakeBackend {
         let mut b = Self::new(script);
         Arc::get_mut(&mut b).unwrap().route.prefill_worker = None;
         b
+    }
+
+    /// From now on, report `len(prompt) + delta` as the engine's prompt length.
+    pub(crate) fn report_prompt_tokens(&self, delta: i64) {
+        *self.engine_delta.lock() = Some(delta);
+    }
+
+    /// Replaces the script for the next requests.
+    pub(crate) fn set_script(&self, script: Script) {
+        *self.script.lock() = script;
     }
 
     pub(crate) fn set_ready(&self, ready: bool) {
@@ -168,6 +183,10 @@ fn chunks_of(text: &str, finish: Option<FinishReason>) -> Vec<Result<TokenChunk,
 #[async_trait::async_trait]
 impl Backend for FakeBackend {
     async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError> {
+        if let Some(delta) = *self.engine_delta.lock() {
+            let n = req.prompt_tokens.len() as i64 + delta;
+            req.engine.set_prompt_tokens(u32::try_from(n).unwrap_or(0));
+        }
         self.seen.lock().push(req);
         self.dropped.store(false, Ordering::SeqCst);
         self.changed.notify_waiters();

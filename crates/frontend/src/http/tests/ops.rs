@@ -190,3 +190,36 @@ async fn loopback_client_disconnect_cancels_and_shutdown_is_graceful() {
             .unwrap();
     }
 }
+
+#[tokio::test]
+async fn prompt_token_mismatch_is_counted_and_equal_counts_are_not() {
+    let backend = FakeBackend::text("fine");
+    let (app, state) = setup(backend.clone(), config());
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]});
+    // No report: nothing to compare.
+    let resp = send(&app, post_json("/v1/chat/completions", &body)).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(state.metrics().prompt_token_mismatches(), 0);
+    // The engine agrees.
+    backend.report_prompt_tokens(0);
+    let resp = send(&app, post_json("/v1/chat/completions", &body)).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(state.metrics().prompt_token_mismatches(), 0);
+    // The engine saw one more token (say, a BOS the frontend did not send): counted, on
+    // every endpoint, streaming or not.
+    backend.report_prompt_tokens(1);
+    for (path, body) in [
+        ("/v1/chat/completions", body.clone()),
+        ("/v1/completions", json!({"prompt": "hi", "stream": true})),
+    ] {
+        let resp = send(&app, post_json(path, &body)).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        let _ = body_text(resp).await;
+    }
+    assert_eq!(state.metrics().prompt_token_mismatches(), 2);
+    let text = body_text(send(&app, get("/metrics")).await).await;
+    assert!(
+        text.contains("tandem_frontend_prompt_token_mismatch_total 2"),
+        "{text}"
+    );
+}

@@ -4,7 +4,6 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::*;
-use crate::http::tokenizer::render_chat;
 
 /// The OpenAI `chat.completion` object as the API reference defines it: the fields it
 /// requires are required here (nullable ones as `Value`), and nothing else is allowed.
@@ -132,8 +131,10 @@ async fn non_streaming_chat_has_the_openai_shape() {
     assert_eq!(c.choices[0].finish_reason, "stop");
     let n_reply = cl100k().encode(REPLY).unwrap().len() as u32;
     let req = backend.last_request();
-    let prompt = render_chat([("system", "Be brief."), ("user", "Say\nhi")]);
-    assert_eq!(req.prompt_tokens, cl100k().encode(&prompt).unwrap());
+    // The built-in template renders exactly the pre-template ChatML.
+    let prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay\nhi<|im_end|>\n\
+                  <|im_start|>assistant\n";
+    assert_eq!(req.prompt_tokens, cl100k().encode(prompt).unwrap());
     assert_eq!(c.usage.prompt_tokens, req.prompt_tokens.len() as u32);
     assert_eq!(c.usage.completion_tokens, n_reply);
     assert_eq!(c.usage.total_tokens, c.usage.prompt_tokens + n_reply);

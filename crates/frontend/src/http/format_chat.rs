@@ -1,0 +1,231 @@
+//! OpenAI chat completions and completions output ([`ChatFormat`]): `chat.completion`,
+//! `chat.completion.chunk` and `text_completion` objects, SSE as `data: {chunk}` …
+//! `data: [DONE]`.
+//!
+//! Tool calls (chat only): a whole response has `message.tool_calls` (`content` null when
+//! there is no text) and `finish_reason: "tool_calls"`; a stream sends each call in one
+//! chunk, `delta.tool_calls: [{"index", "id", "type": "function", "function": {"name",
+//! "arguments"}}]`, arguments complete (see `tool_calls.rs` for why calls are never partial).
+
+use super::backend::{Endpoint, FinishReason, ValidRequest};
+use super::error::ServeError;
+use super::generate::{End, Format, sse_data, to_json};
+use super::openai::{
+    AssistantMessage, ChatChoice, ChatChunkChoice, CompletionChoice, Delta, FunctionOut,
+    ResponseObject, ToolCallDelta, ToolCallOut, Usage, UsageField,
+};
+use super::tool_calls::Piece;
+
+const SSE_DONE: &str = "data: [DONE]\n\n";
+
+/// Chat completions or completions output of one request.
+#[derive(Debug)]
+pub(crate) struct ChatFormat {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    /// Tool calls sent so far in a stream (their `index`).
+    calls: usize,
+}
+
+impl ChatFormat {
+    pub(crate) fn new(req: &ValidRequest) -> Self {
+        ChatFormat {
+            endpoint: req.endpoint,
+            id: req.response_id.clone(),
+            created: req.created,
+            model: req.model.clone(),
+            include_usage: req.include_usage,
+            calls: 0,
+        }
+    }
+
+    /// `usage` on a streamed chunk: absent, or `null` when the client asked for usage.
+    fn chunk_usage(&self) -> Option<Option<Usage>> {
+        self.include_usage.then_some(None)
+    }
+
+    fn object<C: serde::Serialize, U: UsageField>(
+        &self,
+        object: &'static str,
+        choices: C,
+        usage: U,
+    ) -> String {
+        to_json(&ResponseObject {
+            id: &self.id,
+            object,
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage,
+        })
+    }
+
+    fn chunk_object(&self) -> &'static str {
+        match self.endpoint {
+            Endpoint::Completion => "text_completion",
+            _ => "chat.completion.chunk",
+        }
+    }
+
+    fn chat_chunk(&self, delta: Delta<'_>, finish_reason: Option<&'static str>) -> String {
+        let choice = ChatChunkChoice {
+            index: 0,
+            delta,
+            logprobs: None,
+            finish_reason,
+        };
+        sse_data(&self.object(self.chunk_object(), [choice], self.chunk_usage()))
+    }
+
+    /// A content chunk; an empty `text` with a finish is sent as an empty delta.
+    fn content_chunk(&self, text: &str, finish: Option<&'static str>) -> String {
+        match self.endpoint {
+            Endpoint::Completion => {
+                let choice = CompletionChoice {
+                    text,
+                    index: 0,
+                    logprobs: None,
+                    finish_reason: finish,
+                };
+                sse_data(&self.object(self.chunk_object(), [choice], self.chunk_usage()))
+            }
+            _ => {
+                let delta = Delta {
+                    content: (!text.is_empty()).then_some(text),
+                    ..Delta::default()
+                };
+                self.chat_chunk(delta, finish)
+            }
+        }
+    }
+
+    fn finish_reason(&self, end: &End) -> &'static str {
+        match end.finish {
+            FinishReason::Stop if end.tool_calls => "tool_calls",
+            f => f.as_str(),
+        }
+    }
+}
+
+impl Format for ChatFormat {
+    /// Chat streams open with `delta: {"role": "assistant", "content": ""}`.
+    fn open(&mut self) -> String {
+        if self.endpoint == Endpoint::Completion {
+            return String::new();
+        }
+        let delta = Delta {
+            role: Some("assistant"),
+            content: Some(""),
+            ..Delta::default()
+        };
+        self.chat_chunk(delta, None)
+    }
+
+    fn step(&mut self, pieces: Vec<Piece>, end: Option<&End>) -> String {
+        let mut out = String::new();
+        let finish = end.map(|e| self.finish_reason(e));
+        let n = pieces.len();
+        let mut finish_sent = false;
+        for (i, piece) in pieces.iter().enumerate() {
+            match piece {
+                // The last text of the stream carries the finish reason, as before tools.
+                Piece::Text(t) if i + 1 == n => {
+                    out.push_str(&self.content_chunk(t, finish));
+                    finish_sent = finish.is_some();
+                }
+                Piece::Text(t) => out.push_str(&self.content_chunk(t, None)),
+                Piece::Call(call) => {
+                    let arguments = call.arguments_text();
+                    let delta = Delta {
+                        tool_calls: Some(vec![ToolCallDelta {
+                            index: self.calls,
+                            id: &call.id,
+                            kind: "function",
+                            function: FunctionOut {
+                                name: &call.name,
+                                arguments: &arguments,
+                            },
+                        }]),
+                        ..Delta::default()
+                    };
+                    self.calls += 1;
+                    out.push_str(&self.chat_chunk(delta, None));
+                }
+            }
+        }
+        let Some(end) = end else {
+            return out;
+        };
+        if !finish_sent {
+            out.push_str(&self.content_chunk("", finish));
+        }
+        if self.include_usage {
+            let usage = self.object(self.chunk_object(), [(); 0], Some(Some(end.usage)));
+            out.push_str(&sse_data(&usage));
+        }
+        out.push_str(SSE_DONE);
+        out
+    }
+
+    /// `data: {"error": …}` then `data: [DONE]` (what vLLM does; clients that only look for
+    /// `[DONE]` still terminate).
+    fn stream_error(&mut self, e: &ServeError) -> String {
+        format!("{}{SSE_DONE}", sse_data(&e.to_json()))
+    }
+
+    fn whole(&mut self, pieces: Vec<Piece>, end: &End) -> String {
+        let mut text = String::new();
+        let mut calls = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Text(t) => text.push_str(&t),
+                Piece::Call(c) => calls.push(c),
+            }
+        }
+        let usage = end.usage;
+        match self.endpoint {
+            Endpoint::Completion => {
+                let choice = CompletionChoice {
+                    text: &text,
+                    index: 0,
+                    logprobs: None,
+                    finish_reason: Some(end.finish.as_str()),
+                };
+                self.object("text_completion", [choice], Some(Some(usage)))
+            }
+            _ => {
+                let arguments: Vec<String> = calls.iter().map(|c| c.arguments_text()).collect();
+                let tool_calls = (!calls.is_empty()).then(|| {
+                    calls
+                        .iter()
+                        .zip(&arguments)
+                        .map(|(c, a)| ToolCallOut {
+                            id: &c.id,
+                            kind: "function",
+                            function: FunctionOut {
+                                name: &c.name,
+                                arguments: a,
+                            },
+                        })
+                        .collect()
+                });
+                let content = (tool_calls.is_none() || !text.is_empty()).then_some(text.as_str());
+                let choice = ChatChoice {
+                    index: 0,
+                    message: AssistantMessage {
+                        role: "assistant",
+                        content,
+                        refusal: None,
+                        tool_calls,
+                    },
+                    logprobs: None,
+                    finish_reason: self.finish_reason(end),
+                };
+                self.object("chat.completion", [choice], usage)
+            }
+        }
+    }
+}
