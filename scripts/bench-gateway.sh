@@ -16,6 +16,7 @@ RATE=${RATE:-300}
 DURATION=${DURATION:-15s}
 ROUNDS=${ROUNDS:-2}
 OUT=${OUT:-$(mktemp -d /tmp/tandem-gateway-XXXX)}
+mkdir -p "$OUT"
 OHA=${OHA:-oha}
 command -v "$OHA" >/dev/null || { echo "oha not found: cargo install oha" >&2; exit 1; }
 

@@ -237,6 +237,11 @@ struct Direct {
 }
 
 fn direct(name: &str, n: usize) -> Direct {
+    direct_with(name, n, &[], &[])
+}
+
+/// `direct` with more stand-in and frontend flags.
+fn direct_with(name: &str, n: usize, engine_flags: &[&str], frontend_flags: &[&str]) -> Direct {
     let dir = common::temp_dir(&format!("direct-{name}"));
     let mut engines = Vec::new();
     for i in 0..n {
@@ -247,6 +252,10 @@ fn direct(name: &str, n: usize) -> Direct {
             "--speedup-ratio".into(),
             "20".into(),
         ];
+        let args: Vec<String> = args
+            .into_iter()
+            .chain(engine_flags.iter().map(|f| f.to_string()))
+            .collect();
         let log = dir.join(format!("engine-{i}.log"));
         let p = Proc::spawn_bin(
             env!("CARGO_BIN_EXE_tandem-standin"),
@@ -267,6 +276,7 @@ fn direct(name: &str, n: usize) -> Direct {
     for (addr, _) in &engines {
         args.push(format!("--backend-url=http://{addr}"));
     }
+    args.extend(frontend_flags.iter().map(|f| f.to_string()));
     let log = dir.join("frontend.log");
     let frontend = Proc::spawn("frontend", "frontend", &args, &log);
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
@@ -344,4 +354,68 @@ fn backend_urls_are_routed_on_approximate_kv_and_a_dead_one_leaves_the_pool() {
     let (decode, _, _) = d.chat(&chat(&system, "After the loss?", 4));
     assert_ne!(decode, home);
     assert_eq!(d.metrics().decode_workers(), 1);
+}
+
+#[test]
+fn a_client_that_goes_away_aborts_the_request_on_the_engine() {
+    let _serial = serial();
+    let mut c = Cluster::start(
+        "engines-abort",
+        Options {
+            speedup: 1.0,
+            ..external(1, 0)
+        },
+    );
+    let running = "vllm:num_requests_running{engine=\"0\",model_name=\"mocker\"}";
+    let mut s = open_stream(&c, &streamed(chat(&words(28, 200), "A long story.", 2000)));
+    read_events(&mut s, 3);
+    assert_eq!(c.engine(decode_id(0)).metrics().get(running), 1.0);
+    // The client hangs up: the frontend drops the worker's stream, the sidecar drops the
+    // engine's HTTP response, and the engine aborts the request (its connection closed).
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.engine(decode_id(0)).metrics().get(running) != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the engine still runs the abandoned request"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let m = c.engine(decode_id(0)).metrics();
+    assert_eq!(
+        m.get("vllm:request_success_total{engine=\"0\",model_name=\"mocker\"}"),
+        0.0
+    );
+}
+
+#[test]
+fn a_plain_openai_server_that_answers_text_only_is_served_through_backend_url() {
+    let _serial = serial();
+    let d = direct_with("text", 1, &["--text-only"], &["--backend-engine=openai"]);
+    let body = json!({"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 5, "seed": 3});
+    let r = http::post_json(d.addr, "/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let c: Completion = r.json();
+    // The server's own text, word for word, and its own token count.
+    let words: Vec<&str> = c.choices[0].text.split_whitespace().collect();
+    assert_eq!(words.len(), 5, "{:?}", c.choices[0].text);
+    assert!(words.iter().all(|w| w.starts_with('t')), "{words:?}");
+    assert_eq!(c.usage.as_ref().unwrap().completion_tokens, 5);
+    // Streamed as well, with a stop string applied to the server's text.
+    let mut s = http::post_stream(
+        d.addr,
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 5, "seed": 3,
+                "stream": true, "stop": [format!(" {} ", words[2])]})
+        .to_string(),
+    )
+    .unwrap();
+    let (events, end) = s.collect();
+    assert!(matches!(end, StreamEnd::Done), "{end:?}");
+    let text: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text.split_whitespace().collect::<Vec<_>>(), words[..2]);
 }

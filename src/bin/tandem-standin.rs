@@ -43,6 +43,9 @@ struct Args {
     /// Host other stand-ins reach this one's KV side channel at.
     #[arg(long, default_value = "127.0.0.1")]
     advertise_host: String,
+    /// Answer text only, as a plain OpenAI server does (no `return_token_ids`).
+    #[arg(long, default_value_t = false)]
+    text_only: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -68,6 +71,7 @@ fn main() -> anyhow::Result<()> {
         other => anyhow::bail!("--kv-wire {other:?}: array or map"),
     };
     c.advertise_host = args.advertise_host;
+    c.text_only = args.text_only;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&args.listen).await?;

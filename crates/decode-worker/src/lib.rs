@@ -275,6 +275,7 @@ fn generate_stream(
                         prompt_tokens: out.prompt_tokens as u32,
                         finish: finish as i32,
                         prefill,
+                        ..Default::default()
                     };
                     let next = out
                         .finish

@@ -57,6 +57,8 @@ impl Backend for ScriptedBackend {
                 tokens: vec![t],
                 finish: (i + 1 == n).then_some(FinishReason::Stop),
                 cached_tokens: 0,
+                text: None,
+                text_tokens: 0,
             })
         });
         Ok(Generation {

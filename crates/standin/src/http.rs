@@ -267,10 +267,11 @@ fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             .unwrap_or(false),
-        return_token_ids: v
-            .get("return_token_ids")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
+        // A text-only stand-in plays a plain OpenAI server: it knows no `return_token_ids`.
+        return_token_ids: !s.config.text_only
+            && v.get("return_token_ids")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
         cache_salt: v
             .get("cache_salt")
             .and_then(Value::as_str)
@@ -332,6 +333,12 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     } else {
         whole_response(s, c, meta, handle).await
     }
+}
+
+/// The stand-in has no tokenizer: its text for token `t` is ` t<t>` (a plain server's
+/// text, for clients that take text only).
+fn token_text(tokens: &[u32]) -> String {
+    tokens.iter().map(|t| format!(" t{t}")).collect()
 }
 
 struct Meta {
@@ -426,7 +433,7 @@ fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHan
                     Some(Ok(HostOutput::Token(o))) => {
                         let finish = f.token(&o);
                         let mut choice = json!({
-                            "index": 0, "text": "", "logprobs": null,
+                            "index": 0, "text": token_text(&[o.token]), "logprobs": null,
                             "finish_reason": finish, "stop_reason": null,
                         });
                         if return_ids {
@@ -494,7 +501,8 @@ async fn whole_response(
         }
     }
     let mut choice = json!({
-        "index": 0, "text": "", "logprobs": null, "finish_reason": finish, "stop_reason": null,
+        "index": 0, "text": token_text(&tokens), "logprobs": null, "finish_reason": finish,
+        "stop_reason": null,
     });
     if c.return_token_ids {
         choice["token_ids"] = json!(tokens);

@@ -71,6 +71,8 @@ pub struct StandinConfig {
     pub replay_buffer: usize,
     /// Host the decode stand-in reaches this one's side channel at (`remote_host`).
     pub advertise_host: String,
+    /// Play a plain OpenAI server: text only, `return_token_ids` unknown.
+    pub text_only: bool,
 }
 
 impl StandinConfig {
@@ -88,6 +90,7 @@ impl StandinConfig {
             wire: WireShape::ArrayLike,
             replay_buffer: 10_000,
             advertise_host: "127.0.0.1".into(),
+            text_only: false,
         }
     }
 }
@@ -202,6 +205,10 @@ pub async fn run(
         stop.clone(),
     ));
     let app = http::app(shared.clone());
+    // As uvicorn (vLLM's server) does: small writes (SSE events) go out at once.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let served = axum::serve(listener, app)
         .with_graceful_shutdown(stop.clone().cancelled_owned())
         .await;

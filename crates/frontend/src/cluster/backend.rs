@@ -467,6 +467,8 @@ fn token_chunk(c: &GenerateChunk) -> TokenChunk {
         tokens: c.tokens.clone(),
         finish,
         cached_tokens: c.cached_tokens,
+        text: c.text.clone(),
+        text_tokens: c.completion_tokens,
     }
 }
 
@@ -524,6 +526,7 @@ impl Backend for ClusterBackend {
             flight: started.flight,
             engine,
             migrated: false,
+            text_only: false,
         };
         Ok(Generation {
             route,
@@ -552,6 +555,8 @@ struct Run {
     /// Where the edge reads what the engine reported.
     engine: EngineReport,
     migrated: bool,
+    /// The engine answers text, not token ids: no migration (nothing to continue from).
+    text_only: bool,
 }
 
 impl Run {
@@ -564,6 +569,8 @@ impl Run {
                 Ok(c) => {
                     let last = c.finish != grpc::FinishReason::Unspecified as i32;
                     run.generated.extend_from_slice(&c.tokens);
+                    // An engine's text without ids cannot be continued elsewhere.
+                    run.text_only |= c.text.is_some();
                     // What the engine counted of the prompt (a continuation's is longer).
                     if !run.migrated {
                         run.engine.set_prompt_tokens(c.prompt_tokens);
@@ -594,7 +601,7 @@ impl Run {
     /// far, for the rest of the token budget.
     async fn migrate(&mut self, failure: String) -> Result<(), ServeError> {
         let done = self.generated.len() as u32;
-        if self.migrations_left == 0 || done >= self.job.max_tokens {
+        if self.migrations_left == 0 || done >= self.job.max_tokens || self.text_only {
             return Err(ServeError::unavailable(failure));
         }
         self.migrations_left -= 1;

@@ -152,6 +152,12 @@ pub struct TokenChunk {
     /// and the last chunk's for the usage: a worker in front of an external engine knows the
     /// engine's own count only at the end (its first chunk carries its estimate).
     pub cached_tokens: u32,
+    /// The engine's own text, for an engine that answers text and no token ids (a plain
+    /// OpenAI-compatible server behind `--backend-url`): shown as is instead of `tokens`
+    /// (then empty) detokenized.
+    pub text: Option<String>,
+    /// With `text`: how many tokens it stands for (the engine's count; 0 when unknown).
+    pub text_tokens: u32,
 }
 
 /// Where a request went: reported in the `x-tandem-*` response headers.

@@ -188,6 +188,14 @@ pub async fn serve(
     app: Router,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    // Without TCP_NODELAY a small write (an SSE event, the tail of a body) waits behind the
+    // previous unacknowledged one for the client's delayed ACK: tens of milliseconds a token.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY not set");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await

@@ -42,6 +42,9 @@ impl Output {
     }
 
     pub(crate) fn feed(&mut self, chunk: &TokenChunk) -> Step {
+        if let Some(text) = &chunk.text {
+            return self.feed_text(text, chunk);
+        }
         let room = self.max_tokens.saturating_sub(self.completion_tokens) as usize;
         let take = chunk.tokens.len().min(room);
         // take <= room <= u32::MAX.
@@ -75,6 +78,29 @@ impl Output {
             stop_sequence: None,
         }
     }
+
+    /// An engine's own text: no detokenizing, the engine's token count, stop strings as
+    /// for any text (the engine enforced `max_tokens` itself).
+    fn feed_text(&mut self, text: &str, chunk: &TokenChunk) -> Step {
+        self.completion_tokens = self.completion_tokens.saturating_add(chunk.text_tokens);
+        let released = self.stop.push(text);
+        if released.stopped {
+            return Step {
+                text: released.text,
+                finish: Some(FinishReason::Stop),
+                stop_sequence: released.matched,
+            };
+        }
+        let mut text = released.text;
+        if chunk.finish.is_some() {
+            text.push_str(&self.stop.flush());
+        }
+        Step {
+            text,
+            finish: chunk.finish,
+            stop_sequence: None,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -87,6 +113,8 @@ mod tests {
             tokens,
             finish,
             cached_tokens: 0,
+            text: None,
+            text_tokens: 0,
         }
     }
 

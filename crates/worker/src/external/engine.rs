@@ -143,6 +143,10 @@ pub struct EngineDelta {
     pub cached_tokens: Option<u32>,
     /// vLLM's `kv_transfer_params` on the answer (a prefill run with `do_remote_decode`).
     pub kv_transfer_params: Option<Value>,
+    /// A plain OpenAI server's text, when it gives no token ids (`openai` engines only).
+    pub text: Option<String>,
+    /// Completion tokens as the engine counted them (usage), when it says.
+    pub completion_tokens: Option<u32>,
 }
 
 pub type DeltaStream = Pin<Box<dyn Stream<Item = Result<EngineDelta, EngineError>> + Send>>;
@@ -330,7 +334,8 @@ impl EngineApi {
                     return;
                 }
                 let delta = match kind {
-                    EngineKind::Vllm | EngineKind::Openai => vllm_delta(&v),
+                    EngineKind::Vllm => vllm_delta(&v, false),
+                    EngineKind::Openai => vllm_delta(&v, true),
                     EngineKind::Sglang => sglang_delta(&v, incremental, &mut seen),
                 };
                 let delta = match delta {
@@ -367,7 +372,8 @@ impl EngineApi {
             .map_err(|e| EngineError::Protocol(format!("bad JSON answer: {e}")))?;
         let mut seen = 0;
         let mut d = match self.kind {
-            EngineKind::Vllm | EngineKind::Openai => vllm_delta(&v)?,
+            EngineKind::Vllm => vllm_delta(&v, false)?,
+            EngineKind::Openai => vllm_delta(&v, true)?,
             EngineKind::Sglang => sglang_delta(&v, false, &mut seen)?,
         };
         if d.finish.is_none() {
@@ -457,23 +463,29 @@ fn count(v: &Value) -> Option<u32> {
     v.as_u64().and_then(|n| u32::try_from(n).ok())
 }
 
-/// One vLLM completion chunk (or whole answer).
-fn vllm_delta(v: &Value) -> Result<EngineDelta, EngineError> {
+/// One vLLM completion chunk (or whole answer). `text_ok`: a plain OpenAI server's chunk
+/// without token ids passes its text on.
+fn vllm_delta(v: &Value, text_ok: bool) -> Result<EngineDelta, EngineError> {
     let mut d = EngineDelta::default();
     if let Some(choices) = v.get("choices").and_then(Value::as_array) {
         for c in choices {
             let toks = c.get("token_ids").unwrap_or(&Value::Null);
+            let text = c
+                .get("text")
+                .and_then(Value::as_str)
+                .filter(|t| !t.is_empty());
             if toks.is_null()
-                && c.get("text")
-                    .and_then(Value::as_str)
-                    .is_some_and(|t| !t.is_empty())
+                && let Some(text) = text
             {
-                return Err(EngineError::Protocol(
-                    "the engine returned text without token ids: it does not support \
-                     `return_token_ids` (vLLM ≥ 0.10.2 does); put plain OpenAI servers behind \
-                     `tandem frontend --backend-url` instead"
-                        .into(),
-                ));
+                if !text_ok {
+                    return Err(EngineError::Protocol(
+                        "the engine returned text without token ids: it does not support \
+                         `return_token_ids` (vLLM ≥ 0.10.2 does); use --engine openai (or \
+                         --backend-engine openai) for servers that answer text only"
+                            .into(),
+                    ));
+                }
+                d.text.get_or_insert_with(String::new).push_str(text);
             }
             d.tokens.extend(ids(toks)?);
             d.finish = match c.get("finish_reason").and_then(Value::as_str) {
@@ -485,6 +497,7 @@ fn vllm_delta(v: &Value) -> Result<EngineDelta, EngineError> {
     }
     if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
         d.prompt_tokens = u.get("prompt_tokens").and_then(count);
+        d.completion_tokens = u.get("completion_tokens").and_then(count);
         d.cached_tokens = u
             .get("prompt_tokens_details")
             .and_then(|p| p.get("cached_tokens"))
@@ -674,7 +687,7 @@ mod tests {
             "token_ids":[17, 4],"finish_reason":null}],"usage":null}"#,
         )
         .unwrap();
-        let d = vllm_delta(&chunk).unwrap();
+        let d = vllm_delta(&chunk, false).unwrap();
         assert_eq!(d.tokens, vec![17, 4]);
         assert_eq!(d.finish, None);
         let last: Value = serde_json::from_str(
@@ -682,7 +695,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            vllm_delta(&last).unwrap().finish,
+            vllm_delta(&last, false).unwrap().finish,
             Some(EngineFinish::Length)
         );
         let usage: Value = serde_json::from_str(
@@ -691,7 +704,7 @@ mod tests {
             "kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2]}}"#,
         )
         .unwrap();
-        let d = vllm_delta(&usage).unwrap();
+        let d = vllm_delta(&usage, false).unwrap();
         assert_eq!((d.prompt_tokens, d.cached_tokens), (Some(40), Some(32)));
         assert_eq!(
             d.kv_transfer_params.unwrap()["remote_block_ids"],
@@ -704,8 +717,11 @@ mod tests {
         let chunk: Value =
             serde_json::from_str(r#"{"choices":[{"index":0,"text":"Hi","finish_reason":null}]}"#)
                 .unwrap();
-        let e = vllm_delta(&chunk).unwrap_err().to_string();
+        let e = vllm_delta(&chunk, false).unwrap_err().to_string();
         assert!(e.contains("return_token_ids"), "{e}");
+        // A plain OpenAI server (`openai`): its text passes on.
+        let d = vllm_delta(&chunk, true).unwrap();
+        assert_eq!((d.text.as_deref(), d.tokens.len()), (Some("Hi"), 0));
     }
 
     #[test]

@@ -918,6 +918,7 @@ impl worker_server::Worker for Sidecar {
             // The finishing chunk waits for the engine's usage, which follows it (vLLM's
             // `include_usage` chunk): that is where the engine's own cached-token count is.
             let mut last: Option<GenerateChunk> = None;
+            let mut text_tokens = 0u32;
             while let Some(d) = deltas.next().await {
                 let d = match d {
                     Ok(d) => d,
@@ -935,15 +936,30 @@ impl worker_server::Worker for Sidecar {
                     l.tokens.extend(d.tokens);
                     l.cached_tokens = d.cached_tokens.unwrap_or(l.cached_tokens);
                     l.prompt_tokens = d.prompt_tokens.unwrap_or(l.prompt_tokens);
+                    if let Some(t) = d.text {
+                        l.text.get_or_insert_with(String::new).push_str(&t);
+                    }
+                    // A text-only engine's usage: what its chunks did not count yet.
+                    if l.text.is_some()
+                        && let Some(total) = d.completion_tokens
+                    {
+                        l.completion_tokens += total.saturating_sub(text_tokens);
+                    }
                     continue;
                 }
-                if d.tokens.is_empty() && d.finish.is_none() {
+                let has_text = d.text.as_ref().is_some_and(|t| !t.is_empty());
+                if d.tokens.is_empty() && !has_text && d.finish.is_none() {
                     continue;
                 }
-                if first && !d.tokens.is_empty() {
+                if first && (!d.tokens.is_empty() || has_text) {
                     flight.first_token();
                 }
+                // Text without ids: one token per streamed chunk until the usage says.
+                let counted = u32::from(has_text);
+                text_tokens += counted;
                 let chunk = GenerateChunk {
+                    text: d.text,
+                    completion_tokens: counted,
                     tokens: d.tokens,
                     cached_tokens: d.cached_tokens.unwrap_or(estimate),
                     prompt_tokens: d.prompt_tokens.unwrap_or(prompt_tokens),

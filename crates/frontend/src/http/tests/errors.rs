@@ -473,6 +473,8 @@ async fn a_stream_that_ends_without_finish_is_an_error_event() {
                 tokens: cl100k().encode("half").unwrap(),
                 finish: None,
                 cached_tokens: 0,
+                text: None,
+                text_tokens: 0,
             };
             Ok(Generation {
                 route: RouteInfo {

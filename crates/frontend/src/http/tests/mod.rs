@@ -175,6 +175,8 @@ fn chunks_of(text: &str, finish: Option<FinishReason>) -> Vec<Result<TokenChunk,
                 tokens: vec![t],
                 finish: if i + 1 == n { finish } else { None },
                 cached_tokens: CACHED,
+                text: None,
+                text_tokens: 0,
             })
         })
         .collect()
