@@ -197,17 +197,13 @@ impl WorkerContext {
     /// `KvEvents`: the range after `after`, or a dump when asked or when the ring no longer
     /// holds the range.
     pub fn kv_events(&self, req: KvEventsRequest) -> Result<KvEventsReply, Status> {
-        let encoded = |r: Result<Vec<u8>, tandem_protocol::CodecError>| {
-            r.map_err(|e| ErrorClass::Internal.status(format!("encoding KV events: {e}")))
-        };
-        // An `after` beyond our last event comes from a consumer that knew an earlier run of
-        // this worker id: only a dump can correct it.
-        let ahead = req.after > self.host.with_engine(|e| e.pool().last_event_id());
-        let body = match (req.dump || ahead, self.host.events_since(req.after)) {
-            (false, Some(events)) => kv_events_reply::Body::Events(encoded(events.encode())?),
-            _ => kv_events_reply::Body::Dump(encoded(self.host.dump().encode())?),
-        };
-        Ok(KvEventsReply { body: Some(body) })
+        let last = self.host.with_engine(|e| e.pool().last_event_id());
+        kv_events_reply(
+            &req,
+            last,
+            |after| self.host.events_since(after),
+            || self.host.dump(),
+        )
     }
 
     pub fn health(&self) -> HealthReply {
@@ -355,4 +351,30 @@ async fn arena_region(
         _ => None,
     };
     Ok((Some(region), exposed))
+}
+
+/// The answer to `KvEvents` from a worker whose latest event is `last`: the range after
+/// `req.after` (`since`), or a dump when asked, when the range is gone, or when `after` is
+/// beyond `last` (a consumer that knew an earlier run of this worker id: only a dump can
+/// correct it). Mocker workers and sidecars answer alike.
+pub fn kv_events_reply(
+    req: &KvEventsRequest,
+    last: u64,
+    since: impl FnOnce(u64) -> Option<Vec<tandem_protocol::KvEvent>>,
+    dump: impl FnOnce() -> tandem_protocol::KvDump,
+) -> Result<KvEventsReply, Status> {
+    let encoded = |r: Result<Vec<u8>, tandem_protocol::CodecError>| {
+        r.map_err(|e| ErrorClass::Internal.status(format!("encoding KV events: {e}")))
+    };
+    let ahead = req.after > last;
+    let range = if req.dump || ahead {
+        None
+    } else {
+        since(req.after)
+    };
+    let body = match range {
+        Some(events) => kv_events_reply::Body::Events(encoded(events.encode())?),
+        None => kv_events_reply::Body::Dump(encoded(dump().encode())?),
+    };
+    Ok(KvEventsReply { body: Some(body) })
 }

@@ -31,7 +31,7 @@ use futures::{Stream, StreamExt};
 use tandem_protocol::grpc::{
     self, AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
     HealthRequest, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillDone, PrefillOutcome,
-    PrefillRequest, kv_events_reply, worker_server,
+    PrefillRequest, worker_server,
 };
 use tandem_protocol::{
     BlockSize, Envelope, ErrorClass, HashSeed, LoadReport, TierCapacity, TokenBlockHasher,
@@ -1077,29 +1077,27 @@ impl worker_server::Worker for Sidecar {
         request: Request<KvEventsRequest>,
     ) -> Result<Response<KvEventsReply>, Status> {
         let req = request.into_inner();
-        let encoded = |r: Result<Vec<u8>, tandem_protocol::CodecError>| {
-            r.map_err(|e| ErrorClass::Internal.status(format!("encoding KV events: {e}")))
-        };
-        let body = match &self.inner.relay {
-            None => {
-                let dump = tandem_protocol::KvDump {
-                    worker_id: self.inner.config.worker_id,
+        let worker_id = self.inner.config.worker_id;
+        let reply = match &self.inner.relay {
+            // No events relayed: an empty cache, as far as anyone can tell.
+            None => crate::context::kv_events_reply(
+                &req,
+                0,
+                |_| None,
+                || tandem_protocol::KvDump {
+                    worker_id,
                     last_event_id: 0,
                     events: Vec::new(),
-                };
-                kv_events_reply::Body::Dump(encoded(dump.encode())?)
-            }
-            Some(relay) => {
-                let ahead = req.after > relay.last_event_id();
-                match (req.dump || ahead, relay.events_since(req.after)) {
-                    (false, Some(events)) => {
-                        kv_events_reply::Body::Events(encoded(events.encode())?)
-                    }
-                    _ => kv_events_reply::Body::Dump(encoded(relay.dump().encode())?),
-                }
-            }
+                },
+            ),
+            Some(relay) => crate::context::kv_events_reply(
+                &req,
+                relay.last_event_id(),
+                |after| relay.events_since(after),
+                || relay.dump(),
+            ),
         };
-        Ok(Response::new(KvEventsReply { body: Some(body) }))
+        reply.map(Response::new)
     }
 
     async fn health(
