@@ -145,6 +145,37 @@ fn prefill_and_decode_through_the_connector_handshake_match_an_aggregated_run() 
     assert_eq!(ids.len(), 24);
     let tokenizer = tandem_frontend::http::Tokenizer::load(&Default::default()).unwrap();
     assert_eq!(remote.choices[0].text, tokenizer.decode(&ids));
+    assert_eq!(
+        c.metrics().get("tandem_prefills_total{outcome=\"remote\"}"),
+        1.0
+    );
+
+    // The prefill engine dies; until its sidecar leaves the pool the frontend still picks
+    // it, the handshake fails, and the decode engine prefills the prompt itself.
+    c.engine(prefill_id(0)).proc.kill9();
+    let other: Vec<u32> = (0..2000u32).map(|i| (i * 104_729 + 7) % 30000).collect();
+    let r = c.post(
+        "/v1/completions",
+        &json!({"prompt": other, "max_tokens": 8, "seed": 5, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = c.metrics();
+    let fallback =
+        m.0.get("tandem_prefills_total{outcome=\"fallback\"}")
+            .copied();
+    let local = m.0.get("tandem_prefills_total{outcome=\"local\"}").copied();
+    assert!(
+        fallback == Some(1.0) || local == Some(1.0),
+        "neither a fallback nor a local prefill: {:?}",
+        m.cluster_view()
+    );
+    assert_eq!(
+        c.engine(decode_id(0))
+            .metrics()
+            .get("standin:kv_pulls_total"),
+        1.0,
+        "no second pull: the decode engine prefilled the second prompt itself"
+    );
 }
 
 #[test]
