@@ -9,7 +9,7 @@
 
 use super::backend::{Endpoint, FinishReason, ValidRequest};
 use super::error::ServeError;
-use super::generate::{End, Format, sse_data, to_json};
+use super::format::{End, Format, sse_data, to_json};
 use super::openai::{
     AssistantMessage, ChatChoice, ChatChunkChoice, CompletionChoice, Delta, FunctionOut,
     ResponseObject, ToolCallDelta, ToolCallOut, Usage, UsageField,

@@ -27,6 +27,7 @@ use futures::stream::BoxStream;
 
 use super::backend::{Endpoint, FinishReason, RouteInfo, TokenChunk, ValidRequest};
 use super::error::ServeError;
+use super::format::{End, Format};
 use super::format_chat::ChatFormat;
 use super::ids::unix_now;
 use super::messages;
@@ -37,30 +38,6 @@ use super::responses;
 use super::state::HttpState;
 use super::tool_calls::{Piece, ToolCallStream};
 use super::validate::{self, Checked};
-
-/// The end of a generation, as the formats need it.
-#[derive(Clone, Debug)]
-pub(crate) struct End {
-    pub finish: FinishReason,
-    /// The stop string that ended the output, if one did.
-    pub stop_sequence: Option<String>,
-    pub usage: Usage,
-    /// At least one tool call was parsed out of the output.
-    pub tool_calls: bool,
-}
-
-/// How one API presents a generation.
-pub(crate) trait Format: Send + 'static {
-    /// Streaming: the events that open the stream (may be empty).
-    fn open(&mut self) -> String;
-    /// Streaming: the events for what one backend chunk released; `end` is set on the last
-    /// call, whose events end the stream.
-    fn step(&mut self, pieces: Vec<Piece>, end: Option<&End>) -> String;
-    /// Streaming: the events for a backend error after the head; they end the stream.
-    fn stream_error(&mut self, e: &ServeError) -> String;
-    /// The whole (non-streaming) response body.
-    fn whole(&mut self, pieces: Vec<Piece>, end: &End) -> String;
-}
 
 pub(crate) async fn chat_completions(
     State(state): State<HttpState>,
@@ -215,23 +192,6 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Byte
         buf.extend_from_slice(&piece);
     }
     Ok(Bytes::from(buf))
-}
-
-pub(crate) fn to_json<T: serde::Serialize>(value: &T) -> String {
-    // Our response types hold only strings, numbers and options: serializing cannot fail.
-    serde_json::to_string(value).unwrap_or_else(|e| {
-        ServeError::internal(format!("failed to serialize a response: {e}")).to_json()
-    })
-}
-
-/// An SSE event with data only: `data: {json}`.
-pub(crate) fn sse_data(json: &str) -> String {
-    format!("data: {json}\n\n")
-}
-
-/// A named SSE event: `event: {name}` and `data: {json}` (Responses, Anthropic).
-pub(crate) fn sse_event(name: &str, json: &str) -> String {
-    format!("event: {name}\ndata: {json}\n\n")
 }
 
 /// Backend chunks → text and tool calls.

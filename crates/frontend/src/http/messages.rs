@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use super::backend::{Endpoint, FinishReason, ValidRequest};
 use super::conversation::{Content, Conversation, Message, ToolCall};
 use super::error::ServeError;
-use super::generate::{End, Format, sse_event};
+use super::format::{End, Format, sse_event};
 use super::openai::Stop;
 use super::pyjson::Json;
 use super::state::HttpConfig;

@@ -120,6 +120,7 @@ mod backend;
 mod chat_template;
 mod conversation;
 mod error;
+mod format;
 mod format_chat;
 mod generate;
 mod ids;

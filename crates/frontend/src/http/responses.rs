@@ -34,7 +34,7 @@ use serde_json::{Value, json};
 use super::backend::{FinishReason, ValidRequest};
 use super::conversation::{Content, Conversation, Message, ToolCall};
 use super::error::ServeError;
-use super::generate::{End, Format, sse_event};
+use super::format::{End, Format, sse_event};
 use super::pyjson::Json;
 use super::responses_store::{ResponseStore, StoredTurn};
 use super::state::HttpState;

@@ -1,0 +1,50 @@
+//! What every API's response format shares: the [`Format`] a generation is presented
+//! through (chat completions, completions, Responses, Messages), the [`End`] it is given,
+//! and the JSON and SSE helpers. The formats and the request path (`generate.rs`) both
+//! depend on this module; it depends on neither.
+
+use super::backend::FinishReason;
+use super::error::ServeError;
+use super::openai::Usage;
+use super::tool_calls::Piece;
+
+/// The end of a generation, as the formats need it.
+#[derive(Clone, Debug)]
+pub(crate) struct End {
+    pub finish: FinishReason,
+    /// The stop string that ended the output, if one did.
+    pub stop_sequence: Option<String>,
+    pub usage: Usage,
+    /// At least one tool call was parsed out of the output.
+    pub tool_calls: bool,
+}
+
+/// How one API presents a generation.
+pub(crate) trait Format: Send + 'static {
+    /// Streaming: the events that open the stream (may be empty).
+    fn open(&mut self) -> String;
+    /// Streaming: the events for what one backend chunk released; `end` is set on the last
+    /// call, whose events end the stream.
+    fn step(&mut self, pieces: Vec<Piece>, end: Option<&End>) -> String;
+    /// Streaming: the events for a backend error after the head; they end the stream.
+    fn stream_error(&mut self, e: &ServeError) -> String;
+    /// The whole (non-streaming) response body.
+    fn whole(&mut self, pieces: Vec<Piece>, end: &End) -> String;
+}
+
+pub(crate) fn to_json<T: serde::Serialize>(value: &T) -> String {
+    // Our response types hold only strings, numbers and options: serializing cannot fail.
+    serde_json::to_string(value).unwrap_or_else(|e| {
+        ServeError::internal(format!("failed to serialize a response: {e}")).to_json()
+    })
+}
+
+/// An SSE event with data only: `data: {json}`.
+pub(crate) fn sse_data(json: &str) -> String {
+    format!("data: {json}\n\n")
+}
+
+/// A named SSE event: `event: {name}` and `data: {json}` (Responses, Anthropic).
+pub(crate) fn sse_event(name: &str, json: &str) -> String {
+    format!("event: {name}\ndata: {json}\n\n")
+}
