@@ -1,7 +1,20 @@
 //! The `tandem` binary: parses flags and hands them to the library code that does the work.
 
+// The global allocator: glibc's malloc unless a feature picks another (the `jemalloc` and
+// `mimalloc` features; docs/RELIABILITY.md, Memory, has the soak that compares them).
+#[cfg(all(feature = "jemalloc", feature = "mimalloc"))]
+compile_error!("the `jemalloc` and `mimalloc` features each set the global allocator: pick one");
+#[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+#[cfg(all(feature = "mimalloc", not(feature = "jemalloc")))]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+mod access;
 mod backends;
 mod bench;
+mod flow_args;
 mod plan;
 mod serve;
 mod sim;

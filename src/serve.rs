@@ -222,6 +222,10 @@ pub struct WorkerArgs {
     /// digest is taken, so decode workers must detect it and prefill locally.
     #[arg(long, hide = true, default_value_t = false)]
     pub inject_kv_corruption: bool,
+    /// Fault injection: the worker's KV event batches are dropped, duplicated and reordered
+    /// on the event plane, e.g. `drop=0.05,duplicate=0.05,reorder=0.05,seed=1`.
+    #[arg(long, hide = true)]
+    pub inject_kv_event_faults: Option<String>,
 }
 
 /// How KV moves between workers.
@@ -453,6 +457,11 @@ pub struct FrontendArgs {
     pub replica_sync: bool,
     #[command(flatten)]
     pub backends: crate::backends::BackendArgs,
+    #[command(flatten)]
+    pub flow: crate::flow_args::FlowArgs,
+    /// API keys (tenants) and TLS on the HTTP listener.
+    #[command(flatten)]
+    pub access: crate::access::AccessArgs,
 }
 
 /// A frontend's config from its flags.
@@ -611,9 +620,23 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
         .plane
         .connect(&format!("{role:?}-{}", cfg.worker_id.0))
         .await?;
+    let events: Arc<dyn EventPlane> = match &args.inject_kv_event_faults {
+        Some(spec) => {
+            let faults: tandem_runtime::events::EventFaults = spec
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("--inject-kv-event-faults: {e}"))?;
+            tracing::warn!(?faults, "injecting faults into this worker's KV events");
+            Arc::new(tandem_runtime::events::FaultyEventPlane::new(
+                deps.events,
+                faults,
+                &[".kv-events"],
+            ))
+        }
+        None => deps.events,
+    };
     let deps = WorkerDeps {
         discovery: deps.discovery,
-        events: deps.events,
+        events,
         transport: args.kv.open().await?,
     };
     let shutdown = shutdown_on_signals();
@@ -626,7 +649,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
 
 pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     init_logs(args.plane.log_json)?;
-    let cfg = frontend_config(
+    let mut cfg = frontend_config(
         &args.plane.namespace,
         &args.routing,
         &args.http,
@@ -634,6 +657,9 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         args.indexer_url.clone(),
         args.replica_sync,
     )?;
+    args.flow.apply(&mut cfg)?;
+    // Both modes below (workers, --backend-url) serve HTTP with this config.
+    args.access.apply(&mut cfg.http)?;
     let listener = bind(&args.listen).await?;
     if args.backends.is_set() {
         let sidecars = args.backends.sidecars(&args.http.model, args.block_size)?;

@@ -45,6 +45,8 @@ pub struct UpArgs {
     pub http: HttpArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub flow: crate::flow_args::FlowArgs,
     /// Log one JSON object per line.
     #[arg(long, env = "TANDEM_LOG_JSON", default_value_t = false)]
     pub log_json: bool,
@@ -100,7 +102,7 @@ async fn run_embedded(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
             }
         });
     }
-    let cfg = frontend_config(
+    let mut cfg = frontend_config(
         "default",
         &args.routing,
         &args.http,
@@ -108,6 +110,7 @@ async fn run_embedded(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         None,
         false,
     )?;
+    args.flow.apply(&mut cfg)?;
     let listener = TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;

@@ -69,6 +69,8 @@ pub struct Options {
     /// Workers front an external engine of this kind (`vllm`): each is a `tandem-standin`
     /// process plus a sidecar (`tandem decode --engine vllm …`) in front of it.
     pub engine: Option<&'static str>,
+    /// More worker flags (every worker).
+    pub worker_args: Vec<String>,
 }
 
 impl Default for Options {
@@ -87,6 +89,7 @@ impl Default for Options {
             kv_transport: "ucx",
             corrupt_transfers: false,
             engine: None,
+            worker_args: Vec::new(),
         }
     }
 }
@@ -142,12 +145,14 @@ impl Proc {
         self.child.id()
     }
 
-    /// Sends a signal by name (`TERM`, `INT`).
+    /// Sends a signal by name (`TERM`, `INT`, `STOP`, `CONT`).
     pub fn signal(&self, sig: &str) {
         use rustix::process::{Pid, Signal, kill_process};
         let signal = match sig {
             "TERM" => Signal::TERM,
             "INT" => Signal::INT,
+            "STOP" => Signal::STOP,
+            "CONT" => Signal::CONT,
             other => panic!("no signal {other} here"),
         };
         let pid = Pid::from_raw(self.pid() as i32).expect("a child's pid");
@@ -492,6 +497,7 @@ impl Cluster {
         if o.corrupt_transfers {
             args.push("--inject-kv-corruption".into());
         }
+        args.extend(o.worker_args.iter().cloned());
         let name = format!("{role}-{id}");
         let log = self.dir.join(format!("{name}.log"));
         let mut p = Proc::spawn(&name, role, &args, &log);
@@ -559,6 +565,12 @@ impl Cluster {
 
     pub fn frontend(&mut self) -> &mut Proc {
         self.frontend.as_mut().expect("the frontend process")
+    }
+
+    /// Starts worker `id` again (after it was killed): a new process under the same id.
+    pub fn restart_worker(&mut self, role: &'static str, id: u64) {
+        self.workers.retain(|w| w.worker_id != Some(id));
+        self.spawn_worker(role, id);
     }
 
     /// The worker process with id `id`.

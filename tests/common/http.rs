@@ -270,7 +270,17 @@ pub enum StreamEnd {
 
 /// `POST path` with a JSON body, for a streaming (SSE) answer.
 pub fn post_stream(addr: SocketAddr, path: &str, body: &str) -> io::Result<EventStream> {
-    let (status, headers, reader) = send(addr, "POST", path, Some(body.as_bytes()), &[])?;
+    post_stream_with(addr, path, body, &[])
+}
+
+/// [`post_stream`] with more request headers (an API key).
+pub fn post_stream_with(
+    addr: SocketAddr,
+    path: &str,
+    body: &str,
+    extra_headers: &[(&str, &str)],
+) -> io::Result<EventStream> {
+    let (status, headers, reader) = send(addr, "POST", path, Some(body.as_bytes()), extra_headers)?;
     Ok(EventStream {
         status,
         headers,

@@ -4,7 +4,8 @@
 //! `client.responses.create` (whole, streamed, with tools, `previous_response_id`),
 //! `client.responses.stream`, `client.messages.create` and `client.messages.stream`,
 //! assert on the parsed SDK objects and print JSON that the test checks too
-//! (CONVENTIONS 13: an independent implementation of the protocol).
+//! (CONVENTIONS 13: an independent implementation of the protocol). With API keys, both SDKs'
+//! own key headers are accepted and a wrong key raises each SDK's `AuthenticationError`.
 //!
 //! Needs `python3` with the `openai` and `anthropic` packages: without them the test fails
 //! (it never skips).
@@ -189,6 +190,35 @@ except anthropic.BadRequestError as e:
 print(json.dumps(out))
 "#;
 
+/// API keys through both SDKs: the key they send (`Authorization: Bearer`, `x-api-key`) is
+/// accepted, and a wrong one raises each SDK's own `AuthenticationError` with our body.
+const KEYS_SCRIPT: &str = r#"
+import json, sys
+import anthropic, openai
+
+url, key = sys.argv[1], "sk-sdk-0123456789abcdef"
+out = {}
+hi = [{"role": "user", "content": "Hi"}]
+ok = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+out["openai_ok"] = ok.chat.completions.create(model="tandem-test", messages=hi).choices[0].message.content
+out["openai_models"] = [m.id for m in ok.models.list()]
+try:
+    openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0).chat.completions.create(
+        model="tandem-test", messages=hi)
+    out["openai_wrong"] = None
+except openai.AuthenticationError as e:
+    out["openai_wrong"] = {"status": e.status_code, "code": e.code, "type": e.type}
+ok = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+out["anthropic_ok"] = ok.messages.create(model="tandem-test", max_tokens=64, messages=hi).content[0].text
+try:
+    anthropic.Anthropic(base_url=url, api_key="sk-wrong", max_retries=0).messages.create(
+        model="tandem-test", max_tokens=64, messages=hi)
+    out["anthropic_wrong"] = None
+except anthropic.AuthenticationError as e:
+    out["anthropic_wrong"] = {"status": e.status_code, "type": e.body["error"]["type"]}
+print(json.dumps(out))
+"#;
+
 /// Runs `script` with `python3`, the server's base URL as its argument; its stdout as JSON.
 async fn run_python(script: &str, base_url: &str) -> Value {
     let mut cmd = tokio::process::Command::new("python3");
@@ -241,6 +271,10 @@ struct Server {
 }
 
 async fn start() -> Server {
+    start_with(HttpConfig::default()).await
+}
+
+async fn start_with(config: HttpConfig) -> Server {
     let tokenizer = Arc::new(Tokenizer::load(&TokenizerSpec::default()).unwrap());
     let backend = Arc::new(ScriptedBackend {
         tokenizer: tokenizer.clone(),
@@ -248,7 +282,7 @@ async fn start() -> Server {
     });
     let config = HttpConfig {
         served_model_name: "tandem-test".to_string(),
-        ..HttpConfig::default()
+        ..config
     };
     let state = HttpState::try_new(backend.clone(), config, tokenizer).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -362,5 +396,31 @@ async fn anthropic_sdk_messages() {
     assert_eq!(out["stream_tool"]["stop_reason"], "tool_use");
     assert_eq!(out["error"]["status"], 400);
     assert_eq!(out["error"]["type"], "invalid_request_error");
+    server.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_api_keys() {
+    require_sdks().await;
+    let config = HttpConfig {
+        access: http::AccessConfig {
+            api_keys: vec![("sk-sdk-0123456789abcdef".into(), "sdk".into())],
+            ..Default::default()
+        },
+        ..HttpConfig::default()
+    };
+    let server = start_with(config).await;
+    let out = run_python(KEYS_SCRIPT, &server.url).await;
+    assert_eq!(out["openai_ok"], HELLO);
+    assert_eq!(out["openai_models"], serde_json::json!(["tandem-test"]));
+    assert_eq!(
+        out["openai_wrong"],
+        serde_json::json!({"status": 401, "code": "invalid_api_key", "type": "invalid_request_error"})
+    );
+    assert_eq!(out["anthropic_ok"], HELLO);
+    assert_eq!(
+        out["anthropic_wrong"],
+        serde_json::json!({"status": 401, "type": "authentication_error"})
+    );
     server.stop.cancel();
 }

@@ -24,16 +24,27 @@ pub enum RouteError {
     /// A per-request override was negative, NaN or infinite. Class: invalid request.
     #[error("override {name} must be a finite number >= 0, got {value}")]
     InvalidOverride { name: &'static str, value: f64 },
+    /// Every decode worker is saturated ([`crate::SaturationConfig`]): the request should
+    /// wait for capacity. Class: overloaded.
+    #[error("every decode worker is saturated")]
+    Saturated,
+    /// Every decode worker not excluded has an open circuit breaker (it failed recently).
+    /// Class: unavailable.
+    #[error("every decode worker's circuit breaker is open (they failed recently)")]
+    CircuitOpen,
 }
 
 impl RouteError {
     pub fn class(&self) -> ErrorClass {
         match self {
-            RouteError::NoWorkers | RouteError::AllExcluded => ErrorClass::Unavailable,
+            RouteError::NoWorkers | RouteError::AllExcluded | RouteError::CircuitOpen => {
+                ErrorClass::Unavailable
+            }
             RouteError::DuplicateWorker(_) | RouteError::InvalidRequestId(_) => {
                 ErrorClass::Internal
             }
             RouteError::InvalidOverride { .. } => ErrorClass::InvalidRequest,
+            RouteError::Saturated => ErrorClass::Overloaded,
         }
     }
 }

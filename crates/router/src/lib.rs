@@ -63,15 +63,19 @@
 //!   exact index (or a standalone indexer), approximate workers' from the approximate index;
 //!   approximate workers are never asked for dumps or repairs.
 
+pub mod breaker;
 pub mod cache_aware;
 pub mod disagg;
 mod error;
+pub mod flow;
+mod hedge;
 pub mod kv;
 mod policy;
 mod pool;
 pub mod prefix_hash;
 mod registry;
 mod replica;
+mod saturation;
 // The policies name it `crate::rng::Rng`; it lives in tandem-protocol.
 use tandem_protocol::rng;
 mod simple;
@@ -81,9 +85,12 @@ mod view;
 #[cfg(test)]
 mod tests;
 
+pub use breaker::{BreakerConfig, BreakerState, Breakers, RetryBudget, RetryBudgetConfig};
 pub use cache_aware::{CacheAwareConfig, CacheAwarePolicy};
 pub use disagg::{DisaggConfig, DisaggDecision, DisaggMode, DisaggReason};
 pub use error::{ConfigError, ErrorClass, RouteError};
+pub use flow::{FlowConfig, FlowQueue, Priority, RejectReason, Rejection, TenantLimits};
+pub use hedge::TtftHistory;
 pub use kv::{KvConfig, KvPolicy};
 pub use policy::Policy;
 pub use pool::{Candidates, PoolConfig, Router, RouterConfig, prepare_candidates};
@@ -92,6 +99,7 @@ pub use registry::{PolicyConfig, PolicyKind};
 pub use replica::{
     InFlight, Input, KvSource, Plan, ReplicaConfig, RouteInput, RoutingConfig, RoutingReplica,
 };
+pub use saturation::SaturationConfig;
 pub use simple::{LeastLoaded, PowerOfTwo, RandomPolicy, RoundRobin};
 pub use tandem_indexer::{
     ApproxConfig, FeedError, FeedStats, OverlapScores, Repair, RepairReply, TierCounts,

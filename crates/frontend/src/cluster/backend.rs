@@ -37,6 +37,7 @@ use tokio_util::task::TaskTracker;
 use tonic::Status;
 use tonic::transport::Channel;
 
+use super::flow::{ANONYMOUS, Admission, Gate, PUMP_TICK};
 use super::metrics::RouteCounters;
 use super::view::{ClusterView, WorkerEntry};
 use crate::http::{
@@ -44,8 +45,8 @@ use crate::http::{
     ValidRequest,
 };
 use tandem_router::{
-    InFlight, Input, ReplicaConfig, Rng, RouteError, RouteInput, RouteRequest, RouterId,
-    RoutingConfig, SyncMessage,
+    FlowConfig, FlowQueue, InFlight, Input, ReplicaConfig, Rng, RouteError, RouteInput,
+    RouteRequest, RouterId, RoutingConfig, SyncMessage, TenantLimits, TtftHistory,
 };
 
 /// Sync messages waiting to be published; beyond it they are dropped (peers expire the
@@ -70,6 +71,35 @@ pub struct BackendConfig {
     pub max_migrations: u32,
     pub connect_timeout: Duration,
     pub seed: u64,
+    /// The frontend's queue: its bound, bands, fairness and default tenant limits. When a
+    /// worker is saturated is the routing's [`RoutingConfig::saturation`].
+    pub flow: FlowConfig,
+    /// The first retry's backoff ceiling (doubled per retry, full jitter).
+    pub retry_backoff: Duration,
+    pub retry_backoff_max: Duration,
+    /// Hedged requests (off: None).
+    pub hedge: Option<HedgeConfig>,
+}
+
+/// When a request without a first token is started on a second worker.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HedgeConfig {
+    /// The quantile of recent TTFTs (of requests of the same size class) to wait for.
+    pub quantile: f64,
+    /// Never hedge sooner than this.
+    pub min_delay_ms: u64,
+    /// TTFTs of a size class needed before its requests are hedged.
+    pub min_samples: usize,
+}
+
+impl Default for HedgeConfig {
+    fn default() -> Self {
+        HedgeConfig {
+            quantile: 0.95,
+            min_delay_ms: 50,
+            min_samples: 20,
+        }
+    }
 }
 
 impl BackendConfig {
@@ -83,6 +113,10 @@ impl BackendConfig {
             max_migrations: 3,
             connect_timeout: Duration::from_secs(2),
             seed: router_id.0,
+            flow: FlowConfig::default(),
+            retry_backoff: Duration::from_millis(25),
+            retry_backoff_max: Duration::from_secs(1),
+            hedge: None,
         }
     }
 
@@ -106,6 +140,9 @@ struct Shared {
     ids: Mutex<Rng>,
     indexer: Option<IndexerClient<Channel>>,
     sync_tx: Option<mpsc::Sender<SyncMessage>>,
+    gate: Gate<Arc<Prepared>, Plan>,
+    /// Recent times to first token by prompt size, for hedging.
+    ttft: Mutex<TtftHistory>,
 }
 
 /// The frontend's backend over a live cluster. Cheap to clone.
@@ -122,11 +159,21 @@ impl std::fmt::Debug for ClusterBackend {
     }
 }
 
-/// A routing decision for one attempt, with the workers' clients.
+/// A routing decision for one attempt, with the workers' clients and the request's place in
+/// the tracker (released when the plan, or the run holding its flight, is dropped).
 struct Plan {
     decode: WorkerEntry,
     prefill: Option<WorkerEntry>,
-    flight: InFlight,
+    flight: Flight,
+}
+
+/// What routing a request needs, computed once per job (and held while it waits in the
+/// queue).
+struct Prepared {
+    route: RouteRequest,
+    hashes: Vec<SequenceHash>,
+    scores: Option<OverlapScores>,
+    max_tokens: u32,
 }
 
 impl ClusterBackend {
@@ -173,7 +220,13 @@ impl ClusterBackend {
         } else {
             None
         };
+        let queue = FlowQueue::new(cfg.flow)
+            .map_err(|e| ServeError::internal(format!("flow control: {e}")))?;
+        let gate = Gate::new(queue, counters.flow.clone());
+        let ttft = Mutex::new(TtftHistory::new(cfg.hedge.map_or(20, |h| h.min_samples)));
         let shared = Arc::new(Shared {
+            ttft,
+            gate,
             view,
             counters,
             ids: Mutex::new(Rng::seed_from_u64(cfg.seed ^ 0x6964_7300_0000_0000)),
@@ -204,6 +257,28 @@ impl ClusterBackend {
                 }
             });
         }
+        let backend = ClusterBackend {
+            shared: shared.clone(),
+        };
+        let c = cancel.clone();
+        tasks.spawn(async move {
+            // The pump: dispatches queued requests as capacity frees (see flow.rs).
+            let gate = &backend.shared.gate;
+            loop {
+                let tick = if gate.is_empty() {
+                    Duration::from_secs(1)
+                } else {
+                    PUMP_TICK
+                };
+                tokio::select! {
+                    () = gate.woken() => {}
+                    () = tokio::time::sleep(tick) => {}
+                    () = c.cancelled() => return,
+                }
+                let now = backend.shared.view.now_ms();
+                gate.pump(now, |p| backend.plan(p, &[], true));
+            }
+        });
         let (s, c) = (shared.clone(), cancel);
         tasks.spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(5));
@@ -258,55 +333,60 @@ impl ClusterBackend {
     }
 
     /// Decides where the request goes (excluding workers that already failed it) and
-    /// records it in the tracker.
+    /// records it in the tracker. `admitted`: under flow control, saturated workers are left
+    /// out and [`RouteError::Saturated`] means every one is.
     fn plan(
         &self,
-        route: &RouteRequest,
-        hashes: &[SequenceHash],
-        scores: Option<&OverlapScores>,
+        p: &Prepared,
         excluded: &[WorkerId],
-        max_tokens: u32,
-    ) -> Result<Plan, ServeError> {
+        admitted: bool,
+    ) -> Result<Plan, RouteError> {
         let s = &self.shared;
         let request = RequestId(s.ids.lock().next_u64() >> 1);
         let input = RouteInput {
             request,
-            route: *route,
-            hashes,
-            expected_output_tokens: u64::from(max_tokens),
-            overlap: scores,
+            route: p.route,
+            hashes: &p.hashes,
+            expected_output_tokens: u64::from(p.max_tokens),
+            overlap: p.scores.as_ref(),
         };
         let now = s.view.now_ms();
         let registry = s.view.registry();
-        let plan = s
-            .view
-            .replica()
-            .write()
-            .route(&input, excluded, now)
-            .map_err(|e| match e {
-                RouteError::NoWorkers => {
-                    ServeError::unavailable("no decode workers are registered")
-                }
-                RouteError::AllExcluded => {
-                    ServeError::unavailable("every decode worker failed this request")
-                }
-                e => ServeError::from(e),
-            })?;
+        let plan = {
+            let mut replica = s.view.replica().write();
+            if admitted {
+                replica.route_admitted(&input, excluded, now)?
+            } else {
+                replica.route(&input, excluded, now)?
+            }
+        };
         for m in plan.sync.iter().cloned() {
             self.sync(m);
         }
-        let entry = |id: WorkerId| registry.get(id).cloned();
-        let decode = entry(plan.decode_worker());
-        let Some(decode) = decode else {
-            // Discovery removed it between the replica's decision and here.
-            self.end(plan.flight);
-            return Err(ServeError::unavailable("the chosen decode worker left"));
+        let flight = Flight {
+            backend: self.clone(),
+            worker: plan.decode_worker(),
+            inner: plan.flight,
         };
+        let entry = |id: WorkerId| registry.get(id).cloned();
+        // Discovery may have removed it between the replica's decision and here (the flight
+        // is released as it drops).
+        let decode = entry(plan.decode_worker()).ok_or(RouteError::AllExcluded)?;
         Ok(Plan {
             decode,
             prefill: plan.prefill_worker().and_then(entry),
-            flight: plan.flight,
+            flight,
         })
+    }
+
+    /// [`Self::plan`] for a started request (a retry): off saturated workers when possible,
+    /// never queued.
+    fn plan_retry(&self, p: &Prepared, excluded: &[WorkerId]) -> Result<Plan, ServeError> {
+        match self.plan(p, excluded, true) {
+            Err(RouteError::Saturated) => self.plan(p, excluded, false),
+            r => r,
+        }
+        .map_err(route_error)
     }
 
     /// Ends a request's tracking and tells the peers.
@@ -331,7 +411,7 @@ impl ClusterBackend {
         job: &Job,
     ) -> Result<(tonic::Streaming<GenerateChunk>, GenerateChunk), Status> {
         let greq = GenerateRequest {
-            request_id: plan.flight.request().0,
+            request_id: plan.flight.inner.request().0,
             prompt: job.prompt.clone(),
             sampling: Some(Sampling {
                 max_tokens: job.max_tokens,
@@ -372,6 +452,8 @@ struct Job {
     /// The client's cache salt, passed on for external engines' own salting.
     cache_salt: Option<String>,
     top_p: f32,
+    /// Past it the request is cancelled (continuations keep the original's).
+    deadline: tokio::time::Instant,
 }
 
 /// A request started on a decode worker, its first chunk in hand.
@@ -383,13 +465,17 @@ struct Started {
 }
 
 impl ClusterBackend {
-    /// Routes `job` and starts it, re-routing (to a worker not in `excluded`) when a decode
-    /// worker fails before the first token, up to `max_attempts`; failed workers are added
-    /// to `excluded`.
+    /// Routes `job` and starts it. A decode worker that fails before the first token is
+    /// excluded and the request re-routed, up to `max_attempts`, each retry taken from the
+    /// retry budget and after an exponential backoff with jitter; with hedging on, a request
+    /// still without a first token after its size's p95 TTFT is also started on a second
+    /// worker, and the first to stream wins. `admission`: a new request, planned through
+    /// flow control (continuations after a migration are not).
     async fn start_job(
         &self,
         job: &Job,
         excluded: &mut Vec<WorkerId>,
+        admission: Option<&Admission>,
     ) -> Result<Started, ServeError> {
         let bs = self.shared.view.config().block_size;
         let hashes: Vec<SequenceHash> = compute_block_hashes(&job.prompt, bs, job.seed)
@@ -397,47 +483,256 @@ impl ClusterBackend {
             .map(|h| h.sequence)
             .collect();
         let scores = self.remote_matches(&hashes).await;
-        let route = RouteRequest::from_tokens(&job.prompt, bs, job.seed);
-        let mut last = None;
-        for _ in 0..self.shared.cfg.max_attempts.max(1) {
-            let plan = self.plan(&route, &hashes, scores.as_ref(), excluded, job.max_tokens)?;
-            let mut flight = Flight {
-                backend: self.clone(),
-                worker: plan.decode.record.id,
-                inner: plan.flight,
-            };
-            match self.attempt(&plan, job).await {
-                Ok((rest, first)) => {
-                    flight.first_token();
-                    self.shared.counters.prefill(first.prefill);
-                    let route = RouteInfo {
-                        decode_worker: plan.decode.record.id.0,
-                        prefill_worker: plan.prefill.as_ref().map(|p| p.record.id.0),
-                    };
-                    return Ok(Started {
-                        route,
-                        first,
-                        rest,
-                        flight,
-                    });
+        let prepared = Arc::new(Prepared {
+            route: RouteRequest::from_tokens(&job.prompt, bs, job.seed),
+            hashes,
+            scores,
+            max_tokens: job.max_tokens,
+        });
+        let mut plan = match admission {
+            Some(a) => {
+                let now = self.shared.view.now_ms();
+                let me = self.clone();
+                self.shared
+                    .gate
+                    .acquire(a, prepared.clone(), now, job.deadline, |p| {
+                        me.plan(p, &[], true)
+                    })
+                    .await?
+            }
+            None => self.plan_retry(&prepared, excluded)?,
+        };
+        let mut tries = 0;
+        let last = loop {
+            tries += 1;
+            let status = match self.attempt_hedged(plan, &prepared, job, excluded).await {
+                Ok(started) => return Ok(started),
+                Err(Failed::Deadline) => {
+                    return Err(ServeError::deadline_exceeded(
+                        "the request's deadline passed before its first token",
+                    ));
                 }
-                Err(status) if retryable(&status) => {
+                Err(Failed::Worker(worker, status)) if retryable(&status) => {
                     tracing::warn!(
-                        worker = plan.decode.record.id.0,
+                        worker = worker.0,
                         %status,
                         "decode worker failed before the first token: re-routing"
                     );
-                    excluded.push(plan.decode.record.id);
+                    excluded.push(worker);
                     self.shared.counters.reroute();
-                    last = Some(status);
+                    status
                 }
-                Err(status) => return Err(status_to_error(&status)),
+                Err(Failed::Worker(_, status)) => return Err(status_to_error(&status)),
+            };
+            if tries >= self.shared.cfg.max_attempts.max(1) {
+                break status;
+            }
+            let now = self.shared.view.now_ms();
+            if !self.shared.view.replica().write().try_retry(now) {
+                self.shared.counters.retry("budget_exhausted");
+                tracing::warn!("retry budget spent: not re-routing");
+                break status;
+            }
+            self.shared.counters.retry("retried");
+            self.backoff(tries, job.deadline).await;
+            plan = self.plan_retry(&prepared, excluded)?;
+        };
+        Err(status_to_error(&last))
+    }
+
+    /// Sleeps before retry `n` (1 for the first): full jitter over `base * 2^(n-1)`, capped,
+    /// and never past the deadline.
+    async fn backoff(&self, n: u32, deadline: tokio::time::Instant) {
+        let cfg = &self.shared.cfg;
+        let cap = cfg
+            .retry_backoff
+            .saturating_mul(1 << (n - 1).min(16))
+            .min(cfg.retry_backoff_max);
+        let unit = (self.shared.ids.lock().next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        let wait = cap.mul_f64(unit);
+        tokio::time::sleep_until((tokio::time::Instant::now() + wait).min(deadline)).await;
+    }
+
+    /// Runs one attempt, hedged when configured, and records every outcome in the breakers.
+    async fn attempt_hedged(
+        &self,
+        plan: Plan,
+        prepared: &Prepared,
+        job: &Job,
+        excluded: &[WorkerId],
+    ) -> Result<Started, Failed> {
+        let started_at = tokio::time::Instant::now();
+        let hedge_after = self.hedge_after(job.prompt.len() as u64);
+        let mut others = excluded.to_vec();
+        others.push(plan.decode.record.id);
+        let primary = self.attempt_owned(plan, job);
+        tokio::pin!(primary);
+        let first = match hedge_after {
+            None => Some((&mut primary).await),
+            Some(after) => tokio::select! {
+                r = &mut primary => Some(r),
+                () = tokio::time::sleep(after) => None,
+            },
+        };
+        if let Some((plan, r)) = first {
+            return self.settle(plan, r, started_at, job);
+        }
+        // No first token after the p95 of its size: start it on a second worker too, if the
+        // budget allows and another worker is there.
+        let hedge = {
+            let now = self.shared.view.now_ms();
+            let budget = self.shared.view.replica().write().try_retry(now);
+            if budget {
+                self.plan(prepared, &others, true).ok()
+            } else {
+                self.shared.counters.hedge("budget_exhausted");
+                None
+            }
+        };
+        let Some(hedge) = hedge else {
+            let (plan, r) = primary.await;
+            return self.settle(plan, r, started_at, job);
+        };
+        self.shared.counters.hedge("started");
+        let secondary = self.attempt_owned(hedge, job);
+        tokio::pin!(secondary);
+        let (mut a_done, mut b_done) = (false, false);
+        let mut failure = Failed::Deadline;
+        while !(a_done && b_done) {
+            let (won, plan, r) = tokio::select! {
+                (plan, r) = &mut primary, if !a_done => {
+                    a_done = true;
+                    ("primary_won", plan, r)
+                }
+                (plan, r) = &mut secondary, if !b_done => {
+                    b_done = true;
+                    ("hedge_won", plan, r)
+                }
+            };
+            // The loser's stream and plan drop with this function's futures: its worker
+            // stops and frees its blocks, its tracker entry leaves.
+            match self.settle(plan, r, started_at, job) {
+                Ok(started) => {
+                    self.shared.counters.hedge(won);
+                    return Ok(started);
+                }
+                Err(f) => failure = f,
             }
         }
-        Err(last.as_ref().map_or_else(
-            || ServeError::unavailable("no decode worker could serve the request"),
-            status_to_error,
-        ))
+        Err(failure)
+    }
+
+    /// [`Self::attempt`] under the job's deadline, owning its plan.
+    async fn attempt_owned(&self, plan: Plan, job: &Job) -> (Plan, Attempted) {
+        let r = tokio::time::timeout_at(job.deadline, self.attempt(&plan, job)).await;
+        (plan, r)
+    }
+
+    /// The hedging delay for a prompt of `prompt_tokens`: None when hedging is off or the
+    /// size has too few samples yet.
+    fn hedge_after(&self, prompt_tokens: u64) -> Option<Duration> {
+        let h = self.shared.cfg.hedge?;
+        let ms = self
+            .shared
+            .ttft
+            .lock()
+            .quantile_ms(prompt_tokens, h.quantile)?;
+        Some(Duration::from_millis(ms.max(h.min_delay_ms)))
+    }
+
+    /// Records an attempt's outcome (breakers, TTFT history) and turns it into the answer.
+    fn settle(
+        &self,
+        mut plan: Plan,
+        r: Attempted,
+        started_at: tokio::time::Instant,
+        job: &Job,
+    ) -> Result<Started, Failed> {
+        let s = &self.shared;
+        let now = s.view.now_ms();
+        let decode = plan.decode.record.id;
+        match r {
+            Err(_) => Err(Failed::Deadline),
+            Ok(Ok((rest, first))) => {
+                plan.flight.first_token();
+                s.counters.prefill(first.prefill);
+                {
+                    let mut replica = s.view.replica().write();
+                    replica.worker_succeeded(decode, now);
+                    if let Some(p) = &plan.prefill {
+                        use tandem_protocol::grpc::PrefillOutcome;
+                        match PrefillOutcome::try_from(first.prefill) {
+                            Ok(PrefillOutcome::Remote) => {
+                                replica.worker_succeeded(p.record.id, now)
+                            }
+                            Ok(PrefillOutcome::Fallback)
+                                if replica.worker_failed(p.record.id, now) =>
+                            {
+                                tracing::warn!(worker = p.record.id.0, "circuit breaker opened");
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                s.ttft.lock().record(
+                    job.prompt.len() as u64,
+                    u64::try_from(started_at.elapsed().as_millis()).unwrap_or(u64::MAX),
+                );
+                let route = RouteInfo {
+                    decode_worker: decode.0,
+                    prefill_worker: plan.prefill.as_ref().map(|p| p.record.id.0),
+                };
+                Ok(Started {
+                    route,
+                    first,
+                    rest,
+                    flight: plan.flight,
+                })
+            }
+            Ok(Err(status)) => {
+                if counts_against_worker(&status)
+                    && s.view.replica().write().worker_failed(decode, now)
+                {
+                    tracing::warn!(worker = decode.0, %status, "circuit breaker opened");
+                }
+                Err(Failed::Worker(decode, status))
+            }
+        }
+    }
+}
+
+/// An attempt's answer: the stream and its first chunk, the worker's error, or the deadline.
+type Attempted = Result<
+    Result<(tonic::Streaming<GenerateChunk>, GenerateChunk), Status>,
+    tokio::time::error::Elapsed,
+>;
+
+/// Why an attempt produced no first token.
+enum Failed {
+    /// The request's deadline passed.
+    Deadline,
+    /// The decode worker failed it.
+    Worker(WorkerId, Status),
+}
+
+/// Whether a failure is the worker's (and counts toward its breaker): transport errors,
+/// timeouts, its internal errors, a worker cancelling (shutting down) — never the client's
+/// own errors or a worker saying it is busy.
+fn counts_against_worker(status: &Status) -> bool {
+    matches!(
+        ErrorClass::of_status(status),
+        ErrorClass::Unavailable | ErrorClass::Internal | ErrorClass::Cancelled
+    )
+}
+
+/// A routing error as the client sees it.
+fn route_error(e: RouteError) -> ServeError {
+    match e {
+        RouteError::NoWorkers => ServeError::unavailable("no decode workers are registered"),
+        RouteError::AllExcluded => {
+            ServeError::unavailable("every decode worker failed this request")
+        }
+        e => ServeError::from(e),
     }
 }
 
@@ -487,12 +782,49 @@ impl Flight {
         for m in msgs {
             self.backend.sync(m);
         }
+        // Its prefill load left: a saturated worker may have room.
+        s.gate.wake();
     }
 }
 
 impl Drop for Flight {
     fn drop(&mut self) {
         self.backend.end(self.inner);
+        self.backend.shared.gate.wake();
+    }
+}
+
+/// A request's use of its tenant's budget: output charged to the fairness counter as it
+/// streams; on drop, the running count released and the unused part of the token budget
+/// given back.
+struct TenantUse {
+    backend: ClusterBackend,
+    tenant: Arc<str>,
+    /// Charged to the tokens-per-minute bucket at admission.
+    charged: u64,
+    prompt_tokens: u64,
+    generated: u64,
+    begun: bool,
+}
+
+impl TenantUse {
+    fn output(&mut self, tokens: u64) {
+        self.generated += tokens;
+        self.backend.shared.gate.charge_output(&self.tenant, tokens);
+    }
+}
+
+impl Drop for TenantUse {
+    fn drop(&mut self) {
+        let gate = &self.backend.shared.gate;
+        let now = self.backend.shared.view.now_ms();
+        let used = if self.begun {
+            gate.finished(&self.tenant);
+            self.prompt_tokens + self.generated
+        } else {
+            0
+        };
+        gate.refund(&self.tenant, self.charged.saturating_sub(used), now);
     }
 }
 
@@ -500,38 +832,71 @@ impl Drop for Flight {
 impl Backend for ClusterBackend {
     async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError> {
         let engine = req.engine.clone();
+        let s = &self.shared;
+        if s.view.registry().decode.is_empty() {
+            return Err(ServeError::unavailable("no decode workers are registered"));
+        }
+        let now = s.view.now_ms();
+        let left = req
+            .deadline
+            .saturating_duration_since(std::time::Instant::now());
+        let prompt_tokens = req.prompt_tokens.len() as u64;
+        let admission = Admission {
+            tenant: req.tenant.clone().unwrap_or_else(|| ANONYMOUS.into()),
+            priority: req.priority,
+            prompt_tokens,
+            charged: prompt_tokens + u64::from(req.max_tokens),
+            deadline_ms: now.saturating_add(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)),
+        };
+        s.gate.check_limits(&admission, now)?;
+        let mut usage = TenantUse {
+            backend: self.clone(),
+            tenant: admission.tenant.clone(),
+            charged: admission.charged,
+            prompt_tokens,
+            generated: 0,
+            begun: false,
+        };
         let job = Job {
             seed: HashSeed::from_salt(req.cache_salt.as_deref().map(str::as_bytes)),
-            sampling_seed: req
-                .seed
-                .unwrap_or_else(|| self.shared.ids.lock().next_u64()),
+            sampling_seed: req.seed.unwrap_or_else(|| s.ids.lock().next_u64()),
             prompt: req.prompt_tokens,
             max_tokens: req.max_tokens,
             temperature: req.temperature,
             ignore_eos: req.ignore_eos,
             cache_salt: req.cache_salt.clone(),
             top_p: req.top_p,
+            deadline: tokio::time::Instant::now() + left,
         };
         let mut excluded = Vec::new();
-        let started = self.start_job(&job, &mut excluded).await?;
+        let started = self
+            .start_job(&job, &mut excluded, Some(&admission))
+            .await?;
+        s.gate.begin(&admission.tenant);
+        usage.begun = true;
         let route = started.route;
         let run = Run {
             backend: self.clone(),
             job,
             excluded,
             generated: Vec::new(),
-            migrations_left: self.shared.cfg.max_migrations,
+            migrations_left: s.cfg.max_migrations,
             pending: Some(started.first),
             rest: started.rest,
             flight: started.flight,
             engine,
             migrated: false,
             text_only: false,
+            usage,
         };
         Ok(Generation {
             route,
             chunks: run.into_stream(),
         })
+    }
+
+    fn set_tenants(&self, tenants: Vec<(Arc<str>, TenantLimits)>) {
+        self.shared.gate.set_tenants(tenants);
     }
 
     fn ready(&self) -> bool {
@@ -557,6 +922,7 @@ struct Run {
     migrated: bool,
     /// The engine answers text, not token ids: no migration (nothing to continue from).
     text_only: bool,
+    usage: TenantUse,
 }
 
 impl Run {
@@ -569,6 +935,12 @@ impl Run {
                 Ok(c) => {
                     let last = c.finish != grpc::FinishReason::Unspecified as i32;
                     run.generated.extend_from_slice(&c.tokens);
+                    let n = if c.tokens.is_empty() {
+                        c.completion_tokens
+                    } else {
+                        c.tokens.len() as u32
+                    };
+                    run.usage.output(u64::from(n));
                     // An engine's text without ids cannot be continued elsewhere.
                     run.text_only |= c.text.is_some();
                     // What the engine counted of the prompt (a continuation's is longer).
@@ -588,7 +960,13 @@ impl Run {
             if let Some(c) = self.pending.take() {
                 return Ok(c);
             }
-            let failure = match self.rest.message().await {
+            let next = tokio::time::timeout_at(self.job.deadline, self.rest.message());
+            let Ok(next) = next.await else {
+                return Err(ServeError::deadline_exceeded(
+                    "the request's deadline passed while it was generating",
+                ));
+            };
+            let failure = match next {
                 Ok(Some(c)) => return Ok(c),
                 Ok(None) => "the decode worker ended the stream early".to_string(),
                 Err(status) => format!("the decode worker failed mid-stream: {}", status.message()),
@@ -606,6 +984,13 @@ impl Run {
         }
         self.migrations_left -= 1;
         self.migrated = true;
+        {
+            let now = self.backend.shared.view.now_ms();
+            let mut replica = self.backend.shared.view.replica().write();
+            if replica.worker_failed(self.flight.worker, now) {
+                tracing::warn!(worker = self.flight.worker.0, "circuit breaker opened");
+            }
+        }
         self.backend.shared.counters.migration();
         self.excluded.push(self.flight.worker);
         tracing::warn!(
@@ -619,7 +1004,7 @@ impl Run {
         job.max_tokens -= done;
         let started = self
             .backend
-            .start_job(&job, &mut self.excluded)
+            .start_job(&job, &mut self.excluded, None)
             .await
             .map_err(|e| {
                 ServeError::unavailable(format!("{failure}; migration failed: {}", e.message()))

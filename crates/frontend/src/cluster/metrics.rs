@@ -15,6 +15,7 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::flow::FlowMetrics;
 use super::view::ClusterView;
 
 const REFRESH: Duration = Duration::from_millis(250);
@@ -42,12 +43,16 @@ struct OutcomeLabel {
 }
 
 /// What the backend counts per request: how prompts were prefilled (from the decode worker's
-/// first chunk), re-routes before the first token, migrations after it.
-#[derive(Debug, Default)]
+/// first chunk), re-routes before the first token, migrations after it; and flow control's
+/// series.
+#[derive(Debug)]
 pub struct RouteCounters {
     prefill: Family<OutcomeLabel, Counter>,
     reroutes: Counter,
     migrations: Counter,
+    retries: Family<OutcomeLabel, Counter>,
+    hedges: Family<OutcomeLabel, Counter>,
+    pub(crate) flow: Arc<FlowMetrics>,
 }
 
 impl RouteCounters {
@@ -71,8 +76,48 @@ impl RouteCounters {
         self.migrations.inc();
     }
 
+    /// A failed attempt: `retried`, or `budget_exhausted` (the retry budget refused).
+    pub fn retry(&self, outcome: &'static str) {
+        self.retries.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
+    fn retry_zero(&self, outcome: &'static str) {
+        let _ = self.retries.get_or_create(&OutcomeLabel { outcome });
+    }
+
+    /// A hedge: `started`, `primary_won`, `hedge_won`, or `budget_exhausted`.
+    pub fn hedge(&self, outcome: &'static str) {
+        self.hedges.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
     pub fn register(registry: &mut Registry) -> Arc<Self> {
-        let c = Arc::new(RouteCounters::default());
+        let c = Arc::new(RouteCounters {
+            prefill: Family::default(),
+            reroutes: Counter::default(),
+            migrations: Counter::default(),
+            retries: Family::default(),
+            hedges: Family::default(),
+            flow: Arc::new(FlowMetrics::register(registry)),
+        });
+        for outcome in ["retried", "budget_exhausted"] {
+            c.retry_zero(outcome);
+        }
+        for outcome in ["started", "primary_won", "hedge_won", "budget_exhausted"] {
+            let _ = c.hedges.get_or_create(&OutcomeLabel { outcome });
+        }
+        registry.register(
+            "tandem_frontend_retries",
+            "Requests re-routed after a decode worker failed before the first token \
+             (retried), or not re-routed because the retry budget was spent \
+             (budget_exhausted)",
+            c.retries.clone(),
+        );
+        registry.register(
+            "tandem_frontend_hedges",
+            "Hedged requests: started on a second worker after their size's p95 TTFT without \
+             a first token, and which attempt streamed first",
+            c.hedges.clone(),
+        );
         registry.register(
             "tandem_prefills",
             "Requests by how their prompt was prefilled: local, remote, or fallback (a remote \
@@ -153,6 +198,17 @@ pub fn register(
             "Device KV blocks of a worker",
             &per_worker.kv_total,
         ),
+        (
+            "tandem_worker_breaker_state",
+            "A worker's circuit breaker at this frontend: 0 closed, 1 half-open (one probe may \
+             go), 2 open (not chosen)",
+            &per_worker.breaker,
+        ),
+        (
+            "tandem_worker_breaker_openings",
+            "Times a worker's circuit breaker opened at this frontend",
+            &per_worker.breaker_openings,
+        ),
     ] {
         registry.register(name, help, family.clone());
     }
@@ -196,16 +252,20 @@ struct PerWorker {
     pending_prefill: Family<WorkerLabel, Gauge>,
     kv_active: Family<WorkerLabel, Gauge>,
     kv_total: Family<WorkerLabel, Gauge>,
+    breaker: Family<WorkerLabel, Gauge>,
+    breaker_openings: Family<WorkerLabel, Gauge>,
 }
 
 impl PerWorker {
-    fn families(&self) -> [&Family<WorkerLabel, Gauge>; 5] {
+    fn families(&self) -> [&Family<WorkerLabel, Gauge>; 7] {
         [
             &self.running,
             &self.waiting,
             &self.pending_prefill,
             &self.kv_active,
             &self.kv_total,
+            &self.breaker,
+            &self.breaker_openings,
         ]
     }
 
@@ -217,7 +277,7 @@ impl PerWorker {
             r.kv_active_blocks,
             r.kv_total_blocks,
         ];
-        for (family, v) in self.families().into_iter().zip(values) {
+        for (family, v) in self.families()[..5].iter().zip(values) {
             family.get_or_create(label).set(v as i64);
         }
     }
@@ -243,11 +303,28 @@ impl ViewGauges {
             }
         }
         shown.clear();
+        let now = view.now_ms();
         for label in members {
-            if let Some(r) = view.report(tandem_protocol::WorkerId(label.worker)) {
+            let id = tandem_protocol::WorkerId(label.worker);
+            let (state, openings) = {
+                let replica = view.replica().read();
+                (
+                    replica.breaker(id, now),
+                    replica.breakers().times_opened(id),
+                )
+            };
+            self.per_worker
+                .breaker
+                .get_or_create(&label)
+                .set(state.level());
+            self.per_worker
+                .breaker_openings
+                .get_or_create(&label)
+                .set(openings as i64);
+            if let Some(r) = view.report(id) {
                 self.per_worker.set(&label, &r);
-                shown.push(label);
             }
+            shown.push(label);
         }
         drop(shown);
         self.workers

@@ -11,6 +11,7 @@
 //! (the `Indexer` gRPC service), `metrics.rs` (the view's gauges on `/metrics`).
 
 mod backend;
+mod flow;
 mod indexer;
 mod metrics;
 mod view;
@@ -24,7 +25,7 @@ use tandem_runtime::shutdown::Shutdown;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-pub use backend::{BackendConfig, ClusterBackend};
+pub use backend::{BackendConfig, ClusterBackend, HedgeConfig};
 pub use indexer::IndexerService;
 pub use metrics::RouteCounters;
 pub use tandem_indexer::FeedStats;
@@ -117,9 +118,10 @@ pub async fn run_frontend(
     .map_err(|e| ServiceError::Config(e.to_string()))?;
     let server_stop = stop.child_token();
     let addr = listener.local_addr()?;
-    let server = tokio::spawn(http::serve(
+    // Plain HTTP or TLS as `cfg.http.tls` says; the API keys file is reloaded meanwhile.
+    let server = tokio::spawn(http::serve_state(
         listener,
-        http::app(state.clone()),
+        state.clone(),
         server_stop.clone(),
     ));
     tracing::info!(%addr, model = %cfg.http.served_model_name, "frontend serving");

@@ -1,7 +1,10 @@
 //! The seam between the HTTP edge and the routing glue: [`Backend`] and what crosses it.
 
 use std::sync::Arc;
+use std::time::Instant;
+
 use std::sync::atomic::{AtomicU32, Ordering};
+use tandem_router::Priority;
 
 use futures::stream::BoxStream;
 
@@ -89,6 +92,16 @@ pub struct ValidRequest {
     /// Where the backend reports what the engine says about the request (its prompt
     /// length); the edge compares that with `prompt_tokens`.
     pub engine: EngineReport,
+    /// Who sent it: the API key's tenant (or the `x-tandem-tenant` header when no keys are
+    /// configured); None: anonymous. Flow control's fairness and rate limits are per tenant.
+    pub tenant: Option<Arc<str>>,
+    /// Its band in the frontend's queue (`priority` / `service_tier` field or the
+    /// `x-tandem-priority` header).
+    pub priority: Priority,
+    /// When it must be done: arrival + its `timeout` (field or `x-tandem-timeout` header),
+    /// capped by [`super::HttpConfig::request_timeout`]. Past it the request leaves the queue
+    /// (429) or is cancelled on the workers.
+    pub deadline: Instant,
 }
 
 /// What the engine reported about a request, filled in by the backend while it streams (for
@@ -201,4 +214,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Drives `GET /health`; generation requests are still passed to `generate`, which
     /// answers for itself.
     fn ready(&self) -> bool;
+
+    /// The tenants the operator named (API keys file) and their limits, at start and after
+    /// every reload; tenants not named get the backend's defaults. Backends without flow
+    /// control ignore it.
+    fn set_tenants(&self, tenants: Vec<(Arc<str>, tandem_router::TenantLimits)>) {
+        let _ = tenants;
+    }
 }

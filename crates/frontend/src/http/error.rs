@@ -4,6 +4,7 @@
 //! | kind              | status | `type`                  | `code` (default)          |
 //! |-------------------|--------|-------------------------|---------------------------|
 //! | `InvalidRequest`  | 400    | `invalid_request_error` | per case, else `null`     |
+//! | `Unauthorized`    | 401    | `invalid_request_error` | `invalid_api_key`         |
 //! | `ModelNotFound`   | 404    | `invalid_request_error` | `model_not_found`         |
 //! | `NotFound`        | 404    | `invalid_request_error` | `not_found`               |
 //! | `MethodNotAllowed`| 405    | `invalid_request_error` | `method_not_allowed`      |
@@ -13,6 +14,7 @@
 //! | `Cancelled`       | 499    | `cancelled`             | `cancelled`               |
 //! | `Internal`        | 500    | `server_error`          | `internal_error`          |
 //! | `Unavailable`     | 503    | `unavailable_error`     | `unavailable`             |
+//! | `DeadlineExceeded`| 504    | `timeout_error`         | `deadline_exceeded`       |
 //!
 //! The body is always `{"error":{"message","type","param","code"}}`; mid-stream the same
 //! object is sent as an SSE `data:` event (see `generate.rs`).
@@ -21,8 +23,8 @@
 //! `{"type":"error","error":{"type","message"}}` ([`ServeError::to_anthropic_json`]), with
 //! the same statuses except: JSON of the wrong shape is 400 (Anthropic has no 422) and
 //! `Overloaded` is 529 `overloaded_error` (Anthropic's overload status; its SDK retries it).
-//! Types: 400/405 `invalid_request_error`, 404 `not_found_error`, 413 `request_too_large`,
-//! 429 `rate_limit_error`, 529 `overloaded_error`, others `api_error`
+//! Types: 400/405 `invalid_request_error`, 401 `authentication_error`, 404 `not_found_error`,
+//! 413 `request_too_large`, 429 `rate_limit_error`, 529 `overloaded_error`, others `api_error`
 //! (`anthropic-sdk-python`, `src/anthropic/types/shared/error_type.py`).
 
 use std::time::Duration;
@@ -40,6 +42,9 @@ use tandem_router::RouteError;
 pub enum ErrorKind {
     /// Well-formed but invalid input: malformed JSON, impossible values, prompt too long.
     InvalidRequest,
+    /// API keys are configured and the request has none, or one that is not known (see
+    /// `auth.rs`).
+    Unauthorized,
     /// The request names a model this frontend does not serve.
     ModelNotFound,
     /// No such route.
@@ -58,6 +63,8 @@ pub enum ErrorKind {
     Unavailable,
     /// A bug or a broken invariant.
     Internal,
+    /// The request's deadline passed after it was dispatched (in the queue it is a 429).
+    DeadlineExceeded,
 }
 
 impl ErrorKind {
@@ -65,6 +72,7 @@ impl ErrorKind {
     pub fn status(self) -> StatusCode {
         match self {
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
+            ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -75,6 +83,7 @@ impl ErrorKind {
             ErrorKind::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
@@ -82,6 +91,7 @@ impl ErrorKind {
     pub fn error_type(self) -> &'static str {
         match self {
             ErrorKind::InvalidRequest
+            | ErrorKind::Unauthorized
             | ErrorKind::ModelNotFound
             | ErrorKind::NotFound
             | ErrorKind::MethodNotAllowed
@@ -91,12 +101,14 @@ impl ErrorKind {
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::Internal => "server_error",
             ErrorKind::Unavailable => "unavailable_error",
+            ErrorKind::DeadlineExceeded => "timeout_error",
         }
     }
 
     fn default_code(self) -> Option<&'static str> {
         match self {
             ErrorKind::InvalidRequest => None,
+            ErrorKind::Unauthorized => Some("invalid_api_key"),
             ErrorKind::ModelNotFound => Some("model_not_found"),
             ErrorKind::NotFound => Some("not_found"),
             ErrorKind::MethodNotAllowed => Some("method_not_allowed"),
@@ -106,6 +118,7 @@ impl ErrorKind {
             ErrorKind::Cancelled => Some("cancelled"),
             ErrorKind::Internal => Some("internal_error"),
             ErrorKind::Unavailable => Some("unavailable"),
+            ErrorKind::DeadlineExceeded => Some("deadline_exceeded"),
         }
     }
 }
@@ -135,6 +148,12 @@ impl ServeError {
     /// 400: the request cannot be served as asked.
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidRequest, message)
+    }
+
+    /// 401 `invalid_api_key` (OpenAI's answer to a missing or wrong key; `WWW-Authenticate:
+    /// Bearer` is added to the response).
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unauthorized, message)
     }
 
     /// 404 `model_not_found`.
@@ -187,6 +206,11 @@ impl ServeError {
     /// 503: nothing can serve the request now.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Unavailable, message)
+    }
+
+    /// 504: the request's deadline passed while it ran.
+    pub fn deadline_exceeded(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::DeadlineExceeded, message)
     }
 
     /// 500: a bug or a broken invariant.
@@ -278,9 +302,11 @@ impl ServeError {
             ErrorKind::InvalidRequest | ErrorKind::Unprocessable | ErrorKind::MethodNotAllowed => {
                 "invalid_request_error"
             }
+            ErrorKind::Unauthorized => "authentication_error",
             ErrorKind::ModelNotFound | ErrorKind::NotFound => "not_found_error",
             ErrorKind::PayloadTooLarge => "request_too_large",
             ErrorKind::Overloaded => "overloaded_error",
+            ErrorKind::DeadlineExceeded => "timeout_error",
             ErrorKind::Cancelled | ErrorKind::Internal | ErrorKind::Unavailable => "api_error",
         }
     }
@@ -306,11 +332,17 @@ impl ServeError {
             self.to_anthropic_json(),
         )
             .into_response();
-        self.add_retry_after(&mut response);
+        self.add_headers(&mut response);
         response
     }
 
-    fn add_retry_after(&self, response: &mut Response) {
+    /// `Retry-After` on overload, `WWW-Authenticate` on 401 (RFC 9110 §11.6.1 asks for it).
+    fn add_headers(&self, response: &mut Response) {
+        if self.kind == ErrorKind::Unauthorized {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(after) = self.retry_after {
             let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
             response
@@ -328,7 +360,7 @@ impl IntoResponse for ServeError {
             self.to_json(),
         )
             .into_response();
-        self.add_retry_after(&mut response);
+        self.add_headers(&mut response);
         response
     }
 }

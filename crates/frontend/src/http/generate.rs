@@ -25,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 
+use super::auth;
 use super::backend::{Endpoint, FinishReason, RouteInfo, TokenChunk, ValidRequest};
 use super::error::ServeError;
 use super::format::{End, Format};
@@ -108,19 +109,23 @@ pub(crate) fn error_response(endpoint: Endpoint, e: ServeError) -> Response {
     }
 }
 
-/// Everything before the backend: drain check, body, validation, tokenization.
+/// Everything before the backend: the API key, drain check, body, validation,
+/// tokenization, the tenant and its cache salt.
 async fn admit(
     state: &HttpState,
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Admitted, ServeError> {
+    // First, before the body is even read: a client without a valid key costs nothing.
+    let tenant = state.access().authenticate(headers)?;
     if state.is_draining() {
         return Err(
             ServeError::unavailable("the server is draining; retry on another replica")
                 .with_code("draining"),
         );
     }
+    let arrived = std::time::Instant::now();
     let config = state.config();
     let bytes = read_body(headers, body, config.max_body_bytes).await?;
     let mut context = None;
@@ -138,7 +143,11 @@ async fn admit(
     let (checked, tokens) = tokenize(state, checked).await?;
     let parse_tool_calls = state.parses_tool_calls() && checked.wants_tool_calls;
     let ids = state.ids().next(endpoint);
-    let req = checked.into_valid(tokens, config, ids, unix_now())?;
+    // The deadline counts from arrival, tokenization included.
+    let mut req = checked.into_valid(tokens, config, ids, (unix_now(), arrived))?;
+    validate::apply_scheduling_headers(&mut req, headers, config, arrived)?;
+    req.cache_salt = auth::cache_salt(tenant.as_ref(), req.cache_salt.take());
+    req.tenant = tenant.map(|t| t.name);
     let format: Box<dyn Format> = match (endpoint, context) {
         (Endpoint::Responses, Some(ctx)) => Box::new(responses::ResponsesFormat::new(
             &req,

@@ -48,6 +48,8 @@ pub(crate) struct MessagesRequest {
     tools: Option<Vec<Json>>,
     tool_choice: Option<Json>,
     thinking: Option<Json>,
+    priority: Option<super::openai::PriorityField>,
+    timeout: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -115,6 +117,9 @@ pub(crate) fn check(req: MessagesRequest, config: &HttpConfig) -> Result<Checked
     common.top_p = req.top_p;
     common.stream = req.stream;
     common.stop = req.stop_sequences.map(Stop::Many);
+    // Anthropic's `service_tier` (`auto`, `standard_only`) names no band: not read.
+    common.priority = req.priority;
+    common.timeout = req.timeout;
     let model = validate::check_model(common.model.as_deref(), config)?;
     let mut checked = validate::finish_common(
         common,

@@ -16,6 +16,17 @@
 //! - `GET /live`: 200 while the process serves HTTP at all.
 //! - `GET /metrics`: Prometheus (OpenMetrics text), see `metrics.rs`.
 //!
+//! # Tenants, keys and TLS (`auth.rs`, `tls.rs`)
+//!
+//! With API keys configured ([`HttpConfig::access`]: a keys file reloaded on change, and/or
+//! a fixed list), the generation endpoints and `GET /v1/models…` need
+//! `Authorization: Bearer <key>` or `x-api-key: <key>`, else 401; `/health`, `/live` and
+//! `/metrics` stay open for probes and scrapers. The key names the request's tenant; without
+//! keys, `x-tandem-tenant` may (a gateway authenticated the user). A tenant's requests are
+//! salted with its `cache_salt` or its name, narrowed by the request's `cache_salt`, so two
+//! tenants never share KV blocks unless configured to. [`serve_state`] serves over TLS when
+//! [`HttpConfig::tls`] names a certificate and key, and keeps the keys file reloaded.
+//!
 //! Response headers of generation requests: `x-request-id` (the response `id`),
 //! `x-tandem-decode-worker`, `x-tandem-prefill-worker` (only when prefill was remote),
 //! `x-tandem-cached-tokens`. The head waits for the backend's first chunk (see
@@ -61,10 +72,12 @@
 //!
 //! | case                                                        | status | `code`                    |
 //! |-------------------------------------------------------------|--------|---------------------------|
+//! | API keys configured, and no key or an unknown one           | 401    | `invalid_api_key`         |
 //! | malformed JSON                                              | 400    | `invalid_json`            |
 //! | JSON of the wrong shape or types (`"max_tokens": "x"`)      | 422    | `invalid_type`            |
 //! | unknown model                                               | 404    | `model_not_found`         |
 //! | empty/missing `messages` or `prompt`, bad role, part, tool  | 400    | `null`                    |
+//! | `x-tandem-tenant` not a valid tenant name (no keys configured) | 400 | `null` (`param` set)      |
 //! | `max_tokens` ≤ 0, `temperature` / `top_p` out of range, stop limits | 400 | `null` (`param` set) |
 //! | unsupported parameter (`n` = 2, `logprobs`, `tool_choice: required`, …) | 400 | `unsupported_parameter` |
 //! | the chat template's `raise_exception`, or a template failure | 400   | `chat_template_error`     |
@@ -79,7 +92,7 @@
 //! | backend: internal, or a stream that ends before any output  | 500    | `internal_error`          |
 //!
 //! `/v1/messages` answers the same cases in Anthropic's error shape, with 400 for wrong
-//! shapes and 529 for overload (see `error.rs`). A backend error after the response head
+//! shapes, 401 `authentication_error` for keys, and 529 for overload (see `error.rs`). A backend error after the response head
 //! (streaming) is sent as the API's error event: `data: {"error": …}` then `data: [DONE]`
 //! (chat, completions), `error` then `response.failed` (Responses), `error` (Messages).
 //! Non-streaming responses are sent whole, so a backend error at any point gets its own
@@ -91,6 +104,8 @@
 //!   [`EngineReport`].
 //! - `error.rs`: [`ServeError`], [`ErrorKind`], the status mapping (OpenAI and Anthropic).
 //! - `state.rs`: [`HttpConfig`], [`HttpState`] (draining lives here).
+//! - `auth.rs`: [`AccessConfig`], the API key table, tenants and their cache salts,
+//!   [`watch_api_keys`]; `tls.rs`: [`TlsConfig`], the TLS listener.
 //! - `validate.rs`: chat and completions bodies → [`ValidRequest`]; `openai.rs`: their wire
 //!   types; `responses.rs` (+ `responses_store.rs`), `messages.rs`: the Responses and
 //!   Messages APIs, request and output.
@@ -116,6 +131,7 @@
 //!   `max_stop_bytes`, a held-back tool call by 1 MiB, pending UTF-8 by 4 bytes (tiktoken) or
 //!   4 tokens (Hugging Face); the Responses store by [`ResponsesStoreConfig`].
 
+mod auth;
 mod backend;
 mod chat_template;
 mod conversation;
@@ -135,6 +151,7 @@ mod responses_store;
 mod state;
 mod stop;
 mod strftime;
+mod tls;
 pub mod tokenizer;
 mod tool_calls;
 mod validate;
@@ -142,6 +159,7 @@ mod validate;
 #[cfg(test)]
 mod tests;
 
+pub use auth::{AccessConfig, AccessError, watch_api_keys};
 pub use backend::{
     Backend, Endpoint, EngineReport, FinishReason, Generation, RouteInfo, TokenChunk, ValidRequest,
 };
@@ -150,13 +168,14 @@ pub use error::{ErrorKind, ServeError};
 pub use metrics::HttpMetrics;
 pub use prompt::Prompts;
 pub use responses_store::ResponsesStoreConfig;
-pub use state::{HttpConfig, HttpState};
+pub use state::{HttpConfig, HttpState, StateError};
+pub use tls::{TlsConfig, TlsError};
 pub use tokenizer::{Detokenizer, Tokenizer, TokenizerError, TokenizerSpec};
 pub use tool_calls::ToolCallParser;
 
 use axum::Router;
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use tokio_util::sync::CancellationToken;
@@ -202,6 +221,48 @@ pub async fn serve(
         .await
 }
 
+/// [`serve`], over TLS: connections are accepted after their TLS handshake (see `tls.rs`;
+/// TCP_NODELAY as in `serve`), with the same graceful shutdown. `tls` comes from
+/// [`HttpConfig::tls`] (loaded when the [`HttpState`] was made).
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    tls: std::sync::Arc<tokio_rustls::rustls::ServerConfig>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(tls::TlsListener::new(listener, tls), app)
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
+}
+
+/// Serves `state`'s routes on `listener` as its config says: over TLS when
+/// [`HttpConfig::tls`] is set ([`serve_tls`]), else plain ([`serve`]); and keeps its API keys
+/// file reloaded ([`watch_api_keys`]) while it serves. Until `shutdown`, with `serve`'s
+/// graceful shutdown.
+pub async fn serve_state(
+    listener: tokio::net::TcpListener,
+    state: HttpState,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let app = app(state.clone());
+    // The watch ends with the server, whichever way the server ends.
+    let watch_stop = shutdown.child_token();
+    let watch = watch_api_keys(state.clone(), watch_stop.clone());
+    let served = async {
+        let served = match state.tls() {
+            Some(tls) => {
+                tracing::info!(addr = ?listener.local_addr().ok(), "serving HTTPS (TLS 1.3)");
+                serve_tls(listener, app, tls.clone(), shutdown).await
+            }
+            None => serve(listener, app, shutdown).await,
+        };
+        watch_stop.cancel();
+        served
+    };
+    let (served, ()) = tokio::join!(served, watch);
+    served
+}
+
 fn json(body: String) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
@@ -215,7 +276,11 @@ fn model_object(state: &HttpState) -> openai::Model<'_> {
     }
 }
 
-async fn models(State(state): State<HttpState>) -> Response {
+async fn models(State(state): State<HttpState>, headers: HeaderMap) -> Response {
+    // OpenAI asks for a key here too; so do we, when keys are configured.
+    if let Err(e) = state.access().require_key(&headers) {
+        return e.into_response();
+    }
     let list = openai::ModelList {
         object: "list",
         data: [model_object(&state)],
@@ -223,7 +288,14 @@ async fn models(State(state): State<HttpState>) -> Response {
     json(serde_json::to_string(&list).unwrap_or_default())
 }
 
-async fn model(State(state): State<HttpState>, Path(name): Path<String>) -> Response {
+async fn model(
+    State(state): State<HttpState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
+    if let Err(e) = state.access().require_key(&headers) {
+        return e.into_response();
+    }
     if name != state.config().served_model_name {
         return ServeError::model_not_found(&name).into_response();
     }

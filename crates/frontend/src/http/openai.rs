@@ -35,6 +35,9 @@ pub(crate) struct ChatCompletionRequest {
     pub tool_choice: Option<Json>,
     pub response_format: Option<serde_json::Value>,
     pub cache_salt: Option<String>,
+    pub priority: Option<PriorityField>,
+    pub service_tier: Option<String>,
+    pub timeout: Option<f64>,
 }
 
 /// One chat message.
@@ -108,6 +111,18 @@ pub(crate) struct CompletionRequest {
     pub best_of: Option<i64>,
     pub suffix: Option<String>,
     pub cache_salt: Option<String>,
+    pub priority: Option<PriorityField>,
+    pub service_tier: Option<String>,
+    pub timeout: Option<f64>,
+}
+
+/// `priority`: a band name (`interactive`, `standard`, `batch`, or a synonym), or an integer
+/// as vLLM's `priority` means it (lower first).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum PriorityField {
+    Name(String),
+    Int(i64),
 }
 
 /// A completions `prompt`: text, token ids, or a batch of one of either.

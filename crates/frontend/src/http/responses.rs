@@ -59,6 +59,9 @@ pub(crate) struct ResponsesRequest {
     metadata: Option<Json>,
     text: Option<Json>,
     cache_salt: Option<String>,
+    priority: Option<super::openai::PriorityField>,
+    service_tier: Option<String>,
+    timeout: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -139,6 +142,9 @@ pub(crate) fn check(
     common.top_p = req.top_p;
     common.stream = req.stream;
     common.cache_salt = req.cache_salt;
+    common.priority = req.priority;
+    common.service_tier = req.service_tier;
+    common.timeout = req.timeout;
     let model = validate::check_model(common.model.as_deref(), config)?;
     let mut checked = validate::finish_common(
         common,

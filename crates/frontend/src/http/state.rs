@@ -3,15 +3,18 @@
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 
+use super::auth::{Access, AccessConfig, AccessError};
 use super::backend::Backend;
 use super::chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec};
 use super::ids::{RequestIds, unix_now};
 use super::metrics::HttpMetrics;
 use super::prompt::Prompts;
 use super::responses_store::{ResponseStore, ResponsesStoreConfig};
+use super::tls::{TlsConfig, TlsError};
 use super::tokenizer::Tokenizer;
 use super::tool_calls::ToolCallParser;
 
@@ -40,6 +43,25 @@ pub struct HttpConfig {
     pub tool_call_parser: ToolCallParser,
     /// Bounds of the Responses API's store (`previous_response_id`).
     pub responses_store: ResponsesStoreConfig,
+    /// The most a request may take, queueing included; a request's own `timeout` may only
+    /// shorten it. Default 600 s.
+    pub request_timeout: Duration,
+    /// API keys and tenants (`auth.rs`). Default: no keys, every request served.
+    pub access: AccessConfig,
+    /// TLS on the listener ([`super::serve_state`]); None: plain HTTP.
+    pub tls: Option<TlsConfig>,
+}
+
+impl HttpConfig {
+    /// A request's time budget: its own `timeout` (seconds) capped by
+    /// [`Self::request_timeout`].
+    pub fn timeout_for(&self, asked_s: Option<f64>) -> Duration {
+        match asked_s {
+            Some(s) if s.is_finite() && s > 0.0 => Duration::try_from_secs_f64(s)
+                .map_or(self.request_timeout, |d| d.min(self.request_timeout)),
+            _ => self.request_timeout,
+        }
+    }
 }
 
 impl Default for HttpConfig {
@@ -54,6 +76,9 @@ impl Default for HttpConfig {
             chat_template: ChatTemplateSpec::Default,
             tool_call_parser: ToolCallParser::Auto,
             responses_store: ResponsesStoreConfig::default(),
+            request_timeout: Duration::from_secs(600),
+            access: AccessConfig::default(),
+            tls: None,
         }
     }
 }
@@ -78,6 +103,21 @@ struct Inner {
     draining: AtomicBool,
     ids: RequestIds,
     started: u64,
+    /// The live API key table.
+    access: Access,
+    /// The listener's TLS, loaded from `config.tls`.
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+}
+
+/// Why an [`HttpState`] could not be made (at startup: each should stop the process).
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error(transparent)]
+    ChatTemplate(#[from] ChatTemplateError),
+    #[error(transparent)]
+    Access(#[from] AccessError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
 }
 
 impl fmt::Debug for HttpState {
@@ -96,8 +136,8 @@ impl HttpState {
     /// # Panics
     ///
     /// If `config.chat_template` cannot be loaded (a file that is missing or does not
-    /// compile); [`Self::try_new`] returns that error instead. The default template always
-    /// loads.
+    /// compile), or the API keys file or TLS files cannot be read; [`Self::try_new`] returns
+    /// that error instead. The default template always loads.
     pub fn new(backend: Arc<dyn Backend>, config: HttpConfig, tokenizer: Arc<Tokenizer>) -> Self {
         Self::with_registry(backend, config, tokenizer, Registry::default())
     }
@@ -116,42 +156,65 @@ impl HttpState {
     ) -> Self {
         match Self::try_with_registry(backend, config, tokenizer, registry) {
             Ok(state) => state,
-            Err(e) => panic!("invalid chat template: {e}"),
+            Err(e) => panic!("invalid HTTP state: {e}"),
         }
     }
 
-    /// [`Self::new`], failing when the chat template cannot be loaded or compiled.
+    /// [`Self::new`], failing when the chat template cannot be loaded or compiled, or the
+    /// API keys or TLS files cannot be used.
     pub fn try_new(
         backend: Arc<dyn Backend>,
         config: HttpConfig,
         tokenizer: Arc<Tokenizer>,
-    ) -> Result<Self, ChatTemplateError> {
+    ) -> Result<Self, StateError> {
         Self::try_with_registry(backend, config, tokenizer, Registry::default())
     }
 
-    /// [`Self::with_registry`], failing when the chat template cannot be loaded or compiled
-    /// (call it at startup: an invalid template should stop the process).
+    /// [`Self::with_registry`], failing when the chat template cannot be loaded or compiled,
+    /// or the API keys or TLS files cannot be used (call it at startup: each should stop
+    /// the process).
     pub fn try_with_registry(
         backend: Arc<dyn Backend>,
         config: HttpConfig,
         tokenizer: Arc<Tokenizer>,
         registry: Registry,
-    ) -> Result<Self, ChatTemplateError> {
+    ) -> Result<Self, StateError> {
         let template = ChatTemplate::load(&config.chat_template)?;
-        Ok(Self::with_template(
-            backend, config, tokenizer, template, registry,
-        ))
+        Self::try_with_template(backend, config, tokenizer, template, registry)
     }
 
     /// State with an already compiled chat template (`config.chat_template` is not read);
     /// tests use it to pin the template's clock.
+    ///
+    /// # Panics
+    ///
+    /// If the API keys or TLS files cannot be used ([`Self::try_with_template`] returns the
+    /// error).
     pub fn with_template(
         backend: Arc<dyn Backend>,
         config: HttpConfig,
         tokenizer: Arc<Tokenizer>,
         template: ChatTemplate,
-        mut registry: Registry,
+        registry: Registry,
     ) -> Self {
+        match Self::try_with_template(backend, config, tokenizer, template, registry) {
+            Ok(state) => state,
+            Err(e) => panic!("invalid HTTP state: {e}"),
+        }
+    }
+
+    /// [`Self::with_template`], failing when the API keys or TLS files cannot be used. The
+    /// backend is told the tenants' limits ([`Backend::set_tenants`]) before this returns.
+    pub fn try_with_template(
+        backend: Arc<dyn Backend>,
+        config: HttpConfig,
+        tokenizer: Arc<Tokenizer>,
+        template: ChatTemplate,
+        mut registry: Registry,
+    ) -> Result<Self, StateError> {
+        let access = Access::load(&config.access)?;
+        let tls = config.tls.as_ref().map(super::tls::load).transpose()?;
+        backend.set_tenants(access.tenant_limits());
         let metrics = Arc::new(HttpMetrics::register(&mut registry));
         let parse_tool_calls = config
             .tool_call_parser
@@ -163,7 +226,7 @@ impl HttpState {
         );
         let prompts = Prompts::new(template, tokenizer.clone());
         let responses = Arc::new(ResponseStore::new(config.responses_store));
-        HttpState {
+        Ok(HttpState {
             inner: Arc::new(Inner {
                 backend,
                 config,
@@ -176,8 +239,10 @@ impl HttpState {
                 draining: AtomicBool::new(false),
                 ids: RequestIds::new(),
                 started: unix_now(),
+                access,
+                tls,
             }),
-        }
+        })
     }
 
     /// From now on `GET /health` answers 503 and new generation requests get 503
@@ -233,6 +298,16 @@ impl HttpState {
 
     pub(crate) fn registry(&self) -> &Registry {
         &self.inner.registry
+    }
+
+    /// The API key table.
+    pub(crate) fn access(&self) -> &Access {
+        &self.inner.access
+    }
+
+    /// The listener's TLS, when configured.
+    pub(crate) fn tls(&self) -> Option<&Arc<tokio_rustls::rustls::ServerConfig>> {
+        self.inner.tls.as_ref()
     }
 
     pub(crate) fn ids(&self) -> &RequestIds {

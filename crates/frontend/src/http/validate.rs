@@ -3,13 +3,14 @@
 //! (400), then — after tokenization — the context length (400 `context_length_exceeded`).
 
 use serde::de::DeserializeOwned;
+use tandem_router::Priority;
 
 use super::backend::{Endpoint, ValidRequest};
 use super::conversation::{Content, Conversation, Message, ToolCall};
 use super::error::ServeError;
 use super::openai::{
-    ChatCompletionRequest, ChatMessage, CompletionRequest, MessageContent, Prompt, Stop,
-    StreamOptions,
+    ChatCompletionRequest, ChatMessage, CompletionRequest, MessageContent, PriorityField, Prompt,
+    Stop, StreamOptions,
 };
 use super::prompt::Prompts;
 use super::pyjson::Json;
@@ -63,6 +64,9 @@ pub(crate) struct Checked {
     pub stream: bool,
     include_usage: bool,
     cache_salt: Option<String>,
+    priority: Priority,
+    /// Seconds the client allows, as asked (capped by the server's request timeout).
+    timeout: Option<f64>,
     /// The request has tools and lets the model call them: parse tool calls out of the
     /// output (when the server's parser is on).
     pub wants_tool_calls: bool,
@@ -81,6 +85,9 @@ pub(crate) struct Common {
     pub stream_options: Option<StreamOptions>,
     pub n: Option<i64>,
     pub cache_salt: Option<String>,
+    pub priority: Option<PriorityField>,
+    pub service_tier: Option<String>,
+    pub timeout: Option<f64>,
 }
 
 impl Common {
@@ -98,6 +105,9 @@ impl Common {
             stream_options: None,
             n: None,
             cache_salt: None,
+            priority: None,
+            service_tier: None,
+            timeout: None,
         }
     }
 }
@@ -124,6 +134,9 @@ pub(crate) fn check_chat(
         stream_options: req.stream_options,
         n: req.n,
         cache_salt: req.cache_salt,
+        priority: req.priority,
+        service_tier: req.service_tier,
+        timeout: req.timeout,
     };
     let model = check_model(common.model.as_deref(), config)?;
     if req.logprobs == Some(true) {
@@ -297,6 +310,9 @@ pub(crate) fn check_completion(
         stream_options: req.stream_options,
         n: req.n,
         cache_salt: req.cache_salt,
+        priority: req.priority,
+        service_tier: req.service_tier,
+        timeout: req.timeout,
     };
     let model = check_model(common.model.as_deref(), config)?;
     if req.logprobs.is_some_and(|n| n > 0) {
@@ -418,6 +434,27 @@ pub(crate) fn finish_common(
         ))
         .with_param("stop"));
     }
+    let priority = match (&c.priority, c.service_tier.as_deref()) {
+        (Some(PriorityField::Name(name)), _) => Priority::parse(name).ok_or_else(|| {
+            ServeError::invalid(format!(
+                "unknown priority {name:?}; use interactive, standard or batch (or an integer, \
+                 lower first)"
+            ))
+            .with_param("priority")
+        })?,
+        (Some(PriorityField::Int(p)), _) => Priority::from_int(*p),
+        (None, Some(tier)) => Priority::from_service_tier(tier),
+        (None, None) => Priority::Standard,
+    };
+    let timeout = match c.timeout {
+        Some(t) if !(t.is_finite() && t > 0.0) => {
+            return Err(ServeError::invalid(format!(
+                "timeout must be a number of seconds > 0, got {t}"
+            ))
+            .with_param("timeout"));
+        }
+        t => t,
+    };
     let stream = c.stream.unwrap_or(false);
     // stream_options only matter when streaming; elsewhere they are ignored.
     let include_usage = stream
@@ -439,6 +476,8 @@ pub(crate) fn finish_common(
         stream,
         include_usage,
         cache_salt: c.cache_salt.filter(|s| !s.is_empty()),
+        priority,
+        timeout,
         wants_tool_calls: false,
     })
 }
@@ -494,7 +533,7 @@ impl Checked {
         prompt_tokens: Vec<u32>,
         config: &HttpConfig,
         (id, response_id): (u64, String),
-        created: u64,
+        (created, arrived): (u64, std::time::Instant),
     ) -> Result<ValidRequest, ServeError> {
         let context = config.context_length;
         let n = u32::try_from(prompt_tokens.len()).unwrap_or(u32::MAX);
@@ -544,6 +583,54 @@ impl Checked {
             cache_salt: self.cache_salt,
             created,
             engine: Default::default(),
+            tenant: None,
+            priority: self.priority,
+            deadline: arrived + config.timeout_for(self.timeout),
         })
     }
+}
+
+/// The scheduling headers, which win over the body's fields: `x-tandem-priority` (a band name
+/// or an integer, as the `priority` field) and `x-tandem-timeout` (seconds, capped by the
+/// server's request timeout). `arrived` is when the request came in.
+pub(crate) fn apply_scheduling_headers(
+    req: &mut ValidRequest,
+    headers: &axum::http::HeaderMap,
+    config: &HttpConfig,
+    arrived: std::time::Instant,
+) -> Result<(), ServeError> {
+    let text = |name: &'static str| -> Result<Option<&str>, ServeError> {
+        match headers.get(name) {
+            None => Ok(None),
+            Some(v) => v.to_str().map(|s| Some(s.trim())).map_err(|_| {
+                ServeError::invalid(format!("header {name} is not visible ASCII")).with_param(name)
+            }),
+        }
+    };
+    if let Some(p) = text("x-tandem-priority")? {
+        req.priority = match p.parse::<i64>() {
+            Ok(i) => Priority::from_int(i),
+            Err(_) => Priority::parse(p).ok_or_else(|| {
+                ServeError::invalid(format!(
+                    "unknown priority {p:?} in x-tandem-priority; use interactive, standard or \
+                     batch (or an integer, lower first)"
+                ))
+                .with_param("x-tandem-priority")
+            })?,
+        };
+    }
+    if let Some(t) = text("x-tandem-timeout")? {
+        let secs = t
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .ok_or_else(|| {
+                ServeError::invalid(format!(
+                    "x-tandem-timeout must be a number of seconds > 0, got {t:?}"
+                ))
+                .with_param("x-tandem-timeout")
+            })?;
+        req.deadline = arrived + config.timeout_for(Some(secs));
+    }
+    Ok(())
 }

@@ -3,10 +3,12 @@
 
 use tandem_indexer::ApproxConfig;
 
+use crate::breaker::{BreakerConfig, RetryBudgetConfig};
 use crate::disagg::DisaggConfig;
 use crate::error::ConfigError;
 use crate::pool::PoolConfig;
 use crate::registry::PolicyConfig;
+use crate::saturation::SaturationConfig;
 use crate::tracker::{RouterId, TrackerConfig};
 
 /// How requests are routed: one type for the frontend and `tandem sim`, so a simulated
@@ -33,12 +35,22 @@ pub struct RoutingConfig {
     /// ([`crate::KvSource::Approximate`]): how long a routed prompt counts as cached there,
     /// and the most (worker, block) entries kept, oldest pruned first.
     pub approx: ApproxConfig,
+    /// When a decode worker counts as saturated, for flow control
+    /// ([`crate::RoutingReplica::route_admitted`]); the policies themselves ignore it.
+    pub saturation: SaturationConfig,
+    /// Circuit breakers per worker: when a failing worker stops being chosen.
+    pub breaker: BreakerConfig,
+    /// Retries (and hedges) allowed per recent success.
+    pub retry_budget: RetryBudgetConfig,
 }
 
 impl RoutingConfig {
     /// Checks every knob (the policy's by building it).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.pool.validate()?;
+        self.saturation.validate()?;
+        self.breaker.validate()?;
+        self.retry_budget.validate()?;
         self.policy.build()?;
         self.disagg.validate()?;
         at_least_one("approximate KV TTL (ms)", self.approx.ttl_ms)?;

@@ -46,6 +46,7 @@ use tandem_protocol::{KvEvent, LoadReport, RequestId, SequenceHash, WorkerId, Wo
 
 pub use config::{ReplicaConfig, RoutingConfig};
 
+use crate::breaker::{BreakerState, Breakers, RetryBudget};
 use crate::disagg::{self, DisaggDecision, DisaggReason};
 use crate::error::{ConfigError, RouteError};
 use crate::pool::{PoolConfig, Router, RouterConfig};
@@ -188,6 +189,8 @@ pub struct RoutingReplica {
     decode: Pool,
     prefill: Pool,
     reports: HashMap<WorkerId, LoadReport>,
+    breakers: Breakers,
+    retry_budget: RetryBudget,
 }
 
 impl RoutingReplica {
@@ -207,6 +210,8 @@ impl RoutingReplica {
             decode: Pool::new(),
             prefill: Pool::new(),
             reports: HashMap::new(),
+            breakers: Breakers::new(r.breaker),
+            retry_budget: RetryBudget::new(r.retry_budget),
             config,
         })
     }
@@ -228,8 +233,9 @@ impl RoutingReplica {
                 };
                 pool.insert(worker, Member { joined_ms, kv });
                 // Whatever the source, a (re-)join is a new cache: what was assumed of the old
-                // one goes.
+                // one goes; and a new process (a restart), whose breaker starts closed.
                 self.approx.remove_worker(worker);
+                self.breakers.remove(worker);
                 match kv {
                     KvSource::Events => self.feed.join(worker).into_iter().collect(),
                     KvSource::Approximate => {
@@ -244,6 +250,7 @@ impl RoutingReplica {
                 self.decode.remove(&worker);
                 self.prefill.remove(&worker);
                 self.reports.remove(&worker);
+                self.breakers.remove(worker);
                 self.feed.leave(worker);
                 self.approx.remove_worker(worker);
                 self.tracker.remove_worker(worker);
@@ -292,6 +299,54 @@ impl RoutingReplica {
         self.commit(input, decision, now_ms)
     }
 
+    /// [`RoutingReplica::route`] for a request that has not started yet, under flow control:
+    /// saturated decode workers ([`RoutingConfig::saturation`]) are left out, and when every
+    /// one left is saturated the answer is [`RouteError::Saturated`] (the request should wait
+    /// for capacity). Retries and migrations of started requests use `route`.
+    pub fn route_admitted(
+        &mut self,
+        input: &RouteInput<'_>,
+        excluded: &[WorkerId],
+        now_ms: u64,
+    ) -> Result<Plan, RouteError> {
+        self.tracker.expire(now_ms);
+        let mut out: Vec<WorkerId> = excluded.to_vec();
+        let mut free = 0usize;
+        for &id in self.decode.keys().filter(|id| !excluded.contains(id)) {
+            if !self.breakers.allows(id, now_ms) {
+                continue; // left out by `decide`
+            }
+            if self.is_saturated(id) {
+                out.push(id);
+            } else {
+                free += 1;
+            }
+        }
+        if free == 0 && out.len() > excluded.len() {
+            return Err(RouteError::Saturated);
+        }
+        self.route(input, &out, now_ms)
+    }
+
+    /// Whether a member is saturated now ([`RoutingConfig::saturation`]).
+    pub fn is_saturated(&self, worker: WorkerId) -> bool {
+        let load = self.tracker.load(worker).to_worker_load();
+        let (capacity, waiting) = self
+            .reports
+            .get(&worker)
+            .map_or((0, 0), |r| (r.kv_total_blocks, r.waiting_requests));
+        self.config
+            .routing
+            .saturation
+            .is_saturated(&load, capacity, waiting)
+    }
+
+    /// Whether some decode worker could take a request now: at least one member, not every
+    /// one saturated.
+    pub fn has_capacity(&self) -> bool {
+        self.decode.keys().any(|&id| !self.is_saturated(id))
+    }
+
     /// Picks the decode worker, and the prefill worker when prefill is remote, among the
     /// members not in `excluded` (workers that already failed this request). Records nothing:
     /// [`RoutingReplica::commit`] does.
@@ -315,6 +370,16 @@ impl RoutingReplica {
             exact,
             approx: &approx,
         };
+        // Workers whose breaker is open are left out like those that failed this request.
+        let mut excluded_all = excluded.to_vec();
+        let mut open_decode = 0usize;
+        for (&id, _) in self.decode.iter().chain(self.prefill.iter()) {
+            if !excluded.contains(&id) && !self.breakers.allows(id, now_ms) {
+                excluded_all.push(id);
+                open_decode += usize::from(self.decode.contains_key(&id));
+            }
+        }
+        let excluded = &excluded_all[..];
         let cfg = &self.config.routing;
         let prefill = self.views(
             &self.prefill,
@@ -332,6 +397,8 @@ impl RoutingReplica {
         if decode.is_empty() {
             return Err(if self.decode.is_empty() {
                 RouteError::NoWorkers
+            } else if open_decode > 0 {
+                RouteError::CircuitOpen
             } else {
                 RouteError::AllExcluded
             });
@@ -359,6 +426,10 @@ impl RoutingReplica {
         let request = input.request;
         if request.0 & PREFILL_BIT != 0 {
             return Err(RouteError::InvalidRequestId(request));
+        }
+        self.breakers.on_chosen(decision.decode.worker, now_ms);
+        if let Some(p) = &decision.prefill {
+            self.breakers.on_chosen(p.worker, now_ms);
         }
         let route = &input.route;
         let bs = u64::from(route.block_size.get());
@@ -441,6 +512,36 @@ impl RoutingReplica {
         }
         flight.prefill_booked = false;
         Some(self.tracker.free(flight.prefill_id(), now_ms))
+    }
+
+    /// A request on `worker` succeeded (for a decode worker: its first token came; for a
+    /// prefill worker: its KV arrived). Counts toward the retry budget for decode workers.
+    pub fn worker_succeeded(&mut self, worker: WorkerId, now_ms: u64) {
+        self.breakers.success(worker, now_ms);
+        if self.decode.contains_key(&worker) {
+            self.retry_budget.success(now_ms);
+        }
+    }
+
+    /// A request on `worker` failed for a reason that is the worker's (transport, timeout,
+    /// a 5xx-class answer, a stream that died) — never the client's own error. True when
+    /// this opened the worker's breaker.
+    pub fn worker_failed(&mut self, worker: WorkerId, now_ms: u64) -> bool {
+        self.breakers.failure(worker, now_ms)
+    }
+
+    /// Takes one retry (or hedge) from the budget; false when it is spent.
+    pub fn try_retry(&mut self, now_ms: u64) -> bool {
+        self.retry_budget.try_retry(now_ms)
+    }
+
+    /// A worker's breaker state.
+    pub fn breaker(&self, worker: WorkerId, now_ms: u64) -> BreakerState {
+        self.breakers.state(worker, now_ms)
+    }
+
+    pub fn breakers(&self) -> &Breakers {
+        &self.breakers
     }
 
     /// Moves on tracker entries whose time is up (call now and then).

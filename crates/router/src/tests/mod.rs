@@ -2,6 +2,7 @@
 
 mod approx;
 mod disagg;
+mod flow;
 mod kv;
 mod policies;
 mod pool;

@@ -10,6 +10,7 @@
 //! Subjects are dot-separated tokens ([`subjects`]). The memory plane matches subjects exactly;
 //! NATS additionally understands its `*` / `>` wildcards in subscriptions.
 
+pub mod faults;
 pub mod memory;
 pub mod nats;
 
@@ -23,6 +24,7 @@ use futures::stream::BoxStream;
 
 use crate::error::RuntimeError;
 
+pub use faults::{EventFaults, FaultyEventPlane};
 pub use memory::MemoryEventPlane;
 pub use nats::{NatsAuth, NatsConfig, NatsEventPlane};
 
@@ -120,6 +122,50 @@ pub(crate) fn validate_subject(subject: &str, allow_wildcards: bool) -> Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_faulty_plane_drops_duplicates_and_reorders_only_its_subjects() {
+        let inner = std::sync::Arc::new(MemoryEventPlane::new());
+        let faults: EventFaults = "drop=0.2,duplicate=0.2,reorder=0.2,seed=3".parse().unwrap();
+        let plane = FaultyEventPlane::new(inner.clone(), faults, &[".kv-events"]);
+        let mut kv = plane.subscribe("tandem.t.kv-events").await.unwrap();
+        let mut load = plane.subscribe("tandem.t.load").await.unwrap();
+        for i in 0..200u32 {
+            plane
+                .publish("tandem.t.kv-events", Bytes::from(i.to_le_bytes().to_vec()))
+                .await
+                .unwrap();
+            plane
+                .publish("tandem.t.load", Bytes::from(i.to_le_bytes().to_vec()))
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(faults::REORDER_FLUSH * 2).await;
+        let c = plane.counts();
+        assert_eq!(c.published, 200);
+        assert!(
+            c.dropped > 10 && c.duplicated > 10 && c.reordered > 10,
+            "{c:?}"
+        );
+        let mut got = Vec::new();
+        while let Ok(Some(b)) =
+            tokio::time::timeout(std::time::Duration::from_millis(50), kv.next()).await
+        {
+            got.push(u32::from_le_bytes(b[..4].try_into().unwrap()));
+        }
+        assert_eq!(got.len() as u64, 200 - c.dropped + c.duplicated);
+        assert!(
+            got.windows(2).any(|w| w[1] < w[0]),
+            "something came out of order"
+        );
+        // Other subjects pass untouched.
+        for i in 0..200u32 {
+            let b = load.next().await.unwrap();
+            assert_eq!(u32::from_le_bytes(b[..4].try_into().unwrap()), i);
+        }
+        assert!("drop=2".parse::<EventFaults>().is_err());
+        assert!("flip=0.1".parse::<EventFaults>().is_err());
+    }
 
     #[test]
     fn subscription_is_an_unpin_stream_and_planes_are_shareable() {

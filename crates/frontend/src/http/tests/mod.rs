@@ -2,6 +2,7 @@
 //! (`tower::ServiceExt::oneshot`) and, for disconnects and shutdown, a loopback listener.
 
 mod agents;
+mod auth;
 mod errors;
 mod ops;
 mod responses;
