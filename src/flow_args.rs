@@ -22,6 +22,10 @@ pub struct FlowArgs {
     /// saturated (0: refuse at once with 429).
     #[arg(long, env = "TANDEM_QUEUE_MAX", default_value_t = FlowConfig::default().max_queued)]
     pub queue_max: usize,
+    /// Seconds a request may wait in the queue at most (then 429 with Retry-After), whatever
+    /// its deadline.
+    #[arg(long, env = "TANDEM_QUEUE_TIMEOUT", default_value_t = 10.0)]
+    pub queue_timeout: f64,
     /// Milliseconds after which a lower band's oldest request counts as starving.
     #[arg(long, env = "TANDEM_QUEUE_STARVATION_MS", default_value_t = FlowConfig::default().starvation_ms)]
     pub queue_starvation_ms: u64,
@@ -55,6 +59,14 @@ pub struct FlowArgs {
     /// … or when it has this many requests in flight (0: off).
     #[arg(long, env = "TANDEM_SATURATION_REQUESTS", default_value_t = 0)]
     pub saturation_requests: u64,
+    /// A prefill worker is saturated with this many prompt tokens routed to it and not yet
+    /// prefilled (0: off); when every one is, requests that would prefill remotely wait.
+    #[arg(
+        long,
+        env = "TANDEM_SATURATION_PREFILL_POOL_TOKENS",
+        default_value_t = 65_536
+    )]
+    pub saturation_prefill_pool_tokens: u64,
     /// Decode workers tried per request before its first token (the first included).
     #[arg(long, env = "TANDEM_MAX_ATTEMPTS", default_value_t = 3)]
     pub max_attempts: u32,
@@ -108,8 +120,12 @@ impl FlowArgs {
             .filter(|d| !d.is_zero())
             .context("--request-timeout must be a number of seconds > 0")?;
         cfg.http.request_timeout = timeout;
+        if !(self.queue_timeout.is_finite() && self.queue_timeout >= 0.0) {
+            anyhow::bail!("--queue-timeout must be a number of seconds >= 0");
+        }
         let flow = FlowConfig {
             max_queued: self.queue_max,
+            max_wait_ms: (self.queue_timeout * 1000.0).round() as u64,
             starvation_ms: self.queue_starvation_ms,
             starvation_every: self.queue_starvation_every,
             input_weight: self.fair_input_weight,
@@ -129,6 +145,7 @@ impl FlowArgs {
             prefill_tokens: off_u64(self.saturation_prefill_tokens),
             requests: off_u64(self.saturation_requests),
             waiting: (self.saturation_waiting > 0).then_some(self.saturation_waiting),
+            prefill_pool_tokens: off_u64(self.saturation_prefill_pool_tokens),
         };
         saturation.validate().context("--saturation-* flags")?;
         cfg.backend.routing.saturation = saturation;

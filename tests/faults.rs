@@ -255,7 +255,8 @@ fn nats_then_etcd_restarted_under_load() {
     std::thread::sleep(Duration::from_secs(1));
     c.nats.stop();
     std::thread::sleep(Duration::from_secs(2));
-    c.rt.block_on(c.nats.restart()).expect("restarting nats-server");
+    c.rt.block_on(c.nats.restart())
+        .expect("restarting nats-server");
     std::thread::sleep(Duration::from_secs(2));
     c.etcd.stop();
     std::thread::sleep(Duration::from_secs(2));
@@ -296,7 +297,9 @@ fn worker_blocks(c: &Cluster) -> Vec<(u64, u64)> {
         let cancel = tokio_util::sync::CancellationToken::new();
         let mut watch = d.watch(&cancel).await.expect("watch");
         let mut records = Vec::new();
-        while let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(500), watch.next()).await {
+        while let Ok(Some(ev)) =
+            tokio::time::timeout(Duration::from_millis(500), watch.next()).await
+        {
             if let DiscoveryEvent::Added(r) = ev
                 && r.role != WorkerRole::Prefill
             {
@@ -310,7 +313,10 @@ fn worker_blocks(c: &Cluster) -> Vec<(u64, u64)> {
                 .await
                 .expect("worker");
             let reply = w
-                .kv_events(KvEventsRequest { after: 0, dump: true })
+                .kv_events(KvEventsRequest {
+                    after: 0,
+                    dump: true,
+                })
                 .await
                 .expect("dump")
                 .into_inner();
@@ -343,10 +349,17 @@ fn dropped_duplicated_and_reordered_kv_events_are_repaired() {
     let n = if long() { 1500 } else { 150 };
     // Prompts that share prefixes, and enough of them to evict: stores and removals.
     let load = Load::start(&c, 20.0, |i| {
-        chat(&words(i % 17, 200 + (i % 5) as usize * 60), &words(i, 20), 4)
+        chat(
+            &words(i % 17, 200 + (i % 5) as usize * 60),
+            &words(i, 20),
+            4,
+        )
     });
     wait_for("requests sent", Duration::from_secs(120), || {
-        (metric(&c, "tandem_http_requests_total{endpoint=\"chat\",status=\"200\"}") >= n as f64)
+        (metric(
+            &c,
+            "tandem_http_requests_total{endpoint=\"chat\",status=\"200\"}",
+        ) >= n as f64)
             .then_some(())
     });
     let done = load.finish();
@@ -354,14 +367,22 @@ fn dropped_duplicated_and_reordered_kv_events_are_repaired() {
     // Faults stop mattering once the load stops: the last batch's loss shows in the load
     // reports, and the repairs catch up.
     let mut last = (0, Vec::new());
-    let equal = wait_for("the index equal to the workers", Duration::from_secs(30), || {
-        let workers = worker_blocks(&c);
-        let total: u64 = workers.iter().map(|(_, b)| b).sum();
-        let m = c.metrics();
-        last = (m.index_entries(), workers.clone());
-        (m.index_entries() == total).then_some(m)
-    });
-    let (gaps, repairs, dumps) = (equal.feed("gaps"), equal.feed("repairs"), equal.feed("dumps"));
+    let equal = wait_for(
+        "the index equal to the workers",
+        Duration::from_secs(30),
+        || {
+            let workers = worker_blocks(&c);
+            let total: u64 = workers.iter().map(|(_, b)| b).sum();
+            let m = c.metrics();
+            last = (m.index_entries(), workers.clone());
+            (m.index_entries() == total).then_some(m)
+        },
+    );
+    let (gaps, repairs, dumps) = (
+        equal.feed("gaps"),
+        equal.feed("repairs"),
+        equal.feed("dumps"),
+    );
     println!(
         "FAULTS events: {} requests, 10 % of KV batches dropped, 10 % duplicated, 10 % \
          reordered: index {} entries = workers' {:?}; {gaps} gaps, {repairs} repairs, {dumps} \

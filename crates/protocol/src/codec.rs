@@ -88,9 +88,7 @@ pub trait Envelope: Serialize + DeserializeOwned {
         if body.len() > MAX_BODY {
             return Err(CodecError::TooLarge(body.len()));
         }
-        let cfg = bincode::config::standard().with_limit::<MAX_BODY>();
-        let (value, used) = bincode::serde::decode_from_slice(body, cfg)
-            .map_err(|e| CodecError::Corrupt(e.to_string()))?;
+        let (value, used) = decode_body(body).map_err(|e| CodecError::Corrupt(e.to_string()))?;
         if used != body.len() {
             return Err(CodecError::Corrupt(format!(
                 "{} trailing bytes",
@@ -98,6 +96,38 @@ pub trait Envelope: Serialize + DeserializeOwned {
             )));
         }
         Ok(value)
+    }
+}
+
+/// Most bytes bincode may claim per body byte. Claims are what a decoder is about to hold:
+/// a primitive claims its in-memory size (16 bytes at most, a `u128`, from at least one
+/// wire byte), a string or byte vector its length (its bytes are on the wire). So a valid
+/// body never claims more than 16 times its length, while a lying length prefix claims
+/// whatever it says.
+const CLAIM_PER_BYTE: usize = 16;
+
+/// Bincode-decodes a body with a claim limit of its size class (the smallest of 64 KiB,
+/// 1 MiB, 16 MiB and [`MAX_BODY`] that is at least [`CLAIM_PER_BYTE`] times its length):
+/// a length prefix can make the decoder reserve (`vec![0; len]` for a string) at most that,
+/// not 64 MiB for a 20-byte message. Bincode's limit is a const generic, hence the classes.
+fn decode_body<T: DeserializeOwned>(
+    body: &[u8],
+) -> Result<(T, usize), bincode::error::DecodeError> {
+    fn with_limit<T: DeserializeOwned, const LIMIT: usize>(
+        body: &[u8],
+    ) -> Result<(T, usize), bincode::error::DecodeError> {
+        let cfg = bincode::config::standard().with_limit::<LIMIT>();
+        bincode::serde::decode_from_slice(body, cfg)
+    }
+    let most = body.len().saturating_mul(CLAIM_PER_BYTE);
+    if most <= 64 << 10 {
+        with_limit::<T, { 64 << 10 }>(body)
+    } else if most <= 1 << 20 {
+        with_limit::<T, { 1 << 20 }>(body)
+    } else if most <= 16 << 20 {
+        with_limit::<T, { 16 << 20 }>(body)
+    } else {
+        with_limit::<T, MAX_BODY>(body)
     }
 }
 

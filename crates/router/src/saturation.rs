@@ -14,6 +14,9 @@
 //! - `waiting`: requests its engine reports as waiting to be scheduled (lags by the report
 //!   interval; the engine's own word that it is full).
 //!
+//! A prefill worker is saturated when the prompt tokens routed to it and not yet prefilled
+//! reach `prefill_pool_tokens` (its queue is that many tokens of prefill time long).
+//!
 //! A worker with nothing in flight is never saturated: one request always gets through, even
 //! one larger than every threshold.
 
@@ -27,6 +30,8 @@ pub struct SaturationConfig {
     pub prefill_tokens: Option<u64>,
     pub requests: Option<u64>,
     pub waiting: Option<u32>,
+    /// Prefill workers: pending prompt tokens.
+    pub prefill_pool_tokens: Option<u64>,
 }
 
 impl Default for SaturationConfig {
@@ -38,6 +43,7 @@ impl Default for SaturationConfig {
             prefill_tokens: None,
             requests: None,
             waiting: Some(4),
+            prefill_pool_tokens: Some(65_536),
         }
     }
 }
@@ -49,6 +55,7 @@ impl SaturationConfig {
         prefill_tokens: None,
         requests: None,
         waiting: None,
+        prefill_pool_tokens: None,
     };
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -56,6 +63,14 @@ impl SaturationConfig {
             non_negative("saturation KV fraction", f)?;
         }
         Ok(())
+    }
+
+    /// Whether a prefill worker with `load` (tracked) is saturated.
+    pub fn is_prefill_saturated(&self, load: &WorkerLoad) -> bool {
+        load.active_requests > 0
+            && self
+                .prefill_pool_tokens
+                .is_some_and(|t| load.active_prefill_tokens >= t)
     }
 
     /// Whether a worker with `load` (tracked), `capacity_blocks` device blocks (0: unknown)

@@ -22,15 +22,15 @@
 //! prefill done → freed, where "prefill done" and "freed" may arrive before the add — and an
 //! add's content is fixed by the first add seen. Applying messages is therefore idempotent,
 //! commutative and associative: duplicates, replays and reorderings yield the same loads as
-//! applying each message once in order. A freed sequence is kept as a tombstone for one TTL so
-//! that a late or replayed add cannot resurrect it; hence a request routed again (a retry, a
+//! applying each message once in order. A freed sequence is kept as a tombstone (without its
+//! blocks) for [`TrackerConfig::tombstone_ms`] so that a late or replayed add cannot resurrect it; hence a request routed again (a retry, a
 //! migration) must be tracked under a fresh request id. A replica ignores its own messages
 //! coming back from the event plane.
 //!
 //! # Expiry
 //!
 //! A sequence whose end was never seen (a lost free, a crashed peer) expires one TTL after it
-//! was first seen, and becomes a tombstone for one more TTL. Time is passed in; a clock that
+//! was first seen, and becomes a tombstone like a freed one. Time is passed in; a clock that
 //! goes backwards is treated as the latest time seen.
 
 use std::collections::VecDeque;
@@ -126,14 +126,21 @@ impl NewSequence {
 /// Knobs of the tracker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TrackerConfig {
-    /// How long a sequence may stay without its free before it is dropped, and how long a
-    /// freed one is remembered, in milliseconds. Longer than any request should live.
+    /// How long a sequence may stay without its free before it is dropped, in
+    /// milliseconds. Longer than any request should live.
     pub ttl_ms: u64,
+    /// How long a freed sequence is remembered (without its blocks), so that a late or
+    /// replayed add cannot resurrect it: longer than messages can be delayed on the event
+    /// plane, far shorter than `ttl_ms` — every request served in this time is held.
+    pub tombstone_ms: u64,
 }
 
 impl Default for TrackerConfig {
     fn default() -> Self {
-        TrackerConfig { ttl_ms: 600_000 }
+        TrackerConfig {
+            ttl_ms: 600_000,
+            tombstone_ms: 30_000,
+        }
     }
 }
 
@@ -227,6 +234,10 @@ enum Step {
     Free,
 }
 
+/// The largest prompt-token or private-block count a peer's `Add` may carry (2^40): far
+/// beyond any request, small enough that no sum of live requests overflows.
+const PEER_LIMIT: u64 = 1 << 40;
+
 /// The active-sequence tracker of one router replica.
 #[derive(Debug)]
 pub struct ActiveSequences {
@@ -234,8 +245,11 @@ pub struct ActiveSequences {
     config: TrackerConfig,
     entries: WordMap<Key, Entry>,
     workers: WordMap<WorkerId, WorkerState>,
-    /// (deadline, key), in deadline order since time never goes backwards inside.
+    /// (deadline, key) of live sequences, in deadline order since time never goes
+    /// backwards inside.
     expiry: VecDeque<(u64, Key)>,
+    /// (deadline, key) of tombstones, likewise (a shorter time: its own queue keeps the order).
+    tombstones: VecDeque<(u64, Key)>,
     now_ms: u64,
 }
 
@@ -247,6 +261,7 @@ impl ActiveSequences {
             entries: WordMap::default(),
             workers: WordMap::default(),
             expiry: VecDeque::new(),
+            tombstones: VecDeque::new(),
             now_ms: 0,
         }
     }
@@ -295,6 +310,17 @@ impl ActiveSequences {
         if msg.router() == self.me {
             return false;
         }
+        // A peer's numbers beyond any real request (a corrupt or hostile message) are
+        // dropped: summed over requests they could only make loads meaningless.
+        if let SyncMessage::Add {
+            prefill_tokens,
+            private_blocks,
+            ..
+        } = msg
+            && (*prefill_tokens > PEER_LIMIT || *private_blocks > PEER_LIMIT)
+        {
+            return false;
+        }
         self.merge(msg, now_ms)
     }
 
@@ -340,6 +366,19 @@ impl ActiveSequences {
     /// Moves on every entry whose deadline has passed at `now_ms`.
     pub fn expire(&mut self, now_ms: u64) {
         self.now_ms = self.now_ms.max(now_ms);
+        while let Some(&(deadline, key)) = self.tombstones.front() {
+            if deadline > self.now_ms {
+                break;
+            }
+            self.tombstones.pop_front();
+            if self
+                .entries
+                .get(&key)
+                .is_some_and(|e| e.freed && e.deadline_ms == deadline)
+            {
+                self.entries.remove(&key);
+            }
+        }
         while let Some(&(deadline, key)) = self.expiry.front() {
             if deadline > self.now_ms {
                 break;
@@ -348,15 +387,11 @@ impl ActiveSequences {
             let Some(e) = self.entries.get(&key) else {
                 continue;
             };
-            if e.deadline_ms != deadline {
-                continue; // superseded queue item
+            if e.freed || e.deadline_ms != deadline {
+                continue; // a tombstone now (its own queue), or a superseded item
             }
-            if e.freed {
-                self.entries.remove(&key);
-            } else {
-                // Also covers a prefill-done whose add never came.
-                self.step(key, Step::Free, None);
-            }
+            // Also covers a prefill-done whose add never came.
+            self.step(key, Step::Free, None);
         }
     }
 
@@ -398,20 +433,27 @@ impl ActiveSequences {
             }
         });
         let (was_active, was_pending) = (e.active(), e.active() && !e.prefill_done);
+        let mut tombstone = None;
         match step {
-            Step::Add if e.add.is_none() => e.add = info,
+            // A late add of a freed sequence changes nothing, and is not kept.
+            Step::Add if e.add.is_none() && !e.freed => e.add = info,
             Step::PrefillDone => e.prefill_done = true,
             Step::Free if !e.freed => {
                 e.freed = true;
-                // A tombstone lives one TTL from its free.
-                e.deadline_ms = deadline;
-                fresh = true;
+                // A tombstone lives for the tombstone time from its free.
+                let until = self.now_ms.saturating_add(self.config.tombstone_ms);
+                e.deadline_ms = until;
+                tombstone = Some(until);
+                fresh = false;
             }
             _ => {}
         }
         let (now_active, now_pending) = (e.active(), e.active() && !e.prefill_done);
         if fresh {
             self.expiry.push_back((deadline, key));
+        }
+        if let Some(until) = tombstone {
+            self.tombstones.push_back((until, key));
         }
         let changed = was_active != now_active || was_pending != now_pending;
         let Some(add) = e.add.as_ref().filter(|_| changed) else {
@@ -422,14 +464,14 @@ impl ActiveSequences {
             for b in &add.blocks {
                 *w.blocks.entry(*b).or_insert(0) += 1;
             }
-            w.private_blocks += add.private_blocks;
+            w.private_blocks = w.private_blocks.saturating_add(add.private_blocks);
             w.requests += 1;
         }
         if !was_pending && now_pending {
-            w.prefill_tokens += add.prefill_tokens;
+            w.prefill_tokens = w.prefill_tokens.saturating_add(add.prefill_tokens);
         }
         if was_pending && !now_pending {
-            w.prefill_tokens -= add.prefill_tokens;
+            w.prefill_tokens = w.prefill_tokens.saturating_sub(add.prefill_tokens);
         }
         if was_active && !now_active {
             for b in &add.blocks {
@@ -440,10 +482,14 @@ impl ActiveSequences {
                     }
                 }
             }
-            w.private_blocks -= add.private_blocks;
+            w.private_blocks = w.private_blocks.saturating_sub(add.private_blocks);
             // An idle worker keeps its (empty) state: dropping it would reallocate its block
             // map on its next request. Departed workers go through `remove_worker`.
             w.requests -= 1;
+        }
+        if !now_active && e.freed {
+            // A tombstone needs no content: its blocks would be held for nothing.
+            e.add = None;
         }
         true
     }

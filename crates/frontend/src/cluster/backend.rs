@@ -661,16 +661,14 @@ impl ClusterBackend {
                     replica.worker_succeeded(decode, now);
                     if let Some(p) = &plan.prefill {
                         use tandem_protocol::grpc::PrefillOutcome;
-                        match PrefillOutcome::try_from(first.prefill) {
-                            Ok(PrefillOutcome::Remote) => {
-                                replica.worker_succeeded(p.record.id, now)
-                            }
-                            Ok(PrefillOutcome::Fallback)
-                                if replica.worker_failed(p.record.id, now) =>
-                            {
-                                tracing::warn!(worker = p.record.id.0, "circuit breaker opened");
-                            }
-                            _ => {}
+                        // A fallback (the decode worker prefilled locally) is not counted
+                        // against the prefill worker: most are a prefill queue longer than
+                        // the decode worker's patience, i.e. load, and a breaker opened by
+                        // load would only move more of it onto the others. A dead prefill
+                        // worker leaves with its lease.
+                        if let Ok(PrefillOutcome::Remote) = PrefillOutcome::try_from(first.prefill)
+                        {
+                            replica.worker_succeeded(p.record.id, now);
                         }
                     }
                 }

@@ -323,11 +323,13 @@ impl<J, P> Gate<J, P> {
                         let _ = w.tx.send(Err(rejection_error(r)));
                     }
                     self.metrics.depth(&q);
-                    (ticket, rx)
+                    // The queue's own bound on the wait, if sooner than the request's.
+                    let most = Duration::from_millis(q.config().max_wait_ms);
+                    (ticket, rx, deadline.min(tokio::time::Instant::now() + most))
                 }
             }
         };
-        let (ticket, rx) = rx;
+        let (ticket, rx, deadline) = rx;
         self.wake();
         let guard = Queued { gate: self, ticket };
         let out = tokio::select! {
@@ -363,10 +365,12 @@ impl<J, P> Gate<J, P> {
     /// request is gone is dropped here (a plan releases its tracker entry when dropped).
     pub(crate) fn pump(&self, now_ms: u64, mut plan: impl FnMut(&J) -> Result<P, RouteError>) {
         let mut q = self.queue.lock();
-        for (_, w) in q.expire(now_ms) {
+        let expired = q.expire(now_ms);
+        let retry_after_ms = q.retry_after_ms(now_ms);
+        for (_, w) in expired {
             let r = Rejection {
                 reason: RejectReason::QueueTimeout,
-                retry_after_ms: 1000,
+                retry_after_ms,
             };
             self.metrics.rejected(r.reason);
             let _ = w.tx.send(Err(rejection_error(r)));

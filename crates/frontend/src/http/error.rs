@@ -5,6 +5,7 @@
 //! |-------------------|--------|-------------------------|---------------------------|
 //! | `InvalidRequest`  | 400    | `invalid_request_error` | per case, else `null`     |
 //! | `Unauthorized`    | 401    | `invalid_request_error` | `invalid_api_key`         |
+//! | `RequestTimeout`  | 408    | `invalid_request_error` | `request_timeout`         |
 //! | `ModelNotFound`   | 404    | `invalid_request_error` | `model_not_found`         |
 //! | `NotFound`        | 404    | `invalid_request_error` | `not_found`               |
 //! | `MethodNotAllowed`| 405    | `invalid_request_error` | `method_not_allowed`      |
@@ -45,6 +46,8 @@ pub enum ErrorKind {
     /// API keys are configured and the request has none, or one that is not known (see
     /// `auth.rs`).
     Unauthorized,
+    /// The client took too long to send its body.
+    RequestTimeout,
     /// The request names a model this frontend does not serve.
     ModelNotFound,
     /// No such route.
@@ -73,6 +76,7 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
             ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -92,6 +96,7 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidRequest
             | ErrorKind::Unauthorized
+            | ErrorKind::RequestTimeout
             | ErrorKind::ModelNotFound
             | ErrorKind::NotFound
             | ErrorKind::MethodNotAllowed
@@ -109,6 +114,7 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidRequest => None,
             ErrorKind::Unauthorized => Some("invalid_api_key"),
+            ErrorKind::RequestTimeout => Some("request_timeout"),
             ErrorKind::ModelNotFound => Some("model_not_found"),
             ErrorKind::NotFound => Some("not_found"),
             ErrorKind::MethodNotAllowed => Some("method_not_allowed"),
@@ -143,6 +149,17 @@ impl ServeError {
             code: kind.default_code(),
             retry_after: None,
         }
+    }
+
+    /// 408: the body did not arrive in time.
+    pub fn request_timeout(after: std::time::Duration) -> Self {
+        Self::new(
+            ErrorKind::RequestTimeout,
+            format!(
+                "the request body did not arrive within {} s",
+                after.as_secs()
+            ),
+        )
     }
 
     /// 400: the request cannot be served as asked.
@@ -299,9 +316,10 @@ impl ServeError {
     /// Anthropic's error `type`.
     pub fn anthropic_type(&self) -> &'static str {
         match self.kind {
-            ErrorKind::InvalidRequest | ErrorKind::Unprocessable | ErrorKind::MethodNotAllowed => {
-                "invalid_request_error"
-            }
+            ErrorKind::InvalidRequest
+            | ErrorKind::Unprocessable
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::RequestTimeout => "invalid_request_error",
             ErrorKind::Unauthorized => "authentication_error",
             ErrorKind::ModelNotFound | ErrorKind::NotFound => "not_found_error",
             ErrorKind::PayloadTooLarge => "request_too_large",

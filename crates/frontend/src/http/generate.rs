@@ -192,16 +192,28 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Byte
     }
     let mut stream = body.into_data_stream();
     let mut buf = Vec::with_capacity(declared.map_or(0, |n| n as usize));
-    while let Some(piece) = stream.next().await {
-        let piece = piece
-            .map_err(|e| ServeError::invalid(format!("failed to read the request body: {e}")))?;
-        if buf.len() + piece.len() > limit {
-            return Err(ServeError::payload_too_large(limit));
+    let read = async {
+        while let Some(piece) = stream.next().await {
+            let piece = piece.map_err(|e| {
+                ServeError::invalid(format!("failed to read the request body: {e}"))
+            })?;
+            if buf.len() + piece.len() > limit {
+                return Err(ServeError::payload_too_large(limit));
+            }
+            buf.extend_from_slice(&piece);
         }
-        buf.extend_from_slice(&piece);
-    }
+        Ok(())
+    };
+    // A client trickling its body would hold the request (counted in flight, delaying a
+    // drain) for as long as it likes.
+    tokio::time::timeout(BODY_READ_TIMEOUT, read)
+        .await
+        .map_err(|_| ServeError::request_timeout(BODY_READ_TIMEOUT))??;
     Ok(Bytes::from(buf))
 }
+
+/// How long a client may take to send its request body.
+const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Backend chunks → text and tool calls.
 #[derive(Debug)]

@@ -216,9 +216,48 @@ pub async fn serve(
             tracing::debug!(error = %e, "TCP_NODELAY not set");
         }
     });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
+    serve_listener(listener, app, shutdown).await
+}
+
+/// How long a client may take to send its request head; then its connection is closed.
+/// (A client trickling a head byte by byte would otherwise hold a connection, and a file
+/// descriptor, forever: slowloris.)
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The accept loop: HTTP/1.1 connections served by hyper with a timer (so
+/// [`HEADER_READ_TIMEOUT`] applies), each watched for a graceful shutdown: at `shutdown`, no
+/// more accepts, idle connections close, requests in flight finish.
+async fn serve_listener<L>(
+    mut listener: L,
+    app: Router,
+    shutdown: CancellationToken,
+) -> std::io::Result<()>
+where
+    L: axum::serve::Listener,
+    L::Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    loop {
+        let (io, _) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = shutdown.cancelled() => break,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
 }
 
 /// [`serve`], over TLS: connections are accepted after their TLS handshake (see `tls.rs`;
@@ -230,9 +269,7 @@ pub async fn serve_tls(
     tls: std::sync::Arc<tokio_rustls::rustls::ServerConfig>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(tls::TlsListener::new(listener, tls), app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
+    serve_listener(tls::TlsListener::new(listener, tls), app, shutdown).await
 }
 
 /// Serves `state`'s routes on `listener` as its config says: over TLS when

@@ -23,7 +23,8 @@
 //!   queue displaces the newest request of the lowest band below its own, if any (that one is
 //!   refused with [`RejectReason::Displaced`]: batch is shed first); otherwise it is refused
 //!   ([`RejectReason::QueueFull`]).
-//! - **Deadlines**: every entry has one; [`FlowQueue::expire`] takes out those past it
+//! - **Deadlines**: every entry has one — its request's, or [`FlowConfig::max_wait_ms`] after
+//!   it arrived if sooner; [`FlowQueue::expire`] takes out those past it
 //!   ([`RejectReason::QueueTimeout`]).
 //!
 //! # Rate limits
@@ -117,6 +118,11 @@ pub struct FlowConfig {
     /// Requests waiting at most (0: none wait; a request that finds every worker saturated is
     /// refused at once).
     pub max_queued: usize,
+    /// The longest a request waits in the queue, whatever its deadline: past it, it is
+    /// refused (`Retry-After`) rather than kept for a worker that will not be free in time
+    /// to matter — under sustained overload the queue sheds instead of growing every
+    /// request's wait.
+    pub max_wait_ms: u64,
     /// A lower band whose oldest request has waited this long is starving.
     pub starvation_ms: u64,
     /// A starving band gets one dispatch after this many went to the bands above it.
@@ -136,6 +142,7 @@ impl Default for FlowConfig {
     fn default() -> Self {
         FlowConfig {
             max_queued: 1024,
+            max_wait_ms: 10_000,
             starvation_ms: 5_000,
             starvation_every: 8,
             input_weight: 1.0,
@@ -500,10 +507,13 @@ impl<T> FlowQueue<T> {
     #[allow(clippy::type_complexity)]
     pub fn enqueue(
         &mut self,
-        meta: Meta,
+        mut meta: Meta,
         item: T,
         now_ms: u64,
     ) -> Result<(Ticket, Option<(Meta, T)>), (Rejection, T)> {
+        meta.deadline_ms = meta
+            .deadline_ms
+            .min(now_ms.saturating_add(self.cfg.max_wait_ms));
         let mut displaced = None;
         if self.entries.len() >= self.cfg.max_queued {
             let victim = (meta.priority.band() + 1..self.bands.len())

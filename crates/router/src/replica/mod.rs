@@ -325,7 +325,36 @@ impl RoutingReplica {
         if free == 0 && out.len() > excluded.len() {
             return Err(RouteError::Saturated);
         }
+        // Saturated prefill workers are left out too; when all of them are, the request
+        // waits unless the rule would prefill it locally anyway.
+        let saturated_prefill: Vec<WorkerId> = self
+            .prefill
+            .keys()
+            .copied()
+            .filter(|id| !excluded.contains(id) && self.is_prefill_saturated(*id))
+            .collect();
+        let all_prefill_saturated = !saturated_prefill.is_empty()
+            && saturated_prefill.len()
+                == self
+                    .prefill
+                    .keys()
+                    .filter(|id| !excluded.contains(id))
+                    .count();
+        if all_prefill_saturated {
+            let decision = self.decide(input, &out, now_ms)?;
+            if decision.prefill.is_some() {
+                return Err(RouteError::Saturated);
+            }
+            return self.commit(input, decision, now_ms);
+        }
+        out.extend(saturated_prefill);
         self.route(input, &out, now_ms)
+    }
+
+    /// Whether a prefill worker is saturated now ([`RoutingConfig::saturation`]).
+    pub fn is_prefill_saturated(&self, worker: WorkerId) -> bool {
+        let load = self.tracker.load(worker).to_worker_load();
+        self.config.routing.saturation.is_prefill_saturated(&load)
     }
 
     /// Whether a member is saturated now ([`RoutingConfig::saturation`]).

@@ -707,3 +707,66 @@ fn ttft_quantiles_are_per_prompt_size() {
     h.record(100, 5);
     assert_eq!(h.quantile_ms(100, 0.95), None);
 }
+
+#[test]
+fn a_saturated_prefill_pool_holds_remote_prefills_but_not_local_ones() {
+    let routing = RoutingConfig {
+        saturation: SaturationConfig {
+            prefill_pool_tokens: Some(4000),
+            ..SaturationConfig::OFF
+        },
+        disagg: crate::DisaggConfig {
+            mode: crate::DisaggMode::Always,
+            ..crate::DisaggConfig::default()
+        },
+        ..RoutingConfig::default()
+    };
+    let mut r = RoutingReplica::new(ReplicaConfig {
+        router_id: RouterId(1),
+        seed: 7,
+        routing,
+    })
+    .unwrap();
+    for (id, role) in [
+        (1, WorkerRole::Decode),
+        (8, WorkerRole::Prefill),
+        (9, WorkerRole::Prefill),
+    ] {
+        r.apply(
+            Input::Joined {
+                worker: WorkerId(id),
+                role,
+                kv: KvSource::Events,
+            },
+            0,
+        )
+        .unwrap();
+    }
+    // Two 3,000-token prompts take one prefill worker each; neither is saturated yet.
+    let (a, _) = input(1, 3000);
+    let pa = r.route_admitted(&a, &[], 0).unwrap();
+    assert!(pa.prefill_worker().is_some());
+    let (b, _) = input(2, 3000);
+    let pb = r.route_admitted(&b, &[], 0).unwrap();
+    assert_ne!(pa.prefill_worker(), pb.prefill_worker());
+    // A third goes to the one of them below 4,000 pending tokens... there is none after it:
+    let (c, _) = input(3, 1500);
+    let pc = r.route_admitted(&c, &[], 0).unwrap();
+    let busy = pc.prefill_worker().unwrap();
+    assert!(r.is_prefill_saturated(busy));
+    let (d, _) = input(4, 1500);
+    let pd = r.route_admitted(&d, &[], 0).unwrap();
+    assert_ne!(pd.prefill_worker(), Some(busy));
+    // Now both are over 4,000: a request that would prefill remotely waits.
+    let (e, _) = input(5, 3000);
+    assert_eq!(r.route_admitted(&e, &[], 0), Err(RouteError::Saturated));
+    // A prefill worker's first token frees its queue: remote prefills go again.
+    let mut f = pa.flight;
+    r.first_token(&mut f, 1);
+    assert!(
+        r.route_admitted(&e, &[], 1)
+            .unwrap()
+            .prefill_worker()
+            .is_some()
+    );
+}

@@ -8,7 +8,13 @@ const ME: RouterId = RouterId(1);
 const PEER: RouterId = RouterId(2);
 
 fn tracker() -> ActiveSequences {
-    ActiveSequences::new(ME, TrackerConfig { ttl_ms: 1000 })
+    ActiveSequences::new(
+        ME,
+        TrackerConfig {
+            ttl_ms: 1000,
+            tombstone_ms: 1000,
+        },
+    )
 }
 
 fn seq(request: u64, worker: u64, blocks: &[u64], prefill: u64, private: u64) -> NewSequence {
@@ -61,7 +67,13 @@ fn private_blocks_cover_the_partial_block_and_the_expected_output() {
 #[test]
 fn peer_messages_are_idempotent_and_own_echoes_ignored() {
     let mut mine = tracker();
-    let mut peer = ActiveSequences::new(PEER, TrackerConfig { ttl_ms: 1000 });
+    let mut peer = ActiveSequences::new(
+        PEER,
+        TrackerConfig {
+            ttl_ms: 1000,
+            tombstone_ms: 1000,
+        },
+    );
     let add = peer.add(seq(1, 3, &[1, 2], 32, 0), 0);
     assert_eq!(add.router(), PEER);
     assert!(mine.apply(&add, 0));
@@ -267,4 +279,40 @@ proptest! {
             prop_assert_eq!(any.load(WorkerId(w)), want);
         }
     }
+}
+
+#[test]
+fn finished_requests_are_forgotten_after_the_tombstone_time_not_the_ttl() {
+    let mut t = ActiveSequences::new(
+        ME,
+        TrackerConfig {
+            ttl_ms: 600_000,
+            tombstone_ms: 1000,
+        },
+    );
+    // A long-lived request keeps its place in the TTL queue ahead of everything.
+    t.add(seq(0, 7, &[1, 2], 10, 1), 0);
+    for i in 1..=1000u64 {
+        t.add(seq(i, 7, &[100 + i, 200 + i], 32, 1), i);
+        t.free(RequestId(i), i);
+    }
+    assert_eq!(t.len(), 1001);
+    t.expire(1000 + 1000);
+    // The tombstones went after 1 s although the first request's TTL is 10 minutes away.
+    assert_eq!(t.len(), 1);
+    assert_eq!(t.load(WorkerId(7)), load(10, 3, 1));
+    // A late add from a peer for a freed request is neither counted nor kept.
+    let mut p = ActiveSequences::new(
+        PEER,
+        TrackerConfig {
+            ttl_ms: 600_000,
+            tombstone_ms: 1000,
+        },
+    );
+    let msgs = [p.add(seq(5, 8, &[9], 16, 1), 0), p.free(RequestId(5), 1)];
+    t.apply(&msgs[1], 2001);
+    t.apply(&msgs[0], 2002);
+    assert_eq!(t.load(WorkerId(8)), TrackedLoad::default());
+    t.expire(3002);
+    assert_eq!(t.len(), 1);
 }

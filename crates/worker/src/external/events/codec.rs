@@ -164,6 +164,10 @@ fn schema(at: &'static str, expected: &'static str) -> EventsError {
     EventsError::Schema { at, expected }
 }
 
+/// The most bytes one list's first reservation takes (64 KiB); beyond it the list grows
+/// with what is actually read.
+const MAX_RESERVE_BYTES: usize = 64 << 10;
+
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -299,10 +303,12 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    /// A capacity for `n` announced elements that never exceeds the bytes left (each element
-    /// takes at least one byte), so a lying length reserves nothing unreasonable.
-    fn capacity(&self, n: usize) -> usize {
-        n.min(self.remaining())
+    /// An empty vector for `n` announced elements, reserving no more than the bytes left
+    /// (each element takes at least one) and no more than [`MAX_RESERVE_BYTES`]: a lying
+    /// length reserves nothing unreasonable, and a real list grows as it is read.
+    fn vec_for<T>(&self, n: usize) -> Vec<T> {
+        let most = MAX_RESERVE_BYTES / std::mem::size_of::<T>().max(1);
+        Vec::with_capacity(n.min(self.remaining()).min(most))
     }
 
     fn utf8(&self, bytes: &'a [u8]) -> Result<&'a str, EventsError> {
@@ -377,7 +383,7 @@ impl<'a> Reader<'a> {
 
     fn hashes(&mut self, at: &'static str) -> Result<Vec<EngineHash>, EventsError> {
         let n = self.array(at, "a list of block hashes")?;
-        let mut out = Vec::with_capacity(self.capacity(n));
+        let mut out = self.vec_for(n);
         for _ in 0..n {
             let h = self.head()?;
             out.push(self.hash_from(h, at)?);
@@ -387,7 +393,7 @@ impl<'a> Reader<'a> {
 
     fn tokens(&mut self, at: &'static str) -> Result<Vec<u32>, EventsError> {
         let n = self.array(at, "a list of token ids")?;
-        let mut out = Vec::with_capacity(self.capacity(n));
+        let mut out = self.vec_for(n);
         for _ in 0..n {
             out.push(self.u32(at)?);
         }
@@ -404,12 +410,12 @@ impl<'a> Reader<'a> {
             Head::Array(n) => n,
             _ => return Err(schema(at, "a list of extra-key tuples or None")),
         };
-        let mut out = Vec::with_capacity(self.capacity(n));
+        let mut out = self.vec_for(n);
         for _ in 0..n {
             match self.head()? {
                 Head::Nil => out.push(None),
                 Head::Array(m) => {
-                    let mut keys = Vec::with_capacity(self.capacity(m));
+                    let mut keys = self.vec_for(m);
                     for _ in 0..m {
                         keys.push(self.value(MAX_VALUE_DEPTH)?);
                     }
@@ -437,14 +443,14 @@ impl<'a> Reader<'a> {
             Head::Bin(b) => Value::Binary(b.to_vec()),
             Head::Ext(ty, b) => Value::Ext(ty, b.to_vec()),
             Head::Array(n) => {
-                let mut items = Vec::with_capacity(self.capacity(n));
+                let mut items = self.vec_for(n);
                 for _ in 0..n {
                     items.push(self.value(depth - 1)?);
                 }
                 Value::Array(items)
             }
             Head::Map(n) => {
-                let mut items = Vec::with_capacity(self.capacity(n));
+                let mut items = self.vec_for(n);
                 for _ in 0..n {
                     let k = self.value(depth - 1)?;
                     let v = self.value(depth - 1)?;
@@ -502,7 +508,7 @@ impl<'a> Reader<'a> {
 
     fn events(&mut self) -> Result<Vec<EngineEvent>, EventsError> {
         let n = self.array("KVEventBatch.events", "a list of events")?;
-        let mut out = Vec::with_capacity(self.capacity(n));
+        let mut out = self.vec_for(n);
         for _ in 0..n {
             out.push(self.event()?);
         }
