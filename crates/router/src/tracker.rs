@@ -340,6 +340,11 @@ impl ActiveSequences {
         self.workers.values().map(|w| w.requests).sum()
     }
 
+    /// Items in the expiry queues (memory use).
+    pub fn expiry_len(&self) -> usize {
+        self.expiry.len() + self.tombstones.len()
+    }
+
     /// Entries held, tombstones included (memory use).
     pub fn len(&self) -> usize {
         self.entries.len()
@@ -392,6 +397,17 @@ impl ActiveSequences {
             }
             // Also covers a prefill-done whose add never came.
             self.step(key, Step::Free, None);
+        }
+        // Items of sequences freed before their TTL stay queued until it passes: compacted
+        // once they outnumber the entries, so the queue is bounded by what is tracked, not
+        // by every request of the last TTL. `retain` keeps the deadline order.
+        if self.expiry.len() > 2 * self.entries.len() + 1024 {
+            let entries = &self.entries;
+            self.expiry.retain(|(d, k)| {
+                entries
+                    .get(k)
+                    .is_some_and(|e| !e.freed && e.deadline_ms == *d)
+            });
         }
     }
 

@@ -316,3 +316,27 @@ fn finished_requests_are_forgotten_after_the_tombstone_time_not_the_ttl() {
     t.expire(3002);
     assert_eq!(t.len(), 1);
 }
+
+#[test]
+fn the_expiry_queue_is_bounded_by_what_is_tracked() {
+    let mut t = ActiveSequences::new(
+        ME,
+        TrackerConfig {
+            ttl_ms: 600_000,
+            tombstone_ms: 10,
+        },
+    );
+    for i in 0..100_000u64 {
+        t.add(seq(i, 7, &[i], 16, 1), i);
+        t.free(RequestId(i), i);
+        t.expire(i);
+    }
+    // 100,000 requests in 100 s of a 10-minute TTL: the tombstones are gone, and so are
+    // their queue items.
+    assert!(t.len() <= 20, "{}", t.len());
+    assert!(
+        t.expiry_len() <= 2 * t.len() + 1024 + 1,
+        "{}",
+        t.expiry_len()
+    );
+}
