@@ -71,10 +71,8 @@ use parking_lot::{Mutex, RwLock};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tandem_router::TenantLimits;
-use tokio_util::sync::CancellationToken;
 
 use super::error::ServeError;
-use super::state::HttpState;
 
 /// Where API keys come from. Default: none (no key needed).
 #[derive(Clone, PartialEq, Eq)]
@@ -182,9 +180,9 @@ fn digest(key: &str) -> [u8; 32] {
 /// The file's identity for change detection: modification time and length.
 type FileStamp = (Option<SystemTime>, u64);
 
-/// The live key table of an [`HttpState`].
+/// The live key table of an [`super::HttpState`].
 pub(crate) struct Access {
-    config: AccessConfig,
+    pub(crate) config: AccessConfig,
     table: RwLock<Arc<KeyTable>>,
     /// The stamp of the file last read (loaded or refused), and the last reload error (so
     /// that a file that stays broken is reported once, not every poll).
@@ -318,34 +316,6 @@ fn log_loaded(config: &AccessConfig, table: &KeyTable, what: &str) {
             file = ?config.api_keys_file,
             "{what}"
         );
-    }
-}
-
-/// Keeps `state`'s keys file in force until `shutdown`: polls it, reloads it when it
-/// changes, tells the backend the tenants' limits after each reload, and logs a refused
-/// file as an error (the old table stays). Returns at once when there is no keys file.
-pub async fn watch_api_keys(state: HttpState, shutdown: CancellationToken) {
-    let access = state.access();
-    if access.config.api_keys_file.is_none() {
-        return;
-    }
-    let mut tick =
-        tokio::time::interval(access.config.reload_interval.max(Duration::from_millis(10)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            () = shutdown.cancelled() => return,
-        }
-        // Reading a small file; a blocking thread is not worth it.
-        match access.reload_if_changed() {
-            None => {}
-            Some(Ok(())) => state.backend().set_tenants(access.tenant_limits()),
-            Some(Err(e)) => tracing::error!(
-                error = %e,
-                "the API keys file was refused; the previous keys stay in force"
-            ),
-        }
     }
 }
 

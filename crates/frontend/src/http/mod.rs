@@ -159,7 +159,7 @@ mod validate;
 #[cfg(test)]
 mod tests;
 
-pub use auth::{AccessConfig, AccessError, watch_api_keys};
+pub use auth::{AccessConfig, AccessError};
 pub use backend::{
     Backend, Endpoint, EngineReport, FinishReason, Generation, RouteInfo, TokenChunk, ValidRequest,
 };
@@ -168,6 +168,7 @@ pub use error::{ErrorKind, ServeError};
 pub use metrics::HttpMetrics;
 pub use prompt::Prompts;
 pub use responses_store::ResponsesStoreConfig;
+pub use state::watch_api_keys;
 pub use state::{HttpConfig, HttpState, StateError};
 pub use tls::{TlsConfig, TlsError};
 pub use tokenizer::{Detokenizer, Tokenizer, TokenizerError, TokenizerSpec};

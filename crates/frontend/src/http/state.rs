@@ -319,3 +319,31 @@ impl HttpState {
         self.inner.started
     }
 }
+
+/// Keeps `state`'s keys file in force until `shutdown`: polls it, reloads it when it
+/// changes, tells the backend the tenants' limits after each reload, and logs a refused
+/// file as an error (the old table stays). Returns at once when there is no keys file.
+pub async fn watch_api_keys(state: HttpState, shutdown: tokio_util::sync::CancellationToken) {
+    let access = state.access();
+    if access.config.api_keys_file.is_none() {
+        return;
+    }
+    let mut tick =
+        tokio::time::interval(access.config.reload_interval.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = shutdown.cancelled() => return,
+        }
+        // Reading a small file; a blocking thread is not worth it.
+        match access.reload_if_changed() {
+            None => {}
+            Some(Ok(())) => state.backend().set_tenants(access.tenant_limits()),
+            Some(Err(e)) => tracing::error!(
+                error = %e,
+                "the API keys file was refused; the previous keys stay in force"
+            ),
+        }
+    }
+}
