@@ -6,8 +6,8 @@
 //! here is the I/O.
 //!
 //! Layout: `view.rs` (discovery → workers, gRPC clients and the replica's membership; event
-//! plane → the replica; the repairs it asks for), `backend.rs` (the replica's plans → gRPC
-//! calls to decode workers, re-routing, migration, streaming, replica sync), `indexer.rs`
+//! plane → the replica; the repairs it asks for), `backend/` (the replica's plans → gRPC
+//! calls to decode workers, migration, streaming, replica sync; `attempts.rs`: re-routing under the retry budget, hedging, outcomes to the breakers), `indexer.rs`
 //! (the `Indexer` gRPC service), `metrics.rs` (the view's gauges on `/metrics`).
 
 mod backend;
