@@ -110,6 +110,10 @@ pub struct FlowArgs {
     /// Never hedge sooner than this many milliseconds.
     #[arg(long, env = "TANDEM_HEDGE_MIN_DELAY_MS", default_value_t = HedgeConfig::default().min_delay_ms)]
     pub hedge_min_delay_ms: u64,
+    /// Concurrent requests per session at most (0: no cap): more wait for the session's own
+    /// requests to end, up to the queue timeout, then get 429 `session_limit`.
+    #[arg(long, env = "TANDEM_SESSION_MAX_CONCURRENT", default_value_t = 0)]
+    pub session_max_concurrent: u32,
 }
 
 impl FlowArgs {
@@ -149,6 +153,8 @@ impl FlowArgs {
         };
         saturation.validate().context("--saturation-* flags")?;
         cfg.backend.routing.saturation = saturation;
+        cfg.backend.session_cap =
+            (self.session_max_concurrent > 0).then_some(self.session_max_concurrent);
         cfg.backend.max_attempts = self.max_attempts.max(1);
         cfg.backend.max_migrations = self.max_migrations;
         cfg.backend.routing.retry_budget = RetryBudgetConfig {

@@ -16,6 +16,7 @@ mod backends;
 mod bench;
 mod flow_args;
 mod plan;
+mod routing_args;
 mod serve;
 mod sim;
 mod up;
@@ -84,4 +85,16 @@ fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(f: F) -> anyhow
         .enable_all()
         .build()?
         .block_on(f)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every subcommand's flags are well formed (no two share a name): clap checks it only
+    /// when a subcommand is first parsed, which would otherwise be at a user's first run.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
+    }
 }

@@ -15,9 +15,7 @@ use tandem_frontend::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewC
 use tandem_frontend::http::{ChatTemplateSpec, HttpConfig, ResponsesStoreConfig, TokenizerSpec};
 use tandem_kv_transfer::{Transport, TransportConfig, TransportKind};
 use tandem_protocol::{BlockSize, WorkerId, WorkerRole};
-use tandem_router::{
-    ApproxConfig, DisaggConfig, DisaggMode, PolicyConfig, PolicyKind, RouterId, RoutingConfig,
-};
+use tandem_router::RouterId;
 use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
 use tandem_runtime::events::{EventPlane, NatsAuth, NatsConfig, NatsEventPlane};
 use tandem_runtime::shutdown::Shutdown;
@@ -120,6 +118,10 @@ pub struct EngineArgs {
     /// Running requests per engine at most.
     #[arg(long, env = "TANDEM_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: usize,
+    /// Requests waiting in the engine's queue at most; beyond it the worker answers busy and
+    /// the frontend routes elsewhere or queues.
+    #[arg(long, env = "TANDEM_MAX_WAITING", default_value_t = SchedulerConfig::default().max_waiting)]
+    pub max_waiting: usize,
     /// Divide every mocker step time by this (faster than a real GPU when above 1).
     #[arg(long, env = "TANDEM_SPEEDUP_RATIO", default_value_t = 1.0)]
     pub speedup_ratio: f64,
@@ -311,89 +313,11 @@ impl EngineArgs {
         c.engine.scheduler = SchedulerConfig {
             max_num_batched_tokens: self.max_batched_tokens,
             max_num_seqs: self.max_num_seqs,
+            max_waiting: self.max_waiting,
             ..Default::default()
         };
         c.engine.mocker.speedup_ratio = self.speedup_ratio;
         Ok(c)
-    }
-}
-
-/// How the frontend (and `tandem sim`'s routers) route.
-#[derive(Args, Debug, Clone)]
-pub struct RoutingArgs {
-    /// Policy over the decode pool: round-robin, random, least-loaded, power-of-two, kv,
-    /// cache-aware, prefix-hash.
-    #[arg(long, env = "TANDEM_POLICY", default_value = "kv")]
-    pub policy: String,
-    /// kv: credit per cached device block (c).
-    #[arg(long, env = "TANDEM_OVERLAP_CREDIT", default_value_t = 1.0)]
-    pub overlap_credit: f64,
-    /// kv: weight of the prefill term (s).
-    #[arg(long, env = "TANDEM_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
-    pub prefill_load_scale: f64,
-    /// kv: softmax temperature (0: minimum cost).
-    #[arg(long, env = "TANDEM_TEMPERATURE", default_value_t = 0.0)]
-    pub temperature: f64,
-    /// kv: cost per active request (a).
-    #[arg(long, env = "TANDEM_ACTIVE_REQUEST_WEIGHT", default_value_t = 0.0)]
-    pub active_request_weight: f64,
-    /// Conditional disaggregation when a prefill pool exists: isl-bounding, prefill-load,
-    /// isl-or-load, always, never.
-    #[arg(long, env = "TANDEM_DISAGG", default_value = "isl-bounding")]
-    pub disagg: String,
-    /// isl-bounding: prefill locally below this many uncached prompt tokens (and below the
-    /// fraction).
-    #[arg(long, env = "TANDEM_ISL_MAX_LOCAL_TOKENS", default_value_t = DisaggConfig::default().isl_max_local_tokens)]
-    pub isl_max_local_tokens: u64,
-    /// isl-bounding: prefill locally below this fraction of the prompt uncached.
-    #[arg(long, env = "TANDEM_ISL_MAX_LOCAL_FRACTION", default_value_t = DisaggConfig::default().isl_max_local_fraction)]
-    pub isl_max_local_fraction: f64,
-    /// prefill-load: prefill locally when the best prefill worker has more pending tokens.
-    #[arg(long, env = "TANDEM_PREFILL_BUSY_TOKENS", default_value_t = DisaggConfig::default().prefill_busy_tokens)]
-    pub prefill_busy_tokens: u64,
-    /// Fold workers' load reports into the router's own load counts (for replicas that do
-    /// not sync; reports lag by their interval). In `tandem sim`, the snapshot mode's reports.
-    #[arg(long, env = "TANDEM_MERGE_LOAD_REPORTS", default_value_t = false, action = ArgAction::Set,
-          num_args = 0..=1, default_missing_value = "true")]
-    pub merge_load_reports: bool,
-    /// Workers without KV events (approximate KV): seconds a prompt routed to one counts as
-    /// cached there.
-    #[arg(long, env = "TANDEM_KV_APPROX_TTL_S", default_value_t = 120.0)]
-    pub kv_approx_ttl_s: f64,
-    /// Most (worker, block) entries the approximate index keeps.
-    #[arg(long, env = "TANDEM_KV_APPROX_MAX_ENTRIES", default_value_t = 1 << 20)]
-    pub kv_approx_max_entries: usize,
-}
-
-impl RoutingArgs {
-    /// The routing these flags describe: the frontend's and `tandem sim`'s alike.
-    pub fn config(&self) -> anyhow::Result<RoutingConfig> {
-        let kind: PolicyKind = self.policy.parse().context("--policy")?;
-        let mut policy = PolicyConfig::new(kind);
-        policy.kv.overlap_credit = self.overlap_credit;
-        policy.kv.prefill_load_scale = self.prefill_load_scale;
-        policy.kv.temperature = self.temperature;
-        policy.kv.active_request_weight = self.active_request_weight;
-        let mut disagg = DisaggConfig {
-            mode: self.disagg.parse::<DisaggMode>().context("--disagg")?,
-            isl_max_local_tokens: self.isl_max_local_tokens,
-            isl_max_local_fraction: self.isl_max_local_fraction,
-            prefill_busy_tokens: self.prefill_busy_tokens,
-            ..Default::default()
-        };
-        disagg.decode_kv = policy.kv;
-        let routing = RoutingConfig {
-            policy,
-            disagg,
-            merge_load_reports: self.merge_load_reports,
-            approx: ApproxConfig {
-                ttl_ms: (self.kv_approx_ttl_s * 1000.0).round().max(0.0) as u64,
-                max_entries: self.kv_approx_max_entries,
-            },
-            ..Default::default()
-        };
-        routing.validate().context("routing flags")?;
-        Ok(routing)
     }
 }
 
@@ -432,6 +356,11 @@ pub struct HttpArgs {
     /// Bytes the stored responses may take at most.
     #[arg(long, env = "TANDEM_RESPONSES_STORE_MAX_BYTES", default_value_t = 256 << 20)]
     pub responses_store_max_bytes: usize,
+    /// The body field naming a request's session, besides `x-session-id` and
+    /// `tandem.session_id`: `user` (OpenAI's `user`, Anthropic's `metadata.user_id`), another
+    /// top-level field's name, or `none`.
+    #[arg(long, env = "TANDEM_SESSION_FIELD", default_value = "user")]
+    pub session_field: String,
 }
 
 /// `tandem frontend`.
@@ -440,7 +369,7 @@ pub struct FrontendArgs {
     #[command(flatten)]
     pub plane: PlaneArgs,
     #[command(flatten)]
-    pub routing: RoutingArgs,
+    pub routing: crate::routing_args::RoutingArgs,
     #[command(flatten)]
     pub http: HttpArgs,
     /// HTTP listen address.
@@ -467,7 +396,7 @@ pub struct FrontendArgs {
 /// A frontend's config from its flags.
 pub fn frontend_config(
     namespace: &str,
-    routing: &RoutingArgs,
+    routing: &crate::routing_args::RoutingArgs,
     http: &HttpArgs,
     block_size: u32,
     indexer_url: Option<String>,
@@ -498,6 +427,7 @@ pub fn frontend_config(
                 max_responses: http.responses_store_max,
                 max_bytes: http.responses_store_max_bytes,
             },
+            session_field: http.session_field.parse().unwrap_or_default(),
             ..Default::default()
         },
         tokenizer,

@@ -27,7 +27,7 @@ pub struct SimArgs {
     #[arg(long, env = "TANDEM_SIM_REPLICA_SYNC", default_value_t = true, action = ArgAction::Set)]
     replica_sync: bool,
     #[command(flatten)]
-    routing: crate::serve::RoutingArgs,
+    routing: crate::routing_args::RoutingArgs,
     /// Device KV blocks per worker.
     #[arg(long, env = "TANDEM_SIM_DEVICE_BLOCKS", default_value_t = 16_384)]
     device_blocks: u32,

@@ -20,7 +20,8 @@ use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::WorkerDeps;
 use tokio::net::TcpListener;
 
-use crate::serve::{EngineArgs, HttpArgs, RoutingArgs, frontend_config};
+use crate::routing_args::RoutingArgs;
+use crate::serve::{EngineArgs, HttpArgs, frontend_config};
 
 #[derive(Args, Debug, Clone)]
 pub struct UpArgs {
@@ -147,6 +148,7 @@ async fn run_processes(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         format!("--host-blocks={}", args.engine.host_blocks),
         format!("--max-batched-tokens={}", args.engine.max_batched_tokens),
         format!("--max-num-seqs={}", args.engine.max_num_seqs),
+        format!("--max-waiting={}", args.engine.max_waiting),
         format!("--speedup-ratio={}", args.engine.speedup_ratio),
         format!("--model={}", args.http.model),
     ];
@@ -162,13 +164,12 @@ async fn run_processes(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     let frontend = [
         "frontend".to_string(),
         format!("--listen={}:{}", args.host, args.port),
-        format!("--policy={}", args.routing.policy),
-        format!("--disagg={}", args.routing.disagg),
         format!("--block-size={}", args.engine.block_size),
         format!("--model={}", args.http.model),
         format!("--tokenizer={}", args.http.tokenizer),
     ];
-    roles.spawn("frontend", &exe, frontend.into_iter().chain(plane))?;
+    let frontend = frontend.into_iter().chain(args.routing.to_args());
+    roles.spawn("frontend", &exe, frontend.chain(plane))?;
     println!(
         "tandem up --processes: http://{}:{}/v1  (etcd {}, nats {}; {} prefill, {} decode \
          processes; Ctrl-C stops)",

@@ -247,12 +247,13 @@ fn long_fresh_prompts_prefill_remotely_and_repeats_locally() {
     // Remote-prefilled and locally cached KV continue the same token chain.
     assert_eq!(a.content(), b.content());
 
-    // A short fresh prompt has nothing cached anywhere either: remote too.
+    // A short fresh prompt (under 2048 uncached tokens) prefills on its decode worker:
+    // moving its KV would cost more than computing it there (Dynamo's rule).
     let short = c.chat(&chat(&words(4, 80), "Hi.", 4));
-    assert!(short.prefill.is_some(), "uncached fraction 1.0 goes remote");
+    assert!(short.prefill.is_none(), "a short prompt prefills locally");
     let m = c.metrics();
-    assert_eq!(m.get("tandem_prefills_total{outcome=\"remote\"}"), 2.0);
-    assert_eq!(m.get("tandem_prefills_total{outcome=\"local\"}"), 1.0);
+    assert_eq!(m.get("tandem_prefills_total{outcome=\"remote\"}"), 1.0);
+    assert_eq!(m.get("tandem_prefills_total{outcome=\"local\"}"), 2.0);
 }
 
 #[test]
@@ -418,18 +419,22 @@ fn tandem_up_processes_serves_and_stops_everything() {
             .is_ok_and(|r| r.status == 200)
             .then_some(())
     });
-    let r = http::post_json(
-        addr,
-        "/v1/chat/completions",
-        &chat(&words(40, 300), "Hello?", 5).to_string(),
-    )
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    let routed = common::cluster::routed(&r);
+    let ask = |body: &serde_json::Value| {
+        let r = http::post_json(addr, "/v1/chat/completions", &body.to_string()).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        common::cluster::routed(&r)
+    };
+    // What a new user tries first: a short "Hello" is prefilled on the decode worker.
+    let hello = ask(&serde_json::json!({
+        "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3
+    }));
+    assert_eq!(hello.completion.usage.completion_tokens, 3);
+    assert!(hello.prefill.is_none(), "a short prompt prefills locally");
+    let routed = ask(&chat(&words(40, 3000), "Hello?", 5));
     assert_eq!(routed.completion.usage.completion_tokens, 5);
     assert!(
         routed.prefill.is_some(),
-        "a fresh prompt goes to the prefill process"
+        "a long fresh prompt goes to the prefill process"
     );
 
     // etcd, nats-server, the frontend and both workers.

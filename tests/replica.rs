@@ -164,6 +164,7 @@ fn drive(r: &mut RoutingReplica) -> Vec<Answer> {
             hashes,
             expected_output_tokens: 64,
             overlap: None,
+            session: None,
         };
         next_id += 1;
         match r.route(&input, excluded, now) {

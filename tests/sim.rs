@@ -123,9 +123,14 @@ fn disagg_threshold_flags_reach_the_rule() {
             v["local_prefills"].as_u64().unwrap(),
         )
     };
-    // Defaults: prompts with a cached prefix on their decode worker prefill locally.
-    let (remote, local) = split(&[], &[]);
+    // Defaults (Dynamo's rule): every prompt here is under 2048 uncached tokens, so local.
+    assert_eq!(split(&[], &[]), (0, 40));
+    // With the opt-in fraction, prompts with a cached prefix on their decode worker prefill
+    // locally, fresh ones remotely.
+    let (remote, local) = split(&["--isl-max-local-fraction", "0.7"], &[]);
     assert!(remote > 0 && local > 0, "{remote} / {local}");
+    let env = split(&[], &[("TANDEM_ISL_MAX_LOCAL_FRACTION", "0.7")]);
+    assert_eq!(env, (remote, local));
     // No effective prompt is below 0 tokens, or below 0 × the prompt: all remote.
     assert_eq!(split(&["--isl-max-local-tokens", "0"], &[]), (40, 0));
     assert_eq!(split(&["--isl-max-local-fraction", "0"], &[]), (40, 0));

@@ -216,6 +216,7 @@ fn replica(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
             hashes: &hashes,
             expected_output_tokens: 128,
             overlap: None,
+            session: None,
         };
         let plan = r.route(&input, &[], i).expect("plan");
         let elapsed = t.elapsed();

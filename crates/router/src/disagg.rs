@@ -8,9 +8,12 @@
 //!   and that is exactly what makes local prefill cheap.
 //!
 //! Then:
-//! - `isl-bounding`: local when the effective prompt on D (prompt tokens not cached on D, in
-//!   any tier) is below `isl_max_local_tokens` **and** below `isl_max_local_fraction` of the
-//!   prompt; otherwise remote;
+//! - `isl-bounding` (Dynamo's rule): local when the effective prompt on D (prompt tokens not
+//!   cached on D, in any tier) is below `isl_max_local_tokens`; otherwise remote. With the
+//!   opt-in `isl_max_local_fraction` f, local also needs the effective prompt below f × the
+//!   prompt, i.e. D must already hold more than 1 − f of it: decode workers then only extend
+//!   prompts they mostly cache (a conversation's next turn) and every fresh prompt, however
+//!   short, is prefilled remotely;
 //! - `prefill-load`: remote unless the best prefill worker's pending prefill tokens exceed
 //!   `prefill_busy_tokens` (then waiting for it costs more than prefilling on D);
 //! - `isl-or-load`: local if either rule says local;
@@ -24,7 +27,7 @@ use std::str::FromStr;
 
 use tandem_protocol::WorkerId;
 
-use crate::error::{ConfigError, RouteError, non_negative};
+use crate::error::{ConfigError, RouteError};
 use crate::kv::{KvConfig, kv_decide};
 use crate::pool::{PoolConfig, prepare_candidates};
 use crate::rng::Rng;
@@ -88,8 +91,8 @@ pub struct DisaggConfig {
     pub mode: DisaggMode,
     /// `isl-bounding`: local only below this many uncached prompt tokens…
     pub isl_max_local_tokens: u64,
-    /// …and below this fraction of the prompt.
-    pub isl_max_local_fraction: f64,
+    /// …and, when set, below this fraction of the prompt (in [0, 1]; see the module docs).
+    pub isl_max_local_fraction: Option<f64>,
     /// `prefill-load`: local when the best prefill worker has more pending prefill tokens.
     pub prefill_busy_tokens: u64,
     /// `kv` knobs for the decode pool (credit removed under `always`).
@@ -105,7 +108,7 @@ impl Default for DisaggConfig {
         DisaggConfig {
             mode: DisaggMode::IslBounding,
             isl_max_local_tokens: 2048,
-            isl_max_local_fraction: 0.7,
+            isl_max_local_fraction: None,
             // About one long prompt queued: beyond it, a remote prefill waits longer than a
             // local one takes on a decode worker.
             prefill_busy_tokens: 8192,
@@ -119,7 +122,15 @@ impl Default for DisaggConfig {
 
 impl DisaggConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        non_negative("isl max local fraction", self.isl_max_local_fraction)?;
+        if let Some(f) = self.isl_max_local_fraction
+            && !(f.is_finite() && (0.0..=1.0).contains(&f))
+        {
+            return Err(ConfigError::OutOfRange {
+                name: "isl max local fraction",
+                requirement: "a fraction of the prompt in [0, 1]",
+                value: f,
+            });
+        }
         self.decode_kv.validate()?;
         self.prefill_kv.validate()?;
         self.decode_pool.validate()?;
@@ -129,7 +140,9 @@ impl DisaggConfig {
     /// Whether `isl-bounding` says local for this effective prompt.
     pub fn isl_says_local(&self, effective_tokens: u64, prompt_tokens: u64) -> bool {
         effective_tokens < self.isl_max_local_tokens
-            && (effective_tokens as f64) < self.isl_max_local_fraction * prompt_tokens as f64
+            && self
+                .isl_max_local_fraction
+                .is_none_or(|f| (effective_tokens as f64) < f * prompt_tokens as f64)
     }
 
     /// Whether `prefill-load` says local for this backlog on the best prefill worker.

@@ -76,6 +76,7 @@ pub mod prefix_hash;
 mod registry;
 mod replica;
 mod saturation;
+pub mod sessions;
 // The policies name it `crate::rng::Rng`; it lives in tandem-protocol.
 use tandem_protocol::rng;
 mod simple;
@@ -100,6 +101,7 @@ pub use replica::{
     InFlight, Input, KvSource, Plan, ReplicaConfig, RouteInput, RoutingConfig, RoutingReplica,
 };
 pub use saturation::SaturationConfig;
+pub use sessions::{SessionConfig, SessionKey, SessionOutcome, SessionStats, Sessions};
 pub use simple::{LeastLoaded, PowerOfTwo, RandomPolicy, RoundRobin};
 pub use tandem_indexer::{
     ApproxConfig, FeedError, FeedStats, OverlapScores, Repair, RepairReply, TierCounts,

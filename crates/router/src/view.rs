@@ -161,6 +161,9 @@ pub enum Rule {
     RingOwner,
     /// `prefix-hash`: the owner was over the load bound, so least loaded.
     BoundedLoadEscape,
+    /// The request's session is pinned to this worker, which could take it
+    /// ([`crate::sessions`]).
+    Session,
 }
 
 /// One candidate's terms in a decision. The `kv` policy fills every field; the others fill

@@ -87,8 +87,9 @@ impl SimConfig {
             .policy
             .build()
             .map_err(|e| SimError::InvalidConfig(format!("policy: {e}")))?;
-        let f = self.routing.disagg.isl_max_local_fraction;
-        if !(f.is_finite() && (0.0..=1.0).contains(&f)) {
+        if let Some(f) = self.routing.disagg.isl_max_local_fraction
+            && !(f.is_finite() && (0.0..=1.0).contains(&f))
+        {
             return Err(SimError::InvalidConfig(format!(
                 "--isl-max-local-fraction must be a fraction of the prompt in [0, 1], got {f}"
             )));

@@ -52,16 +52,17 @@
 //!   comes from [`tandem_protocol::Rng`] seeded from [`SimConfig::seed`]. Same config, same
 //!   report, byte for byte. Nothing reads a clock.
 //! - What that tie rule means for arrivals: every arrival is queued before the run starts, so
-//!   at an equal microsecond an arrival is handled before any sync message, KV event (snapshot
-//!   mode, or streaming with a delay), load report or timer queued during the run. Sync
-//!   messages always go through the queue, at `now + delay_us`; with delay 0 they land on the
-//!   microsecond of the arrival that sent them, hence *after* every other arrival of that
-//!   microsecond. Streamed KV events with delay 0 skip the queue: every replica applies them
-//!   when the worker publishes them (after each step, and when a request is added). So
-//!   requests that share an arrival time (the Mooncake trace's ~10 per 3-second bucket) are
-//!   routed back to back from the same view, without their peers' sync messages;
-//!   [`SimConfig::arrival_jitter_us`] spreads them out so that messages sent at one arrival
-//!   are handled before the next.
+//!   at an equal microsecond an arrival is handled before any KV event (snapshot mode, or
+//!   streaming with a delay), load report or timer queued during the run. Replica-sync
+//!   messages are the exception: they go through the queue at `now + delay_us` *ahead of*
+//!   every other event of that microsecond, so with delay 0 a replica's peers learn of a
+//!   request before they route the next arrival of the same microsecond, as they would with a
+//!   sub-millisecond event plane. (Before, they landed after every other arrival of that
+//!   microsecond: the Mooncake trace's ~10 requests per 3-second bucket were all routed from
+//!   the same stale view, which made replica sync look harmful.) Streamed KV events with
+//!   delay 0 skip the queue: every replica applies them when the worker publishes them (after
+//!   each step, and when a request is added). [`SimConfig::arrival_jitter_us`] spreads
+//!   same-instant arrivals out, so that the engines' events of one are seen by the next.
 //!
 //! Metric definitions are in `metrics.rs` ([`SimReport`]).
 

@@ -17,7 +17,7 @@ use tandem_protocol::{
     BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole,
 };
 use tandem_router::{
-    InFlight, Input, KvSource, RepairReply, RouteInput, RouteRequest, RoutingReplica, SyncMessage,
+    InFlight, Input, KvSource, RepairReply, RouteInput, RoutingReplica, SyncMessage,
 };
 
 use crate::config::SimConfig;
@@ -277,10 +277,14 @@ impl<'a> Sim<'a> {
         let now_ms = now / 1000;
         let input = RouteInput {
             request: RequestId(u64::from(i)),
-            route: RouteRequest::from_tokens(&tokens, self.block_size, HashSeed::UNSALTED),
+            route: self
+                .cfg
+                .routing
+                .route_request(&tokens, self.block_size, HashSeed::UNSALTED),
             hashes: &seq,
             expected_output_tokens: u64::from(spec.max_tokens),
             overlap: None,
+            session: None,
         };
         let mut decision = self.replicas[r as usize].decide(&input, &[], now_ms)?;
         let dw = decision.decode_worker().0 as u32;
@@ -394,8 +398,10 @@ impl<'a> Sim<'a> {
         }
         let msg = Rc::new(msg);
         let at = now + self.cfg.event_plane.delay_us;
+        // Before any arrival of that instant: a replica that routed a request at `now` has
+        // told its peers before they route the next one (with delay 0, "at once").
         for r in (0..routers).filter(|&r| r != from) {
-            self.queue.push(
+            self.queue.push_first(
                 at,
                 Ev::Sync {
                     router: r,

@@ -65,6 +65,8 @@ fn disaggregated_run_completes_every_request_with_remote_prefills() {
         let mut cfg = small(3);
         cfg.topology.prefill_workers = 2;
         cfg.routing.disagg.mode = mode;
+        // These prompts are short: below 2048 uncached tokens all would prefill locally.
+        cfg.routing.disagg.isl_max_local_tokens = 64;
         let r = run(cfg).unwrap();
         assert_eq!((r.completed, r.rejected), (200, 0), "{mode}");
         assert!(r.remote_prefills > 0, "{mode}");
@@ -184,7 +186,7 @@ fn bad_configs_are_refused_clearly() {
     assert!(bad(&|c| c.routing.policy.kv.overlap_credit = -1.0).contains("policy"));
     for f in [-0.1, 1.5, f64::NAN] {
         assert!(
-            bad(&|c| c.routing.disagg.isl_max_local_fraction = f)
+            bad(&|c| c.routing.disagg.isl_max_local_fraction = Some(f))
                 .contains("--isl-max-local-fraction")
         );
     }
@@ -234,9 +236,12 @@ fn disagg_thresholds_change_the_remote_local_split() {
         assert_eq!(r.remote_prefills + r.local_prefills, 200);
         (r.remote_prefills, r.local_prefills)
     };
-    // isl-bounding at the defaults (2048 tokens, 0.7): prompts whose shared prefix is cached on
-    // the decode worker prefill there, the others remotely.
-    let (remote, local) = split(&|_| {});
+    // isl-bounding at the default (2048 tokens): every prompt of this workload is shorter, so
+    // all prefill on their decode worker.
+    assert_eq!(split(&|_| {}), (0, 200));
+    // With the opt-in fraction 0.7, prompts whose shared prefix is cached on the decode worker
+    // prefill there, the others remotely.
+    let (remote, local) = split(&|c| c.routing.disagg.isl_max_local_fraction = Some(0.7));
     assert!(remote > 0 && local > 0, "{remote} / {local}");
     // No effective prompt is below 0 tokens, or below 0 × the prompt: all remote.
     assert_eq!(
@@ -244,7 +249,7 @@ fn disagg_thresholds_change_the_remote_local_split() {
         (200, 0)
     );
     assert_eq!(
-        split(&|c| c.routing.disagg.isl_max_local_fraction = 0.0),
+        split(&|c| c.routing.disagg.isl_max_local_fraction = Some(0.0)),
         (200, 0)
     );
     // prefill-load: this light load never queues 8192 prefill tokens on a prefill worker, so

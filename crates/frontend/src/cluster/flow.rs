@@ -62,6 +62,8 @@ pub struct FlowMetrics {
     rejections: Family<ReasonLabel, Counter>,
     tokens: Family<TenantLabel, Counter>,
     labels: Mutex<hashbrown::HashSet<Arc<str>>>,
+    /// Session routes and the per-session cap's refusals.
+    pub(crate) sessions: Arc<super::sessions::SessionMetrics>,
 }
 
 impl FlowMetrics {
@@ -74,6 +76,7 @@ impl FlowMetrics {
             rejections: Family::default(),
             tokens: Family::default(),
             labels: Mutex::default(),
+            sessions: Arc::new(super::sessions::SessionMetrics::register(registry)),
         };
         for p in Priority::ALL {
             m.depth

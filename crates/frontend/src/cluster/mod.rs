@@ -14,6 +14,7 @@ mod backend;
 mod flow;
 mod indexer;
 mod metrics;
+mod sessions;
 mod view;
 
 use std::sync::Arc;

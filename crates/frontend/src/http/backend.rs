@@ -98,6 +98,9 @@ pub struct ValidRequest {
     /// Its band in the frontend's queue (`priority` / `service_tier` field or the
     /// `x-tandem-priority` header).
     pub priority: Priority,
+    /// What the router takes from the request besides its tokens: `kv` knob overrides, the
+    /// expected output length, the session (`hints.rs`).
+    pub routing: super::RoutingHints,
     /// When it must be done: arrival + its `timeout` (field or `x-tandem-timeout` header),
     /// capped by [`super::HttpConfig::request_timeout`]. Past it the request leaves the queue
     /// (429) or is cancelled on the workers.

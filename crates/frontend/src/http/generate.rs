@@ -30,6 +30,7 @@ use super::backend::{Endpoint, FinishReason, RouteInfo, TokenChunk, ValidRequest
 use super::error::ServeError;
 use super::format::{End, Format};
 use super::format_chat::ChatFormat;
+use super::hints;
 use super::ids::unix_now;
 use super::messages;
 use super::metrics::RequestRecord;
@@ -139,6 +140,10 @@ async fn admit(
         }
         Endpoint::Messages => messages::check(validate::parse_json(&bytes)?, config)?,
     };
+    let custom_session = match &config.session_field {
+        super::SessionField::Field(name) => hints::session_from_body(&bytes, name),
+        _ => None,
+    };
     drop(bytes);
     let (checked, tokens) = tokenize(state, checked).await?;
     let parse_tool_calls = state.parses_tool_calls() && checked.wants_tool_calls;
@@ -146,6 +151,10 @@ async fn admit(
     // The deadline counts from arrival, tokenization included.
     let mut req = checked.into_valid(tokens, config, ids, (unix_now(), arrived))?;
     validate::apply_scheduling_headers(&mut req, headers, config, arrived)?;
+    if req.routing.session.is_none() && custom_session.is_some() {
+        req.routing.session = custom_session;
+    }
+    hints::apply_session_header(&mut req.routing, headers)?;
     req.cache_salt = auth::cache_salt(tenant.as_ref(), req.cache_salt.take());
     req.tenant = tenant.map(|t| t.name);
     let format: Box<dyn Format> = match (endpoint, context) {

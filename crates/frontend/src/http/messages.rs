@@ -50,6 +50,8 @@ pub(crate) struct MessagesRequest {
     thinking: Option<Json>,
     priority: Option<super::openai::PriorityField>,
     timeout: Option<f64>,
+    tandem: Option<super::hints::TandemField>,
+    metadata: Option<Json>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -120,6 +122,16 @@ pub(crate) fn check(req: MessagesRequest, config: &HttpConfig) -> Result<Checked
     // Anthropic's `service_tier` (`auto`, `standard_only`) names no band: not read.
     common.priority = req.priority;
     common.timeout = req.timeout;
+    common.hints = super::hints::HintFields {
+        tandem: req.tandem,
+        reasoning_effort: None,
+        session_field: req
+            .metadata
+            .as_ref()
+            .and_then(|m| m.get("user_id"))
+            .and_then(|u| u.as_str())
+            .map(str::to_string),
+    };
     let model = validate::check_model(common.model.as_deref(), config)?;
     let mut checked = validate::finish_common(
         common,

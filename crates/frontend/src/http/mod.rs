@@ -139,6 +139,7 @@ mod error;
 mod format;
 mod format_chat;
 mod generate;
+mod hints;
 mod ids;
 mod messages;
 mod metrics;
@@ -165,6 +166,7 @@ pub use backend::{
 };
 pub use chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec, Clock};
 pub use error::{ErrorKind, ServeError};
+pub use hints::{RoutingHints, SessionField};
 pub use metrics::HttpMetrics;
 pub use prompt::Prompts;
 pub use responses_store::ResponsesStoreConfig;

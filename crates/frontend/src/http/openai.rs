@@ -38,6 +38,9 @@ pub(crate) struct ChatCompletionRequest {
     pub priority: Option<PriorityField>,
     pub service_tier: Option<String>,
     pub timeout: Option<f64>,
+    pub tandem: Option<super::hints::TandemField>,
+    pub user: Option<String>,
+    pub reasoning_effort: Option<String>,
 }
 
 /// One chat message.
@@ -114,6 +117,8 @@ pub(crate) struct CompletionRequest {
     pub priority: Option<PriorityField>,
     pub service_tier: Option<String>,
     pub timeout: Option<f64>,
+    pub tandem: Option<super::hints::TandemField>,
+    pub user: Option<String>,
 }
 
 /// `priority`: a band name (`interactive`, `standard`, `batch`, or a synonym), or an integer

@@ -35,6 +35,7 @@ use super::backend::{FinishReason, ValidRequest};
 use super::conversation::{Content, Conversation, Message, ToolCall};
 use super::error::ServeError;
 use super::format::{End, Format, sse_event};
+use super::hints::HintFields;
 use super::pyjson::Json;
 use super::responses_store::{ResponseStore, StoredTurn};
 use super::state::HttpState;
@@ -62,6 +63,9 @@ pub(crate) struct ResponsesRequest {
     priority: Option<super::openai::PriorityField>,
     service_tier: Option<String>,
     timeout: Option<f64>,
+    tandem: Option<super::hints::TandemField>,
+    user: Option<String>,
+    reasoning: Option<Json>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -145,6 +149,16 @@ pub(crate) fn check(
     common.priority = req.priority;
     common.service_tier = req.service_tier;
     common.timeout = req.timeout;
+    common.hints = HintFields {
+        tandem: req.tandem,
+        reasoning_effort: req
+            .reasoning
+            .as_ref()
+            .and_then(|r| r.get("effort"))
+            .and_then(|e| e.as_str())
+            .map(str::to_string),
+        session_field: req.user,
+    };
     let model = validate::check_model(common.model.as_deref(), config)?;
     let mut checked = validate::finish_common(
         common,

@@ -50,6 +50,9 @@ pub struct HttpConfig {
     pub access: AccessConfig,
     /// TLS on the listener ([`super::serve_state`]); None: plain HTTP.
     pub tls: Option<TlsConfig>,
+    /// The body field that names a request's session (for session affinity), besides the
+    /// `x-session-id` header and `tandem.session_id`. Default: `user`.
+    pub session_field: super::SessionField,
 }
 
 impl HttpConfig {
@@ -79,6 +82,7 @@ impl Default for HttpConfig {
             request_timeout: Duration::from_secs(600),
             access: AccessConfig::default(),
             tls: None,
+            session_field: super::SessionField::User,
         }
     }
 }

@@ -8,6 +8,7 @@ use tandem_router::Priority;
 use super::backend::{Endpoint, ValidRequest};
 use super::conversation::{Content, Conversation, Message, ToolCall};
 use super::error::ServeError;
+use super::hints::{HintFields, RoutingHints, SessionField};
 use super::openai::{
     ChatCompletionRequest, ChatMessage, CompletionRequest, MessageContent, PriorityField, Prompt,
     Stop, StreamOptions,
@@ -65,6 +66,7 @@ pub(crate) struct Checked {
     include_usage: bool,
     cache_salt: Option<String>,
     priority: Priority,
+    routing: RoutingHints,
     /// Seconds the client allows, as asked (capped by the server's request timeout).
     timeout: Option<f64>,
     /// The request has tools and lets the model call them: parse tool calls out of the
@@ -88,6 +90,7 @@ pub(crate) struct Common {
     pub priority: Option<PriorityField>,
     pub service_tier: Option<String>,
     pub timeout: Option<f64>,
+    pub hints: HintFields,
 }
 
 impl Common {
@@ -108,6 +111,7 @@ impl Common {
             priority: None,
             service_tier: None,
             timeout: None,
+            hints: HintFields::default(),
         }
     }
 }
@@ -137,6 +141,11 @@ pub(crate) fn check_chat(
         priority: req.priority,
         service_tier: req.service_tier,
         timeout: req.timeout,
+        hints: HintFields {
+            tandem: req.tandem,
+            reasoning_effort: req.reasoning_effort,
+            session_field: req.user,
+        },
     };
     let model = check_model(common.model.as_deref(), config)?;
     if req.logprobs == Some(true) {
@@ -313,6 +322,11 @@ pub(crate) fn check_completion(
         priority: req.priority,
         service_tier: req.service_tier,
         timeout: req.timeout,
+        hints: HintFields {
+            tandem: req.tandem,
+            reasoning_effort: None,
+            session_field: req.user,
+        },
     };
     let model = check_model(common.model.as_deref(), config)?;
     if req.logprobs.is_some_and(|n| n > 0) {
@@ -455,6 +469,12 @@ pub(crate) fn finish_common(
         }
         t => t,
     };
+    let mut hints = c.hints;
+    if config.session_field != SessionField::User {
+        // Another field (read from the body by the caller) or none names the session.
+        hints.session_field = None;
+    }
+    let routing = hints.check()?;
     let stream = c.stream.unwrap_or(false);
     // stream_options only matter when streaming; elsewhere they are ignored.
     let include_usage = stream
@@ -477,6 +497,7 @@ pub(crate) fn finish_common(
         include_usage,
         cache_salt: c.cache_salt.filter(|s| !s.is_empty()),
         priority,
+        routing,
         timeout,
         wants_tool_calls: false,
     })
@@ -585,6 +606,7 @@ impl Checked {
             engine: Default::default(),
             tenant: None,
             priority: self.priority,
+            routing: self.routing,
             deadline: arrived + config.timeout_for(self.timeout),
         })
     }

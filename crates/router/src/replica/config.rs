@@ -2,6 +2,7 @@
 //! the simulator's flags both set) and [`ReplicaConfig`] (plus the replica's identity and seed).
 
 use tandem_indexer::ApproxConfig;
+use tandem_protocol::{BlockSize, HashSeed};
 
 use crate::breaker::{BreakerConfig, RetryBudgetConfig};
 use crate::disagg::DisaggConfig;
@@ -9,7 +10,9 @@ use crate::error::ConfigError;
 use crate::pool::PoolConfig;
 use crate::registry::PolicyConfig;
 use crate::saturation::SaturationConfig;
+use crate::sessions::SessionConfig;
 use crate::tracker::{RouterId, TrackerConfig};
+use crate::view::{PREFIX_KEY_TOKENS, RouteRequest};
 
 /// How requests are routed: one type for the frontend and `tandem sim`, so a simulated
 /// router is configured exactly as a live one.
@@ -35,6 +38,10 @@ pub struct RoutingConfig {
     /// ([`crate::KvSource::Approximate`]): how long a routed prompt counts as cached there,
     /// and the most (worker, block) entries kept, oldest pruned first.
     pub approx: ApproxConfig,
+    /// Route every worker on the replica's own decisions ([`crate::KvSource::Approximate`]),
+    /// whatever it says it publishes: for engines whose KV events do not reach the router.
+    /// KV events that still arrive are dropped.
+    pub approximate_kv: bool,
     /// When a decode worker counts as saturated, for flow control
     /// ([`crate::RoutingReplica::route_admitted`]); the policies themselves ignore it.
     pub saturation: SaturationConfig,
@@ -42,16 +49,39 @@ pub struct RoutingConfig {
     pub breaker: BreakerConfig,
     /// Retries (and hedges) allowed per recent success.
     pub retry_budget: RetryBudgetConfig,
+    /// Session affinity ([`crate::sessions`]): for requests that name a session.
+    pub sessions: SessionConfig,
 }
 
 impl RoutingConfig {
+    /// The [`RouteRequest`] of a prompt under this configuration: its prefix key over the
+    /// `prefix-hash` policy's `k` tokens.
+    pub fn route_request(
+        &self,
+        tokens: &[u32],
+        block_size: BlockSize,
+        seed: HashSeed,
+    ) -> RouteRequest {
+        let mut r = RouteRequest::from_tokens(tokens, block_size, seed);
+        if self.policy.prefix_hash.prefix_tokens != PREFIX_KEY_TOKENS {
+            r.prefix_key = self.policy.prefix_hash.key(tokens, seed);
+        }
+        r
+    }
+
     /// Checks every knob (the policy's by building it).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.pool.validate()?;
         self.saturation.validate()?;
         self.breaker.validate()?;
         self.retry_budget.validate()?;
+        self.sessions.validate()?;
         self.policy.build()?;
+        // Every policy's knobs, not only the chosen one's: a bad flag is an error whatever
+        // the policy.
+        self.policy.kv.validate()?;
+        self.policy.cache_aware.validate()?;
+        self.policy.prefix_hash.validate()?;
         self.disagg.validate()?;
         at_least_one("approximate KV TTL (ms)", self.approx.ttl_ms)?;
         at_least_one(

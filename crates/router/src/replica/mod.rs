@@ -51,8 +51,9 @@ use crate::disagg::{self, DisaggDecision, DisaggReason};
 use crate::error::{ConfigError, RouteError};
 use crate::pool::{PoolConfig, Router, RouterConfig};
 use crate::rng::Rng;
+use crate::sessions::{SessionKey, SessionOutcome, Sessions};
 use crate::tracker::{ActiveSequences, NewSequence, SyncMessage};
-use crate::view::{Decision, RouteRequest, WorkerView};
+use crate::view::{Decision, RouteRequest, Rule, WorkerView};
 
 /// Tracker ids of a request's prefill part: the request id with the top bit set.
 const PREFILL_BIT: u64 = 1 << 63;
@@ -114,6 +115,9 @@ pub struct RouteInput<'a> {
     /// for [`KvSource::Events`] workers only: approximate workers' overlap always comes from
     /// the replica's own decisions.
     pub overlap: Option<&'a OverlapScores>,
+    /// The session the request belongs to: pinned to its last worker while that one can take
+    /// it ([`crate::sessions`]).
+    pub session: Option<SessionKey>,
 }
 
 /// A request's place in the tracker, held by whoever owns the request until it ends.
@@ -124,6 +128,7 @@ pub struct InFlight {
     /// The prefill entry still counts on the prefill worker.
     prefill_booked: bool,
     first_token: bool,
+    session: Option<SessionKey>,
 }
 
 impl InFlight {
@@ -147,6 +152,8 @@ pub struct Plan {
     pub decision: DisaggDecision,
     pub flight: InFlight,
     pub sync: Vec<SyncMessage>,
+    /// For a request with a session: what routing did with it.
+    pub session: Option<SessionOutcome>,
 }
 
 impl Plan {
@@ -191,6 +198,7 @@ pub struct RoutingReplica {
     reports: HashMap<WorkerId, LoadReport>,
     breakers: Breakers,
     retry_budget: RetryBudget,
+    sessions: Sessions,
 }
 
 impl RoutingReplica {
@@ -212,6 +220,7 @@ impl RoutingReplica {
             reports: HashMap::new(),
             breakers: Breakers::new(r.breaker),
             retry_budget: RetryBudget::new(r.retry_budget),
+            sessions: Sessions::new(r.sessions),
             config,
         })
     }
@@ -224,6 +233,11 @@ impl RoutingReplica {
     pub fn apply(&mut self, input: Input<'_>, now_ms: u64) -> Result<Vec<Repair>, FeedError> {
         Ok(match input {
             Input::Joined { worker, role, kv } => {
+                let kv = if self.config.routing.approximate_kv {
+                    KvSource::Approximate
+                } else {
+                    kv
+                };
                 let joined_ms = self.pool_of(worker).map_or(now_ms, |m| m.joined_ms);
                 self.decode.remove(&worker);
                 self.prefill.remove(&worker);
@@ -236,6 +250,7 @@ impl RoutingReplica {
                 // one goes; and a new process (a restart), whose breaker starts closed.
                 self.approx.remove_worker(worker);
                 self.breakers.remove(worker);
+                self.sessions.remove_worker(worker);
                 match kv {
                     KvSource::Events => self.feed.join(worker).into_iter().collect(),
                     KvSource::Approximate => {
@@ -254,6 +269,7 @@ impl RoutingReplica {
                 self.feed.leave(worker);
                 self.approx.remove_worker(worker);
                 self.tracker.remove_worker(worker);
+                self.sessions.remove_worker(worker);
                 Vec::new()
             }
             Input::KvEvents(batch) => self.feed.apply(batch),
@@ -422,7 +438,17 @@ impl RoutingReplica {
         } else {
             &cfg.disagg.decode_pool
         };
-        let decode = self.views(&self.decode, decode_pool, scores, excluded, now_ms);
+        let mut decode = self.views(&self.decode, decode_pool, scores, excluded, now_ms);
+        // A pinned session whose worker can take it: that worker is the only candidate (the
+        // disaggregation rule still decides where to prefill).
+        let pinned = input
+            .session
+            .and_then(|key| self.sessions.pinned(key, now_ms))
+            .and_then(|w| decode.iter().find(|v| v.id == w).copied())
+            .filter(|v| !decode_pool.is_busy(&v.load) && !self.is_saturated(v.id));
+        if let Some(v) = pinned {
+            decode = vec![v];
+        }
         if decode.is_empty() {
             return Err(if self.decode.is_empty() {
                 RouteError::NoWorkers
@@ -432,15 +458,20 @@ impl RoutingReplica {
                 RouteError::AllExcluded
             });
         }
-        if prefill.is_empty() {
+        let mut decision = if prefill.is_empty() {
             let d = self.router.select(&input.route, &decode, &mut self.rng)?;
-            return Ok(DisaggDecision {
+            DisaggDecision {
                 decode: d,
                 prefill: None,
                 why: DisaggReason::NoPrefillPool,
-            });
+            }
+        } else {
+            disagg::decide(&cfg.disagg, &input.route, &decode, &prefill, &mut self.rng)?
+        };
+        if pinned.is_some() {
+            decision.decode.rule = Rule::Session;
         }
-        disagg::decide(&cfg.disagg, &input.route, &decode, &prefill, &mut self.rng)
+        Ok(decision)
     }
 
     /// Records `decision` for `input` in the tracker, and in the approximate index for the
@@ -484,11 +515,16 @@ impl RoutingReplica {
             },
             now_ms,
         ));
+        let session = input
+            .session
+            .filter(|_| self.sessions.config().enabled)
+            .map(|key| self.sessions.bind(key, decision.decode.worker, now_ms));
         let flight = InFlight {
             request,
             remote,
             prefill_booked: remote,
             first_token: false,
+            session: session.and(input.session),
         };
         self.record_approx(decision.decode.worker, input.hashes, now_ms);
         if let Some(p) = &decision.prefill {
@@ -508,6 +544,7 @@ impl RoutingReplica {
             decision,
             flight,
             sync,
+            session,
         })
     }
 
@@ -530,6 +567,9 @@ impl RoutingReplica {
 
     /// The request ended (finished, cancelled, failed, refused): all its load leaves.
     pub fn finish(&mut self, mut flight: InFlight, now_ms: u64) -> Vec<SyncMessage> {
+        if let Some(key) = flight.session {
+            self.sessions.release(key, now_ms);
+        }
         let mut sync = vec![self.tracker.free(flight.request, now_ms)];
         sync.extend(self.release_prefill(&mut flight, now_ms));
         sync
@@ -567,6 +607,11 @@ impl RoutingReplica {
     /// A worker's breaker state.
     pub fn breaker(&self, worker: WorkerId, now_ms: u64) -> BreakerState {
         self.breakers.state(worker, now_ms)
+    }
+
+    /// The session table (its counters are the session metrics).
+    pub fn sessions(&self) -> &Sessions {
+        &self.sessions
     }
 
     pub fn breakers(&self) -> &Breakers {

@@ -378,3 +378,36 @@ fn event_workers_are_unaffected() {
     assert_eq!(picks(&mut a), picks(&mut b));
     assert!(a.approx().is_empty() && b.approx().is_empty());
 }
+
+#[test]
+fn approximate_kv_routes_event_workers_on_decisions() {
+    // `--kv-events false`: workers joining as event workers are approximate all the same.
+    let (tokens, hashes) = prompt(32 * BS, 9);
+    let mut routing = approx_routing();
+    routing.approximate_kv = true;
+    let mut r = replica(routing);
+    for w in [1, 2] {
+        let joined = Input::Joined {
+            worker: WorkerId(w),
+            role: WorkerRole::Aggregated,
+            kv: KvSource::Events,
+        };
+        assert!(r.apply(joined, 0).unwrap().is_empty(), "no dump asked");
+        assert!(!r.feed().is_member(WorkerId(w)));
+    }
+    // Their events are dropped: the exact index stays empty.
+    r.apply(Input::KvEvents(&[stored(1, 1, &hashes)]), 1)
+        .unwrap();
+    let plan = r.route(&input(1, &tokens, &hashes), &[], 2).unwrap();
+    let x = plan.decode_worker();
+    assert_eq!(
+        seen(&plan.decision.decode, WorkerId(1)),
+        TierCounts::default()
+    );
+    r.finish(plan.flight, 3);
+    // The decision is what the next request sees: the whole prompt on `x`.
+    let plan = r.route(&input(2, &tokens, &hashes), &[], 4).unwrap();
+    assert_eq!(plan.decode_worker(), x);
+    assert_eq!(seen(&plan.decision.decode, x), device(hashes.len()));
+    assert_eq!(seen(&plan.decision.decode, other(x)), TierCounts::default());
+}

@@ -83,10 +83,42 @@ fn always_picks_decode_on_load_alone_and_prefill_by_overlap() {
 }
 
 #[test]
-fn isl_bounding_needs_a_short_and_mostly_cached_prompt() {
+fn isl_bounding_prefills_short_uncached_prompts_locally() {
     let pool = [prefill(9, 0)];
-    // 1000 uncached tokens: under 2048 but not under 0.7 × 1000.
+    // Dynamo's rule: 1000 uncached tokens < 2048, local, cached or not.
     let d = run(DisaggMode::IslBounding, &req(1000, 16), &[idle(1)], &pool);
+    assert_eq!(
+        d.why,
+        DisaggReason::ShortEffectivePrompt {
+            effective_tokens: 1000
+        }
+    );
+    // A 10-token "Hello" too (it went remote under the old fraction rule).
+    let d = run(DisaggMode::IslBounding, &req(10, 16), &[idle(1)], &pool);
+    assert!(!d.is_remote(), "{:?}", d.why);
+    // 2048 uncached: remote.
+    let d = run(DisaggMode::IslBounding, &req(2048, 16), &[idle(1)], &pool);
+    assert_eq!(
+        d.why,
+        DisaggReason::LongEffectivePrompt {
+            effective_tokens: 2048
+        }
+    );
+}
+
+#[test]
+fn isl_bounding_with_the_fraction_needs_a_short_and_mostly_cached_prompt() {
+    let pool = [prefill(9, 0)];
+    let run = |r: &RouteRequest, d: &[WorkerView]| {
+        let cfg = DisaggConfig {
+            isl_max_local_fraction: Some(0.7),
+            ..DisaggConfig::default()
+        };
+        cfg.validate().unwrap();
+        decide(&cfg, r, d, &pool, &mut Rng::seed_from_u64(5)).unwrap()
+    };
+    // 1000 uncached tokens: under 2048 but not under 0.7 × 1000.
+    let d = run(&req(1000, 16), &[idle(1)]);
     assert_eq!(
         d.why,
         DisaggReason::LongEffectivePrompt {
@@ -96,7 +128,7 @@ fn isl_bounding_needs_a_short_and_mostly_cached_prompt() {
     assert_eq!(d.prefill_worker(), Some(WorkerId(9)));
     // 3000 tokens with 125 blocks (2000 tokens) cached: 1000 < 2048 and < 2100.
     let cached = [view(1, tiers(100, 20, 5), 0, 0, 0)];
-    let d = run(DisaggMode::IslBounding, &req(3000, 16), &cached, &pool);
+    let d = run(&req(3000, 16), &cached);
     assert_eq!(
         d.why,
         DisaggReason::ShortEffectivePrompt {
@@ -105,7 +137,7 @@ fn isl_bounding_needs_a_short_and_mostly_cached_prompt() {
     );
     assert!(!d.is_remote());
     // 10,000 tokens with the same 2000 cached: 8000 uncached.
-    let d = run(DisaggMode::IslBounding, &req(10_000, 16), &cached, &pool);
+    let d = run(&req(10_000, 16), &cached);
     assert_eq!(
         d.why,
         DisaggReason::LongEffectivePrompt {
@@ -113,11 +145,24 @@ fn isl_bounding_needs_a_short_and_mostly_cached_prompt() {
         }
     );
     // Exactly at the bounds is not below them.
-    let cfg = DisaggConfig::default();
+    let mut cfg = DisaggConfig::default();
     assert!(!cfg.isl_says_local(2048, 100_000));
     assert!(cfg.isl_says_local(2047, 100_000));
+    // Dynamo's rule: a fresh 10-token prompt (nothing cached) prefills on its decode worker.
+    assert!(cfg.isl_says_local(10, 10));
+    assert!(cfg.isl_says_local(2047, 2047));
+    // The opt-in fraction: local only when the decode worker holds more than 30 %.
+    cfg.isl_max_local_fraction = Some(0.7);
+    assert!(!cfg.isl_says_local(10, 10));
     assert!(!cfg.isl_says_local(70, 100));
     assert!(cfg.isl_says_local(69, 100));
+    assert!(!cfg.isl_says_local(2048, 100_000));
+    cfg.isl_max_local_fraction = Some(1.5);
+    assert!(cfg.validate().is_err());
+    cfg.isl_max_local_fraction = Some(f64::NAN);
+    assert!(cfg.validate().is_err());
+    cfg.isl_max_local_fraction = Some(1.0);
+    assert!(cfg.validate().is_ok());
     assert_eq!(effective_prompt_tokens(&req(40, 16), 5), 0);
 }
 

@@ -480,6 +480,7 @@ fn input(request: u64, prompt_tokens: u64) -> (RouteInput<'static>, u64) {
             hashes: Box::leak(hashes.into_boxed_slice()),
             expected_output_tokens: 0,
             overlap: None,
+            session: None,
         },
         prompt_tokens,
     )

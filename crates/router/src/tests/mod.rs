@@ -7,6 +7,7 @@ mod kv;
 mod policies;
 mod pool;
 mod replica;
+mod sessions;
 mod tracker;
 
 use tandem_indexer::TierCounts;

@@ -94,6 +94,7 @@ pub(super) fn input<'a>(id: u64, tokens: &[u32], hashes: &'a [SequenceHash]) -> 
         hashes,
         expected_output_tokens: 16,
         overlap: None,
+        session: None,
     }
 }
 

@@ -23,10 +23,20 @@ impl ClusterBackend {
             .collect();
         let scores = self.remote_matches(&hashes).await;
         let prepared = Arc::new(Prepared {
-            route: RouteRequest::from_tokens(&job.prompt, bs, job.seed),
+            route: RouteRequest {
+                overrides: job.overrides,
+                ..self
+                    .shared
+                    .cfg
+                    .routing
+                    .route_request(&job.prompt, bs, job.seed)
+            },
             hashes,
             scores,
-            max_tokens: job.max_tokens,
+            expected_output_tokens: job
+                .expected_output_tokens
+                .map_or(job.max_tokens, |n| n.min(job.max_tokens)),
+            session: job.session,
         });
         let mut plan = match admission {
             Some(a) => {

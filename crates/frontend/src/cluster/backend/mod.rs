@@ -39,14 +39,16 @@ use tonic::transport::Channel;
 
 use super::flow::{ANONYMOUS, Admission, Gate, PUMP_TICK};
 use super::metrics::RouteCounters;
+use super::sessions::{SessionLimiter, SessionPermit};
 use super::view::{ClusterView, WorkerEntry};
 use crate::http::{
     Backend, EngineReport, FinishReason, Generation, RouteInfo, ServeError, TokenChunk,
     ValidRequest,
 };
 use tandem_router::{
-    FlowConfig, FlowQueue, InFlight, Input, ReplicaConfig, Rng, RouteError, RouteInput,
-    RouteRequest, RouterId, RoutingConfig, SyncMessage, TenantLimits, TtftHistory,
+    FlowConfig, FlowQueue, InFlight, Input, KvOverrides, ReplicaConfig, Rng, RouteError,
+    RouteInput, RouteRequest, RouterId, RoutingConfig, SessionKey, SyncMessage, TenantLimits,
+    TtftHistory,
 };
 
 mod attempts;
@@ -81,6 +83,8 @@ pub struct BackendConfig {
     pub retry_backoff_max: Duration,
     /// Hedged requests (off: None).
     pub hedge: Option<HedgeConfig>,
+    /// Concurrent requests per session at most (None: no cap); see `cluster/sessions.rs`.
+    pub session_cap: Option<u32>,
 }
 
 /// When a request without a first token is started on a second worker.
@@ -119,6 +123,7 @@ impl BackendConfig {
             retry_backoff: Duration::from_millis(25),
             retry_backoff_max: Duration::from_secs(1),
             hedge: None,
+            session_cap: None,
         }
     }
 
@@ -145,6 +150,7 @@ struct Shared {
     gate: Gate<Arc<Prepared>, Plan>,
     /// Recent times to first token by prompt size, for hedging.
     ttft: Mutex<TtftHistory>,
+    sessions: Arc<SessionLimiter>,
 }
 
 /// The frontend's backend over a live cluster. Cheap to clone.
@@ -175,7 +181,10 @@ struct Prepared {
     route: RouteRequest,
     hashes: Vec<SequenceHash>,
     scores: Option<OverlapScores>,
-    max_tokens: u32,
+    /// Output tokens the tracker counts the request for: its expected length, else
+    /// `max_tokens`.
+    expected_output_tokens: u32,
+    session: Option<SessionKey>,
 }
 
 impl ClusterBackend {
@@ -226,7 +235,12 @@ impl ClusterBackend {
             .map_err(|e| ServeError::internal(format!("flow control: {e}")))?;
         let gate = Gate::new(queue, counters.flow.clone());
         let ttft = Mutex::new(TtftHistory::new(cfg.hedge.map_or(20, |h| h.min_samples)));
+        let sessions = Arc::new(SessionLimiter::new(
+            cfg.session_cap,
+            counters.flow.sessions.clone(),
+        ));
         let shared = Arc::new(Shared {
+            sessions,
             ttft,
             gate,
             view,
@@ -349,19 +363,24 @@ impl ClusterBackend {
             request,
             route: p.route,
             hashes: &p.hashes,
-            expected_output_tokens: u64::from(p.max_tokens),
+            expected_output_tokens: u64::from(p.expected_output_tokens),
             overlap: p.scores.as_ref(),
+            session: p.session,
         };
         let now = s.view.now_ms();
         let registry = s.view.registry();
-        let plan = {
+        let (plan, sessions) = {
             let mut replica = s.view.replica().write();
-            if admitted {
+            let plan = if admitted {
                 replica.route_admitted(&input, excluded, now)?
             } else {
                 replica.route(&input, excluded, now)?
-            }
+            };
+            (plan, replica.sessions().len())
         };
+        if let Some(outcome) = plan.session {
+            s.counters.flow.sessions.routed(outcome, sessions);
+        }
         for m in plan.sync.iter().cloned() {
             self.sync(m);
         }
@@ -456,6 +475,12 @@ struct Job {
     top_p: f32,
     /// Past it the request is cancelled (continuations keep the original's).
     deadline: tokio::time::Instant,
+    /// `kv` knob overrides of the request.
+    overrides: KvOverrides,
+    /// Output tokens the client expects (at most `max_tokens`).
+    expected_output_tokens: Option<u32>,
+    /// Its session, keyed with its tenant.
+    session: Option<SessionKey>,
 }
 
 /// A request started on a decode worker, its first chunk in hand.
@@ -608,6 +633,22 @@ impl Backend for ClusterBackend {
             cache_salt: req.cache_salt.clone(),
             top_p: req.top_p,
             deadline: tokio::time::Instant::now() + left,
+            overrides: req.routing.overrides,
+            expected_output_tokens: req.routing.expected_output_tokens,
+            session: req
+                .routing
+                .session
+                .as_deref()
+                .map(|id| SessionKey::new(req.tenant.as_deref(), id)),
+        };
+        let session = match job.session {
+            Some(key) => {
+                // Waits no longer than the queue would.
+                let most = Duration::from_millis(s.cfg.flow.max_wait_ms);
+                let until = job.deadline.min(tokio::time::Instant::now() + most);
+                s.sessions.acquire(key, until).await?
+            }
+            None => None,
         };
         let mut excluded = Vec::new();
         let started = self
@@ -629,6 +670,7 @@ impl Backend for ClusterBackend {
             migrated: false,
             text_only: false,
             usage,
+            _session: session,
         };
         Ok(Generation {
             route,
@@ -664,6 +706,8 @@ struct Run {
     /// The engine answers text, not token ids: no migration (nothing to continue from).
     text_only: bool,
     usage: TenantUse,
+    /// Its place under the session's cap, held until the stream ends.
+    _session: Option<SessionPermit>,
 }
 
 impl Run {

@@ -4,6 +4,7 @@
 mod agents;
 mod auth;
 mod errors;
+mod hints;
 mod ops;
 mod responses;
 mod templates;
