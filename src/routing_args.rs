@@ -6,8 +6,9 @@
 use anyhow::Context;
 use clap::{ArgAction, Args};
 use tandem_router::{
-    ApproxConfig, CacheAwareConfig, DisaggConfig, DisaggMode, KvConfig, PolicyConfig, PolicyKind,
-    PoolConfig, PrefixHashConfig, RoutingConfig, SessionConfig, TrackerConfig,
+    ApproxConfig, CacheAwareConfig, CapacityConfig, DisaggConfig, DisaggMode, KvConfig,
+    PolicyConfig, PolicyKind, PoolConfig, PrefixHashConfig, RoutingConfig, SessionConfig,
+    TrackerConfig,
 };
 
 fn kv() -> KvConfig {
@@ -51,6 +52,12 @@ pub struct RoutingArgs {
     /// kv: cost per active request (a).
     #[arg(long, env = "TANDEM_ACTIVE_REQUEST_WEIGHT", default_value_t = kv().active_request_weight)]
     pub active_request_weight: f64,
+    /// kv: weight of the decode term for interactive requests (standard: 1).
+    #[arg(long, env = "TANDEM_INTERACTIVE_DECODE_WEIGHT", default_value_t = kv().interactive_decode_weight)]
+    pub interactive_decode_weight: f64,
+    /// kv: weight of the decode term for batch requests.
+    #[arg(long, env = "TANDEM_BATCH_DECODE_WEIGHT", default_value_t = kv().batch_decode_weight)]
+    pub batch_decode_weight: f64,
     /// A worker above this KV usage fraction is busy: left out while another is not (off
     /// unless set).
     #[arg(long, env = "TANDEM_BUSY_KV_USAGE")]
@@ -119,6 +126,17 @@ pub struct RoutingArgs {
     /// Sessions remembered at most (least recently used forgotten first).
     #[arg(long, env = "TANDEM_SESSION_MAX", default_value_t = SessionConfig::default().max_sessions)]
     pub session_max: usize,
+    /// Weigh workers by their measured speed (tokens per busy second from their load
+    /// reports, over the pool's median): a worker twice as fast takes about twice the work.
+    #[arg(long, env = "TANDEM_CAPACITY_WEIGHTS", default_value_t = false, action = ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub capacity_weights: bool,
+    /// Weight of the newest speed sample in the moving average, in (0, 1].
+    #[arg(long, env = "TANDEM_CAPACITY_ALPHA", default_value_t = CapacityConfig::default().alpha)]
+    pub capacity_alpha: f64,
+    /// Busy time one speed sample spans at least, milliseconds.
+    #[arg(long, env = "TANDEM_CAPACITY_MIN_BUSY_MS", default_value_t = CapacityConfig::default().min_busy_ms)]
+    pub capacity_min_busy_ms: u64,
     /// Workers without KV events (approximate KV): seconds a prompt routed to one counts as
     /// cached there.
     #[arg(long, env = "TANDEM_KV_APPROX_TTL_S", default_value_t = 120.0)]
@@ -155,6 +173,8 @@ impl RoutingArgs {
             decay: self.kv_decay,
             active_request_weight: self.active_request_weight,
             temperature: self.temperature,
+            interactive_decode_weight: self.interactive_decode_weight,
+            batch_decode_weight: self.batch_decode_weight,
         };
         let policy = PolicyConfig {
             kind,
@@ -203,6 +223,11 @@ impl RoutingArgs {
             disagg,
             merge_load_reports: self.merge_load_reports,
             approximate_kv: !self.route_on_kv_events,
+            capacity: CapacityConfig {
+                enabled: self.capacity_weights,
+                alpha: self.capacity_alpha,
+                min_busy_ms: self.capacity_min_busy_ms,
+            },
             sessions: SessionConfig {
                 enabled: self.session_affinity,
                 ttl_ms: seconds_ms("--session-ttl-s", self.session_ttl_s)?,
@@ -234,6 +259,11 @@ impl RoutingArgs {
             format!("--kv-decay={}", self.kv_decay),
             format!("--temperature={}", self.temperature),
             format!("--active-request-weight={}", self.active_request_weight),
+            format!(
+                "--interactive-decode-weight={}",
+                self.interactive_decode_weight
+            ),
+            format!("--batch-decode-weight={}", self.batch_decode_weight),
             format!("--warmup-s={}", self.warmup_s),
             format!("--cache-aware-balance-abs={}", self.cache_aware_balance_abs),
             format!("--cache-aware-balance-rel={}", self.cache_aware_balance_rel),
@@ -250,6 +280,9 @@ impl RoutingArgs {
             format!("--merge-load-reports={}", self.merge_load_reports),
             format!("--kv-events={}", self.route_on_kv_events),
             format!("--session-affinity={}", self.session_affinity),
+            format!("--capacity-weights={}", self.capacity_weights),
+            format!("--capacity-alpha={}", self.capacity_alpha),
+            format!("--capacity-min-busy-ms={}", self.capacity_min_busy_ms),
             format!("--session-ttl-s={}", self.session_ttl_s),
             format!("--session-max={}", self.session_max),
             format!("--tracker-ttl-s={}", self.tracker_ttl_s),
@@ -297,6 +330,8 @@ mod tests {
             "--kv-decay=1.5",
             "--temperature=0.3",
             "--active-request-weight=4",
+            "--interactive-decode-weight=3",
+            "--batch-decode-weight=0.25",
             "--busy-kv-usage=0.9",
             "--busy-prefill-tokens=5000",
             "--warmup-s=2.5",
@@ -313,6 +348,9 @@ mod tests {
             "--merge-load-reports",
             "--kv-events=false",
             "--session-affinity=false",
+            "--capacity-weights",
+            "--capacity-alpha=0.5",
+            "--capacity-min-busy-ms=80",
             "--session-ttl-s=9",
             "--session-max=12",
             "--tracker-ttl-s=60",
@@ -331,6 +369,10 @@ mod tests {
             (2.0, 1.5, 0.3)
         );
         assert_eq!(kv.active_request_weight, 4.0);
+        assert_eq!(
+            (kv.interactive_decode_weight, kv.batch_decode_weight),
+            (3.0, 0.25)
+        );
         assert_eq!(c.pool.busy_kv_usage, Some(0.9));
         assert_eq!(c.pool.busy_prefill_tokens, Some(5000));
         assert_eq!(c.pool.warmup_ms, 2500);
@@ -361,6 +403,8 @@ mod tests {
         assert!(c.merge_load_reports);
         assert!(c.approximate_kv);
         assert!(!c.sessions.enabled);
+        assert!(c.capacity.enabled);
+        assert_eq!((c.capacity.alpha, c.capacity.min_busy_ms), (0.5, 80));
         assert_eq!((c.sessions.ttl_ms, c.sessions.max_sessions), (9000, 12));
         assert_eq!(c.tracker.ttl_ms, 60_000);
         assert_eq!((c.approx.ttl_ms, c.approx.max_entries), (5000, 77));

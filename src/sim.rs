@@ -46,6 +46,10 @@ pub struct SimArgs {
     /// Divide every mocker step time by this.
     #[arg(long, env = "TANDEM_SIM_SPEEDUP_RATIO", default_value_t = 1.0)]
     speedup_ratio: f64,
+    /// Per-worker speed factors, cycled over the workers (decode first, then prefill): e.g.
+    /// `1,2` makes every other worker twice as fast.
+    #[arg(long, env = "TANDEM_SIM_WORKER_SPEEDUPS", value_delimiter = ',')]
+    worker_speedups: Vec<f64>,
     /// KV events, load reports and sync messages reach routers this much later.
     #[arg(long, env = "TANDEM_SIM_EVENT_DELAY_MS", default_value_t = 0.0)]
     event_delay_ms: f64,
@@ -124,6 +128,7 @@ impl SimArgs {
             },
             sample_interval_us: ms_to_us("--sample-interval-ms", self.sample_interval_ms)?,
             arrival_jitter_us: self.workload.jitter_us()?,
+            worker_speedups: self.worker_speedups.clone(),
         })
     }
 }

@@ -146,6 +146,7 @@ fn drive(r: &mut RoutingReplica) -> Vec<Answer> {
         kv_total_blocks: 1000,
         last_kv_event_id: 0,
         timestamp_ms: 7,
+        ..LoadReport::default()
     };
     apply(r, Input::LoadReport(&report), 7, &mut out);
 

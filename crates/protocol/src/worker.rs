@@ -67,6 +67,13 @@ pub struct LoadReport {
     /// Id of the worker's latest KV event: lets a consumer notice a lost trailing event
     /// (a gap that no later event would reveal).
     pub last_kv_event_id: u64,
+    /// Prompt tokens the engine computed since it started (recomputation included).
+    pub prefill_tokens_total: u64,
+    /// Tokens the engine generated since it started.
+    pub decode_tokens_total: u64,
+    /// Time the engine spent computing steps since it started, microseconds (0: unknown).
+    /// With the token totals, its speed while busy: the router's capacity weights.
+    pub busy_us_total: u64,
 }
 
 impl LoadReport {

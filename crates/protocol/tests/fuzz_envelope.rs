@@ -94,17 +94,23 @@ fn load_report() -> impl Strategy<Value = LoadReport> {
         any::<u32>(),
         any::<u32>(),
         any::<[u64; 4]>(),
+        any::<[u64; 3]>(),
     )
-        .prop_map(|(w, ts, running, waiting, [p, a, t, last])| LoadReport {
-            worker_id: WorkerId(w),
-            timestamp_ms: ts,
-            running_requests: running,
-            waiting_requests: waiting,
-            pending_prefill_tokens: p,
-            kv_active_blocks: a,
-            kv_total_blocks: t,
-            last_kv_event_id: last,
-        })
+        .prop_map(
+            |(w, ts, running, waiting, [p, a, t, last], [pt, dt, busy])| LoadReport {
+                worker_id: WorkerId(w),
+                timestamp_ms: ts,
+                running_requests: running,
+                waiting_requests: waiting,
+                pending_prefill_tokens: p,
+                kv_active_blocks: a,
+                kv_total_blocks: t,
+                last_kv_event_id: last,
+                prefill_tokens_total: pt,
+                decode_tokens_total: dt,
+                busy_us_total: busy,
+            },
+        )
 }
 
 fn worker_record() -> impl Strategy<Value = WorkerRecord> {

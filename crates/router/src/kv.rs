@@ -5,8 +5,18 @@
 //! credit      = c·decay(w)·device_overlap + h·host_overlap + k·disk_overlap
 //! decay(w)    = 1 / (1 + d·excess(w)),
 //! excess(w)   = (backlog(w) − least backlog) / request blocks   (backlog in blocks)
-//! cost(w)     = s·max(raw_prefill − credit, 0) + potential_decode_blocks(w) + a·active_requests(w)
+//! cost(w)     = (s·max(raw_prefill − credit, 0) + potential_decode_blocks(w)
+//!                + a·active_requests(w)) / speed(w)
 //! ```
+//!
+//! The decode term is weighed by the request's band — `interactive_decode_weight` (1.5) for
+//! interactive requests, `batch_decode_weight` (0.5) for batch ones, 1 for standard — so a
+//! request someone waits on avoids workers with many generations in flight (its TPOT), and
+//! batch work follows its cache onto busy workers (throughput).
+//!
+//! `speed(w)` is the worker's capacity weight ([`crate::capacity`]): 1 unless capacity
+//! weights are on and the workers differ, so a worker twice as fast costs half as much for
+//! the same blocks.
 //!
 //! Temperature 0 takes the minimum, ties broken uniformly at random; T > 0 samples
 //! `p(w) ∝ exp(−(cost(w) − min)/((max − min)·T))`: normalising by the range makes T mean the
@@ -34,6 +44,10 @@ pub struct KvConfig {
     pub active_request_weight: f64,
     /// Softmax temperature; 0 picks the minimum.
     pub temperature: f64,
+    /// Weight of the decode term for interactive requests (standard ones: 1).
+    pub interactive_decode_weight: f64,
+    /// Weight of the decode term for batch requests.
+    pub batch_decode_weight: f64,
 }
 
 impl Default for KvConfig {
@@ -46,6 +60,8 @@ impl Default for KvConfig {
             decay: 0.0,
             active_request_weight: 0.0,
             temperature: 0.0,
+            interactive_decode_weight: 1.5,
+            batch_decode_weight: 0.5,
         }
     }
 }
@@ -58,7 +74,21 @@ impl KvConfig {
         non_negative("kv prefill load scale", self.prefill_load_scale)?;
         non_negative("kv decay", self.decay)?;
         non_negative("kv active request weight", self.active_request_weight)?;
-        non_negative("kv temperature", self.temperature)
+        non_negative("kv temperature", self.temperature)?;
+        non_negative(
+            "kv interactive decode weight",
+            self.interactive_decode_weight,
+        )?;
+        non_negative("kv batch decode weight", self.batch_decode_weight)
+    }
+
+    /// The decode term's weight for a request of band `p`.
+    pub fn decode_weight(&self, p: crate::Priority) -> f64 {
+        match p {
+            crate::Priority::Interactive => self.interactive_decode_weight,
+            crate::Priority::Standard => 1.0,
+            crate::Priority::Batch => self.batch_decode_weight,
+        }
     }
 
     /// No credit for any tier: the worker's cache is ignored, only load counts. Used for the
@@ -88,6 +118,7 @@ impl KvConfig {
 pub fn kv_terms(cfg: &KvConfig, req: &RouteRequest, candidates: &[WorkerView]) -> Vec<ScoreTerms> {
     let bs = f64::from(req.block_size.get());
     let request_blocks = req.prompt_blocks();
+    let decode_weight = cfg.decode_weight(req.priority);
     let least_backlog = candidates
         .iter()
         .map(|v| v.load.active_prefill_tokens)
@@ -109,9 +140,10 @@ pub fn kv_terms(cfg: &KvConfig, req: &RouteRequest, candidates: &[WorkerView]) -
                 + cfg.disk_weight * f64::from(v.overlap.disk);
             let raw = (backlog + req.prompt_tokens) as f64 / bs;
             let prefill = (raw - credit).max(0.0);
-            let cost = cfg.prefill_load_scale * prefill
-                + v.load.potential_decode_blocks as f64
-                + cfg.active_request_weight * v.load.active_requests as f64;
+            let cost = (cfg.prefill_load_scale * prefill
+                + decode_weight * v.load.potential_decode_blocks as f64
+                + cfg.active_request_weight * v.load.active_requests as f64)
+                / v.speed;
             ScoreTerms {
                 worker: v.id,
                 overlap: v.overlap,
@@ -121,6 +153,7 @@ pub fn kv_terms(cfg: &KvConfig, req: &RouteRequest, candidates: &[WorkerView]) -
                 prefill_blocks: prefill,
                 decode_blocks: v.load.potential_decode_blocks,
                 active_requests: v.load.active_requests,
+                speed: v.speed,
                 cost,
                 probability: None,
             }

@@ -65,6 +65,7 @@
 
 pub mod breaker;
 pub mod cache_aware;
+pub mod capacity;
 pub mod disagg;
 mod error;
 pub mod flow;
@@ -88,6 +89,7 @@ mod tests;
 
 pub use breaker::{BreakerConfig, BreakerState, Breakers, RetryBudget, RetryBudgetConfig};
 pub use cache_aware::{CacheAwareConfig, CacheAwarePolicy};
+pub use capacity::{Capacity, CapacityConfig};
 pub use disagg::{DisaggConfig, DisaggDecision, DisaggMode, DisaggReason};
 pub use error::{ConfigError, ErrorClass, RouteError};
 pub use flow::{FlowConfig, FlowQueue, Priority, RejectReason, Rejection, TenantLimits};

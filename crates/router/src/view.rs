@@ -49,6 +49,9 @@ pub struct WorkerView {
     /// New to the pool: its load counts as at least the pool's median
     /// (see [`crate::PoolConfig`]).
     pub warming_up: bool,
+    /// Its speed relative to its pool's median ([`crate::capacity`]); 1 for equal workers.
+    /// The `kv` cost divides the worker's load terms by it.
+    pub speed: f64,
 }
 
 impl WorkerView {
@@ -59,6 +62,7 @@ impl WorkerView {
             overlap: TierCounts::default(),
             load,
             warming_up: false,
+            speed: 1.0,
         }
     }
 }
@@ -102,6 +106,9 @@ pub struct RouteRequest {
     /// xxh3 of the first [`PREFIX_KEY_TOKENS`] prompt tokens ([`prefix_key`]).
     pub prefix_key: u64,
     pub overrides: KvOverrides,
+    /// Its band: `kv` weighs the decode term by it ([`crate::KvConfig::interactive_decode_weight`],
+    /// [`crate::KvConfig::batch_decode_weight`]).
+    pub priority: crate::Priority,
 }
 
 impl RouteRequest {
@@ -112,6 +119,7 @@ impl RouteRequest {
             block_size,
             prefix_key: prefix_key(tokens, PREFIX_KEY_TOKENS, seed),
             overrides: KvOverrides::default(),
+            priority: crate::Priority::Standard,
         }
     }
 
@@ -182,6 +190,8 @@ pub struct ScoreTerms {
     pub prefill_blocks: f64,
     pub decode_blocks: u64,
     pub active_requests: u64,
+    /// The worker's capacity weight the load terms were divided by.
+    pub speed: f64,
     /// The score compared; lower is better.
     pub cost: f64,
     /// Chance this worker was the pick given the state, when the policy knows it exactly
@@ -201,6 +211,7 @@ impl ScoreTerms {
             prefill_blocks: 0.0,
             decode_blocks: v.load.potential_decode_blocks,
             active_requests: v.load.active_requests,
+            speed: v.speed,
             cost: v.load.active_requests as f64,
             probability: None,
         }

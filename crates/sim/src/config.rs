@@ -31,6 +31,10 @@ pub struct SimConfig {
     /// whose ~10 requests would otherwise be routed at one instant, before any sync message or
     /// KV event can arrive. 0 (the default): arrivals as generated, no draw made.
     pub arrival_jitter_us: u64,
+    /// Per-worker speed factors (on top of [`EngineSettings::speedup_ratio`]): worker `w` runs
+    /// `worker_speedups[w % len]` times as fast. Empty: every worker alike. For unequal
+    /// clusters (capacity weights).
+    pub worker_speedups: Vec<f64>,
 }
 
 impl SimConfig {
@@ -53,6 +57,7 @@ impl SimConfig {
             slo: Slo::default(),
             sample_interval_us: 1_000_000,
             arrival_jitter_us: 0,
+            worker_speedups: Vec::new(),
         }
     }
 
@@ -77,6 +82,13 @@ impl SimConfig {
         }
         if !positive(self.transfer.transfer_gbps) {
             return bad("--transfer-gbps must be a positive number");
+        }
+        if let Some(f) = self
+            .worker_speedups
+            .iter()
+            .find(|f| !(f.is_finite() && **f > 0.0))
+        {
+            return bad(&format!("--worker-speedups must all be > 0, got {f}"));
         }
         if self.sample_interval_us == 0 {
             return bad("the load sample interval must be positive");

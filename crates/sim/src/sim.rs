@@ -54,7 +54,13 @@ enum Ev {
         first_token: u32,
     },
     Sample,
+    /// Streaming mode with capacity weights on: every worker's load report to every router.
+    ReportTick,
 }
+
+/// How often workers report their load in streaming mode (when the routers use the reports:
+/// capacity weights), as a live worker's `--load-interval-ms` default.
+const REPORT_INTERVAL_US: u64 = 500_000;
 
 struct Worker {
     engine: MockEngine,
@@ -120,7 +126,12 @@ impl<'a> Sim<'a> {
                 },
                 mocker: MockerConfig {
                     kv_shape: KvShape::TIMING_ONLY,
-                    speedup_ratio: cfg.engine.speedup_ratio,
+                    speedup_ratio: cfg.engine.speedup_ratio
+                        * cfg
+                            .worker_speedups
+                            .get(w % cfg.worker_speedups.len().max(1))
+                            .copied()
+                            .unwrap_or(1.0),
                     ..MockerConfig::default()
                 },
             };
@@ -196,9 +207,13 @@ impl<'a> Sim<'a> {
             }
         }
         self.queue.push(0, Ev::Sample);
+        if ep.snapshot_interval_us == 0 && self.cfg.routing.capacity.enabled {
+            self.queue.push(REPORT_INTERVAL_US, Ev::ReportTick);
+        }
         let mut end = 0;
         while let Some((now, ev)) = self.queue.pop() {
-            if self.outstanding == 0 && matches!(ev, Ev::SnapshotTick(_) | Ev::Sample) {
+            let timer = matches!(ev, Ev::SnapshotTick(_) | Ev::Sample | Ev::ReportTick);
+            if self.outstanding == 0 && timer {
                 continue; // periodic timers stop once every request has ended
             }
             end = now;
@@ -250,6 +265,15 @@ impl<'a> Sim<'a> {
                 }
             }
             Ev::TransferDone { i, first_token } => self.transfer_done(i, first_token, now)?,
+            Ev::ReportTick => {
+                let at = now + self.cfg.event_plane.delay_us;
+                for r in 0..self.cfg.topology.routers {
+                    let reports = self.workers.iter().map(|w| w.engine.load_report(now));
+                    let reports = reports.collect();
+                    self.queue.push(at, Ev::Reports { router: r, reports });
+                }
+                self.queue.push(now + REPORT_INTERVAL_US, Ev::ReportTick);
+            }
             Ev::Sample => {
                 let loads: Vec<u64> = self.workers[..self.n_decode as usize]
                     .iter()

@@ -139,6 +139,9 @@ pub struct MockEngine {
     exports: HashMap<RequestId, KvExport>,
     // Reused from step to step.
     sampled: Vec<SampledToken>,
+    /// The in-flight step's duration, µs (0: none), and the steps' total so far.
+    step_us: u64,
+    busy_us: u64,
 }
 
 impl MockEngine {
@@ -195,6 +198,8 @@ impl MockEngine {
             digests: HashMap::new(),
             exports: HashMap::new(),
             sampled: Vec::new(),
+            step_us: 0,
+            busy_us: 0,
         })
     }
 
@@ -274,6 +279,7 @@ impl MockEngine {
             kv_usage,
             speedup,
         );
+        self.step_us = (duration_ms * 1000.0).round() as u64;
         Some(PlannedStep {
             duration_ms,
             step: plan.step,
@@ -288,6 +294,7 @@ impl MockEngine {
     /// Runs the in-flight step's model work (KV bytes, digests, tokens) and completes it.
     /// Empty when no step is in flight.
     pub fn finish_step(&mut self, now_us: u64) -> Vec<RequestOutput> {
+        self.busy_us += std::mem::take(&mut self.step_us);
         let bs = self.sched.pool().block_size().tokens();
         let Some(view) = self.sched.model_view() else {
             return Vec::new();
@@ -450,8 +457,18 @@ impl MockEngine {
         self.sched.pool().dump()
     }
 
+    /// The scheduler's report with the time spent in steps.
     pub fn load_report(&self, now_us: u64) -> LoadReport {
-        self.sched
-            .load_report(self.sched.pool().worker_id(), now_us)
+        LoadReport {
+            busy_us_total: self.busy_us,
+            ..self
+                .sched
+                .load_report(self.sched.pool().worker_id(), now_us)
+        }
+    }
+
+    /// Time spent in finished steps, µs.
+    pub fn busy_us(&self) -> u64 {
+        self.busy_us
     }
 }

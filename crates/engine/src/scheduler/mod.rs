@@ -621,6 +621,9 @@ impl Scheduler {
             kv_active_blocks: self.pool.active_blocks() as u64,
             kv_total_blocks: self.pool.device_capacity() as u64,
             last_kv_event_id: self.pool.last_event_id(),
+            prefill_tokens_total: self.stats.prefill_tokens,
+            decode_tokens_total: self.stats.decode_tokens,
+            busy_us_total: 0,
         }
     }
 }

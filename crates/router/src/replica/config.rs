@@ -5,6 +5,7 @@ use tandem_indexer::ApproxConfig;
 use tandem_protocol::{BlockSize, HashSeed};
 
 use crate::breaker::{BreakerConfig, RetryBudgetConfig};
+use crate::capacity::CapacityConfig;
 use crate::disagg::DisaggConfig;
 use crate::error::ConfigError;
 use crate::pool::PoolConfig;
@@ -51,6 +52,8 @@ pub struct RoutingConfig {
     pub retry_budget: RetryBudgetConfig,
     /// Session affinity ([`crate::sessions`]): for requests that name a session.
     pub sessions: SessionConfig,
+    /// Capacity weights for unequal workers ([`crate::capacity`]).
+    pub capacity: CapacityConfig,
 }
 
 impl RoutingConfig {
@@ -76,6 +79,7 @@ impl RoutingConfig {
         self.breaker.validate()?;
         self.retry_budget.validate()?;
         self.sessions.validate()?;
+        self.capacity.validate()?;
         self.policy.build()?;
         // Every policy's knobs, not only the chosen one's: a bad flag is an error whatever
         // the policy.

@@ -47,6 +47,7 @@ use tandem_protocol::{KvEvent, LoadReport, RequestId, SequenceHash, WorkerId, Wo
 pub use config::{ReplicaConfig, RoutingConfig};
 
 use crate::breaker::{BreakerState, Breakers, RetryBudget};
+use crate::capacity::Capacity;
 use crate::disagg::{self, DisaggDecision, DisaggReason};
 use crate::error::{ConfigError, RouteError};
 use crate::pool::{PoolConfig, Router, RouterConfig};
@@ -199,6 +200,9 @@ pub struct RoutingReplica {
     breakers: Breakers,
     retry_budget: RetryBudget,
     sessions: Sessions,
+    /// Speed estimates of the decode (aggregated) pool and of the prefill pool.
+    capacity_decode: Capacity,
+    capacity_prefill: Capacity,
 }
 
 impl RoutingReplica {
@@ -221,6 +225,8 @@ impl RoutingReplica {
             breakers: Breakers::new(r.breaker),
             retry_budget: RetryBudget::new(r.retry_budget),
             sessions: Sessions::new(r.sessions),
+            capacity_decode: Capacity::new(r.capacity),
+            capacity_prefill: Capacity::new(r.capacity),
             config,
         })
     }
@@ -251,6 +257,8 @@ impl RoutingReplica {
                 self.approx.remove_worker(worker);
                 self.breakers.remove(worker);
                 self.sessions.remove_worker(worker);
+                self.capacity_decode.remove(worker);
+                self.capacity_prefill.remove(worker);
                 match kv {
                     KvSource::Events => self.feed.join(worker).into_iter().collect(),
                     KvSource::Approximate => {
@@ -270,6 +278,8 @@ impl RoutingReplica {
                 self.approx.remove_worker(worker);
                 self.tracker.remove_worker(worker);
                 self.sessions.remove_worker(worker);
+                self.capacity_decode.remove(worker);
+                self.capacity_prefill.remove(worker);
                 Vec::new()
             }
             Input::KvEvents(batch) => self.feed.apply(batch),
@@ -286,6 +296,11 @@ impl RoutingReplica {
                     return Ok(Vec::new());
                 };
                 self.reports.insert(r.worker_id, *r);
+                if self.prefill.contains_key(&r.worker_id) {
+                    self.capacity_prefill.report(r);
+                } else {
+                    self.capacity_decode.report(r);
+                }
                 match kv {
                     KvSource::Events => self
                         .feed
@@ -425,6 +440,8 @@ impl RoutingReplica {
             }
         }
         let excluded = &excluded_all[..];
+        self.capacity_decode.refresh(now_ms);
+        self.capacity_prefill.refresh(now_ms);
         let cfg = &self.config.routing;
         let prefill = self.views(
             &self.prefill,
@@ -721,11 +738,17 @@ impl RoutingReplica {
                     KvSource::Events => scores.exact,
                     KvSource::Approximate => scores.approx,
                 };
+                let capacity = if std::ptr::eq(pool, &self.prefill) {
+                    &self.capacity_prefill
+                } else {
+                    &self.capacity_decode
+                };
                 WorkerView {
                     id,
                     overlap: scores.get(id).unwrap_or_default(),
                     load,
                     warming_up: cfg.is_warming_up(m.joined_ms, now_ms),
+                    speed: capacity.weight(id),
                 }
             })
             .collect()

@@ -264,3 +264,52 @@ fn a_prompt_under_one_block_has_no_excess_division() {
     );
     assert_eq!(d.worker, WorkerId(2));
 }
+
+#[test]
+fn capacity_weights_divide_the_load_terms() {
+    // 64-token prompt, 4 blocks, nothing cached. W1: 8 decode blocks at speed 2 → (4 + 8) / 2
+    // = 6. W2: 2 decode blocks at speed 1 → 4 + 2 = 6. W3: 4 decode blocks, 1 active request
+    // (a = 2) at speed 0.5 → (4 + 4 + 2) / 0.5 = 20.
+    let mut ws = [
+        view(1, tiers(0, 0, 0), 0, 8, 0),
+        view(2, tiers(0, 0, 0), 0, 2, 0),
+        view(3, tiers(0, 0, 0), 0, 4, 1),
+    ];
+    ws[0].speed = 2.0;
+    ws[2].speed = 0.5;
+    let cfg = KvConfig {
+        active_request_weight: 2.0,
+        ..KvConfig::default()
+    };
+    let d = kv_decide(&cfg, &req(64, 16), &ws, &mut Rng::seed_from_u64(1)).unwrap();
+    assert!(close(cost_of(&d, 1), 6.0));
+    assert!(close(cost_of(&d, 2), 6.0));
+    assert!(close(cost_of(&d, 3), 20.0));
+    assert_eq!(d.explain[0].speed, 2.0);
+    // W1 and W2 tie: without the weight W1 (cost 12) would lose to W2.
+    assert_ne!(d.worker, WorkerId(3));
+    ws[0].speed = 1.0;
+    let d = kv_decide(&cfg, &req(64, 16), &ws, &mut Rng::seed_from_u64(1)).unwrap();
+    assert_eq!(d.worker, WorkerId(2));
+}
+
+#[test]
+fn the_band_weighs_the_decode_term() {
+    // 64-token prompt (4 blocks). W1 caches it all and decodes 6 blocks: standard cost
+    // 0 + 6 = 6. W2 caches nothing and decodes 3: 4 + 3 = 7 → W1.
+    // Interactive (×1.5): W1 9, W2 4 + 4.5 = 8.5 → W2.
+    // Batch (×0.5): W1 3, W2 5.5 → W1.
+    let ws = [
+        view(1, tiers(4, 0, 0), 0, 6, 0),
+        view(2, tiers(0, 0, 0), 0, 3, 0),
+    ];
+    let pick = |p: crate::Priority| {
+        let mut r = req(64, 16);
+        r.priority = p;
+        let d = kv_decide(&KvConfig::default(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
+        (d.worker.0, cost_of(&d, 1), cost_of(&d, 2))
+    };
+    assert_eq!(pick(crate::Priority::Standard), (1, 6.0, 7.0));
+    assert_eq!(pick(crate::Priority::Interactive), (2, 9.0, 8.5));
+    assert_eq!(pick(crate::Priority::Batch), (1, 3.0, 5.5));
+}

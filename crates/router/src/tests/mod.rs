@@ -25,6 +25,7 @@ pub(crate) fn req(prompt_tokens: u64, block_size: u32) -> RouteRequest {
         block_size: bs(block_size),
         prefix_key: 0,
         overrides: KvOverrides::default(),
+        priority: crate::Priority::Standard,
     }
 }
 
@@ -50,6 +51,7 @@ pub(crate) fn view(
             active_requests: active,
             kv_usage: 0.0,
         },
+        speed: 1.0,
         warming_up: false,
     }
 }

@@ -126,6 +126,7 @@ fn a_load_report_can_only_raise_the_tracked_load() {
         kv_active_blocks: 50,
         kv_total_blocks: 100,
         last_kv_event_id: 0,
+        ..LoadReport::default()
     });
     assert_eq!(l.active_prefill_tokens, 500);
     assert_eq!(l.active_requests, 6);

@@ -302,3 +302,52 @@ fn peers_moves_count_and_our_echo_does_not() {
     }
     assert_eq!(b.tracker().load(WorkerId(1)).active_requests, 0);
 }
+
+#[test]
+fn capacity_weights_come_from_load_reports() {
+    let mut cfg = kv_only();
+    cfg.pool.warmup_ms = 0;
+    cfg.capacity.enabled = true;
+    let mut r = replica(cfg);
+    join(&mut r, 1, WorkerRole::Aggregated, 0, &[]);
+    join(&mut r, 2, WorkerRole::Aggregated, 0, &[]);
+    join(&mut r, 3, WorkerRole::Aggregated, 0, &[]);
+    // Workers 1 and 2 compute 1 token per busy µs, worker 3 three.
+    for (w, speed) in [(1u64, 1u64), (2, 1), (3, 3)] {
+        for (tokens, busy) in [(0, 1), (1_000_000 * speed, 1_000_001)] {
+            let report = LoadReport {
+                worker_id: WorkerId(w),
+                prefill_tokens_total: tokens,
+                busy_us_total: busy,
+                ..LoadReport::default()
+            };
+            r.apply(Input::LoadReport(&report), 1).unwrap();
+        }
+    }
+    // Four 32-block prompts, nothing cached; each routed one adds 32 prefill blocks and 33
+    // decode blocks (prompt + 16 output tokens) to its worker. Cost of a fresh worker: 32.
+    // Worker 3 after k of them: (32 + 65k) / 3 — 10.7 (k = 0) wins, 32.3 (k = 1) loses to the
+    // empty workers 1 and 2, and once they hold one each (32 + 65 = 97) wins again.
+    let mut picks = Vec::new();
+    for i in 0..4 {
+        let (t, h) = prompt(32 * BS, 10 + i);
+        let plan = r.route(&input(100 + i as u64, &t, &h), &[], 10).unwrap();
+        picks.push(plan.decode_worker().0);
+        let chosen = plan.decision.decode.chosen_terms().unwrap();
+        assert_eq!(
+            chosen.speed,
+            if chosen.worker == WorkerId(3) {
+                3.0
+            } else {
+                1.0
+            }
+        );
+        let want = [32.0 / 3.0, 32.0, 32.0, 97.0 / 3.0][i as usize];
+        assert!((chosen.cost - want).abs() < 1e-9, "{chosen:?}");
+    }
+    assert_eq!(picks[0], 3, "{picks:?}");
+    assert_eq!(&picks[3..], &[3], "{picks:?}");
+    let mut middle = picks[1..3].to_vec();
+    middle.sort_unstable();
+    assert_eq!(middle, [1, 2], "{picks:?}");
+}

@@ -25,6 +25,7 @@ impl ClusterBackend {
         let prepared = Arc::new(Prepared {
             route: RouteRequest {
                 overrides: job.overrides,
+                priority: job.priority,
                 ..self
                     .shared
                     .cfg

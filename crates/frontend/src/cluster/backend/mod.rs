@@ -46,7 +46,7 @@ use crate::http::{
     ValidRequest,
 };
 use tandem_router::{
-    FlowConfig, FlowQueue, InFlight, Input, KvOverrides, ReplicaConfig, Rng, RouteError,
+    FlowConfig, FlowQueue, InFlight, Input, KvOverrides, Priority, ReplicaConfig, Rng, RouteError,
     RouteInput, RouteRequest, RouterId, RoutingConfig, SessionKey, SyncMessage, TenantLimits,
     TtftHistory,
 };
@@ -481,6 +481,8 @@ struct Job {
     expected_output_tokens: Option<u32>,
     /// Its session, keyed with its tenant.
     session: Option<SessionKey>,
+    /// Its band (the `kv` decode term's weight).
+    priority: Priority,
 }
 
 /// A request started on a decode worker, its first chunk in hand.
@@ -634,6 +636,7 @@ impl Backend for ClusterBackend {
             top_p: req.top_p,
             deadline: tokio::time::Instant::now() + left,
             overrides: req.routing.overrides,
+            priority: req.priority,
             expected_output_tokens: req.routing.expected_output_tokens,
             session: req
                 .routing

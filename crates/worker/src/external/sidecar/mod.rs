@@ -462,6 +462,9 @@ impl Sidecar {
             kv_active_blocks: (usage * total as f64).round() as u64,
             kv_total_blocks: total,
             last_kv_event_id: self.inner.relay.as_ref().map_or(0, KvRelay::last_event_id),
+            // Not measured behind an external engine: the router weighs it at the pool's
+            // median speed.
+            ..LoadReport::default()
         }
     }
 
