@@ -8,7 +8,7 @@ use clap::{ArgAction, Args};
 use tandem_router::{
     ApproxConfig, CacheAwareConfig, CapacityConfig, DisaggConfig, DisaggMode, KvConfig,
     PolicyConfig, PolicyKind, PoolConfig, PrefixHashConfig, RoutingConfig, SessionConfig,
-    TrackerConfig,
+    TrackerConfig, TransferCosts,
 };
 
 fn kv() -> KvConfig {
@@ -100,6 +100,22 @@ pub struct RoutingArgs {
     /// it; every fresh prompt, however short, then prefills remotely.
     #[arg(long, env = "TANDEM_ISL_MAX_LOCAL_FRACTION")]
     pub isl_max_local_fraction: Option<f64>,
+    /// Check a remote prefill against a local one: when the best prefill worker's total
+    /// (queue + compute + KV transfer) exceeds the decode worker's (queue + compute), the
+    /// decode worker prefills it.
+    #[arg(long, env = "TANDEM_ISL_COMPARE_LOCAL", default_value_t = false, action = ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub isl_compare_local: bool,
+    /// KV transfer cost per block (in blocks of prefill compute) between workers on one host
+    /// (added to a prefill worker's cost for the blocks its decode worker lacks).
+    #[arg(long, env = "TANDEM_TRANSFER_COST_HOST", default_value_t = TransferCosts::default().same_host)]
+    pub transfer_cost_host: f64,
+    /// … between workers with the same `--topology-rack` label.
+    #[arg(long, env = "TANDEM_TRANSFER_COST_RACK", default_value_t = TransferCosts::default().same_rack)]
+    pub transfer_cost_rack: f64,
+    /// … between any other two workers (or unknown placements).
+    #[arg(long, env = "TANDEM_TRANSFER_COST_OTHER", default_value_t = TransferCosts::default().other)]
+    pub transfer_cost_other: f64,
     /// prefill-load: prefill locally when the best prefill worker has more pending tokens.
     #[arg(long, env = "TANDEM_PREFILL_BUSY_TOKENS", default_value_t = disagg().prefill_busy_tokens)]
     pub prefill_busy_tokens: u64,
@@ -216,6 +232,13 @@ impl RoutingArgs {
                 warmup_ms,
                 ..PoolConfig::default()
             },
+            transfer: TransferCosts {
+                same_process: 0.0,
+                same_host: self.transfer_cost_host,
+                same_rack: self.transfer_cost_rack,
+                other: self.transfer_cost_other,
+            },
+            isl_compare_local: self.isl_compare_local,
         };
         let routing = RoutingConfig {
             policy,
@@ -277,6 +300,10 @@ impl RoutingArgs {
             format!("--disagg={}", self.disagg),
             format!("--isl-max-local-tokens={}", self.isl_max_local_tokens),
             format!("--prefill-busy-tokens={}", self.prefill_busy_tokens),
+            format!("--isl-compare-local={}", self.isl_compare_local),
+            format!("--transfer-cost-host={}", self.transfer_cost_host),
+            format!("--transfer-cost-rack={}", self.transfer_cost_rack),
+            format!("--transfer-cost-other={}", self.transfer_cost_other),
             format!("--merge-load-reports={}", self.merge_load_reports),
             format!("--kv-events={}", self.route_on_kv_events),
             format!("--session-affinity={}", self.session_affinity),
@@ -345,6 +372,10 @@ mod tests {
             "--isl-max-local-tokens=1024",
             "--isl-max-local-fraction=0.5",
             "--prefill-busy-tokens=100",
+            "--isl-compare-local",
+            "--transfer-cost-host=0.1",
+            "--transfer-cost-rack=0.3",
+            "--transfer-cost-other=0.9",
             "--merge-load-reports",
             "--kv-events=false",
             "--session-affinity=false",
@@ -400,6 +431,9 @@ mod tests {
         assert_eq!(c.disagg.isl_max_local_tokens, 1024);
         assert_eq!(c.disagg.isl_max_local_fraction, Some(0.5));
         assert_eq!(c.disagg.prefill_busy_tokens, 100);
+        assert!(c.disagg.isl_compare_local);
+        let t = c.disagg.transfer;
+        assert_eq!((t.same_host, t.same_rack, t.other), (0.1, 0.3, 0.9));
         assert!(c.merge_load_reports);
         assert!(c.approximate_kv);
         assert!(!c.sessions.enabled);

@@ -195,6 +195,10 @@ pub struct WorkerArgs {
     /// Host other processes reach this worker at (the bound port is appended).
     #[arg(long, env = "TANDEM_ADVERTISE_HOST", default_value = "127.0.0.1")]
     pub advertise_host: String,
+    /// Topology label (rack, NVLink domain, zone): workers with the same label move KV
+    /// between them faster than across labels; the router's prefill choice counts it.
+    #[arg(long, env = "TANDEM_TOPOLOGY_RACK", default_value = "")]
+    pub topology_rack: String,
     /// Worker id (random when not given).
     #[arg(long, env = "TANDEM_WORKER_ID")]
     pub worker_id: Option<u64>,
@@ -285,6 +289,7 @@ impl WorkerArgs {
             .engine
             .config(role, id, &self.model, &self.plane.namespace)?;
         c.advertise_host = self.advertise_host.clone();
+        c.rack = self.topology_rack.clone();
         c.corrupt_transfers = self.inject_kv_corruption;
         c.drain_timeout = Duration::from_secs(self.drain_timeout_s);
         c.prefill_timeout = Duration::from_millis(self.prefill_timeout_ms);
@@ -507,6 +512,7 @@ impl WorkerArgs {
         c.engine_model = x.engine_model.clone();
         c.namespace = self.plane.namespace.clone();
         c.advertise_host = self.advertise_host.clone();
+        c.rack = self.topology_rack.clone();
         c.kv_events = x.engine_kv_events.clone();
         c.kv_replay = x.engine_kv_replay.clone();
         c.kv_topic = x.engine_kv_topic.clone();

@@ -62,9 +62,16 @@ pub struct SimArgs {
     /// KV bytes per token moved by a remote prefill (default: 8B model, fp16).
     #[arg(long, env = "TANDEM_SIM_KV_BYTES_PER_TOKEN", default_value_t = 131_072)]
     kv_bytes_per_token: u64,
-    /// Prefill → decode bandwidth, GB/s.
+    /// Prefill → decode bandwidth, GB/s (within a rack when --racks is set).
     #[arg(long, env = "TANDEM_SIM_TRANSFER_GBPS", default_value_t = 25.0)]
     transfer_gbps: f64,
+    /// Prefill → decode bandwidth between racks, GB/s.
+    #[arg(long, env = "TANDEM_SIM_CROSS_RACK_GBPS", default_value_t = 12.5)]
+    cross_rack_gbps: f64,
+    /// Spread the workers over this many racks (worker w in rack w mod N, each its own host),
+    /// registered as their placements (0: none).
+    #[arg(long, env = "TANDEM_SIM_RACKS", default_value_t = 0)]
+    racks: u32,
     /// SLO: time to first token.
     #[arg(long, env = "TANDEM_SIM_SLO_TTFT_MS", default_value_t = 2000.0)]
     slo_ttft_ms: f64,
@@ -99,6 +106,7 @@ impl SimArgs {
                 prefill_workers: self.prefill_workers,
                 routers: self.routers,
                 replica_sync: self.replica_sync,
+                racks: self.racks,
             },
             engine: EngineSettings {
                 device_blocks: self.device_blocks,
@@ -120,6 +128,7 @@ impl SimArgs {
             transfer: TransferConfig {
                 kv_bytes_per_token: self.kv_bytes_per_token,
                 transfer_gbps: self.transfer_gbps,
+                cross_rack_gbps: self.cross_rack_gbps,
             },
             slo: Slo {
                 ttft_ms: self.slo_ttft_ms,

@@ -1,6 +1,7 @@
 //! A whole tandem cluster as real processes for the multi-process tests: etcd and
 //! nats-server (through `tandem_runtime::external`), prefill and decode workers and a
-//! frontend, each the built `tandem` binary with its output in a log file.
+//! frontend (more replicas with [`Cluster::spawn_frontend`]), each the built `tandem` binary
+//! with its output in a log file.
 //!
 //! - Every process is killed and reaped when the [`Cluster`] (or the [`Proc`]) is dropped;
 //!   when that happens during a panic the logs' tails are printed, so a failing test shows
@@ -306,6 +307,9 @@ pub struct Cluster {
     pub opts: Options,
     /// None only while starting.
     frontend: Option<Proc>,
+    /// Frontend replicas after the first ([`Cluster::spawn_frontend`]): frontend `i` is
+    /// `more_frontends[i - 1]`.
+    more_frontends: Vec<(Proc, SocketAddr)>,
     pub workers: Vec<Proc>,
     /// The stand-in engines behind the workers (`Options::engine`), by worker id.
     pub engines: Vec<Engine>,
@@ -349,6 +353,7 @@ impl Cluster {
             namespace,
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             frontend: None,
+            more_frontends: Vec::new(),
             dir,
             opts: opts.clone(),
             workers: Vec::new(),
@@ -509,6 +514,24 @@ impl Cluster {
     }
 
     fn start_frontend(&mut self) {
+        let (proc, addr) = self.launch_frontend("frontend");
+        self.frontend = Some(proc);
+        self.addr = addr;
+    }
+
+    /// Starts one more frontend replica on the same etcd and NATS, with the same flags
+    /// (`Options::frontend_args`; its router id is its own, drawn at random), and waits until
+    /// it is healthy and sees every worker; its index for [`Cluster::addr_of`] and the other
+    /// `_of`/`_to`/`_via` methods (the first frontend is 0).
+    pub fn spawn_frontend(&mut self) -> usize {
+        let i = self.more_frontends.len() + 1;
+        let started = self.launch_frontend(&format!("frontend{i}"));
+        self.more_frontends.push(started);
+        i
+    }
+
+    /// Starts a frontend process named `name` on a free port and waits until it is ready.
+    fn launch_frontend(&self, name: &str) -> (Proc, SocketAddr) {
         for attempt in 0..3 {
             let port = free_port().unwrap();
             let mut args = vec!["frontend".to_string()];
@@ -523,30 +546,30 @@ impl Cluster {
                 .map(String::from),
             );
             args.extend(self.opts.frontend_args.iter().cloned());
-            let log = self.dir.join(format!("frontend-{attempt}.log"));
-            self.frontend = Some(Proc::spawn("frontend", "frontend", &args, &log));
-            self.addr = SocketAddr::from(([127, 0, 0, 1], port));
-            if self.wait_ready() {
-                return;
+            let log = self.dir.join(format!("{name}-{attempt}.log"));
+            let mut proc = Proc::spawn(name, "frontend", &args, &log);
+            let addr = SocketAddr::from(([127, 0, 0, 1], port));
+            if self.wait_ready(&mut proc, addr) {
+                return (proc, addr);
             }
             // The port was taken between picking and binding: try another.
         }
-        panic!("the frontend did not start");
+        panic!("{name} did not start");
     }
 
-    /// Waits for `/health` and the worker counts; false when the frontend exited.
-    fn wait_ready(&mut self) -> bool {
+    /// Waits for `/health` and the worker counts at `addr`; false when `proc` exited.
+    fn wait_ready(&self, proc: &mut Proc, addr: SocketAddr) -> bool {
         let (d, p) = (self.opts.decode as u64, self.opts.prefill as u64);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Some(status) = self.frontend().exited() {
-                eprintln!("frontend exited during startup: {status}");
-                self.frontend().print_tail();
+            if let Some(status) = proc.exited() {
+                eprintln!("{} exited during startup: {status}", proc.name);
+                proc.print_tail();
                 return false;
             }
-            let healthy = http::get(self.addr, "/health").is_ok_and(|r| r.status == 200);
+            let healthy = http::get(addr, "/health").is_ok_and(|r| r.status == 200);
             if healthy
-                && let Some(m) = self.try_metrics()
+                && let Some(m) = try_metrics(addr)
                 && m.0.get("tandem_workers{role=\"decode\"}") == Some(&(d as f64))
                 && m.0.get("tandem_workers{role=\"prefill\"}") == Some(&(p as f64))
             {
@@ -554,10 +577,10 @@ impl Cluster {
             }
             assert!(
                 Instant::now() < deadline,
-                "cluster {} not ready: health {healthy}, metrics {:?}",
+                "cluster {} not ready: {} health {healthy}, metrics {:?}",
                 self.name,
-                self.try_metrics()
-                    .map(|m| (m.decode_workers(), m.prefill_workers()))
+                proc.name,
+                try_metrics(addr).map(|m| (m.decode_workers(), m.prefill_workers()))
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -565,6 +588,33 @@ impl Cluster {
 
     pub fn frontend(&mut self) -> &mut Proc {
         self.frontend.as_mut().expect("the frontend process")
+    }
+
+    /// How many frontend replicas the cluster started.
+    pub fn frontends(&self) -> usize {
+        1 + self.more_frontends.len()
+    }
+
+    /// The process of frontend `i` (0 is [`Cluster::frontend`]).
+    pub fn frontend_of(&mut self, i: usize) -> &mut Proc {
+        match i {
+            0 => self.frontend(),
+            i => {
+                &mut self
+                    .more_frontends
+                    .get_mut(i - 1)
+                    .expect("no such frontend")
+                    .0
+            }
+        }
+    }
+
+    /// The HTTP address of frontend `i` (0 is [`Cluster::addr`]).
+    pub fn addr_of(&self, i: usize) -> SocketAddr {
+        match i {
+            0 => self.addr,
+            i => self.more_frontends.get(i - 1).expect("no such frontend").1,
+        }
     }
 
     /// Starts worker `id` again (after it was killed): a new process under the same id.
@@ -582,12 +632,16 @@ impl Cluster {
     }
 
     fn try_metrics(&self) -> Option<Metrics> {
-        let r = http::get(self.addr, "/metrics").ok()?;
-        (r.status == 200).then(|| Metrics::parse(&r.text()))
+        try_metrics(self.addr)
     }
 
     pub fn metrics(&self) -> Metrics {
         self.try_metrics().expect("GET /metrics")
+    }
+
+    /// `/metrics` of frontend `i`.
+    pub fn metrics_of(&self, i: usize) -> Metrics {
+        try_metrics(self.addr_of(i)).unwrap_or_else(|| panic!("GET /metrics of frontend {i}"))
     }
 
     /// Polls `/metrics` until `check` holds (up to `timeout`); returns the metrics then.
@@ -616,15 +670,25 @@ impl Cluster {
     }
 
     pub fn post(&self, path: &str, body: &serde_json::Value) -> Response {
-        http::post_json(self.addr, path, &body.to_string())
-            .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+        self.post_to(0, path, body)
+    }
+
+    /// `POST path` to frontend `i`.
+    pub fn post_to(&self, i: usize, path: &str, body: &serde_json::Value) -> Response {
+        http::post_json(self.addr_of(i), path, &body.to_string())
+            .unwrap_or_else(|e| panic!("POST {path} to frontend {i}: {e}"))
     }
 
     /// A chat completion that must succeed; checks that the cached-tokens header and the
     /// usage agree.
     pub fn chat(&self, body: &serde_json::Value) -> Routed {
-        let r = self.post("/v1/chat/completions", body);
-        assert_eq!(r.status, 200, "chat failed: {}", r.text());
+        self.chat_via(0, body)
+    }
+
+    /// [`Cluster::chat`] through frontend `i`.
+    pub fn chat_via(&self, i: usize, body: &serde_json::Value) -> Routed {
+        let r = self.post_to(i, "/v1/chat/completions", body);
+        assert_eq!(r.status, 200, "chat via frontend {i} failed: {}", r.text());
         routed(&r)
     }
 }
@@ -652,6 +716,12 @@ impl Engine {
         let r = http::post_json(self.addr, "/standin/drop-next-event", "{}").unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
     }
+}
+
+/// `/metrics` at `addr`, when it answers 200.
+fn try_metrics(addr: SocketAddr) -> Option<Metrics> {
+    let r = http::get(addr, "/metrics").ok()?;
+    (r.status == 200).then(|| Metrics::parse(&r.text()))
 }
 
 /// Reads the routing headers of a successful chat completion.
@@ -685,6 +755,9 @@ impl Drop for Cluster {
             if let Some(f) = &self.frontend {
                 f.print_tail();
             }
+            for (f, _) in &self.more_frontends {
+                f.print_tail();
+            }
             for w in &self.workers {
                 w.print_tail();
             }
@@ -693,6 +766,9 @@ impl Drop for Cluster {
             }
         }
         if let Some(f) = &mut self.frontend {
+            f.kill9();
+        }
+        for (f, _) in &mut self.more_frontends {
             f.kill9();
         }
         for w in &mut self.workers {

@@ -212,6 +212,7 @@ mod tests {
                 kv_transfer: None,
             },
             kv_events: true,
+            placement: Default::default(),
         };
         assert_eq!(WorkerRecord::decode(&rec.encode().unwrap()).unwrap(), rec);
     }

@@ -34,4 +34,6 @@ pub use events::{KvDump, KvEvent, KvEventKind, StoredBlock};
 pub use hashing::{BlockHashes, BlockSize, HashSeed, InvalidBlockSize, TokenBlockHasher};
 pub use ids::{LocalBlockHash, RequestId, SequenceHash, StorageTier, WorkerId};
 pub use rng::Rng;
-pub use worker::{LoadReport, TierCapacity, WorkerAddresses, WorkerRecord, WorkerRole};
+pub use worker::{
+    Distance, LoadReport, Placement, TierCapacity, WorkerAddresses, WorkerRecord, WorkerRole,
+};

@@ -33,6 +33,60 @@ pub struct WorkerAddresses {
     pub kv_transfer: Option<String>,
 }
 
+/// Where a worker runs, for the cost of moving KV between two workers: the same process
+/// (an in-process transfer), the same host, the same rack, or farther. Empty fields are
+/// unknown (never equal to anything).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Placement {
+    /// The worker's process, unique per run (e.g. host, pid and start time).
+    pub process: String,
+    /// Its host (by default the address it advertises).
+    pub host: String,
+    /// A topology label: rack, NVLink domain, zone — whatever shares the fast network.
+    pub rack: String,
+}
+
+/// How far apart two placements are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Distance {
+    SameProcess,
+    SameHost,
+    SameRack,
+    /// Different racks, or unknown.
+    Other,
+}
+
+impl Placement {
+    /// This process on `host`, in `rack`: the process is named by its id and start time, so
+    /// two runs never share one.
+    pub fn here(host: &str, rack: &str) -> Placement {
+        static STARTED: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
+        let started = STARTED.get_or_init(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        });
+        Placement {
+            process: format!("{host}/{}/{started}", std::process::id()),
+            host: host.to_string(),
+            rack: rack.to_string(),
+        }
+    }
+
+    pub fn distance(&self, other: &Placement) -> Distance {
+        let same = |a: &str, b: &str| !a.is_empty() && a == b;
+        if same(&self.process, &other.process) {
+            Distance::SameProcess
+        } else if same(&self.host, &other.host) {
+            Distance::SameHost
+        } else if same(&self.rack, &other.rack) {
+            Distance::SameRack
+        } else {
+            Distance::Other
+        }
+    }
+}
+
 /// A worker as registered in discovery.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerRecord {
@@ -46,6 +100,8 @@ pub struct WorkerRecord {
     /// whose events are not relayed: the router then remembers its own decisions for it
     /// (approximate KV).
     pub kv_events: bool,
+    /// Where it runs (KV transfer cost between workers).
+    pub placement: Placement,
 }
 
 /// A worker's load, published periodically on the event plane.

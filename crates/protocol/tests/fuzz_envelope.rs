@@ -142,6 +142,7 @@ fn worker_record() -> impl Strategy<Value = WorkerRecord> {
                 },
                 addresses: WorkerAddresses { grpc, kv_transfer },
                 kv_events,
+                placement: Default::default(),
             },
         )
 }
@@ -445,6 +446,7 @@ fn large_valid_messages_decode_in_every_size_class() {
             kv_capacity: TierCapacity::default(),
             addresses: WorkerAddresses::default(),
             kv_events: true,
+            placement: Default::default(),
         };
         let bytes = record.encode().unwrap();
         assert_eq!(

@@ -19,13 +19,26 @@
 //! - `isl-or-load`: local if either rule says local;
 //! - `always` / `never`: always remote / always local.
 //!
-//! The prefill worker is chosen by `kv` over the prefill pool, where prefix overlap dominates.
+//! The prefill worker is chosen by `kv` over the prefill pool, where prefix overlap dominates,
+//! plus the cost of moving the KV to D: the prompt blocks D does not hold, times the per-block
+//! cost of the distance between the two ([`TransferCosts`]: same process, host, rack, other —
+//! from the workers' registered placements), in block-equivalents of prefill compute. So a
+//! prefill worker next to D wins a tie, and a far one must hold that much more of the prompt.
+//! With [`DisaggConfig::isl_compare_local`], a remote prefill the rule chose is also checked
+//! against doing it on D: if the prefill worker's total (queue + compute + transfer, in
+//! blocks, over its speed) exceeds D's (queue + compute, over D's speed), D prefills it.
 //! An empty prefill pool means local prefill whatever the mode.
+//!
+//! Default per-block transfer costs, for an 8B model in fp16 (128 KiB per token, 2 MiB per
+//! 16-token block) whose prefill computes a block in ~0.33 ms (the mocker's 8,192-token chunk
+//! in 169 ms): same process 0 (no copy over a network), same host 0.06 (NVLink / PCIe at
+//! ~100 GB/s: 0.02 ms), same rack 0.25 (a 200 Gb/s NIC: 0.08 ms), other 0.5 (half that
+//! across racks).
 
 use std::fmt;
 use std::str::FromStr;
 
-use tandem_protocol::WorkerId;
+use tandem_protocol::{Distance, WorkerId};
 
 use crate::error::{ConfigError, RouteError};
 use crate::kv::{KvConfig, kv_decide};
@@ -85,6 +98,51 @@ impl FromStr for DisaggMode {
     }
 }
 
+/// Cost of moving one KV block between two workers, in blocks of prefill compute, by their
+/// distance ([`tandem_protocol::Distance`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TransferCosts {
+    pub same_process: f64,
+    pub same_host: f64,
+    pub same_rack: f64,
+    pub other: f64,
+}
+
+impl Default for TransferCosts {
+    fn default() -> Self {
+        TransferCosts {
+            same_process: 0.0,
+            same_host: 0.06,
+            same_rack: 0.25,
+            other: 0.5,
+        }
+    }
+}
+
+impl TransferCosts {
+    pub fn per_block(&self, d: tandem_protocol::Distance) -> f64 {
+        use tandem_protocol::Distance::*;
+        match d {
+            SameProcess => self.same_process,
+            SameHost => self.same_host,
+            SameRack => self.same_rack,
+            Other => self.other,
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (name, v) in [
+            ("transfer cost (same process)", self.same_process),
+            ("transfer cost (same host)", self.same_host),
+            ("transfer cost (same rack)", self.same_rack),
+            ("transfer cost (other)", self.other),
+        ] {
+            crate::error::non_negative(name, v)?;
+        }
+        Ok(())
+    }
+}
+
 /// Knobs of the disaggregation rule and of the two pools' selection.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DisaggConfig {
@@ -101,6 +159,10 @@ pub struct DisaggConfig {
     pub prefill_kv: KvConfig,
     pub decode_pool: PoolConfig,
     pub prefill_pool: PoolConfig,
+    /// Per-block KV transfer cost by distance, added to each prefill worker's cost.
+    pub transfer: TransferCosts,
+    /// Check a remote prefill against a local one (see the module docs). Off by default.
+    pub isl_compare_local: bool,
 }
 
 impl Default for DisaggConfig {
@@ -116,6 +178,8 @@ impl Default for DisaggConfig {
             prefill_kv: KvConfig::default(),
             decode_pool: PoolConfig::default(),
             prefill_pool: PoolConfig::default(),
+            transfer: TransferCosts::default(),
+            isl_compare_local: false,
         }
     }
 }
@@ -131,6 +195,7 @@ impl DisaggConfig {
                 value: f,
             });
         }
+        self.transfer.validate()?;
         self.decode_kv.validate()?;
         self.prefill_kv.validate()?;
         self.decode_pool.validate()?;
@@ -152,7 +217,7 @@ impl DisaggConfig {
 }
 
 /// Why the request prefills where it does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum DisaggReason {
     /// No prefill workers: local.
     NoPrefillPool,
@@ -173,6 +238,10 @@ pub enum DisaggReason {
         effective_tokens: u64,
         backlog_tokens: u64,
     },
+    /// The rule said remote, but the best prefill worker's total (queue + compute +
+    /// transfer, blocks over its speed) was above the decode worker's local one
+    /// ([`DisaggConfig::isl_compare_local`]).
+    LocalSooner { remote_cost: f64, local_cost: f64 },
     /// A remote prefill was chosen, but the caller prefills locally after all (the simulator's
     /// decode worker had no room to reserve the KV's blocks).
     Fallback,
@@ -236,13 +305,46 @@ fn pick(
     Ok((d, view))
 }
 
+/// The prefill pool's pick for decode worker `d` (holding `d_blocks` leading prompt blocks):
+/// each candidate's cost adds the transfer of the blocks `d` lacks over their distance.
+fn pick_prefill(
+    cfg: &DisaggConfig,
+    req: &RouteRequest,
+    prefill: &[WorkerView],
+    (d, d_blocks): (WorkerId, u32),
+    distance: &dyn Fn(WorkerId, WorkerId) -> Distance,
+    rng: &mut Rng,
+) -> Result<(Decision, WorkerView), RouteError> {
+    let moved = req.full_prompt_blocks().saturating_sub(u64::from(d_blocks)) as f64;
+    let views: Vec<WorkerView> = prefill
+        .iter()
+        .map(|v| WorkerView {
+            extra_cost: moved * cfg.transfer.per_block(distance(v.id, d)),
+            ..*v
+        })
+        .collect();
+    pick(&cfg.prefill_kv, &cfg.prefill_pool, req, &views, rng)
+}
+
+/// A remote prefill's total and a local one's, in blocks over each worker's speed:
+/// (remote, local).
+fn remote_and_local(p: &Decision, d: &Decision) -> (f64, f64) {
+    let total = |dec: &Decision| {
+        dec.chosen_terms()
+            .map_or(0.0, |t| t.prefill_blocks / t.speed + t.transfer)
+    };
+    (total(p), total(d))
+}
+
 /// Picks the decode worker, and the prefill worker when prefill is remote. `cfg` should have
-/// passed [`DisaggConfig::validate`].
+/// passed [`DisaggConfig::validate`]. `distance` says how far apart two workers are (their
+/// registered placements), for the KV transfer's cost.
 pub fn decide(
     cfg: &DisaggConfig,
     req: &RouteRequest,
     decode: &[WorkerView],
     prefill: &[WorkerView],
+    distance: &dyn Fn(WorkerId, WorkerId) -> Distance,
     rng: &mut Rng,
 ) -> Result<DisaggDecision, RouteError> {
     req.overrides.validate()?;
@@ -256,8 +358,9 @@ pub fn decide(
         let mut load_only = *req;
         load_only.overrides.overlap_credit = None;
         let kv = cfg.decode_kv.without_credit();
-        let (d, _) = pick(&kv, &cfg.decode_pool, &load_only, decode, rng)?;
-        let (p, _) = pick(&cfg.prefill_kv, &cfg.prefill_pool, req, prefill, rng)?;
+        let (d, d_view) = pick(&kv, &cfg.decode_pool, &load_only, decode, rng)?;
+        let target = (d.worker, d_view.overlap.total());
+        let (p, _) = pick_prefill(cfg, req, prefill, target, distance, rng)?;
         return Ok(DisaggDecision {
             decode: d,
             prefill: Some(p),
@@ -268,8 +371,27 @@ pub fn decide(
     if prefill.is_empty() {
         return Ok(local(d, DisaggReason::NoPrefillPool));
     }
+    let target = (d.worker, d_view.overlap.total());
     let effective = effective_prompt_tokens(req, d_view.overlap.total());
     let isl_local = cfg.isl_says_local(effective, req.prompt_tokens);
+    // A remote prefill the rule chose, unless doing it on D finishes sooner (when asked).
+    let remote = |d: Decision, p: Decision, why: DisaggReason| {
+        let (remote_cost, local_cost) = remote_and_local(&p, &d);
+        if cfg.isl_compare_local && remote_cost > local_cost {
+            return local(
+                d,
+                DisaggReason::LocalSooner {
+                    remote_cost,
+                    local_cost,
+                },
+            );
+        }
+        DisaggDecision {
+            decode: d,
+            prefill: Some(p),
+            why,
+        }
+    };
     match cfg.mode {
         DisaggMode::Never => return Ok(local(d, DisaggReason::Never)),
         DisaggMode::IslBounding | DisaggMode::IslOrLoad if isl_local => {
@@ -279,19 +401,16 @@ pub fn decide(
             return Ok(local(d, why));
         }
         DisaggMode::IslBounding => {
-            let (p, _) = pick(&cfg.prefill_kv, &cfg.prefill_pool, req, prefill, rng)?;
-            return Ok(DisaggDecision {
-                decode: d,
-                prefill: Some(p),
-                why: DisaggReason::LongEffectivePrompt {
-                    effective_tokens: effective,
-                },
-            });
+            let (p, _) = pick_prefill(cfg, req, prefill, target, distance, rng)?;
+            let why = DisaggReason::LongEffectivePrompt {
+                effective_tokens: effective,
+            };
+            return Ok(remote(d, p, why));
         }
         _ => {}
     }
     // prefill-load, or isl-or-load whose length rule said remote.
-    let (p, p_view) = pick(&cfg.prefill_kv, &cfg.prefill_pool, req, prefill, rng)?;
+    let (p, p_view) = pick_prefill(cfg, req, prefill, target, distance, rng)?;
     let backlog = p_view.load.active_prefill_tokens;
     if cfg.load_says_local(backlog) {
         return Ok(local(
@@ -311,9 +430,5 @@ pub fn decide(
             backlog_tokens: backlog,
         }
     };
-    Ok(DisaggDecision {
-        decode: d,
-        prefill: Some(p),
-        why,
-    })
+    Ok(remote(d, p, why))
 }

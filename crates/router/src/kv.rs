@@ -14,6 +14,9 @@
 //! request someone waits on avoids workers with many generations in flight (its TPOT), and
 //! batch work follows its cache onto busy workers (throughput).
 //!
+//! A prefill worker's cost also adds the transfer of the prompt's KV to the chosen decode
+//! worker, in block-equivalents ([`crate::disagg`]), after the division by its speed.
+//!
 //! `speed(w)` is the worker's capacity weight ([`crate::capacity`]): 1 unless capacity
 //! weights are on and the workers differ, so a worker twice as fast costs half as much for
 //! the same blocks.
@@ -143,7 +146,8 @@ pub fn kv_terms(cfg: &KvConfig, req: &RouteRequest, candidates: &[WorkerView]) -
             let cost = (cfg.prefill_load_scale * prefill
                 + decode_weight * v.load.potential_decode_blocks as f64
                 + cfg.active_request_weight * v.load.active_requests as f64)
-                / v.speed;
+                / v.speed
+                + v.extra_cost;
             ScoreTerms {
                 worker: v.id,
                 overlap: v.overlap,
@@ -154,6 +158,7 @@ pub fn kv_terms(cfg: &KvConfig, req: &RouteRequest, candidates: &[WorkerView]) -
                 decode_blocks: v.load.potential_decode_blocks,
                 active_requests: v.load.active_requests,
                 speed: v.speed,
+                transfer: v.extra_cost,
                 cost,
                 probability: None,
             }

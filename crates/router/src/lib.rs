@@ -90,7 +90,7 @@ mod tests;
 pub use breaker::{BreakerConfig, BreakerState, Breakers, RetryBudget, RetryBudgetConfig};
 pub use cache_aware::{CacheAwareConfig, CacheAwarePolicy};
 pub use capacity::{Capacity, CapacityConfig};
-pub use disagg::{DisaggConfig, DisaggDecision, DisaggMode, DisaggReason};
+pub use disagg::{DisaggConfig, DisaggDecision, DisaggMode, DisaggReason, TransferCosts};
 pub use error::{ConfigError, ErrorClass, RouteError};
 pub use flow::{FlowConfig, FlowQueue, Priority, RejectReason, Rejection, TenantLimits};
 pub use hedge::TtftHistory;

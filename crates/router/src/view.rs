@@ -52,6 +52,9 @@ pub struct WorkerView {
     /// Its speed relative to its pool's median ([`crate::capacity`]); 1 for equal workers.
     /// The `kv` cost divides the worker's load terms by it.
     pub speed: f64,
+    /// Blocks added to the `kv` cost after the speed division: for a prefill worker, moving
+    /// the prompt's KV to the chosen decode worker ([`crate::disagg`]); 0 otherwise.
+    pub extra_cost: f64,
 }
 
 impl WorkerView {
@@ -63,6 +66,7 @@ impl WorkerView {
             load,
             warming_up: false,
             speed: 1.0,
+            extra_cost: 0.0,
         }
     }
 }
@@ -192,6 +196,8 @@ pub struct ScoreTerms {
     pub active_requests: u64,
     /// The worker's capacity weight the load terms were divided by.
     pub speed: f64,
+    /// [`WorkerView::extra_cost`]: the KV transfer of a remote prefill, in blocks.
+    pub transfer: f64,
     /// The score compared; lower is better.
     pub cost: f64,
     /// Chance this worker was the pick given the state, when the policy knows it exactly
@@ -212,6 +218,7 @@ impl ScoreTerms {
             decode_blocks: v.load.potential_decode_blocks,
             active_requests: v.load.active_requests,
             speed: v.speed,
+            transfer: 0.0,
             cost: v.load.active_requests as f64,
             probability: None,
         }

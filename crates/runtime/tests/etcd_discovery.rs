@@ -43,6 +43,7 @@ fn record(id: u64, role: WorkerRole) -> WorkerRecord {
             kv_transfer: None,
         },
         kv_events: true,
+        placement: Default::default(),
     }
 }
 

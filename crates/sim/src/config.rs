@@ -49,6 +49,7 @@ impl SimConfig {
                 prefill_workers: 0,
                 routers: 1,
                 replica_sync: true,
+                racks: 0,
             },
             engine: EngineSettings::default(),
             routing: RoutingConfig::default(),
@@ -79,6 +80,9 @@ impl SimConfig {
         }
         if !(self.engine.speedup_ratio.is_finite() && self.engine.speedup_ratio > 0.0) {
             return bad("--speedup-ratio must be a positive number");
+        }
+        if !positive(self.transfer.cross_rack_gbps) {
+            return bad("--cross-rack-gbps must be > 0");
         }
         if !positive(self.transfer.transfer_gbps) {
             return bad("--transfer-gbps must be a positive number");
@@ -137,6 +141,12 @@ pub struct TopologyConfig {
     pub routers: u32,
     /// Replicas share their active-sequence deltas (after the event delay).
     pub replica_sync: bool,
+    /// Racks the workers are spread over (worker `w` in rack `w % racks`, each on its own
+    /// host), registered as the workers' placements: a remote prefill's KV moves at
+    /// [`TransferConfig::transfer_gbps`] within a rack and
+    /// [`TransferConfig::cross_rack_gbps`] across. 0: no placements (every transfer at
+    /// `transfer_gbps`, and the router sees no distances).
+    pub racks: u32,
 }
 
 /// Every worker's engine.
@@ -183,6 +193,8 @@ pub struct TransferConfig {
     pub kv_bytes_per_token: u64,
     /// GB/s (10⁹ bytes per second).
     pub transfer_gbps: f64,
+    /// Between racks ([`TopologyConfig::racks`]), GB/s.
+    pub cross_rack_gbps: f64,
 }
 
 impl Default for TransferConfig {
@@ -191,6 +203,7 @@ impl Default for TransferConfig {
         TransferConfig {
             kv_bytes_per_token: 131_072,
             transfer_gbps: 25.0,
+            cross_rack_gbps: 12.5,
         }
     }
 }

@@ -58,6 +58,16 @@ enum Ev {
     ReportTick,
 }
 
+/// Worker `w`'s placement when the topology has racks: its own host and process, rack
+/// `w % racks`.
+fn placement(t: &crate::config::TopologyConfig, w: u32) -> Option<tandem_protocol::Placement> {
+    (t.racks > 0).then(|| tandem_protocol::Placement {
+        process: format!("p{w}"),
+        host: format!("h{w}"),
+        rack: format!("r{}", w % t.racks),
+    })
+}
+
 /// How often workers report their load in streaming mode (when the routers use the reports:
 /// capacity weights), as a live worker's `--load-interval-ms` default.
 const REPORT_INTERVAL_US: u64 = 500_000;
@@ -168,6 +178,15 @@ impl<'a> Sim<'a> {
                 )? {
                     let reply = RepairReply::Dump(worker.engine.dump());
                     rep.apply(Input::Repaired { worker: id, reply }, 0)?;
+                }
+                if let Some(placement) = placement(&cfg.topology, w as u32) {
+                    rep.apply(
+                        Input::Placed {
+                            worker: id,
+                            placement: &placement,
+                        },
+                        0,
+                    )?;
                 }
             }
             replicas.push(rep);
@@ -544,7 +563,7 @@ impl<'a> Sim<'a> {
                 for m in msgs {
                     self.sync(r, m, now);
                 }
-                self.start_transfer(i, o.token, now);
+                self.start_transfer(i, w, o.token, now);
             }
             return Ok(());
         }
@@ -580,12 +599,19 @@ impl<'a> Sim<'a> {
 
     /// The prefill finished: the KV goes to the decode worker, `bytes / bandwidth` later. Only
     /// the blocks the decode worker did not cache when it reserved them travel.
-    fn start_transfer(&mut self, i: u32, first_token: u32, now: u64) {
+    fn start_transfer(&mut self, i: u32, from: u32, first_token: u32, now: u64) {
         let Some(&tokens) = self.pending.get(&i) else {
             return;
         };
         let t = &self.cfg.transfer;
-        let secs = (tokens * t.kv_bytes_per_token) as f64 / (t.transfer_gbps * 1e9);
+        let racks = self.cfg.topology.racks;
+        let to = self.reqs[i as usize].worker;
+        let gbps = if racks > 0 && from % racks != to % racks {
+            t.cross_rack_gbps
+        } else {
+            t.transfer_gbps
+        };
+        let secs = (tokens * t.kv_bytes_per_token) as f64 / (gbps * 1e9);
         let us = (secs * 1e6).ceil() as u64;
         self.stats.transferred_tokens += tokens;
         self.stats.transfer.record_us(us);

@@ -320,3 +320,32 @@ fn capacity_weights_send_more_work_to_faster_workers_and_cut_latency() {
         off.e2e_mean_ms
     );
 }
+
+#[test]
+fn transfer_aware_prefill_choice_keeps_kv_within_the_rack() {
+    // 4 decode + 2 prefill workers over 2 racks; crossing racks is 10× slower.
+    let run_with = |aware: bool| {
+        let mut syn = shared_prefix(200, 20.0);
+        syn.shape = PromptShape::Random;
+        let mut cfg = SimConfig::synthetic(4, syn);
+        cfg.topology.prefill_workers = 2;
+        cfg.topology.racks = 2;
+        cfg.transfer.cross_rack_gbps = 2.5;
+        cfg.routing.disagg.mode = DisaggMode::Always;
+        if !aware {
+            // Same cost whatever the distance: the choice ignores the topology.
+            cfg.routing.disagg.transfer.same_rack = 0.5;
+        }
+        let r = run(cfg).unwrap();
+        assert_eq!((r.completed, r.remote_prefills), (200, 200));
+        r
+    };
+    let (blind, aware) = (run_with(false), run_with(true));
+    assert!(
+        aware.transfer_p50_ms * 2.0 < blind.transfer_p50_ms,
+        "aware {} vs blind {} ms",
+        aware.transfer_p50_ms,
+        blind.transfer_p50_ms
+    );
+    assert!(aware.ttft_mean_ms < blind.ttft_mean_ms);
+}

@@ -40,6 +40,9 @@ pub struct WorkerConfig {
     pub engine: MockEngineConfig,
     /// Host name other processes reach this worker at (the listener's port is appended).
     pub advertise_host: String,
+    /// Its topology label (rack, NVLink domain, zone; empty: unknown), registered with its
+    /// host and process for the router's KV transfer cost.
+    pub rack: String,
     pub load_interval: Duration,
     /// How long a draining worker waits for in-flight requests before it exits anyway.
     pub drain_timeout: Duration,
@@ -69,6 +72,7 @@ impl WorkerConfig {
             namespace: "default".to_string(),
             engine: MockEngineConfig::new(pool),
             advertise_host: "127.0.0.1".to_string(),
+            rack: String::new(),
             load_interval: Duration::from_millis(500),
             drain_timeout: Duration::from_secs(30),
             prefill_timeout: Duration::from_secs(5),
@@ -77,6 +81,13 @@ impl WorkerConfig {
             corrupt_transfers: false,
             output_buffer: 1024,
         }
+    }
+}
+
+impl WorkerConfig {
+    /// Where this worker runs, as registered.
+    pub fn placement(&self) -> tandem_protocol::Placement {
+        tandem_protocol::Placement::here(&self.advertise_host, &self.rack)
     }
 }
 
@@ -233,6 +244,7 @@ impl WorkerContext {
                 kv_transfer: self.exposed.as_ref().map(|l| l.descriptor.to_compact()),
             },
             kv_events: true,
+            placement: self.config.placement(),
         }
     }
 

@@ -3,15 +3,24 @@
 //! index's size, and the feed's counters (events applied, gaps, repairs, dumps, purges).
 //! Refreshed from the view every [`REFRESH`] by one task, so a scrape never takes the
 //! index lock.
+//!
+//! Each worker's load as this replica's active-sequence tracker counts it
+//! (`tandem_router_tracked_*`, DESIGN.md §5) is read at scrape time instead ([`TrackedLoads`]),
+//! all workers under one read of the replica: replicas sharing their deltas should show the
+//! same numbers, and comparing two frontends' scrapes is how an operator (or a test) sees
+//! whether they do; a refresh period's lag would blur that.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::registry::Registry;
+use tandem_router::TrackedLoad;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -212,6 +221,7 @@ pub fn register(
     ] {
         registry.register(name, help, family.clone());
     }
+    registry.register_collector(Box::new(TrackedLoads { view: view.clone() }));
     let gauges = ViewGauges {
         workers,
         index_workers,
@@ -348,5 +358,172 @@ impl ViewGauges {
                 .get_or_create(&CounterLabel { kind })
                 .set(v as i64);
         }
+    }
+}
+
+/// The tracker's per-worker loads (`tandem_router_tracked_*{worker,role}`), read from the
+/// replica on every scrape: one series per member of either pool, zero when nothing is in
+/// flight there.
+#[derive(Debug)]
+struct TrackedLoads {
+    view: Arc<ClusterView>,
+}
+
+/// A tracked-load series: its name, its help, and which part of a [`TrackedLoad`] it shows.
+type TrackedSeries = (&'static str, &'static str, fn(&TrackedLoad) -> u64);
+
+impl TrackedLoads {
+    const SERIES: [TrackedSeries; 3] = [
+        (
+            "tandem_router_tracked_requests",
+            "Requests in flight on a worker (routed, not finished; queued ones included) as \
+             this frontend's router tracks them: its own and, with replica sync, its peers'",
+            |l| l.active_requests,
+        ),
+        (
+            "tandem_router_tracked_prefill_tokens",
+            "Prompt tokens routed to a worker and not yet prefilled (no first token yet), as \
+             this frontend's router tracks them",
+            |l| l.active_prefill_tokens,
+        ),
+        (
+            "tandem_router_tracked_decode_blocks",
+            "KV blocks a worker's in-flight requests hold or will hold (distinct prompt blocks \
+             plus each request's own), as this frontend's router tracks them",
+            |l| l.potential_decode_blocks,
+        ),
+    ];
+
+    /// Every member's tracked load, from one read of the replica.
+    fn snapshot(&self) -> Vec<(WorkerLabel, TrackedLoad)> {
+        let replica = self.view.replica().read();
+        let tracker = replica.tracker();
+        replica
+            .decode_workers()
+            .map(|id| (id, "decode"))
+            .chain(replica.prefill_workers().map(|id| (id, "prefill")))
+            .map(|(id, role)| (WorkerLabel { worker: id.0, role }, tracker.load(id)))
+            .collect()
+    }
+}
+
+impl Collector for TrackedLoads {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let loads = self.snapshot();
+        for (name, help, part) in Self::SERIES {
+            let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (label, load) in &loads {
+                let value = i64::try_from(part(load)).unwrap_or(i64::MAX);
+                ConstGauge::new(value).encode(metric.encode_family(label)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tandem_protocol::{BlockSize, RequestId, SequenceHash, WorkerId, WorkerRole};
+    use tandem_router::{Input, KvSource, RouterId, RoutingReplica, SyncMessage};
+    use tandem_runtime::discovery::memory::MemoryDiscovery;
+    use tandem_runtime::events::memory::MemoryEventPlane;
+    use tokio_util::sync::CancellationToken;
+    use tokio_util::task::TaskTracker;
+
+    use crate::cluster::{BackendConfig, ClusterView, ViewConfig};
+
+    fn scrape(registry: &prometheus_client::registry::Registry) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text
+    }
+
+    /// A peer's add shows on the next scrape (no refresh period), per member, and its free
+    /// takes it away again.
+    #[tokio::test]
+    async fn tracked_loads_are_read_at_scrape_time() {
+        let (tasks, cancel) = (TaskTracker::new(), CancellationToken::new());
+        let replica =
+            RoutingReplica::new(BackendConfig::new(RouterId(1)).replica_config()).unwrap();
+        let view = ClusterView::start(
+            ViewConfig {
+                namespace: "t".into(),
+                model: None,
+                block_size: BlockSize::DEFAULT,
+                connect_timeout: Duration::from_secs(1),
+                embedded_index: false,
+            },
+            replica,
+            Arc::new(MemoryDiscovery::new()),
+            Arc::new(MemoryEventPlane::new()),
+            tasks.clone(),
+            cancel.clone(),
+        )
+        .await
+        .unwrap();
+        let mut registry = prometheus_client::registry::Registry::default();
+        super::register(&mut registry, view.clone(), &tasks, cancel.clone());
+        let feed = |input: Input<'_>| {
+            view.replica().write().apply(input, 0).unwrap();
+        };
+        for (w, role) in [(11, WorkerRole::Decode), (21, WorkerRole::Prefill)] {
+            feed(Input::Joined {
+                worker: WorkerId(w),
+                role,
+                kv: KvSource::Events,
+            });
+        }
+        let line = |name: &str, w: u64, role: &str, v: u64| {
+            format!("{name}{{worker=\"{w}\",role=\"{role}\"}} {v}\n")
+        };
+        let text = scrape(&registry);
+        assert!(
+            text.contains("# TYPE tandem_router_tracked_requests gauge"),
+            "{text}"
+        );
+        for name in [
+            "tandem_router_tracked_requests",
+            "tandem_router_tracked_prefill_tokens",
+            "tandem_router_tracked_decode_blocks",
+        ] {
+            assert!(text.contains(&line(name, 11, "decode", 0)), "{text}");
+            assert!(text.contains(&line(name, 21, "prefill", 0)), "{text}");
+        }
+        let (router, request) = (RouterId(2), RequestId(7));
+        feed(Input::PeerSync(&SyncMessage::Add {
+            router,
+            request,
+            worker: WorkerId(11),
+            blocks: vec![SequenceHash(1), SequenceHash(2)],
+            prefill_tokens: 40,
+            private_blocks: 3,
+        }));
+        let text = scrape(&registry);
+        for (name, v) in [
+            ("tandem_router_tracked_requests", 1),
+            ("tandem_router_tracked_prefill_tokens", 40),
+            ("tandem_router_tracked_decode_blocks", 5),
+        ] {
+            assert!(
+                text.contains(&line(name, 11, "decode", v)),
+                "{name}: {text}"
+            );
+            assert!(
+                text.contains(&line(name, 21, "prefill", 0)),
+                "{name}: {text}"
+            );
+        }
+        feed(Input::PeerSync(&SyncMessage::Free { router, request }));
+        let text = scrape(&registry);
+        assert!(
+            text.contains(&line("tandem_router_tracked_requests", 11, "decode", 0)),
+            "{text}"
+        );
+        cancel.cancel();
+        tasks.close();
+        tasks.wait().await;
     }
 }

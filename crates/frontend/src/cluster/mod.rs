@@ -8,7 +8,8 @@
 //! Layout: `view.rs` (discovery → workers, gRPC clients and the replica's membership; event
 //! plane → the replica; the repairs it asks for), `backend/` (the replica's plans → gRPC
 //! calls to decode workers, migration, streaming, replica sync; `attempts.rs`: re-routing under the retry budget, hedging, outcomes to the breakers), `indexer.rs`
-//! (the `Indexer` gRPC service), `metrics.rs` (the view's gauges on `/metrics`).
+//! (the `Indexer` gRPC service), `metrics.rs` (the view's gauges on `/metrics`, and what the
+//! replica's tracker counts per worker, read at scrape time).
 
 mod backend;
 mod flow;

@@ -259,6 +259,7 @@ impl ClusterView {
             }
         };
         let (id, role) = (record.id, record.role);
+        let placement = record.placement.clone();
         // A worker whose engine's events are not relayed is routed on the router's own
         // decisions (approximate KV).
         let kv = if record.kv_events {
@@ -292,6 +293,10 @@ impl ClusterView {
             worker: id,
             role,
             kv,
+        });
+        self.feed(Input::Placed {
+            worker: id,
+            placement: &placement,
         });
     }
 

@@ -42,7 +42,9 @@ use std::collections::BTreeMap;
 
 use hashbrown::HashMap;
 use tandem_indexer::{ApproxIndex, FeedError, IndexFeed, OverlapScores, Repair, RepairReply};
-use tandem_protocol::{KvEvent, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole};
+use tandem_protocol::{
+    Distance, KvEvent, LoadReport, Placement, RequestId, SequenceHash, WorkerId, WorkerRole,
+};
 
 pub use config::{ReplicaConfig, RoutingConfig};
 
@@ -97,6 +99,12 @@ pub enum Input<'a> {
         worker: WorkerId,
     },
     LoadReport(&'a LoadReport),
+    /// Where a member runs (from its record), for the KV transfer cost of a remote prefill.
+    /// Unknown until given: every pair then counts as [`tandem_protocol::Distance::Other`].
+    Placed {
+        worker: WorkerId,
+        placement: &'a Placement,
+    },
     /// A peer replica's tracker change (our own, echoed back, are ignored).
     PeerSync(&'a SyncMessage),
 }
@@ -203,6 +211,7 @@ pub struct RoutingReplica {
     /// Speed estimates of the decode (aggregated) pool and of the prefill pool.
     capacity_decode: Capacity,
     capacity_prefill: Capacity,
+    placements: HashMap<WorkerId, Placement>,
 }
 
 impl RoutingReplica {
@@ -227,6 +236,7 @@ impl RoutingReplica {
             sessions: Sessions::new(r.sessions),
             capacity_decode: Capacity::new(r.capacity),
             capacity_prefill: Capacity::new(r.capacity),
+            placements: HashMap::new(),
             config,
         })
     }
@@ -280,6 +290,7 @@ impl RoutingReplica {
                 self.sessions.remove_worker(worker);
                 self.capacity_decode.remove(worker);
                 self.capacity_prefill.remove(worker);
+                self.placements.remove(&worker);
                 Vec::new()
             }
             Input::KvEvents(batch) => self.feed.apply(batch),
@@ -310,6 +321,10 @@ impl RoutingReplica {
                     // It publishes no events: its event id says nothing.
                     KvSource::Approximate => Vec::new(),
                 }
+            }
+            Input::Placed { worker, placement } => {
+                self.placements.insert(worker, placement.clone());
+                Vec::new()
             }
             Input::PeerSync(msg) => {
                 self.tracker.apply(msg, now_ms);
@@ -483,7 +498,19 @@ impl RoutingReplica {
                 why: DisaggReason::NoPrefillPool,
             }
         } else {
-            disagg::decide(&cfg.disagg, &input.route, &decode, &prefill, &mut self.rng)?
+            let places = &self.placements;
+            let distance = |a: WorkerId, b: WorkerId| match (places.get(&a), places.get(&b)) {
+                (Some(a), Some(b)) => a.distance(b),
+                _ => Distance::Other,
+            };
+            disagg::decide(
+                &cfg.disagg,
+                &input.route,
+                &decode,
+                &prefill,
+                &distance,
+                &mut self.rng,
+            )?
         };
         if pinned.is_some() {
             decision.decode.rule = Rule::Session;
@@ -749,6 +776,7 @@ impl RoutingReplica {
                     load,
                     warming_up: cfg.is_warming_up(m.joined_ms, now_ms),
                     speed: capacity.weight(id),
+                    extra_cost: 0.0,
                 }
             })
             .collect()

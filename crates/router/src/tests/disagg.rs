@@ -1,4 +1,4 @@
-use tandem_protocol::WorkerId;
+use tandem_protocol::{Distance, WorkerId};
 
 use super::{req, tiers, view};
 use crate::disagg::{decide, effective_prompt_tokens};
@@ -13,7 +13,12 @@ fn run(mode: DisaggMode, r: &RouteRequest, d: &[WorkerView], p: &[WorkerView]) -
         ..DisaggConfig::default()
     };
     cfg.validate().unwrap();
-    decide(&cfg, r, d, p, &mut Rng::seed_from_u64(5)).unwrap()
+    decide(&cfg, r, d, p, &near, &mut Rng::seed_from_u64(5)).unwrap()
+}
+
+/// Every pair of workers in one process: transfers cost nothing, only the rule counts.
+fn near(_: WorkerId, _: WorkerId) -> Distance {
+    Distance::SameProcess
 }
 
 fn idle(id: u64) -> WorkerView {
@@ -50,7 +55,15 @@ fn no_prefill_pool_or_never_means_local() {
     let d = run(DisaggMode::Never, &r, &[idle(1)], &[prefill(9, 0)]);
     assert_eq!((d.why, d.prefill_worker()), (DisaggReason::Never, None));
     let cfg = DisaggConfig::default();
-    let e = decide(&cfg, &r, &[], &[prefill(9, 0)], &mut Rng::seed_from_u64(0)).unwrap_err();
+    let e = decide(
+        &cfg,
+        &r,
+        &[],
+        &[prefill(9, 0)],
+        &near,
+        &mut Rng::seed_from_u64(0),
+    )
+    .unwrap_err();
     assert_eq!(e, RouteError::NoWorkers);
 }
 
@@ -115,7 +128,7 @@ fn isl_bounding_with_the_fraction_needs_a_short_and_mostly_cached_prompt() {
             ..DisaggConfig::default()
         };
         cfg.validate().unwrap();
-        decide(&cfg, r, d, &pool, &mut Rng::seed_from_u64(5)).unwrap()
+        decide(&cfg, r, d, &pool, &near, &mut Rng::seed_from_u64(5)).unwrap()
     };
     // 1000 uncached tokens: under 2048 but not under 0.7 × 1000.
     let d = run(&req(1000, 16), &[idle(1)]);
@@ -243,4 +256,106 @@ fn isl_or_load_is_local_if_either_rule_says_so() {
         }
     );
     assert_eq!(d.prefill_worker(), Some(WorkerId(9)));
+}
+
+#[test]
+fn the_prefill_choice_counts_the_transfer_to_the_decode_worker() {
+    // 1,024-token prompt: 64 blocks, nothing cached on D1. P8 holds 16 of them and sits in
+    // another rack (0.5 per moved block); P9 holds none and shares D1's host (0.06).
+    // P8: (64 − 16) + 64 × 0.5 = 80; P9: 64 + 64 × 0.06 = 67.84 → P9, though P8 caches more.
+    let cfg = DisaggConfig {
+        mode: DisaggMode::Always,
+        ..DisaggConfig::default()
+    };
+    let pool = [view(8, tiers(16, 0, 0), 0, 0, 0), prefill(9, 0)];
+    let distance = |p: WorkerId, _d: WorkerId| {
+        if p == WorkerId(9) {
+            Distance::SameHost
+        } else {
+            Distance::Other
+        }
+    };
+    let d = decide(
+        &cfg,
+        &req(1024, 16),
+        &[idle(1)],
+        &pool,
+        &distance,
+        &mut Rng::seed_from_u64(1),
+    )
+    .unwrap();
+    let p = d.prefill.as_ref().unwrap();
+    assert_eq!(p.worker, WorkerId(9));
+    assert!(
+        (p.explain[0].cost - 80.0).abs() < 1e-9,
+        "{:?}",
+        p.explain[0]
+    );
+    assert!(
+        (p.explain[1].cost - 67.84).abs() < 1e-9,
+        "{:?}",
+        p.explain[1]
+    );
+    assert!((p.explain[0].transfer - 32.0).abs() < 1e-9);
+    // In one process nothing moves: P8's cache wins (48 < 64).
+    let d = decide(
+        &cfg,
+        &req(1024, 16),
+        &[idle(1)],
+        &pool,
+        &near,
+        &mut Rng::seed_from_u64(1),
+    )
+    .unwrap();
+    assert_eq!(d.prefill_worker(), Some(WorkerId(8)));
+}
+
+#[test]
+fn compare_local_keeps_a_prefill_on_the_decode_worker_when_that_is_sooner() {
+    // 4,096-token prompt (256 blocks), nothing cached: isl-bounding says remote (4096 ≥ 2048).
+    // P9 has 4,096 tokens queued (256 blocks) and is in another rack: 256 + 256 + 128 = 640.
+    // D1 is idle: 256. With the comparison on, D1 prefills it.
+    let pool = [prefill(9, 4096)];
+    let mut cfg = DisaggConfig::default();
+    let far = |_: WorkerId, _: WorkerId| Distance::Other;
+    let d = decide(
+        &cfg,
+        &req(4096, 16),
+        &[idle(1)],
+        &pool,
+        &far,
+        &mut Rng::seed_from_u64(1),
+    )
+    .unwrap();
+    assert!(d.is_remote());
+    cfg.isl_compare_local = true;
+    let d = decide(
+        &cfg,
+        &req(4096, 16),
+        &[idle(1)],
+        &pool,
+        &far,
+        &mut Rng::seed_from_u64(1),
+    )
+    .unwrap();
+    assert_eq!(
+        d.why,
+        DisaggReason::LocalSooner {
+            remote_cost: 640.0,
+            local_cost: 256.0
+        }
+    );
+    // An idle prefill worker on D's host: 256 + 15.36 > 256 still: local. With D busy (8,192
+    // tokens of its own queued: 768), remote wins.
+    let near_host = |_: WorkerId, _: WorkerId| Distance::SameHost;
+    let d = decide(
+        &cfg,
+        &req(4096, 16),
+        &[view(1, tiers(0, 0, 0), 8192, 0, 0)],
+        &[prefill(9, 0)],
+        &near_host,
+        &mut Rng::seed_from_u64(1),
+    )
+    .unwrap();
+    assert!(d.is_remote(), "{:?}", d.why);
 }

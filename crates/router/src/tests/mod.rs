@@ -52,6 +52,7 @@ pub(crate) fn view(
             kv_usage: 0.0,
         },
         speed: 1.0,
+        extra_cost: 0.0,
         warming_up: false,
     }
 }

@@ -318,6 +318,7 @@ pub(crate) mod tests {
                 kv_transfer: None,
             },
             kv_events: true,
+            placement: Default::default(),
         }
     }
 

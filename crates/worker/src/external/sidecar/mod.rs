@@ -56,6 +56,8 @@ pub struct SidecarConfig {
     pub namespace: String,
     /// Host other processes reach this sidecar at (the listener's port is appended).
     pub advertise_host: String,
+    /// Its topology label (see [`crate::WorkerConfig::rack`]).
+    pub rack: String,
     pub engine: EngineKind,
     /// The engine's HTTP API, `http://host:port`.
     pub engine_url: String,
@@ -101,6 +103,7 @@ impl SidecarConfig {
             engine_model: None,
             namespace: "default".into(),
             advertise_host: "127.0.0.1".into(),
+            rack: String::new(),
             engine,
             engine_url: url.into(),
             kv_events: None,
@@ -289,6 +292,7 @@ impl Sidecar {
                 kv_transfer: None,
             },
             kv_events: self.inner.relay.is_some(),
+            placement: tandem_protocol::Placement::here(&c.advertise_host, &c.rack),
         }
     }
 
