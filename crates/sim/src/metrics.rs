@@ -23,6 +23,16 @@
 //!   computed), over all prompt tokens. Against the real hit rate it shows how true the index
 //!   is: they differ by blocks evicted between routing and admission, preemptions, and
 //!   whatever the index does not know (event delays, snapshots, lost events).
+//! - Miss breakdown: of each request's reusable prompt blocks (all but the one holding its
+//!   last token), at routing: *cold* — no request before had those leading blocks (a miss
+//!   no cache and no policy avoids); *evicted* — computed before, but no candidate of the
+//!   prefilling pool held them any more (the caches' size); *escaped* — some candidate held
+//!   more of them than the worker chosen (the policy traded them for load, or a busy or
+//!   warm-up rule did); and what the chosen worker held per the index, which splits into the
+//!   hits and *stale* (predicted minus hit: evicted between routing and admission, or not
+//!   known to the index). In tokens; cold + evicted + escaped + predicted = reusable tokens.
+//!   "Computed before" is tracked over the first 16 M distinct blocks of a run (then counted
+//!   as evicted).
 //! - In-flight load imbalance (`inflight_imbalance_*`): every `sample_interval_us` of virtual
 //!   time (`--sample-interval-ms`, from t = 0, until the last request ends), the requests in
 //!   flight on each aggregated (or decode) worker are counted: waiting, running, or awaiting
@@ -124,6 +134,12 @@ pub struct SimReport {
     /// Cached tokens the index predicted at routing (see the module docs).
     pub predicted_cached_tokens: u64,
     pub predicted_hit_rate: f64,
+    /// Prompt tokens an engine could have reused (all but each prompt's last block).
+    pub reusable_tokens: u64,
+    /// Where the reusable prompt tokens that were not hits went (see the module docs).
+    pub miss_cold_tokens: u64,
+    pub miss_evicted_tokens: u64,
+    pub miss_escaped_tokens: u64,
     /// Requests prefilled on a prefill worker.
     pub remote_prefills: u64,
     pub local_prefills: u64,
@@ -269,6 +285,17 @@ impl SimReport {
         row(
             "index-predicted hit rate",
             format!("{:.1} %", 100.0 * self.predicted_hit_rate),
+        );
+        let share = |t: u64| 100.0 * t as f64 / self.prompt_tokens.max(1) as f64;
+        row(
+            "misses: cold / evicted / escaped / stale",
+            format!(
+                "{:.1} / {:.1} / {:.1} / {:.1} %",
+                share(self.miss_cold_tokens),
+                share(self.miss_evicted_tokens),
+                share(self.miss_escaped_tokens),
+                100.0 * (self.predicted_hit_rate - self.prefix_hit_rate),
+            ),
         );
         if self.prefill_workers > 0 {
             row(

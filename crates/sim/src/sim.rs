@@ -115,7 +115,12 @@ pub(crate) struct Sim<'a> {
     pending: Map<u32, u64>,
     outstanding: usize,
     pub stats: Stats,
+    /// Every prompt block routed so far (up to [`SEEN_CAP`]), for the miss breakdown.
+    seen: hashbrown::HashSet<SequenceHash>,
 }
+
+/// Distinct blocks remembered for the miss breakdown at most (~256 MB).
+const SEEN_CAP: usize = 16 << 20;
 
 impl<'a> Sim<'a> {
     pub fn new(cfg: &'a SimConfig, specs: &'a [RequestSpec]) -> Result<Self, SimError> {
@@ -205,6 +210,7 @@ impl<'a> Sim<'a> {
             pending: Map::new(),
             outstanding: specs.len(),
             stats: Stats::default(),
+            seen: hashbrown::HashSet::new(),
         })
     }
 
@@ -370,6 +376,27 @@ impl<'a> Sim<'a> {
         let bs = u64::from(self.block_size.get());
         let reusable = prompt.saturating_sub(1) / bs;
         self.stats.predicted_cached_tokens += overlap.min(reusable) * bs;
+        // The miss breakdown: the most any candidate of that pool held, and how much of the
+        // prompt was ever computed before.
+        let best = prefiller
+            .explain
+            .iter()
+            .map(|t| u64::from(t.overlap.total()))
+            .max()
+            .unwrap_or(0)
+            .min(reusable);
+        let ever = (seq.iter().take_while(|h| self.seen.contains(*h)).count() as u64).min(reusable);
+        let ever = ever.max(best);
+        self.stats.reusable_tokens += reusable * bs;
+        self.stats.miss_cold_tokens += (reusable - ever) * bs;
+        self.stats.miss_evicted_tokens += (ever - best) * bs;
+        self.stats.miss_escaped_tokens += (best - overlap.min(reusable)) * bs;
+        for h in &seq {
+            if self.seen.len() >= SEEN_CAP {
+                break;
+            }
+            self.seen.insert(*h);
+        }
         let st = &mut self.reqs[i as usize];
         st.arrival_us = now;
         st.router = r;

@@ -12,6 +12,13 @@ pub(crate) struct Stats {
     pub cached_tokens: u64,
     /// Cached tokens the index predicted for the prefilling worker at routing.
     pub predicted_cached_tokens: u64,
+    /// Reusable prompt tokens (all but the last token's block) missed at routing because no
+    /// worker had ever computed them, because no candidate held them any more, or because a
+    /// candidate held more of them than the one chosen (see `metrics.rs`).
+    pub reusable_tokens: u64,
+    pub miss_cold_tokens: u64,
+    pub miss_evicted_tokens: u64,
+    pub miss_escaped_tokens: u64,
     pub transferred_tokens: u64,
     pub remote_prefills: u64,
     pub local_prefills: u64,
@@ -252,6 +259,10 @@ pub(crate) fn report(cfg: &SimConfig, specs: &[RequestSpec], outcome: Outcome) -
         predicted_cached_tokens: stats.predicted_cached_tokens,
         predicted_hit_rate: stats.predicted_cached_tokens as f64
             / stats.prompt_tokens.max(1) as f64,
+        reusable_tokens: stats.reusable_tokens,
+        miss_cold_tokens: stats.miss_cold_tokens,
+        miss_evicted_tokens: stats.miss_evicted_tokens,
+        miss_escaped_tokens: stats.miss_escaped_tokens,
         remote_prefills: stats.remote_prefills,
         local_prefills: stats.local_prefills,
         transferred_tokens: stats.transferred_tokens,
