@@ -327,7 +327,15 @@ impl RoutingReplica {
                 Vec::new()
             }
             Input::PeerSync(msg) => {
-                self.tracker.apply(msg, now_ms);
+                // A peer's request on a worker that is not (or no longer) a member: after
+                // `Left` it would be load on a worker that is gone, lingering until the TTL
+                // and landing on the worker if it rejoins under the same id. Under-counting
+                // a worker we have not yet seen join is the smaller error (it lasts only
+                // that request's life).
+                let stray = matches!(msg, SyncMessage::Add { worker, .. } if self.pool_of(*worker).is_none());
+                if !stray {
+                    self.tracker.apply(msg, now_ms);
+                }
                 Vec::new()
             }
         })

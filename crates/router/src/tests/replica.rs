@@ -351,3 +351,35 @@ fn capacity_weights_come_from_load_reports() {
     middle.sort_unstable();
     assert_eq!(middle, [1, 2], "{picks:?}");
 }
+
+#[test]
+fn a_peers_add_for_a_worker_that_left_is_not_load() {
+    let (_, hashes) = prompt(8 * BS, 3);
+    let mut r = replica(kv_only());
+    join(&mut r, 1, WorkerRole::Aggregated, 0, &[]);
+    let add = |request: u64, worker: u64| SyncMessage::Add {
+        router: RouterId(9),
+        request: RequestId(request),
+        worker: WorkerId(worker),
+        blocks: hashes.clone(),
+        prefill_tokens: 128,
+        private_blocks: 2,
+    };
+    r.apply(Input::PeerSync(&add(1, 1)), 1).unwrap();
+    assert_eq!(r.tracker().load(WorkerId(1)).active_requests, 1);
+    // Worker 1 leaves; a late Add for it, and one for a worker never seen, change nothing.
+    r.apply(
+        Input::Left {
+            worker: WorkerId(1),
+        },
+        2,
+    )
+    .unwrap();
+    r.apply(Input::PeerSync(&add(2, 1)), 3).unwrap();
+    r.apply(Input::PeerSync(&add(3, 7)), 3).unwrap();
+    assert_eq!(r.tracker().load(WorkerId(1)).active_requests, 0);
+    assert_eq!(r.tracker().load(WorkerId(7)).active_requests, 0);
+    // It rejoins under the same id: it starts with no phantom load.
+    join(&mut r, 1, WorkerRole::Aggregated, 4, &[]);
+    assert_eq!(r.tracker().load(WorkerId(1)).active_requests, 0);
+}
