@@ -17,7 +17,7 @@ use tandem_protocol::{
     BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole,
 };
 use tandem_router::{
-    InFlight, Input, KvSource, RepairReply, RouteInput, RoutingReplica, SyncMessage,
+    InFlight, Input, KvSource, RepairReply, RouteInput, RoutingReplica, SessionKey, SyncMessage,
 };
 
 use crate::config::SimConfig;
@@ -333,7 +333,7 @@ impl<'a> Sim<'a> {
             hashes: &seq,
             expected_output_tokens: u64::from(spec.max_tokens),
             overlap: None,
-            session: None,
+            session: spec.session.map(SessionKey),
         };
         let mut decision = self.replicas[r as usize].decide(&input, &[], now_ms)?;
         let dw = decision.decode_worker().0 as u32;

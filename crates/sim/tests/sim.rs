@@ -387,3 +387,43 @@ fn the_miss_breakdown_adds_up_and_tells_policies_and_caches_apart() {
         "{roomy:?}"
     );
 }
+
+#[test]
+fn session_affinity_keeps_conversations_on_their_worker() {
+    let run_with = |affinity: bool| {
+        let syn = SyntheticConfig {
+            requests: 600,
+            rate: 30.0,
+            arrival: ArrivalProcess::Poisson,
+            isl: LengthDist {
+                mean: 200,
+                spread: 0.5,
+            },
+            osl: LengthDist {
+                mean: 32,
+                spread: 0.5,
+            },
+            shape: PromptShape::MultiTurn {
+                turns: 6,
+                think_time_us: 200_000,
+            },
+        };
+        let mut cfg = SimConfig::synthetic(4, syn);
+        cfg.engine.device_blocks = 2048;
+        cfg.routing.sessions.enabled = affinity;
+        let r = run(cfg).unwrap();
+        assert_eq!(r.completed, 600);
+        r
+    };
+    let (off, on) = (run_with(false), run_with(true));
+    // Measured: without affinity `kv` lets 80,736 reusable tokens escape to less loaded
+    // workers (hit rate 42 %, mean E2E 1.80 s); with it none escape (70 %, 1.32 s).
+    assert!(
+        2 * on.miss_escaped_tokens < off.miss_escaped_tokens,
+        "on {} off {}",
+        on.miss_escaped_tokens,
+        off.miss_escaped_tokens
+    );
+    assert!(on.prefix_hit_rate > off.prefix_hit_rate + 0.1);
+    assert!(on.e2e_mean_ms < off.e2e_mean_ms);
+}

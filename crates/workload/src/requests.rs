@@ -22,6 +22,8 @@ pub struct RequestSpec {
     pub arrival_us: u64,
     pub max_tokens: u32,
     pub prompt: PromptSpec,
+    /// The conversation it belongs to (multi-turn workloads), for session affinity.
+    pub session: Option<u64>,
 }
 
 /// A prompt, to be expanded into tokens at arrival.
@@ -101,6 +103,8 @@ pub fn build(
                     arrival_us: (r.timestamp as f64 * 1000.0 / t.arrival_speedup).round() as u64,
                     max_tokens: r.output_length.max(1),
                     prompt: PromptSpec::Trace(r),
+                    // Mooncake records name no session.
+                    session: None,
                 })
                 .collect()
         }
@@ -148,6 +152,7 @@ fn synthetic(cfg: &SyntheticConfig, seed: u64, rng: &mut Rng) -> Vec<RequestSpec
                     arrival_us: at,
                     max_tokens: draw(cfg.osl, rng),
                     prompt: PromptSpec::Streams([prefix, own]),
+                    session: None,
                 });
             }
         }
@@ -170,6 +175,7 @@ fn synthetic(cfg: &SyntheticConfig, seed: u64, rng: &mut Rng) -> Vec<RequestSpec
                         arrival_us: start + u64::from(k) * think_time_us,
                         max_tokens: answer,
                         prompt: PromptSpec::Streams([(stream, history + user), (0, 0)]),
+                        session: Some(stream),
                     });
                     history += user + answer;
                 }

@@ -258,6 +258,25 @@ fn isl_or_load_is_local_if_either_rule_says_so() {
     assert_eq!(d.prefill_worker(), Some(WorkerId(9)));
 }
 
+/// `decide` for one request at seed 1 with a distance rule.
+fn decide_with(
+    cfg: &DisaggConfig,
+    tokens: u64,
+    decode: &[WorkerView],
+    prefill: &[WorkerView],
+    distance: &dyn Fn(WorkerId, WorkerId) -> Distance,
+) -> DisaggDecision {
+    decide(
+        cfg,
+        &req(tokens, 16),
+        decode,
+        prefill,
+        distance,
+        &mut Rng::seed_from_u64(1),
+    )
+    .unwrap()
+}
+
 #[test]
 fn the_prefill_choice_counts_the_transfer_to_the_decode_worker() {
     // 1,024-token prompt: 64 blocks, nothing cached on D1. P8 holds 16 of them and sits in
@@ -275,15 +294,7 @@ fn the_prefill_choice_counts_the_transfer_to_the_decode_worker() {
             Distance::Other
         }
     };
-    let d = decide(
-        &cfg,
-        &req(1024, 16),
-        &[idle(1)],
-        &pool,
-        &distance,
-        &mut Rng::seed_from_u64(1),
-    )
-    .unwrap();
+    let d = decide_with(&cfg, 1024, &[idle(1)], &pool, &distance);
     let p = d.prefill.as_ref().unwrap();
     assert_eq!(p.worker, WorkerId(9));
     assert!(
@@ -298,15 +309,7 @@ fn the_prefill_choice_counts_the_transfer_to_the_decode_worker() {
     );
     assert!((p.explain[0].transfer - 32.0).abs() < 1e-9);
     // In one process nothing moves: P8's cache wins (48 < 64).
-    let d = decide(
-        &cfg,
-        &req(1024, 16),
-        &[idle(1)],
-        &pool,
-        &near,
-        &mut Rng::seed_from_u64(1),
-    )
-    .unwrap();
+    let d = decide_with(&cfg, 1024, &[idle(1)], &pool, &near);
     assert_eq!(d.prefill_worker(), Some(WorkerId(8)));
 }
 
@@ -318,26 +321,10 @@ fn compare_local_keeps_a_prefill_on_the_decode_worker_when_that_is_sooner() {
     let pool = [prefill(9, 4096)];
     let mut cfg = DisaggConfig::default();
     let far = |_: WorkerId, _: WorkerId| Distance::Other;
-    let d = decide(
-        &cfg,
-        &req(4096, 16),
-        &[idle(1)],
-        &pool,
-        &far,
-        &mut Rng::seed_from_u64(1),
-    )
-    .unwrap();
+    let d = decide_with(&cfg, 4096, &[idle(1)], &pool, &far);
     assert!(d.is_remote());
     cfg.isl_compare_local = true;
-    let d = decide(
-        &cfg,
-        &req(4096, 16),
-        &[idle(1)],
-        &pool,
-        &far,
-        &mut Rng::seed_from_u64(1),
-    )
-    .unwrap();
+    let d = decide_with(&cfg, 4096, &[idle(1)], &pool, &far);
     assert_eq!(
         d.why,
         DisaggReason::LocalSooner {
@@ -348,14 +335,12 @@ fn compare_local_keeps_a_prefill_on_the_decode_worker_when_that_is_sooner() {
     // An idle prefill worker on D's host: 256 + 15.36 > 256 still: local. With D busy (8,192
     // tokens of its own queued: 768), remote wins.
     let near_host = |_: WorkerId, _: WorkerId| Distance::SameHost;
-    let d = decide(
+    let d = decide_with(
         &cfg,
-        &req(4096, 16),
+        4096,
         &[view(1, tiers(0, 0, 0), 8192, 0, 0)],
         &[prefill(9, 0)],
         &near_host,
-        &mut Rng::seed_from_u64(1),
-    )
-    .unwrap();
+    );
     assert!(d.is_remote(), "{:?}", d.why);
 }
