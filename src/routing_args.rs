@@ -11,6 +11,9 @@ use tandem_router::{
     TrackerConfig, TransferCosts,
 };
 
+/// The binary's `s`: see [`RoutingArgs::prefill_load_scale`].
+pub const TANDEM_PREFILL_LOAD_SCALE: f64 = 2.0;
+
 fn kv() -> KvConfig {
     KvConfig::default()
 }
@@ -40,8 +43,10 @@ pub struct RoutingArgs {
     /// kv: credit per block cached on disk.
     #[arg(long, env = "TANDEM_DISK_WEIGHT", default_value_t = kv().disk_weight)]
     pub disk_weight: f64,
-    /// kv: weight of the prefill term (s).
-    #[arg(long, env = "TANDEM_PREFILL_LOAD_SCALE", default_value_t = kv().prefill_load_scale)]
+    /// kv: weight of the prefill term (s). 2 by default, where Dynamo's configuration (the
+    /// library's `KvConfig::default()`) has 1: on both bundled traces it lifts capacity under
+    /// the SLO (conversation ×0.85 → ×0.95, the oracle's; crates/router/EXPERIMENTS.md).
+    #[arg(long, env = "TANDEM_PREFILL_LOAD_SCALE", default_value_t = TANDEM_PREFILL_LOAD_SCALE)]
     pub prefill_load_scale: f64,
     /// kv: how fast a backlogged worker's device credit decays (d; 0: never).
     #[arg(long, env = "TANDEM_KV_DECAY", default_value_t = kv().decay)]

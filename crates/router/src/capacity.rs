@@ -19,6 +19,15 @@
 //!   cache-aware policy the workers of a pool see similar mixes, so the ratio between workers
 //!   is what carries; a worker given a very different mix is mis-weighed by that difference.
 //!
+//! - **Measured limit (crates/router/EXPERIMENTS.md, "New signals"): off by default for a
+//!   reason.** Tokens per busy second grow with a worker's batch (decode tokens of a bigger
+//!   batch cost little more per step), so a worker given more work measures faster and is
+//!   given more still: on the synthetic trace with half the workers twice as fast, weights on
+//!   lost 4–17 points of SLO attainment against weights off, whose tracked load already sends
+//!   the fast half ~1.8× the requests (a faster worker drains its in-flight count sooner). The
+//!   weights help at light load (the sim test) and are the hook for a load-independent speed
+//!   signal (e.g. an engine's measured prefill time per token), which is what they need.
+//!
 //! The median is recomputed at most once per [`MEDIAN_REFRESH_MS`], not per decision. Time is
 //! passed in (sans-IO).
 

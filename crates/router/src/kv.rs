@@ -54,6 +54,9 @@ pub struct KvConfig {
 }
 
 impl Default for KvConfig {
+    /// Dynamo's configuration (overlap weight 1, prefill and decode blocks weighed alike,
+    /// temperature 0), the baseline of crates/router/EXPERIMENTS.md. The `tandem` binary's
+    /// flags default to `prefill_load_scale` 2, measured better on both bundled traces.
     fn default() -> Self {
         KvConfig {
             overlap_credit: 1.0,
