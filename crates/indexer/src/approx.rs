@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use tandem_protocol::{SequenceHash, StorageTier, WorkerId};
 
 use crate::hash::MixMap;
-use crate::index::{KvIndex, OverlapScores};
+use crate::index::{Extents, KvIndex, OverlapScores};
 
 /// Settings of [`ApproxIndex`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +112,12 @@ impl ApproxIndex {
     pub fn find_matches(&mut self, hashes: &[SequenceHash], now_ms: u64) -> OverlapScores {
         self.expire(now_ms);
         self.index.find_matches(hashes)
+    }
+
+    /// The same answer grouped by shared extent ([`KvIndex::find_extents`]).
+    pub fn find_extents(&mut self, hashes: &[SequenceHash], now_ms: u64) -> Extents<'_> {
+        self.expire(now_ms);
+        self.index.find_extents(hashes)
     }
 
     /// Drops every entry recorded at or before `now_ms - ttl_ms`.

@@ -24,7 +24,7 @@ use tandem_protocol::{KvDump, KvEvent, SequenceHash, WorkerId};
 
 use crate::error::IndexError;
 use crate::hash::MixMap;
-use crate::index::{ApplyOutcome, KvIndex, OverlapScores};
+use crate::index::{ApplyOutcome, Extents, KvIndex, OverlapScores};
 
 /// What the shell must fetch from `worker` to bring the index back in step: its events after
 /// `after`, or (when `dump`) its whole state.
@@ -101,6 +101,11 @@ impl IndexFeed {
     /// Per worker, the leading blocks of `hashes` it holds, by tier.
     pub fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
         self.index.find_matches(hashes)
+    }
+
+    /// The same answer grouped by shared extent ([`KvIndex::find_extents`]).
+    pub fn find_extents(&self, hashes: &[SequenceHash]) -> Extents<'_> {
+        self.index.find_extents(hashes)
     }
 
     /// A worker joined, or re-joined with a new record (a restart: its cache is new too):

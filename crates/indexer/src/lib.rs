@@ -8,7 +8,9 @@
 //!   only if it is the next one of its worker (duplicates are ignored, a gap is reported and
 //!   nothing past it is applied); [`KvIndex::replace_worker`] installs a worker's dump;
 //!   [`KvIndex::find_matches`] returns per worker how many leading blocks of a prompt it holds
-//!   and in which tier ([`OverlapScores`], [`TierCounts`]).
+//!   and in which tier ([`OverlapScores`], [`TierCounts`]); [`KvIndex::find_extents`] returns
+//!   the same grouped by shared extent ([`Extents`]: a few groups of workers with equal counts,
+//!   built without a cost per matching worker, for a scorer that prices a group once).
 //! - [`ShardedIndex`]: the same API for concurrent readers and writers, sharded by worker.
 //! - [`ApproxIndex`]: approximate mode for routers without events, fed with the router's own
 //!   decisions and expiring them after a TTL.
@@ -24,10 +26,12 @@
 //!
 //! # Layout
 //!
-//! - `index/`: [`KvIndex`]. `holders.rs` packs (worker slot, tier) pairs into sorted `u32`s,
-//!   two inline in the block map's 8-byte value and longer lists in a side arena;
-//!   `tier_log.rs` is the per-worker, per-tier log of stored blocks; `matches.rs` is
-//!   `find_matches`.
+//! - `index/`: [`KvIndex`]. `block_map.rs` is the block hash → holders table (open addressing,
+//!   16-byte slots); `holders.rs` packs (worker slot, tier) pairs into sorted `u32`s, two
+//!   inline in the block map's 8-byte value and longer lists in a side arena (shared copy on
+//!   write between blocks with equal lists); `tier_log.rs` is the per-worker, per-tier log of
+//!   stored blocks; `matches.rs` is `find_matches`; `extent_search.rs` is `find_extents` and
+//!   `extents.rs` its answer.
 //! - `feed.rs`: [`IndexFeed`]. `sharded.rs`, `approx.rs`, `reseq.rs`: the wrappers above.
 //! - `hash.rs`: the hasher for keys that are already xxh3 hashes.
 //! - `error.rs`: [`IndexError`].
@@ -51,28 +55,38 @@
 //!
 //! # Cost
 //!
-//! Applying a block event is one hash-table operation on the block map (a `Stored` event also
-//! looks up its parent once, for the closure check) plus an append to, or a counter decrement
-//! of, the worker's tier log; compacting the logs adds at most two map lookups per removal,
-//! amortized and done in batches.
+//! Applying a block event is one operation on the block map (a `Stored` event also looks up
+//! its parent once, for the closure check) plus an append to, or a counter decrement of, the
+//! worker's tier log; compacting the logs adds at most two map lookups per removal, amortized
+//! and done in batches. The block map is far larger than the caches, so each operation is a
+//! cache miss: the event path loads the slots of the next 128 blocks of an event together
+//! before applying them (see `index/block_map.rs`), and is bound by how many misses the
+//! machine overlaps.
+//!
+//! `find_matches` costs a few lookups per position where holders change plus one step per
+//! matching worker; `find_extents` the same lookups and nothing per worker that shares a
+//! prefix with others (`index/extents.rs`). Either is bound, on a cold index, by the lookups it
+//! makes one after the other, each a cache and TLB miss.
 //!
 //! Resident state, per entry when most blocks have one holder (an entry is a
 //! (block, worker, tier) triple):
-//! - block map: a 16-byte slot (8-byte hash, 8-byte holder list) plus hashbrown's
-//!   1 control byte, in a power-of-two table at most 7/8 full: 17 / (7/8) = 19.4 bytes per
-//!   block just before the table doubles, 17 / (7/16) = 38.9 just after;
+//! - block map: a 16-byte slot (8-byte hash, 8-byte holder list) in a power-of-two table at
+//!   most 3/4 full: 16 / (3/4) = 21.3 bytes per block just before the table doubles,
+//!   16 / (3/8) = 42.7 just after;
 //! - tier logs: 8 bytes per logged hash; in a steady state (a store per removal) a log's
 //!   capacity is at most 2.25 × its live entries plus 72 (see `index/tier_log.rs`): up to
 //!   18 bytes per entry, less while a worker is still filling up;
-//! - blocks with more than two holders also own a spilled list: 24 bytes of arena slot plus
-//!   4 bytes per holder (capacity).
+//! - blocks with more than two holders also point at a spilled list: 40 bytes of arena slot
+//!   plus 4 bytes per holder (capacity), one list per chain of blocks with equal holders as
+//!   long as they change together.
 //!
-//! That is about 36 bytes per entry at best and 57 at worst. Measured on the Mooncake trace
+//! That is about 39 bytes per entry at best and 61 at worst. Measured on the Mooncake trace
 //! replay (`cargo bench -p tandem-indexer --bench trace_replay -- --passes 2`: 1,000 workers ×
 //! 8,192 blocks, 7.48 M entries over 7.42 M blocks, map at 44 % load; 2-core AMD EPYC VM,
-//! 2026-11-29): 51.9 bytes per entry by [`KvIndex::heap_bytes`], and the same by the
-//! allocator's allocated − deallocated bytes. A worker that shrinks without storing keeps a
-//! log of up to 2.25 × (2 × live + 64) hashes until its next store or until it is empty.
+//! 2026-12-01): 49.7 bytes per entry by [`KvIndex::heap_bytes`], and the same by the
+//! allocator's allocated − deallocated bytes (51.9 with the previous hashbrown map). A worker
+//! that shrinks without storing keeps a log of up to 2.25 × (2 × live + 64) hashes until its
+//! next store or until it is empty.
 
 mod approx;
 mod error;
@@ -85,6 +99,6 @@ mod sharded;
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use error::IndexError;
 pub use feed::{FeedError, FeedStats, IndexFeed, Repair, RepairReply};
-pub use index::{ApplyOutcome, KvIndex, OverlapScores, TierCounts, WorkerBlocks};
+pub use index::{ApplyOutcome, Extent, Extents, KvIndex, OverlapScores, TierCounts, WorkerBlocks};
 pub use reseq::{Resequencer, ResequencerConfig};
 pub use sharded::ShardedIndex;

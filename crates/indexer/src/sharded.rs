@@ -2,7 +2,9 @@
 //!
 //! Workers are spread over shards by a hash of their id; each shard is a [`KvIndex`] behind a
 //! `parking_lot::RwLock`. An event, dump or removal locks only its worker's shard for writing;
-//! `find_matches` takes each shard's read lock in turn, queries it and merges the answers.
+//! `find_matches` takes each shard's read lock in turn, queries it and merges the answers;
+//! `with_extents` holds every shard's read lock while the caller reads the shards' grouped
+//! answers ([`Extents`] borrow the index they come from).
 //!
 //! # Why shard by worker, not by block
 //!
@@ -31,12 +33,12 @@
 //! Shards pay off only when several threads apply events at once (a standalone indexer with
 //! several subscribers); a frontend with one subscriber uses one, the default.
 
-use parking_lot::{RwLock, RwLockWriteGuard};
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tandem_protocol::{KvDump, KvEvent, SequenceHash, WorkerId};
 
 use crate::error::IndexError;
 use crate::hash::BuildMix;
-use crate::index::{ApplyOutcome, KvIndex, OverlapScores, TierCounts, WorkerBlocks};
+use crate::index::{ApplyOutcome, Extents, KvIndex, OverlapScores, TierCounts, WorkerBlocks};
 
 /// A [`KvIndex`] sharded by worker for concurrent use (`Send + Sync`).
 #[derive(Debug)]
@@ -129,6 +131,32 @@ impl ShardedIndex {
         OverlapScores {
             scores: merge_sorted(parts),
         }
+    }
+
+    /// [`KvIndex::find_extents`] on every shard, handed to `f` as one answer per shard (a
+    /// worker is in at most one of them). The answers borrow the shards, so `f` runs under
+    /// every shard's read lock: writers wait for it, so it should only read the answer (score,
+    /// pick a worker, or copy what it needs).
+    pub fn with_extents<R>(
+        &self,
+        hashes: &[SequenceHash],
+        f: impl FnOnce(&[Extents<'_>]) -> R,
+    ) -> R {
+        // As in `find_matches`, shards free now are taken first. Writers hold one shard at a
+        // time and never wait while holding it, so holding several read locks cannot deadlock.
+        let mut guards: Vec<Option<RwLockReadGuard<'_, KvIndex>>> =
+            self.shards.iter().map(|s| s.try_read()).collect();
+        for (guard, shard) in guards.iter_mut().zip(self.shards.iter()) {
+            if guard.is_none() {
+                *guard = Some(shard.read());
+            }
+        }
+        let answers: Vec<Extents<'_>> = guards
+            .iter()
+            .flatten()
+            .map(|g| g.find_extents(hashes))
+            .collect();
+        f(&answers)
     }
 
     pub fn last_event_id(&self, worker: WorkerId) -> Option<u64> {
@@ -328,6 +356,18 @@ mod tests {
             }
         }
         assert_eq!(sharded.find_matches(&query), single.find_matches(&query));
+        for prefix in [1, 3, 300] {
+            let q = &query[..prefix];
+            let merged = sharded.with_extents(q, |parts| {
+                assert_eq!(parts.len(), 4);
+                let all: Vec<_> = parts.iter().map(|e| e.to_scores().scores).collect();
+                OverlapScores {
+                    scores: merge_sorted(all),
+                }
+            });
+            assert_eq!(merged, single.find_matches(q));
+            assert_eq!(single.find_extents(q).to_scores(), merged);
+        }
         assert_eq!(sharded.num_entries(), single.num_entries());
         assert_eq!(sharded.workers(), single.workers().collect::<Vec<_>>());
         for w in single.workers() {

@@ -2,7 +2,7 @@
 //! travel over a faulty "network" (duplicates, bounded reordering, lost events) into a
 //! [`Resequencer`] in front of a [`KvIndex`], gaps being repaired from the pools' event rings or
 //! by dumps. At every checkpoint the index holds exactly what the pools hold, tier by tier, and
-//! `find_matches` agrees with each pool's own `lookup`.
+//! `find_matches` (and `find_extents`) agrees with each pool's own `lookup`.
 //!
 //! The pools' event rings are small, so that a gap open long enough must be repaired by a dump,
 //! and a single pool operation can even outrun the ring before it is published (the publisher
@@ -521,6 +521,8 @@ impl Cluster {
                 self.cov.hit(Path::HostMatch);
             }
             prop_assert_eq!(&scores.scores, &expected, "prompt {:?}", tokens);
+            // The grouped answer says the same.
+            prop_assert_eq!(self.index.find_extents(&hs).to_scores(), scores);
         }
         Ok(())
     }

@@ -12,10 +12,14 @@
 //! - **inline**: `[a, b]`, `a` a holder and `b` either a holder above it or [`EMPTY`];
 //! - **spilled**: `a`'s tier bits are 3 (no tier has that index) and `a >> 2` indexes a sorted
 //!   `Vec<u32>` in [`Spills`], an arena owned by the index. Only widely shared blocks (system
-//!   prompts) pay that extra indirection and the vector's 24 + 4 × capacity bytes.
+//!   prompts) pay that extra indirection and the list's 24 + 12 + 4 bytes of arena slot plus 4
+//!   × capacity bytes; the blocks of one shared chain usually share one list (copy on write,
+//!   see [`Spills`]), and each list keeps its workers' count per tier ([`first_tiers`]) for
+//!   `find_extents`.
 //!
 //! A list with no holder is never stored: removing the last holder reports
-//! [`Removal::Emptied`] and the caller drops the map entry.
+//! [`Removal::Emptied`] and the caller drops the map entry. `[0, 0]` (slot 0 twice) is no list
+//! either way, and marks a vacant slot of the block map ([`Holders::VACANT`]).
 
 /// Bits of a holder that carry the tier.
 const TIER_BITS: u32 = 2;
@@ -70,19 +74,60 @@ pub(crate) fn level_in(list: &[u32], slot: u32) -> u8 {
     }
 }
 
+/// Workers of a sorted holder list per tier of their first entry (their level there).
+pub(crate) fn first_tiers(list: &[u32]) -> [u32; 3] {
+    let mut c = [0u32; 3];
+    let mut prev = u32::MAX;
+    for &h in list {
+        if slot_of(h) != prev {
+            prev = slot_of(h);
+            c[tier_of(h) as usize] += 1;
+        }
+    }
+    c
+}
+
 /// Spilled holder lists (blocks with more than [`INLINE`] holders), indexed by the tag in
 /// their [`Holders`]. Released indices are reused before the arena grows.
+///
+/// A list may be shared by several blocks (copy on write, with a count of the blocks pointing
+/// at it). The blocks of a chain that many workers hold (a system prompt) have equal holder
+/// lists, and a worker storing or evicting the chain changes them all in the same way, one
+/// after the other: the arena remembers the last copy it made (`memo`: this list, this change,
+/// that result) and hands the same result to the next block whose list and change are the
+/// same. Such a chain then costs one list instead of one per block, a worker joining it one
+/// copy instead of a memmove per block, and `find_extents` compares its blocks' lists by
+/// address instead of entry by entry. Lists that were equal but reached by other paths stay
+/// separate (the arena does not look lists up by content).
 #[derive(Debug, Default)]
 pub(crate) struct Spills {
     lists: Vec<Vec<u32>>,
+    /// Per list, [`first_tiers`] of it, kept up to date by inserts and removals so that
+    /// `find_extents` counts a long list's workers per tier without reading it.
+    firsts: Vec<[u32; 3]>,
+    /// Per list, the blocks whose [`Holders`] point at it (0 for a free index).
+    refs: Vec<u32>,
     free: Vec<u32>,
+    memo: Option<Memo>,
+}
+
+/// The last copy-on-write change: `from` with `holder` inserted (or removed) is `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Memo {
+    from: Holders,
+    holder: u32,
+    insert: bool,
+    to: Holders,
 }
 
 impl Spills {
-    fn alloc(&mut self, list: Vec<u32>) -> u32 {
+    /// A new list with one block pointing at it.
+    fn alloc(&mut self, list: Vec<u32>, firsts: [u32; 3]) -> u32 {
         match self.free.pop() {
             Some(i) => {
+                self.firsts[i as usize] = firsts;
                 self.lists[i as usize] = list;
+                self.refs[i as usize] = 1;
                 i
             }
             None => {
@@ -92,16 +137,92 @@ impl Spills {
                     self.lists.len() < MAX_SPILLS,
                     "more than 2^30 spilled lists"
                 );
+                self.firsts.push(firsts);
                 self.lists.push(list);
+                self.refs.push(1);
                 (self.lists.len() - 1) as u32
             }
         }
     }
 
-    /// Takes a list out of the arena and frees its index (its vector goes with it).
-    fn release(&mut self, i: u32) -> Vec<u32> {
-        self.free.push(i);
-        std::mem::take(&mut self.lists[i as usize])
+    /// Forgets the memo if it names list `i` (about to change or go).
+    #[inline]
+    fn forget(&mut self, i: u32) {
+        if let Some(m) = self.memo
+            && (m.from.spilled() == Some(i) || m.to.spilled() == Some(i))
+        {
+            self.memo = None;
+        }
+    }
+
+    /// The result the memo holds for this change of `from`, counted as one more user.
+    #[inline]
+    fn recall(&mut self, from: Holders, holder: u32, insert: bool) -> Option<Holders> {
+        let m = self.memo?;
+        if m.from != from || m.holder != holder || m.insert != insert {
+            return None;
+        }
+        if let Some(j) = m.to.spilled() {
+            self.refs[j as usize] += 1;
+        }
+        Some(m.to)
+    }
+
+    /// One block fewer points at list `i`; the last one frees it.
+    fn unref(&mut self, i: u32) {
+        self.refs[i as usize] -= 1;
+        if self.refs[i as usize] == 0 {
+            self.forget(i);
+            self.free.push(i);
+            self.lists[i as usize] = Vec::new();
+        }
+    }
+
+    /// List `i`, or a copy of it if other blocks share it, ready to be changed for one block
+    /// (which then points at the returned index).
+    fn own(&mut self, i: u32) -> u32 {
+        if self.refs[i as usize] == 1 {
+            self.forget(i);
+            return i;
+        }
+        self.refs[i as usize] -= 1;
+        let mut copy = Vec::with_capacity(self.lists[i as usize].len() + 1);
+        copy.extend_from_slice(&self.lists[i as usize]);
+        self.alloc(copy, self.firsts[i as usize])
+    }
+
+    /// Inserts `holder` at `pos` of list `i` (owned), keeping its [`first_tiers`].
+    fn insert_at(&mut self, i: u32, pos: usize, holder: u32) {
+        let (list, f) = (&mut self.lists[i as usize], &mut self.firsts[i as usize]);
+        // The holder becomes its worker's first entry unless one sorts before it.
+        let slot = slot_of(holder);
+        if pos == 0 || slot_of(list[pos - 1]) != slot {
+            f[tier_of(holder) as usize] += 1;
+            if let Some(&next) = list.get(pos)
+                && slot_of(next) == slot
+            {
+                f[tier_of(next) as usize] -= 1;
+            }
+        }
+        list.insert(pos, holder);
+    }
+
+    /// Removes entry `pos` of list `i` (owned), keeping its [`first_tiers`]; returns the
+    /// list's new length.
+    fn remove_at(&mut self, i: u32, pos: usize) -> usize {
+        let (list, f) = (&mut self.lists[i as usize], &mut self.firsts[i as usize]);
+        let holder = list[pos];
+        let slot = slot_of(holder);
+        if pos == 0 || slot_of(list[pos - 1]) != slot {
+            f[tier_of(holder) as usize] -= 1;
+            if let Some(&next) = list.get(pos + 1)
+                && slot_of(next) == slot
+            {
+                f[tier_of(next) as usize] += 1;
+            }
+        }
+        list.remove(pos);
+        list.len()
     }
 
     /// Spilled lists in use.
@@ -110,12 +231,19 @@ impl Spills {
         self.lists.len() - self.free.len()
     }
 
+    /// Blocks pointing at list `i` (for invariant checks).
+    #[cfg(test)]
+    pub(crate) fn refs(&self, i: u32) -> u32 {
+        self.refs[i as usize]
+    }
+
     /// Heap bytes of the arena and its lists (O(spilled lists)).
     pub(crate) fn heap_bytes(&self) -> usize {
         let lists: usize = self.lists.iter().map(|l| l.capacity()).sum();
         self.lists.capacity() * size_of::<Vec<u32>>()
+            + self.firsts.capacity() * size_of::<[u32; 3]>()
             + lists * size_of::<u32>()
-            + self.free.capacity() * size_of::<u32>()
+            + (self.refs.capacity() + self.free.capacity()) * size_of::<u32>()
     }
 }
 
@@ -138,6 +266,15 @@ pub(crate) enum Removal {
 pub(crate) struct Holders([u32; INLINE]);
 
 impl Holders {
+    /// Not a holder list (the first holder repeated is never stored): the block map's mark for
+    /// a vacant slot.
+    pub(crate) const VACANT: Holders = Holders([0, 0]);
+
+    #[inline(always)]
+    pub(crate) fn is_vacant(&self) -> bool {
+        self.0 == [0, 0]
+    }
+
     /// A list with one holder.
     #[inline]
     pub(crate) fn one(holder: u32) -> Self {
@@ -158,6 +295,15 @@ impl Holders {
         }
     }
 
+    /// [`first_tiers`] of the list (O(1)).
+    #[inline]
+    pub(crate) fn first_tiers(&self, spills: &Spills) -> [u32; 3] {
+        match self.spilled() {
+            Some(i) => spills.firsts[i as usize],
+            None => first_tiers(self.as_slice(spills)),
+        }
+    }
+
     #[inline]
     pub(crate) fn contains(&self, holder: u32, spills: &Spills) -> bool {
         match self.spilled() {
@@ -170,16 +316,29 @@ impl Holders {
     #[inline]
     pub(crate) fn insert(&mut self, holder: u32, spills: &mut Spills) -> bool {
         debug_assert!(tier_of(holder) != MISSING);
+        let old = *self;
         let [a, b] = self.0;
         if let Some(i) = self.spilled() {
-            let list = &mut spills.lists[i as usize];
-            return match list.binary_search(&holder) {
-                Ok(_) => false,
-                Err(pos) => {
-                    list.insert(pos, holder);
-                    true
-                }
+            if let Some(to) = spills.recall(old, holder, true) {
+                spills.unref(i);
+                *self = to;
+                return true;
+            }
+            let Err(pos) = spills.lists[i as usize].binary_search(&holder) else {
+                return false;
             };
+            let k = spills.own(i);
+            spills.insert_at(k, pos, holder);
+            *self = Holders::spill(k);
+            if k != i {
+                spills.memo = Some(Memo {
+                    from: old,
+                    holder,
+                    insert: true,
+                    to: *self,
+                });
+            }
+            return true;
         }
         if holder == a || holder == b {
             return false;
@@ -188,29 +347,54 @@ impl Holders {
             self.0 = if holder < a { [holder, a] } else { [a, holder] };
             return true;
         }
+        if let Some(to) = spills.recall(old, holder, true) {
+            *self = to;
+            return true;
+        }
         let mut list = Vec::with_capacity(SPILL_CAPACITY);
         list.extend_from_slice(&self.0);
         let pos = list.partition_point(|&h| h < holder);
         list.insert(pos, holder);
-        let i = spills.alloc(list);
-        self.0 = [(i << TIER_BITS) | SPILL_TAG, 0];
+        let firsts = first_tiers(&list);
+        *self = Holders::spill(spills.alloc(list, firsts));
+        spills.memo = Some(Memo {
+            from: old,
+            holder,
+            insert: true,
+            to: *self,
+        });
         true
     }
 
     /// Removes a holder.
     #[inline]
     pub(crate) fn remove(&mut self, holder: u32, spills: &mut Spills) -> Removal {
+        let old = *self;
         let [a, b] = self.0;
         if let Some(i) = self.spilled() {
-            let list = &mut spills.lists[i as usize];
-            let Ok(pos) = list.binary_search(&holder) else {
+            if let Some(to) = spills.recall(old, holder, false) {
+                spills.unref(i);
+                *self = to;
+                return Removal::Removed;
+            }
+            let Ok(pos) = spills.lists[i as usize].binary_search(&holder) else {
                 return Removal::Absent;
             };
-            list.remove(pos);
-            if list.len() <= UNSPILL_AT {
+            let k = spills.own(i);
+            if spills.remove_at(k, pos) <= UNSPILL_AT {
                 // UNSPILL_AT is 1: exactly one holder is left.
-                let list = spills.release(i);
-                *self = Holders::one(list[0]);
+                *self = Holders::one(spills.lists[k as usize][0]);
+                spills.unref(k);
+            } else {
+                *self = Holders::spill(k);
+            }
+            if k != i {
+                spills.memo = Some(Memo {
+                    from: old,
+                    holder,
+                    insert: false,
+                    to: *self,
+                });
             }
             return Removal::Removed;
         }
@@ -225,6 +409,18 @@ impl Holders {
             self.0 = [b, EMPTY];
             Removal::Removed
         }
+    }
+
+    /// A list spilled to arena index `i`.
+    #[inline(always)]
+    fn spill(i: u32) -> Self {
+        Holders([(i << TIER_BITS) | SPILL_TAG, 0])
+    }
+
+    /// The arena index of a spilled list (for invariant checks).
+    #[cfg(test)]
+    pub(crate) fn spill_index(&self) -> Option<u32> {
+        self.spilled()
     }
 
     /// Whether the list lives in the arena.
@@ -277,6 +473,16 @@ mod tests {
         }
         assert!(!hs.insert(pack(5, 1), &mut sp));
         assert!(hs.is_spilled());
+        assert_eq!(hs.first_tiers(&sp), [1, 9, 0]);
+        // A faster copy of a worker's block takes its first place; a slower one does not.
+        assert!(hs.insert(pack(3, 0), &mut sp) && hs.insert(pack(4, 2), &mut sp));
+        assert_eq!(hs.first_tiers(&sp), [2, 8, 0]);
+        assert_eq!(hs.remove(pack(3, 0), &mut sp), Removal::Removed);
+        assert_eq!(hs.remove(pack(4, 2), &mut sp), Removal::Removed);
+        assert_eq!(hs.first_tiers(&sp), [1, 9, 0]);
+        assert_eq!(hs.remove(pack(2, 1), &mut sp), Removal::Removed);
+        assert_eq!(hs.first_tiers(&sp), [1, 8, 0]);
+        assert!(hs.insert(pack(2, 1), &mut sp));
         assert_eq!(sp.len(), 1);
         assert_eq!(hs.as_slice(&sp).len(), 10);
         assert!(
@@ -303,6 +509,92 @@ mod tests {
         other.insert(pack(3, 0), &mut sp);
         assert_eq!(sp.lists.len(), 1);
         assert_eq!(other.as_slice(&sp), &[pack(1, 0), pack(2, 0), pack(3, 0)]);
+    }
+
+    /// Blocks of a chain changed the same way one after the other share one list.
+    #[test]
+    fn equal_changes_share_lists() {
+        let mut sp = Spills::default();
+        let mut chain = [Holders::one(pack(1, 0)); 10];
+        for w in 2..=6 {
+            for hs in &mut chain {
+                assert!(hs.insert(pack(w, 0), &mut sp));
+            }
+        }
+        assert_eq!(sp.len(), 1, "one list for the whole chain");
+        let i = chain[0].spill_index().unwrap();
+        assert_eq!(sp.refs(i), 10);
+        assert!(chain.iter().all(|hs| hs.as_slice(&sp).len() == 6));
+        // A change to one block alone copies its list.
+        assert!(chain[3].insert(pack(9, 1), &mut sp));
+        assert_eq!(sp.len(), 2);
+        assert_eq!(chain[3].first_tiers(&sp), [6, 1, 0]);
+        assert_eq!(chain[4].first_tiers(&sp), [6, 0, 0]);
+        // Removing a worker from the whole chain: shared again, the odd block apart.
+        for hs in &mut chain {
+            assert_eq!(hs.remove(pack(2, 0), &mut sp), Removal::Removed);
+        }
+        assert_eq!(
+            sp.len(),
+            2,
+            "the old list is freed, the odd block keeps its own"
+        );
+        assert_eq!(chain[0].as_slice(&sp), chain[9].as_slice(&sp));
+        assert!(std::ptr::eq(chain[0].as_slice(&sp), chain[9].as_slice(&sp)));
+        // Down to one holder: inline again, every list freed.
+        for w in [1, 3, 4, 5] {
+            for hs in &mut chain {
+                assert_eq!(hs.remove(pack(w, 0), &mut sp), Removal::Removed);
+            }
+        }
+        assert_eq!(chain[3].remove(pack(9, 1), &mut sp), Removal::Removed);
+        assert!(chain.iter().all(|hs| !hs.is_spilled()));
+        assert_eq!(sp.len(), 0);
+    }
+
+    proptest::proptest! {
+        /// Random changes to a few blocks against a model, sharing and memo included.
+        #[test]
+        fn lists_behave_like_sets(
+            ops in proptest::collection::vec((0usize..4, 0u32..6, 0usize..3, proptest::bool::ANY), 1..300),
+        ) {
+            let mut sp = Spills::default();
+            let mut blocks = [Holders::VACANT; 4];
+            let mut model: [std::collections::BTreeSet<u32>; 4] = Default::default();
+            for (b, slot, tier, insert) in ops {
+                let h = pack(slot, tier);
+                if model[b].is_empty() {
+                    if insert {
+                        blocks[b] = Holders::one(h);
+                        model[b].insert(h);
+                    }
+                    continue;
+                }
+                if insert {
+                    proptest::prop_assert_eq!(blocks[b].insert(h, &mut sp), model[b].insert(h));
+                } else {
+                    let out = blocks[b].remove(h, &mut sp);
+                    proptest::prop_assert_eq!(out != Removal::Absent, model[b].remove(&h));
+                    proptest::prop_assert_eq!(out == Removal::Emptied, model[b].is_empty());
+                }
+                let mut users = std::collections::BTreeMap::<u32, u32>::new();
+                for (hs, m) in blocks.iter().zip(&model) {
+                    if m.is_empty() {
+                        continue;
+                    }
+                    let list: Vec<u32> = m.iter().copied().collect();
+                    proptest::prop_assert_eq!(hs.as_slice(&sp), &list[..]);
+                    proptest::prop_assert_eq!(hs.first_tiers(&sp), first_tiers(&list));
+                    if let Some(i) = hs.spill_index() {
+                        *users.entry(i).or_default() += 1;
+                    }
+                }
+                proptest::prop_assert_eq!(users.len(), sp.len());
+                for (i, n) in users {
+                    proptest::prop_assert_eq!(sp.refs(i), n);
+                }
+            }
+        }
     }
 
     #[test]

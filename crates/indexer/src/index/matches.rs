@@ -82,45 +82,65 @@ impl OverlapScores {
     }
 }
 
+/// A worker's counts from its boundaries (`bounds[k]`: first position whose level is above `k`).
+#[inline]
+pub(super) fn counts_of(b: &[u32; 3]) -> TierCounts {
+    // Bounds are non-decreasing by construction (see `Search::change`); saturating keeps a
+    // broken invariant from panicking the router instead of returning a wrong count.
+    TierCounts {
+        device: b[0],
+        host: b[1].saturating_sub(b[0]),
+        disk: b[2].saturating_sub(b[1]),
+    }
+}
+
 /// `level` of a slot that is not a candidate (does not hold block 0).
-const NOT_CAND: u8 = u8::MAX;
+pub(super) const NOT_CAND: u8 = u8::MAX;
 /// `level` flag of a candidate answered by the linear walk.
-const LINEAR: u8 = 0x80;
+pub(super) const LINEAR: u8 = 0x80;
+/// `level` of a slot that `find_extents` saw in a holder list and knows is no candidate (see
+/// `extent_search.rs`); `find_matches` never sets it.
+pub(super) const SKIP: u8 = 0x40;
 
 /// State of one query, indexed directly by worker slot (struct of arrays: the hot loops touch
 /// one byte per worker to classify it, and its bounds only when it changes level).
-struct Search<'a> {
-    index: &'a KvIndex,
-    hashes: &'a [SequenceHash],
+pub(super) struct Search<'a, 'h> {
+    pub(super) index: &'a KvIndex,
+    pub(super) hashes: &'h [SequenceHash],
     /// Per slot: `NOT_CAND`, or the candidate's level after the last change seen (changes
     /// arrive in position order, so each must start where the previous one ended), with
     /// `LINEAR` set when it is answered by the linear walk.
-    level: Vec<u8>,
+    pub(super) level: Vec<u8>,
     /// Per slot, `bounds[k]`: first position whose level is above `k` (candidates only).
-    bounds: Vec<[u32; 3]>,
+    pub(super) bounds: Vec<[u32; 3]>,
     /// Candidate slots, ascending; only filled when not `dense`.
-    cands: Vec<u32>,
-    n_cands: usize,
+    pub(super) cands: Vec<u32>,
+    pub(super) n_cands: usize,
     /// Candidates are many compared to all workers (see `finish`).
-    dense: bool,
+    pub(super) dense: bool,
     /// Slots answered by the linear walk.
-    linear: Vec<u32>,
+    pub(super) linear: Vec<u32>,
+    /// `find_extents`' explicit candidates still in the prompt (unused by `find_matches`,
+    /// which only carries the buffer back to the scratch).
+    pub(super) live: Vec<u32>,
 }
 
 /// Per-thread buffers of [`Search`], kept between queries so that a query costs nothing per
 /// worker slot it does not touch: `level` is all `NOT_CAND` and the vectors empty between
 /// queries (a query resets only its candidates' entries).
 #[derive(Default)]
-struct Scratch {
-    level: Vec<u8>,
-    bounds: Vec<[u32; 3]>,
-    cands: Vec<u32>,
-    linear: Vec<u32>,
+pub(super) struct Scratch {
+    pub(super) level: Vec<u8>,
+    pub(super) bounds: Vec<[u32; 3]>,
+    pub(super) cands: Vec<u32>,
+    pub(super) linear: Vec<u32>,
+    /// `find_extents`' list of explicit candidates still in the prompt.
+    pub(super) live: Vec<u32>,
 }
 
 impl Scratch {
     /// Sizes the per-slot arrays for `slots` workers (they only grow).
-    fn reset(&mut self, slots: usize) {
+    pub(super) fn reset(&mut self, slots: usize) {
         if self.level.len() < slots {
             self.level.resize(slots, NOT_CAND);
             self.bounds.resize(slots, [0; 3]);
@@ -129,15 +149,15 @@ impl Scratch {
 }
 
 thread_local! {
-    static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
+    pub(super) static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
 }
 
 /// Entries compared at once when skipping identical runs of two holder lists.
-const CHUNK: usize = 16;
+pub(super) const CHUNK: usize = 16;
 
 /// Whether the first [`CHUNK`] entries of `a` and `b` are equal (both at least that long).
 #[inline(always)]
-fn same(a: &[u32], b: &[u32]) -> bool {
+pub(super) fn same(a: &[u32], b: &[u32]) -> bool {
     a[..CHUNK]
         .iter()
         .zip(&b[..CHUNK])
@@ -179,6 +199,7 @@ impl KvIndex {
             n_cands: 0,
             dense: false,
             linear: s.linear,
+            live: s.live,
         };
         // Few candidates among many workers: keep their slots to sort them at the end;
         // otherwise `finish` walks the id-ordered worker list and needs no list.
@@ -201,7 +222,7 @@ impl KvIndex {
             if !s.dense {
                 s.cands.push(slot);
             }
-            if self.non_closed_workers > 0 && self.worker(slot).non_closed {
+            if !self.non_closed_slots.is_empty() && self.worker(slot).non_closed {
                 s.make_linear(slot);
             }
         }
@@ -215,8 +236,8 @@ impl KvIndex {
     }
 }
 
-impl<'a> Search<'a> {
-    fn make_linear(&mut self, slot: u32) {
+impl<'a> Search<'a, '_> {
+    pub(super) fn make_linear(&mut self, slot: u32) {
         let l = &mut self.level[slot as usize];
         if *l & LINEAR == 0 {
             *l |= LINEAR;
@@ -225,7 +246,7 @@ impl<'a> Search<'a> {
     }
 
     #[inline]
-    fn holders_at(&self, pos: u32) -> &'a [u32] {
+    pub(super) fn holders_at(&self, pos: u32) -> &'a [u32] {
         let index: &'a KvIndex = self.index;
         index.holders(self.hashes[pos as usize].0)
     }
@@ -352,10 +373,11 @@ impl<'a> Search<'a> {
 
     /// A worker's level goes from `from` at `pos - 1` to `to` at `pos`.
     #[inline]
-    fn change(&mut self, slot: u32, from: u8, to: u8, pos: u32) {
+    pub(super) fn change(&mut self, slot: u32, from: u8, to: u8, pos: u32) {
         // Non-candidates do not hold block 0: their answer is zero whatever they hold.
         let level = self.level[slot as usize];
-        if level == NOT_CAND || level & LINEAR != 0 {
+        // `NOT_CAND` has every bit set, so this also drops non-candidates.
+        if level & (LINEAR | SKIP) != 0 {
             return;
         }
         if to < from || from != level {
@@ -371,7 +393,7 @@ impl<'a> Search<'a> {
 
     /// Exact answers for the linear candidates: one pass over the prompt, dropping each worker
     /// at its first missing block and stopping when none is left.
-    fn walk_linear(&mut self) {
+    pub(super) fn walk_linear(&mut self) {
         if self.linear.is_empty() {
             return;
         }
@@ -404,13 +426,7 @@ impl<'a> Search<'a> {
 
     /// The answer, and the buffers back for the next query (candidates' entries reset).
     fn finish(mut self) -> (OverlapScores, Scratch) {
-        // Bounds are non-decreasing by construction (see `change`); saturating keeps a broken
-        // invariant from panicking the router instead of returning a wrong count.
-        let counts = |b: &[u32; 3]| TierCounts {
-            device: b[0],
-            host: b[1].saturating_sub(b[0]),
-            disk: b[2].saturating_sub(b[1]),
-        };
+        let counts = counts_of;
         let by_id = &self.index.by_id;
         let mut scores = Vec::with_capacity(if self.dense {
             by_id.len()
@@ -454,6 +470,7 @@ impl<'a> Search<'a> {
             bounds: self.bounds,
             cands: self.cands,
             linear: self.linear,
+            live: self.live,
         };
         (OverlapScores { scores }, scratch)
     }

@@ -2,9 +2,11 @@
 //!
 //! Layout:
 //! - `blocks`: sequence hash → [`Holders`] (sorted, packed (worker slot, tier) pairs; two
-//!   inline in the 16-byte map slot, more in the `spills` arena). The holder lists are the
-//!   source of truth: "does worker w hold block h in tier t" is a lookup in `blocks`, and
-//!   they are what `find_matches` reads.
+//!   inline in the 16-byte slot of an open-addressing table, `block_map.rs`, more in the
+//!   `spills` arena, shared between blocks with equal lists). The holder lists are the source
+//!   of truth: "does worker w hold block h in tier t" is a lookup in `blocks`, and they are
+//!   what `find_matches` and `find_extents` (`extent_search.rs`, answer type in `extents.rs`)
+//!   read.
 //! - `slots`: dense worker slots. Each worker's state keeps its last applied event id, one
 //!   [`TierLog`] per tier (an append-only list of the block hashes it stored there, so that
 //!   `Cleared`, `remove_worker` and `replace_worker` cost O(the worker's blocks), not
@@ -16,12 +18,21 @@
 //! list holds `pack(w, t)`. Log entries whose holder is gone are stale and skipped.
 //!
 //! Per block event, `apply` touches the block map once (plus the parent's holder list once per
-//! `Stored` event for the closure check), and the end of one log, which is in cache.
+//! `Stored` event for the closure check), and the end of one log, which is in cache. The block
+//! map being far larger than the caches, that touch is a cache miss, and the event path is
+//! bound by how many of them overlap: the slots of the next [`AHEAD`] blocks of an event are
+//! loaded together (independent loads) before the blocks are applied one by one, about 1.7× on
+//! the trace replay (`BENCHMARKS.md`, 2026-12-01).
 
+mod block_map;
+mod extent_search;
+mod extents;
 mod holders;
 mod matches;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_extents;
 mod tier_log;
 
 use std::collections::BTreeSet;
@@ -30,9 +41,11 @@ use tandem_protocol::{KvDump, KvEvent, KvEventKind, SequenceHash, StorageTier, W
 
 use crate::error::IndexError;
 use crate::hash::{MixMap, MixSet};
+use block_map::{AHEAD, BlockMap, Probe};
+pub use extents::{Extent, Extents};
 use holders::{Holders, MAX_SLOTS, Removal, Spills, level_in, pack};
 pub use matches::{OverlapScores, TierCounts};
-use tier_log::TierLog;
+use tier_log::{Liveness, TierLog};
 
 /// What [`KvIndex::apply`] did with an event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,7 +119,7 @@ impl WorkerState {
 /// Synchronous and I/O-free; wrap it in [`crate::ShardedIndex`] for concurrent use.
 #[derive(Debug, Default)]
 pub struct KvIndex {
-    blocks: MixMap<u64, Holders>,
+    blocks: BlockMap,
     /// Holder lists of blocks with more than two holders.
     spills: Spills,
     slots: Vec<Option<WorkerState>>,
@@ -116,9 +129,9 @@ pub struct KvIndex {
     by_id: Vec<(WorkerId, u32)>,
     /// Resident (block, worker, tier) entries.
     entries: usize,
-    /// Workers flagged `non_closed`; when zero (the normal case) queries skip the per-worker
-    /// flag check, which would touch every candidate's state.
-    non_closed_workers: usize,
+    /// Slots of the workers flagged `non_closed`, ascending; when empty (the normal case)
+    /// queries skip the per-worker flag check, which would touch every candidate's state.
+    non_closed_slots: Vec<u32>,
     /// Scratch set for deduplicating a log while compacting it; empty between calls.
     seen: MixSet<u64>,
 }
@@ -134,7 +147,7 @@ impl KvIndex {
     /// rehashes (and the page faults of each new table) while the cluster warms up.
     pub fn with_capacity(blocks: usize) -> Self {
         KvIndex {
-            blocks: MixMap::with_capacity_and_hasher(blocks, Default::default()),
+            blocks: BlockMap::with_capacity(blocks),
             ..Self::default()
         }
     }
@@ -271,14 +284,14 @@ impl KvIndex {
             .flat_map(|w| w.tiers.iter())
             .map(TierLog::heap_bytes)
             .sum();
-        table_bytes(self.blocks.capacity(), size_of::<(u64, Holders)>())
+        self.blocks.heap_bytes()
             + self.spills.heap_bytes()
             + logs
             + table_bytes(self.seen.capacity(), size_of::<u64>())
             + table_bytes(self.slot_of.capacity(), size_of::<(WorkerId, u32)>())
             + self.slots.capacity() * size_of::<Option<WorkerState>>()
             + self.by_id.capacity() * size_of::<(WorkerId, u32)>()
-            + self.free_slots.capacity() * size_of::<u32>()
+            + (self.free_slots.capacity() + self.non_closed_slots.capacity()) * size_of::<u32>()
     }
 
     /// Adds `hash` to the worker's `tier` without an event (approximate mode). Creates the
@@ -302,15 +315,23 @@ impl KvIndex {
     #[inline(always)]
     fn holders(&self, hash: u64) -> &[u32] {
         self.blocks
-            .get(&hash)
+            .get(hash)
             .map_or(&[], |hs| hs.as_slice(&self.spills))
+    }
+
+    /// The sorted holder list of a block and its workers per tier of their first entry.
+    #[inline(always)]
+    fn holders_counted(&self, hash: u64) -> (&[u32], [u32; 3]) {
+        self.blocks.get(hash).map_or((&[], [0; 3]), |hs| {
+            (hs.as_slice(&self.spills), hs.first_tiers(&self.spills))
+        })
     }
 
     /// Whether the block's holder list contains `holder`.
     #[inline]
     fn holds(&self, holder: u32, hash: u64) -> bool {
         self.blocks
-            .get(&hash)
+            .get(hash)
             .is_some_and(|hs| hs.contains(holder, &self.spills))
     }
 
@@ -358,18 +379,27 @@ impl KvIndex {
         let t = tier.index();
         match kind {
             KvEventKind::Stored { parent, blocks } => {
-                if let (true, Some(p)) = (check, parent)
-                    && !self.holds_at_or_below(slot, p.0, t)
-                {
-                    self.set_non_closed(slot, true);
+                if let (true, Some(p)) = (check, parent) {
+                    // The parent's slot loads along with the first blocks'.
+                    let first = blocks.iter().take(AHEAD).map(|b| b.sequence_hash.0);
+                    self.touch(first.chain([p.0]));
+                    if !self.holds_at_or_below(slot, p.0, t) {
+                        self.set_non_closed(slot, true);
+                    }
                 }
-                for b in blocks {
-                    self.insert_entry(slot, t, b.sequence_hash.0);
+                for chunk in blocks.chunks(AHEAD) {
+                    self.touch(chunk.iter().map(|b| b.sequence_hash.0));
+                    for b in chunk {
+                        self.insert_entry(slot, t, b.sequence_hash.0);
+                    }
                 }
             }
             KvEventKind::Removed { blocks } => {
-                for b in blocks {
-                    self.remove_entry(slot, t, b.0);
+                for chunk in blocks.chunks(AHEAD) {
+                    self.touch(chunk.iter().map(|b| b.0));
+                    for b in chunk {
+                        self.remove_entry(slot, t, b.0);
+                    }
                 }
                 self.reset_flag_if_empty(slot);
             }
@@ -378,6 +408,17 @@ impl KvIndex {
                 self.reset_flag_if_empty(slot);
             }
         }
+    }
+
+    /// Loads the block-map slots of `hashes` (a few, see [`AHEAD`]) before they are used: the
+    /// loads are independent, so their cache misses overlap instead of following each other.
+    #[inline(always)]
+    fn touch(&self, hashes: impl Iterator<Item = u64>) {
+        let mut acc = 0;
+        for h in hashes {
+            acc ^= self.blocks.touch(h);
+        }
+        std::hint::black_box(acc);
     }
 
     /// An empty worker is trivially prefix-closed, so it can leave the linear-walk path.
@@ -392,10 +433,13 @@ impl KvIndex {
         let w = self.worker_mut(slot);
         if w.non_closed != flag {
             w.non_closed = flag;
-            if flag {
-                self.non_closed_workers += 1;
-            } else {
-                self.non_closed_workers -= 1;
+            let list = &mut self.non_closed_slots;
+            match (list.binary_search(&slot), flag) {
+                (Err(i), true) => list.insert(i, slot),
+                (Ok(i), false) => {
+                    list.remove(i);
+                }
+                _ => debug_assert!(false, "flag list out of step"),
             }
         }
     }
@@ -405,15 +449,14 @@ impl KvIndex {
     #[inline]
     fn insert_entry(&mut self, slot: u32, t: usize, hash: u64) {
         let holder = pack(slot, t);
-        match self.blocks.entry(hash) {
-            hashbrown::hash_map::Entry::Occupied(mut e) => {
-                if !e.get_mut().insert(holder, &mut self.spills) {
+        self.blocks.reserve_one();
+        match self.blocks.find_slot(hash) {
+            Probe::Found(i) => {
+                if !self.blocks.at_mut(i).insert(holder, &mut self.spills) {
                     return;
                 }
             }
-            hashbrown::hash_map::Entry::Vacant(e) => {
-                e.insert(Holders::one(holder));
-            }
+            Probe::Vacant(i) => self.blocks.fill(i, hash, Holders::one(holder)),
         }
         self.entries += 1;
         let (blocks, spills) = (&self.blocks, &self.spills);
@@ -421,9 +464,15 @@ impl KvIndex {
             .as_mut()
             .expect("slot maps to a live worker")
             .tiers[t];
-        log.push(hash, &mut self.seen, |h| {
-            blocks.get(&h).is_some_and(|hs| hs.contains(holder, spills))
-        });
+        log.push(
+            hash,
+            &mut self.seen,
+            &Live {
+                blocks,
+                spills,
+                holder,
+            },
+        );
     }
 
     /// Removes (slot, t) from the block's holders and marks the worker's log entry stale; a
@@ -439,24 +488,34 @@ impl KvIndex {
             .as_mut()
             .expect("slot maps to a live worker")
             .tiers[t];
-        log.removed(&mut self.seen, |h| {
-            blocks.get(&h).is_some_and(|hs| hs.contains(holder, spills))
-        });
+        log.removed(
+            &mut self.seen,
+            &Live {
+                blocks,
+                spills,
+                holder,
+            },
+        );
     }
 
     /// Removes the holder from `blocks` without touching the worker's log; returns whether it
     /// was there.
     #[inline]
     fn unlink(&mut self, slot: u32, t: usize, hash: u64) -> bool {
-        let hashbrown::hash_map::Entry::Occupied(mut e) = self.blocks.entry(hash) else {
+        if self.blocks.len() == 0 {
+            return false;
+        }
+        let Probe::Found(i) = self.blocks.find_slot(hash) else {
             return false;
         };
-        match e.get_mut().remove(pack(slot, t), &mut self.spills) {
+        match self
+            .blocks
+            .at_mut(i)
+            .remove(pack(slot, t), &mut self.spills)
+        {
             Removal::Absent => return false,
             Removal::Removed => {}
-            Removal::Emptied => {
-                e.remove();
-            }
+            Removal::Emptied => self.blocks.remove_at(i),
         }
         self.entries -= 1;
         true
@@ -482,18 +541,46 @@ impl KvIndex {
     }
 }
 
+/// Liveness of one worker's tier-log entries, for its compaction.
+struct Live<'a> {
+    blocks: &'a BlockMap,
+    spills: &'a Spills,
+    holder: u32,
+}
+
+impl Liveness for Live<'_> {
+    #[inline]
+    fn is_live(&self, hash: u64) -> bool {
+        self.blocks
+            .get(hash)
+            .is_some_and(|hs| hs.contains(self.holder, self.spills))
+    }
+
+    #[inline]
+    fn prefetch(&self, hashes: &[u64]) {
+        let mut acc = 0;
+        for &h in hashes {
+            acc ^= self.blocks.touch(h);
+        }
+        std::hint::black_box(acc);
+    }
+}
+
 #[cfg(test)]
 impl KvIndex {
     /// Panics unless the block map, the spill arena and the per-worker logs agree.
     pub(crate) fn check_invariants(&self) {
         let mut live = std::collections::BTreeMap::<u32, usize>::new();
         let mut entries = 0;
-        let mut spilled = 0;
-        for (&h, hs) in &self.blocks {
+        let mut spilled = std::collections::BTreeMap::new();
+        for (h, hs) in self.blocks.iter() {
             let list = hs.as_slice(&self.spills);
             assert!(!list.is_empty(), "empty holder list of {h}");
             assert!(list.windows(2).all(|p| p[0] < p[1]), "holders of {h}");
-            spilled += usize::from(hs.is_spilled());
+            if let Some(i) = hs.spill_index() {
+                *spilled.entry(i).or_insert(0u32) += 1;
+            }
+            assert_eq!(hs.first_tiers(&self.spills), holders::first_tiers(list));
             entries += list.len();
             for &holder in list {
                 let slot = holders::slot_of(holder);
@@ -509,7 +596,10 @@ impl KvIndex {
             }
         }
         assert_eq!(entries, self.entries);
-        assert_eq!(spilled, self.spills.len(), "leaked or shared spilled lists");
+        assert_eq!(spilled.len(), self.spills.len(), "leaked spilled lists");
+        for (&i, &blocks) in &spilled {
+            assert_eq!(self.spills.refs(i), blocks, "users of spilled list {i}");
+        }
         let mut flagged = 0;
         for (slot, w) in self.slots.iter().enumerate() {
             let Some(w) = w else { continue };
@@ -520,7 +610,8 @@ impl KvIndex {
                 assert_eq!(log.live(), live.get(&holder).copied().unwrap_or(0));
             }
         }
-        assert_eq!(flagged, self.non_closed_workers);
+        assert_eq!(flagged, self.non_closed_slots.len());
+        assert!(self.non_closed_slots.windows(2).all(|p| p[0] < p[1]));
         assert!(self.seen.is_empty());
         let ids: Vec<WorkerId> = self.by_id.iter().map(|&(id, _)| id).collect();
         assert!(ids.windows(2).all(|p| p[0] < p[1]));

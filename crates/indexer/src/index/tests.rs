@@ -7,15 +7,21 @@ use tandem_protocol::{
 
 use super::*;
 
-const D: StorageTier = StorageTier::Device;
-const H: StorageTier = StorageTier::Host;
-const K: StorageTier = StorageTier::Disk;
+pub(super) const D: StorageTier = StorageTier::Device;
+pub(super) const H: StorageTier = StorageTier::Host;
+pub(super) const K: StorageTier = StorageTier::Disk;
 
-fn sh(i: u64) -> SequenceHash {
+pub(super) fn sh(i: u64) -> SequenceHash {
     SequenceHash(i)
 }
 
-fn stored(w: u64, id: u64, tier: StorageTier, parent: Option<u64>, blocks: &[u64]) -> KvEvent {
+pub(super) fn stored(
+    w: u64,
+    id: u64,
+    tier: StorageTier,
+    parent: Option<u64>,
+    blocks: &[u64],
+) -> KvEvent {
     KvEvent {
         worker_id: WorkerId(w),
         event_id: id,
@@ -33,7 +39,7 @@ fn stored(w: u64, id: u64, tier: StorageTier, parent: Option<u64>, blocks: &[u64
     }
 }
 
-fn removed(w: u64, id: u64, tier: StorageTier, blocks: &[u64]) -> KvEvent {
+pub(super) fn removed(w: u64, id: u64, tier: StorageTier, blocks: &[u64]) -> KvEvent {
     KvEvent {
         worker_id: WorkerId(w),
         event_id: id,
@@ -53,16 +59,16 @@ fn cleared(w: u64, id: u64, tier: StorageTier) -> KvEvent {
     }
 }
 
-fn prompt(blocks: impl IntoIterator<Item = u64>) -> Vec<SequenceHash> {
+pub(super) fn prompt(blocks: impl IntoIterator<Item = u64>) -> Vec<SequenceHash> {
     blocks.into_iter().map(sh).collect()
 }
 
-fn tc(device: u32, host: u32, disk: u32) -> TierCounts {
+pub(super) fn tc(device: u32, host: u32, disk: u32) -> TierCounts {
     TierCounts { device, host, disk }
 }
 
 /// The reference answer: walk every worker over every block.
-fn naive(index: &KvIndex, hashes: &[SequenceHash]) -> OverlapScores {
+pub(super) fn naive(index: &KvIndex, hashes: &[SequenceHash]) -> OverlapScores {
     let mut scores = Vec::new();
     for w in index.workers() {
         let blocks = index.worker_blocks(w).unwrap();
@@ -365,13 +371,13 @@ fn violations_seen_by_the_search_fall_back_to_exact() {
 /// One worker's random prefix-closed state over a random forest of blocks, or an arbitrary
 /// one when `closed` is false.
 #[derive(Clone, Debug)]
-struct World {
-    parents: Vec<Option<usize>>,
+pub(super) struct World {
+    pub(super) parents: Vec<Option<usize>>,
     /// Per worker, per node: (level 0..=3, extra slower copies as a tier bit mask).
-    workers: Vec<Vec<(u8, u8)>>,
+    pub(super) workers: Vec<Vec<(u8, u8)>>,
 }
 
-fn node_hash(i: usize) -> u64 {
+pub(super) fn node_hash(i: usize) -> u64 {
     // Spread like real xxh3 outputs sometimes, small integers other times.
     if i.is_multiple_of(2) {
         (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
@@ -380,7 +386,7 @@ fn node_hash(i: usize) -> u64 {
     }
 }
 
-fn world(closed: bool) -> impl Strategy<Value = World> {
+pub(super) fn world(closed: bool) -> impl Strategy<Value = World> {
     (2usize..60, 1usize..7).prop_flat_map(move |(nodes, workers)| {
         let parents = proptest::collection::vec(any::<prop::sample::Index>(), nodes);
         let levels =
@@ -418,7 +424,7 @@ fn world(closed: bool) -> impl Strategy<Value = World> {
     })
 }
 
-fn build(w: &World) -> KvIndex {
+pub(super) fn build(w: &World) -> KvIndex {
     let mut idx = KvIndex::new();
     for (wi, levels) in w.workers.iter().enumerate() {
         let mut id = 0;
@@ -442,7 +448,7 @@ fn build(w: &World) -> KvIndex {
 }
 
 /// Root-to-node path, optionally with unknown blocks after it.
-fn path(w: &World, node: usize, tail: usize) -> Vec<SequenceHash> {
+pub(super) fn path(w: &World, node: usize, tail: usize) -> Vec<SequenceHash> {
     let mut p = vec![node];
     while let Some(parent) = w.parents[*p.last().unwrap()] {
         p.push(parent);

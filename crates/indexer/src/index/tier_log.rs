@@ -16,14 +16,26 @@
 //! each, in log order), else it grows to `max(2 × live + SLACK, 1.125 × len)`. Compacting a log
 //! of `len` entries costs `len` map lookups and removes `len - live ≥ len / 2` entries, each left
 //! by one removal since the last compaction, so a removal costs about two lookups at most,
-//! amortized and done in a batch (independent lookups, which the CPU overlaps). The capacity
+//! amortized and done in batches of [`AHEAD`] whose map slots are loaded together (independent
+//! misses, which overlap). Repeats are looked for (with a scratch set) only when more entries
+//! than live blocks survive, which is rare: a block removed and stored again. The capacity
 //! thus stays below `1.125 × (2 × live + SLACK)` after a store; a removal compacts when the
 //! capacity exceeds twice that bound (a worker that shrinks without storing), and a log whose
 //! last live entry goes is freed outright. In the steady state of a full cache (a store per
 //! removal) a log's capacity is at most 2.25 × its live entries plus 72: up to 18 bytes per
 //! (block, worker, tier).
 
+use super::block_map::AHEAD;
 use crate::hash::MixSet;
+
+/// What a log asks of the index when it compacts: which of its entries are live.
+pub(super) trait Liveness {
+    /// Whether `hash`'s holder list names this log's worker and tier.
+    fn is_live(&self, hash: u64) -> bool;
+    /// Starts loading what [`Liveness::is_live`] will read for `hashes` (a few at a time, see
+    /// [`AHEAD`]), so that their cache misses overlap.
+    fn prefetch(&self, hashes: &[u64]);
+}
 
 /// Entries of slack above `2 × live` before a full log is compacted (so that a tiny log is
 /// not compacted on every store), and the capacity of a new log.
@@ -56,18 +68,12 @@ impl TierLog {
         &self.hashes
     }
 
-    /// Records a hash whose holder list just gained this worker and tier. `is_live(h)` tells
-    /// whether `h`'s holder list names this worker and tier; it is called (and `seen`, an empty
-    /// scratch set, used) only when the full log is compacted.
+    /// Records a hash whose holder list just gained this worker and tier. `live` is asked
+    /// (and `seen`, an empty scratch set, used) only when the full log is compacted.
     #[inline]
-    pub(super) fn push(
-        &mut self,
-        hash: u64,
-        seen: &mut MixSet<u64>,
-        is_live: impl FnMut(u64) -> bool,
-    ) {
+    pub(super) fn push(&mut self, hash: u64, seen: &mut MixSet<u64>, live: &impl Liveness) {
         if self.hashes.len() == self.hashes.capacity() {
-            self.make_room(hash, seen, is_live);
+            self.make_room(hash, seen, live);
         }
         self.hashes.push(hash);
         self.live += 1;
@@ -76,15 +82,10 @@ impl TierLog {
     /// `hash` is about to be pushed: its holder list already names this worker and tier, so
     /// compaction must not keep an older entry of it.
     #[cold]
-    fn make_room(
-        &mut self,
-        hash: u64,
-        seen: &mut MixSet<u64>,
-        mut is_live: impl FnMut(u64) -> bool,
-    ) {
+    fn make_room(&mut self, hash: u64, seen: &mut MixSet<u64>, live: &impl Liveness) {
         let len = self.hashes.len();
         if len >= target(self.live) {
-            self.compact(seen, |h| h != hash && is_live(h));
+            self.compact(seen, live, Some(hash));
         } else {
             let cap = target(self.live).max(len + len / 8);
             self.hashes.reserve_exact(cap - len);
@@ -93,14 +94,14 @@ impl TierLog {
 
     /// Notes that a hash's holder list lost this worker and tier (its entry goes stale).
     #[inline]
-    pub(super) fn removed(&mut self, seen: &mut MixSet<u64>, is_live: impl FnMut(u64) -> bool) {
+    pub(super) fn removed(&mut self, seen: &mut MixSet<u64>, live: &impl Liveness) {
         debug_assert!(self.live > 0, "removed more than was stored");
         self.live -= 1;
         if self.live == 0 {
             // Every entry is stale.
             self.hashes = Vec::new();
         } else if self.hashes.capacity() > 2 * target(self.live) * 9 / 8 {
-            self.compact(seen, is_live);
+            self.compact(seen, live, None);
         }
     }
 
@@ -111,11 +112,31 @@ impl TierLog {
         (std::mem::take(&mut self.hashes), live)
     }
 
-    /// Drops stale entries and repeats, keeping the log order, and gives back excess capacity.
-    fn compact(&mut self, seen: &mut MixSet<u64>, mut is_live: impl FnMut(u64) -> bool) {
+    /// Drops stale entries, repeats and `except`, keeping the log order, and gives back excess
+    /// capacity.
+    fn compact(&mut self, seen: &mut MixSet<u64>, live: &impl Liveness, except: Option<u64>) {
         debug_assert!(seen.is_empty());
-        self.hashes.retain(|&h| is_live(h) && seen.insert(h));
-        seen.clear();
+        let mut kept = 0;
+        let mut start = 0;
+        while start < self.hashes.len() {
+            let end = (start + AHEAD).min(self.hashes.len());
+            live.prefetch(&self.hashes[start..end]);
+            for i in start..end {
+                let h = self.hashes[i];
+                if Some(h) != except && live.is_live(h) {
+                    self.hashes[kept] = h;
+                    kept += 1;
+                }
+            }
+            start = end;
+        }
+        self.hashes.truncate(kept);
+        // Every live block is logged at least once; more entries than live blocks means
+        // repeats (blocks removed and stored again), rare enough to look for only then.
+        if kept > self.live {
+            self.hashes.retain(|&h| seen.insert(h));
+            seen.clear();
+        }
         debug_assert_eq!(self.hashes.len(), self.live, "log lost a live entry");
         let target = target(self.live);
         if self.hashes.capacity() > target + target / 8 {
@@ -135,6 +156,15 @@ mod tests {
 
     use super::*;
 
+    struct Model<'a>(&'a BTreeSet<u64>);
+
+    impl Liveness for Model<'_> {
+        fn is_live(&self, hash: u64) -> bool {
+            self.0.contains(&hash)
+        }
+        fn prefetch(&self, _: &[u64]) {}
+    }
+
     /// A log against a model set of live hashes, under a store/remove churn.
     #[test]
     fn compacts_and_keeps_live_entries() {
@@ -146,12 +176,12 @@ mod tests {
             // Keep about 500 live, with repeats of recently removed hashes.
             let h = (i * 7) % 1_300;
             if live.insert(h) {
-                log.push(h, &mut seen, |x| live.contains(&x));
+                log.push(h, &mut seen, &Model(&live));
             }
             if live.len() > 500 {
                 let victim = *live.iter().nth((i % 500) as usize).unwrap();
                 live.remove(&victim);
-                log.removed(&mut seen, |x| live.contains(&x));
+                log.removed(&mut seen, &Model(&live));
             }
             assert_eq!(log.live(), live.len());
             let logged: BTreeSet<u64> = log.entries().iter().copied().collect();
@@ -168,7 +198,7 @@ mod tests {
         // Shrinking without stores compacts, and the last removal frees the log.
         while let Some(&h) = live.iter().next() {
             live.remove(&h);
-            log.removed(&mut seen, |x| live.contains(&x));
+            log.removed(&mut seen, &Model(&live));
             assert!(log.hashes.capacity() <= 2 * target(live.len()) * 9 / 8 || live.is_empty());
         }
         assert_eq!(log.hashes.capacity(), 0);
