@@ -190,6 +190,8 @@ fn workers_reregister_after_etcd_loses_its_data() {
         Options {
             prefill: 1,
             decode: 2,
+            // Every prompt remote, short as they are: the prefill worker must be reachable.
+            disagg: "always",
             ..Options::default()
         },
     );
