@@ -142,6 +142,25 @@ impl SessionLimiter {
         self.slots.lock().len()
     }
 
+    /// Requests of `key` waiting for a place.
+    #[cfg(test)]
+    fn waiting(&self, key: SessionKey) -> u32 {
+        self.slots.lock().get(&key).map_or(0, |s| s.waiting)
+    }
+
+    /// Until `n` requests of `key` wait (a test's condition, with a deadline).
+    #[cfg(test)]
+    async fn until_waiting(&self, key: SessionKey, n: u32) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while self.waiting(key) < n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{n} waiters never came"
+            );
+            tokio::task::yield_now().await;
+        }
+    }
+
     /// Waits for a place in the session, until `until` at most.
     pub(crate) async fn acquire(
         self: &Arc<Self>,
@@ -226,7 +245,7 @@ mod tests {
             let l = l.clone();
             tokio::spawn(async move { l.acquire(a, soon(5_000)).await })
         };
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        l.until_waiting(a, 1).await;
         assert!(!waiter.is_finished());
         drop(p1);
         let p3 = waiter.await.unwrap().unwrap();
@@ -250,7 +269,7 @@ mod tests {
                 l.acquire(a, soon(5_000)).await.map(|p| p.is_some())
             }));
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        l.until_waiting(a, MAX_WAITING_PER_SESSION).await;
         let started = std::time::Instant::now();
         let e = l.acquire(a, soon(5_000)).await.unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(1));
