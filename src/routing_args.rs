@@ -6,8 +6,8 @@
 use anyhow::Context;
 use clap::{ArgAction, Args};
 use tandem_router::{
-    ApproxConfig, CacheAwareConfig, CapacityConfig, DisaggConfig, DisaggMode, KvConfig,
-    PolicyConfig, PolicyKind, PoolConfig, PrefixHashConfig, RoutingConfig, SessionConfig,
+    AdapterConfig, ApproxConfig, CacheAwareConfig, CapacityConfig, DisaggConfig, DisaggMode,
+    KvConfig, PolicyConfig, PolicyKind, PoolConfig, PrefixHashConfig, RoutingConfig, SessionConfig,
     TrackerConfig, TransferCosts,
 };
 
@@ -25,6 +25,9 @@ fn prefix_hash() -> PrefixHashConfig {
 }
 fn disagg() -> DisaggConfig {
     DisaggConfig::default()
+}
+fn adapters() -> AdapterConfig {
+    AdapterConfig::default()
 }
 
 /// Routing flags (DESIGN.md §5, §6; README "Routing").
@@ -165,6 +168,19 @@ pub struct RoutingArgs {
     /// Most (worker, block) entries the approximate index keeps.
     #[arg(long, env = "TANDEM_KV_APPROX_MAX_ENTRIES", default_value_t = 1 << 20)]
     pub kv_approx_max_entries: usize,
+    /// LoRA-aware routing: blocks added to a worker's cost when it must load the request's
+    /// adapter (not in flight there, not sent there within --adapter-ttl-s, not in its last
+    /// load report).
+    #[arg(long, env = "TANDEM_ADAPTER_LOAD_COST", default_value_t = adapters().load_cost)]
+    pub adapter_load_cost: f64,
+    /// LoRA-aware routing: blocks added on top when every adapter slot of the worker is
+    /// taken by the adapters of requests in flight (the request would wait for one).
+    #[arg(long, env = "TANDEM_ADAPTER_FULL_COST", default_value_t = adapters().full_cost)]
+    pub adapter_full_cost: f64,
+    /// LoRA-aware routing: seconds an adapter the router sent to a worker counts as resident
+    /// there before the worker's load report says so.
+    #[arg(long, env = "TANDEM_ADAPTER_TTL_S", default_value_t = adapters().ttl_ms as f64 / 1000.0)]
+    pub adapter_ttl_s: f64,
 }
 
 /// Seconds as whole milliseconds, refusing negative or non-finite values.
@@ -269,6 +285,11 @@ impl RoutingArgs {
                 ttl_ms: seconds_ms("--kv-approx-ttl-s", self.kv_approx_ttl_s)?,
                 max_entries: self.kv_approx_max_entries,
             },
+            adapters: AdapterConfig {
+                load_cost: self.adapter_load_cost,
+                full_cost: self.adapter_full_cost,
+                ttl_ms: seconds_ms("--adapter-ttl-s", self.adapter_ttl_s)?,
+            },
             ..Default::default()
         };
         routing.validate().context("routing flags")?;
@@ -320,6 +341,9 @@ impl RoutingArgs {
             format!("--tracker-ttl-s={}", self.tracker_ttl_s),
             format!("--kv-approx-ttl-s={}", self.kv_approx_ttl_s),
             format!("--kv-approx-max-entries={}", self.kv_approx_max_entries),
+            format!("--adapter-load-cost={}", self.adapter_load_cost),
+            format!("--adapter-full-cost={}", self.adapter_full_cost),
+            format!("--adapter-ttl-s={}", self.adapter_ttl_s),
         ];
         if let Some(u) = self.busy_kv_usage {
             a.push(format!("--busy-kv-usage={u}"));
@@ -392,6 +416,9 @@ mod tests {
             "--tracker-ttl-s=60",
             "--kv-approx-ttl-s=5",
             "--kv-approx-max-entries=77",
+            "--adapter-load-cost=12.5",
+            "--adapter-full-cost=300",
+            "--adapter-ttl-s=4.5",
         ])
         .unwrap();
         let c = a.config().unwrap();
@@ -447,6 +474,14 @@ mod tests {
         assert_eq!((c.sessions.ttl_ms, c.sessions.max_sessions), (9000, 12));
         assert_eq!(c.tracker.ttl_ms, 60_000);
         assert_eq!((c.approx.ttl_ms, c.approx.max_entries), (5000, 77));
+        assert_eq!(
+            (
+                c.adapters.load_cost,
+                c.adapters.full_cost,
+                c.adapters.ttl_ms
+            ),
+            (12.5, 300.0, 4500)
+        );
         // A child process given `to_args` routes alike.
         let args = a.to_args();
         let back = parse(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
@@ -469,6 +504,9 @@ mod tests {
             (&["--warmup-s=-2"][..], "--warmup-s"),
             (&["--prefix-hash-virtual-nodes=0"][..], "virtual nodes"),
             (&["--busy-kv-usage=-0.5"][..], "busy kv usage"),
+            (&["--adapter-load-cost=-1"][..], "adapter load cost"),
+            (&["--adapter-full-cost=inf"][..], "adapter full cost"),
+            (&["--adapter-ttl-s=-3"][..], "--adapter-ttl-s"),
         ] {
             let e = parse(args).and_then(|a| a.config()).unwrap_err();
             assert!(format!("{e:#}").contains(expect), "{args:?}: {e:#}");

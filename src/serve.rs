@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{ArgAction, Args};
-use tandem_engine::SchedulerConfig;
+use tandem_engine::{MockerConfig, SchedulerConfig};
 use tandem_frontend::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
 use tandem_frontend::http::{ChatTemplateSpec, HttpConfig, ResponsesStoreConfig, TokenizerSpec};
 use tandem_kv_transfer::{Transport, TransportConfig, TransportKind};
@@ -125,6 +125,16 @@ pub struct EngineArgs {
     /// Divide every mocker step time by this (faster than a real GPU when above 1).
     #[arg(long, env = "TANDEM_SPEEDUP_RATIO", default_value_t = 1.0)]
     pub speedup_ratio: f64,
+    /// LoRA adapters one engine step may use at most, as vLLM's --max-loras: a request on
+    /// another adapter waits for a slot, and loading one costs its step --adapter-load-ms.
+    /// The worker reports the adapters it holds to the router. 0: not limited, no load
+    /// modelled.
+    #[arg(long, env = "TANDEM_MAX_LORAS", default_value_t = SchedulerConfig::default().max_loras)]
+    pub max_loras: usize,
+    /// Milliseconds a mocker step spends loading each LoRA adapter it needs and does not
+    /// hold (with --max-loras; not divided by --speedup-ratio).
+    #[arg(long, env = "TANDEM_ADAPTER_LOAD_MS", default_value_t = MockerConfig::default().adapter_load_ms)]
+    pub adapter_load_ms: f64,
 }
 
 /// The engine behind a worker: the in-process mocker, or an external engine fronted by this
@@ -319,9 +329,17 @@ impl EngineArgs {
             max_num_batched_tokens: self.max_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             max_waiting: self.max_waiting,
+            max_loras: self.max_loras,
             ..Default::default()
         };
         c.engine.mocker.speedup_ratio = self.speedup_ratio;
+        if !(self.adapter_load_ms.is_finite() && self.adapter_load_ms >= 0.0) {
+            anyhow::bail!(
+                "--adapter-load-ms must be a finite number of milliseconds >= 0, got {}",
+                self.adapter_load_ms
+            );
+        }
+        c.engine.mocker.adapter_load_ms = self.adapter_load_ms;
         Ok(c)
     }
 }
@@ -332,6 +350,11 @@ pub struct HttpArgs {
     /// Served model name; workers must register the same.
     #[arg(long, env = "TANDEM_MODEL", default_value = "mocker")]
     pub model: String,
+    /// LoRA adapters served on top of --model, comma-separated: a request whose `model` names
+    /// one runs on it (the workers' engines must serve it under that name), is cached apart
+    /// from the base model and routed to workers that hold it. `GET /v1/models` lists them.
+    #[arg(long, env = "TANDEM_LORA_ADAPTERS", value_delimiter = ',')]
+    pub lora_adapters: Vec<String>,
     /// cl100k_base, o200k_base, or a path to a tokenizer.json.
     #[arg(long, env = "TANDEM_TOKENIZER", default_value = "cl100k_base")]
     pub tokenizer: String,
@@ -422,6 +445,14 @@ pub fn frontend_config(
         },
         http: HttpConfig {
             served_model_name: http.model.clone(),
+            // `a,,b` or a trailing comma names no adapter; HttpState checks the rest.
+            lora_adapters: http
+                .lora_adapters
+                .iter()
+                .map(|a| a.trim())
+                .filter(|a| !a.is_empty())
+                .map(str::to_string)
+                .collect(),
             context_length: http.context_length,
             chat_template: chat_template(http, &tokenizer),
             tool_call_parser: http
@@ -619,4 +650,74 @@ pub async fn run_indexer(args: IndexerArgs) -> anyhow::Result<()> {
     };
     tandem_frontend::run_indexer(cfg, listener, deps, shutdown_on_signals()).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{EngineArgs, HttpArgs, frontend_config};
+    use crate::routing_args::RoutingArgs;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[command(flatten)]
+        http: HttpArgs,
+        #[command(flatten)]
+        routing: RoutingArgs,
+    }
+
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn lora_flags_reach_the_engine_and_the_frontend() {
+        let cli = parse(&[
+            "--max-loras=2",
+            "--adapter-load-ms=7.5",
+            "--lora-adapters= sql-lora ,chat-lora,",
+        ]);
+        let w = cli
+            .engine
+            .config(
+                tandem_protocol::WorkerRole::Decode,
+                tandem_protocol::WorkerId(1),
+                "m",
+                "ns",
+            )
+            .unwrap();
+        assert_eq!(w.engine.scheduler.max_loras, 2);
+        assert_eq!(w.engine.mocker.adapter_load_ms, 7.5);
+        let f = frontend_config("ns", &cli.routing, &cli.http, 16, None, false).unwrap();
+        assert_eq!(f.http.lora_adapters, ["sql-lora", "chat-lora"]);
+        // Defaults: no adapter limit, none served.
+        let cli = parse(&[]);
+        let w = cli
+            .engine
+            .config(
+                tandem_protocol::WorkerRole::Decode,
+                tandem_protocol::WorkerId(1),
+                "m",
+                "ns",
+            )
+            .unwrap();
+        assert_eq!(w.engine.scheduler.max_loras, 0);
+        assert_eq!(w.engine.mocker.adapter_load_ms, 20.0);
+        let f = frontend_config("ns", &cli.routing, &cli.http, 16, None, false).unwrap();
+        assert!(f.http.lora_adapters.is_empty());
+        let bad = parse(&["--adapter-load-ms=-1"]);
+        let e = bad
+            .engine
+            .config(
+                tandem_protocol::WorkerRole::Decode,
+                tandem_protocol::WorkerId(1),
+                "m",
+                "ns",
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("--adapter-load-ms"), "{e}");
+    }
 }

@@ -46,6 +46,12 @@ pub struct SimArgs {
     /// Divide every mocker step time by this.
     #[arg(long, env = "TANDEM_SIM_SPEEDUP_RATIO", default_value_t = 1.0)]
     speedup_ratio: f64,
+    /// LoRA adapter slots per worker (vLLM's `--max-loras`); 0: not limited, no load modelled.
+    #[arg(long, env = "TANDEM_SIM_MAX_LORAS", default_value_t = 0)]
+    max_loras: usize,
+    /// Time a step spends loading an adapter it does not hold.
+    #[arg(long, env = "TANDEM_SIM_ADAPTER_LOAD_MS", default_value_t = 20.0)]
+    adapter_load_ms: f64,
     /// Per-worker speed factors, cycled over the workers (decode first, then prefill): e.g.
     /// `1,2` makes every other worker twice as fast.
     #[arg(long, env = "TANDEM_SIM_WORKER_SPEEDUPS", value_delimiter = ',')]
@@ -115,6 +121,8 @@ impl SimArgs {
                 max_num_batched_tokens: self.max_batched_tokens,
                 max_num_seqs: self.max_num_seqs,
                 speedup_ratio: self.speedup_ratio,
+                max_loras: self.max_loras,
+                adapter_load_ms: self.adapter_load_ms,
             },
             routing,
             event_plane: EventPlaneConfig {

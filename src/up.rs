@@ -150,6 +150,8 @@ async fn run_processes(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         format!("--max-num-seqs={}", args.engine.max_num_seqs),
         format!("--max-waiting={}", args.engine.max_waiting),
         format!("--speedup-ratio={}", args.engine.speedup_ratio),
+        format!("--max-loras={}", args.engine.max_loras),
+        format!("--adapter-load-ms={}", args.engine.adapter_load_ms),
         format!("--model={}", args.http.model),
     ];
     let mut roles = ProcessGroup::new();
@@ -168,7 +170,12 @@ async fn run_processes(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         format!("--model={}", args.http.model),
         format!("--tokenizer={}", args.http.tokenizer),
     ];
-    let frontend = frontend.into_iter().chain(args.routing.to_args());
+    let adapters = (!args.http.lora_adapters.is_empty())
+        .then(|| format!("--lora-adapters={}", args.http.lora_adapters.join(",")));
+    let frontend = frontend
+        .into_iter()
+        .chain(adapters)
+        .chain(args.routing.to_args());
     roles.spawn("frontend", &exe, frontend.chain(plane))?;
     println!(
         "tandem up --processes: http://{}:{}/v1  (etcd {}, nats {}; {} prefill, {} decode \

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use anyhow::bail;
 use clap::{Args, ValueEnum};
 use tandem_workload::{
-    ArrivalProcess, LengthDist, PromptShape, SyntheticConfig, TraceWorkload, WorkloadConfig,
+    AdapterMix, ArrivalProcess, LengthDist, PromptShape, SyntheticConfig, TraceWorkload,
+    WorkloadConfig,
 };
 
 /// What requests to make, and when.
@@ -70,6 +71,13 @@ pub struct WorkloadArgs {
         default_value_t = 10_000.0
     )]
     pub think_time_ms: f64,
+    /// Synthetic: LoRA adapters the requests run on (`lora-0` … `lora-{N-1}`, Zipf-drawn,
+    /// one per session); 0: the base model only.
+    #[arg(long, env = "TANDEM_WORKLOAD_ADAPTERS", default_value_t = 0)]
+    pub adapters: u32,
+    /// Synthetic: Zipf exponent of adapter popularity (0: uniform).
+    #[arg(long, env = "TANDEM_WORKLOAD_ADAPTER_SKEW", default_value_t = 1.0)]
+    pub adapter_skew: f64,
     /// Seed of every random draw.
     #[arg(long, env = "TANDEM_WORKLOAD_SEED", default_value_t = 0)]
     pub seed: u64,
@@ -137,6 +145,10 @@ impl WorkloadArgs {
                 osl: LengthDist {
                     mean: self.osl,
                     spread: self.osl_spread,
+                },
+                adapters: AdapterMix {
+                    count: self.adapters,
+                    skew: self.adapter_skew,
                 },
                 shape: match self.workload {
                     Shape::Random => PromptShape::Random,

@@ -46,6 +46,13 @@ struct Args {
     /// Answer text only, as a plain OpenAI server does (no `return_token_ids`).
     #[arg(long, default_value_t = false)]
     text_only: bool,
+    /// LoRA adapters served, comma-separated, as vLLM's --lora-modules (`NAME` or
+    /// `NAME=PATH`; the path is not read).
+    #[arg(long, value_delimiter = ',')]
+    lora_modules: Vec<String>,
+    /// LoRA adapters one step may use (vLLM's --max-loras).
+    #[arg(long, default_value_t = 1)]
+    max_loras: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -72,6 +79,18 @@ fn main() -> anyhow::Result<()> {
     };
     c.advertise_host = args.advertise_host;
     c.text_only = args.text_only;
+    c.lora_modules = args
+        .lora_modules
+        .iter()
+        .map(|m| {
+            m.split_once('=')
+                .map_or(m.as_str(), |(name, _)| name)
+                .trim()
+        })
+        .filter(|m| !m.is_empty())
+        .map(str::to_string)
+        .collect();
+    c.max_loras = args.max_loras;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&args.listen).await?;

@@ -8,9 +8,9 @@
 //!   what the processes said.
 //! - Worker ids are fixed ([`decode_id`], [`prefill_id`]) so that the `x-tandem-*-worker`
 //!   headers name processes.
-//! - Readiness is observable state only: `/health` is 200 and `/metrics` counts the workers.
+//! - Readiness is observable state only: `/health` is 200 and `/metrics` counts the workers
+//!   ([`Metrics`], in `metrics.rs`).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use tandem_runtime::external::{EtcdOptions, EtcdServer, NatsOptions, NatsServer, free_port};
 
 use super::http::{self, Response};
+pub use super::metrics::Metrics;
 use super::openai::ChatCompletion;
 
 /// Worker id of the `i`-th decode worker (0-based).
@@ -72,6 +73,8 @@ pub struct Options {
     pub engine: Option<&'static str>,
     /// More worker flags (every worker).
     pub worker_args: Vec<String>,
+    /// More stand-in engine flags (every engine, with `engine`).
+    pub engine_args: Vec<String>,
 }
 
 impl Default for Options {
@@ -91,6 +94,7 @@ impl Default for Options {
             corrupt_transfers: false,
             engine: None,
             worker_args: Vec::new(),
+            engine_args: Vec::new(),
         }
     }
 }
@@ -217,64 +221,6 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
-    }
-}
-
-/// `/metrics` as `name{labels}` → value.
-#[derive(Debug, Clone)]
-pub struct Metrics(pub HashMap<String, f64>);
-
-impl Metrics {
-    pub fn parse(text: &str) -> Metrics {
-        let map = text
-            .lines()
-            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-            .filter_map(|l| {
-                let (k, v) = l.rsplit_once(' ')?;
-                Some((k.to_string(), v.parse().ok()?))
-            })
-            .collect();
-        Metrics(map)
-    }
-
-    /// The value of `key` (`name` or `name{label="v"}`); panics when absent.
-    pub fn get(&self, key: &str) -> f64 {
-        *self
-            .0
-            .get(key)
-            .unwrap_or_else(|| panic!("metric {key} missing from /metrics"))
-    }
-
-    pub fn decode_workers(&self) -> u64 {
-        self.get("tandem_workers{role=\"decode\"}") as u64
-    }
-
-    pub fn prefill_workers(&self) -> u64 {
-        self.get("tandem_workers{role=\"prefill\"}") as u64
-    }
-
-    pub fn index_workers(&self) -> u64 {
-        self.get("tandem_index_workers") as u64
-    }
-
-    pub fn index_entries(&self) -> u64 {
-        self.get("tandem_index_entries") as u64
-    }
-
-    /// The worker and index gauges, sorted, for failure messages.
-    pub fn cluster_view(&self) -> Vec<(&str, f64)> {
-        let mut v: Vec<_> = self
-            .0
-            .iter()
-            .filter(|(k, _)| k.starts_with("tandem_workers") || k.starts_with("tandem_index"))
-            .map(|(k, v)| (k.as_str(), *v))
-            .collect();
-        v.sort_by(|a, b| a.0.cmp(b.0));
-        v
-    }
-
-    pub fn feed(&self, kind: &str) -> u64 {
-        self.get(&format!("tandem_index_feed{{kind=\"{kind}\"}}")) as u64
     }
 }
 
@@ -410,7 +356,7 @@ impl Cluster {
     pub fn spawn_engine(&mut self, id: u64) -> Engine {
         let http = free_port().unwrap();
         let (kv, replay) = (free_port().unwrap(), free_port().unwrap());
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "--listen".to_string(),
             format!("127.0.0.1:{http}"),
             "--kv-events".into(),
@@ -425,6 +371,7 @@ impl Cluster {
             format!("standin-{id}"),
         ]
         .into();
+        args.extend(self.opts.engine_args.iter().cloned());
         let name = format!("engine-{id}");
         let log = self.dir.join(format!("{name}.log"));
         let mut p = Proc::spawn_bin(

@@ -5,6 +5,7 @@
 pub mod chat;
 pub mod cluster;
 pub mod http;
+pub mod metrics;
 pub mod openai;
 
 use std::path::PathBuf;

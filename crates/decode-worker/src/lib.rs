@@ -133,6 +133,7 @@ impl DecodeService {
             engine_handshake: false,
             cache_salt: String::new(),
             bootstrap_room: 0,
+            lora_adapter: req.adapter.clone().unwrap_or_default(),
         };
         let mut prefill = prefill;
         let mut hold = None;
@@ -242,6 +243,8 @@ fn engine_request(req: &GenerateRequest) -> Result<EngineRequest, WorkerError> {
     r.sampling_seed = sampling.seed;
     r.stop_token = sampling.stop_token;
     r.ignore_eos = sampling.ignore_eos;
+    // Empty: the base model (proto3's default).
+    r.adapter = Some(req.lora_adapter.clone()).filter(|a| !a.is_empty());
     Ok(r)
 }
 

@@ -104,6 +104,7 @@ fn request(id: u64, prompt: Vec<u32>, remote: Option<&Running>) -> GenerateReque
             address: p.addr.clone(),
         }),
         cache_salt: String::new(),
+        lora_adapter: String::new(),
     }
 }
 

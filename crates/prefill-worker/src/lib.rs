@@ -132,6 +132,7 @@ impl PrefillService {
         r.hash_seed = HashSeed(req.hash_seed);
         r.sampling_seed = req.sampling_seed;
         r.ignore_eos = true;
+        r.adapter = Some(req.lora_adapter.clone()).filter(|a| !a.is_empty());
         Ok(r)
     }
 }

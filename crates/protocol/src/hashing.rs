@@ -100,6 +100,27 @@ impl HashSeed {
     }
 }
 
+impl HashSeed {
+    /// The seed of a request: its cache salt, then its LoRA adapter. A request on an adapter
+    /// never shares blocks with the base model or another adapter (the adapter changes every
+    /// layer's KV), as in vLLM, whose block hash keys start with the LoRA name
+    /// (`vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`). Without an
+    /// adapter it is [`HashSeed::from_salt`].
+    pub fn for_request(salt: Option<&[u8]>, adapter: Option<&str>) -> HashSeed {
+        let salted = Self::from_salt(salt);
+        match adapter {
+            None => salted,
+            Some(a) => {
+                let mut buf = Vec::with_capacity(13 + a.len());
+                buf.extend_from_slice(b"lora\x1f");
+                buf.extend_from_slice(&(a.len() as u64).to_le_bytes());
+                buf.extend_from_slice(a.as_bytes());
+                HashSeed(xxh3_64_with_seed(&buf, salted.0))
+            }
+        }
+    }
+}
+
 impl Default for HashSeed {
     fn default() -> Self {
         Self::UNSALTED
@@ -232,6 +253,27 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn an_adapter_is_its_own_namespace_within_each_salt() {
+        let seeds = [
+            HashSeed::for_request(None, None),
+            HashSeed::for_request(None, Some("a")),
+            HashSeed::for_request(None, Some("b")),
+            HashSeed::for_request(Some(b"t"), None),
+            HashSeed::for_request(Some(b"t"), Some("a")),
+            // Neither the salt nor the adapter can stand in for the other.
+            HashSeed::from_salt(Some(b"a")),
+        ];
+        for (i, x) in seeds.iter().enumerate() {
+            for y in &seeds[i + 1..] {
+                assert_ne!(x, y);
+            }
+        }
+        assert_eq!(seeds[0], HashSeed::UNSALTED);
+        assert_eq!(seeds[3], HashSeed::from_salt(Some(b"t")));
+        assert_eq!(seeds[4], HashSeed::for_request(Some(b"t"), Some("a")));
+    }
 
     #[test]
     fn zero_block_size_is_an_error() {

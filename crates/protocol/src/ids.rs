@@ -26,6 +26,16 @@ impl fmt::Display for RequestId {
     }
 }
 
+/// A LoRA adapter, by name: xxh3-64 of the name, for routing tables that hold many.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct AdapterId(pub u64);
+
+impl AdapterId {
+    pub fn of(name: &str) -> AdapterId {
+        AdapterId(xxhash_rust::xxh3::xxh3_64(name.as_bytes()))
+    }
+}
+
 /// xxh3-64 of one full block's token ids: names the block's content, not its position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct LocalBlockHash(pub u64);

@@ -32,8 +32,9 @@ pub use codec::{CodecError, Envelope, KvEventBatch, MessageKind};
 pub use error::ErrorClass;
 pub use events::{KvDump, KvEvent, KvEventKind, StoredBlock};
 pub use hashing::{BlockHashes, BlockSize, HashSeed, InvalidBlockSize, TokenBlockHasher};
-pub use ids::{LocalBlockHash, RequestId, SequenceHash, StorageTier, WorkerId};
+pub use ids::{AdapterId, LocalBlockHash, RequestId, SequenceHash, StorageTier, WorkerId};
 pub use rng::Rng;
 pub use worker::{
-    Distance, LoadReport, Placement, TierCapacity, WorkerAddresses, WorkerRecord, WorkerRole,
+    AdapterLoad, Distance, LoadReport, Placement, TierCapacity, WorkerAddresses, WorkerRecord,
+    WorkerRole,
 };

@@ -104,8 +104,20 @@ pub struct WorkerRecord {
     pub placement: Placement,
 }
 
+/// The LoRA adapters a worker holds, for LoRA-aware routing. vLLM reports the same in its
+/// `vllm:lora_requests_info` gauge (labels `max_lora`, `running_lora_adapters`,
+/// `waiting_lora_adapters`; `vllm/v1/metrics/loggers.py`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdapterLoad {
+    /// Adapters it can hold at once (vLLM's `max_loras`); 0: unknown or no LoRA support.
+    pub max_loaded: u32,
+    /// Adapters loaded now, or being loaded for a waiting request: a request on one of them
+    /// starts without a load.
+    pub resident: Vec<String>,
+}
+
 /// A worker's load, published periodically on the event plane.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadReport {
     pub worker_id: WorkerId,
     /// Worker clock, milliseconds.
@@ -130,6 +142,8 @@ pub struct LoadReport {
     /// Time the engine spent computing steps since it started, microseconds (0: unknown).
     /// With the token totals, its speed while busy: the router's capacity weights.
     pub busy_us_total: u64,
+    /// Its LoRA adapters.
+    pub adapters: AdapterLoad,
 }
 
 impl LoadReport {

@@ -95,20 +95,27 @@ fn load_report() -> impl Strategy<Value = LoadReport> {
         any::<u32>(),
         any::<[u64; 4]>(),
         any::<[u64; 3]>(),
+        (any::<u32>(), proptest::collection::vec(".{0,24}", 0..4)),
     )
         .prop_map(
-            |(w, ts, running, waiting, [p, a, t, last], [pt, dt, busy])| LoadReport {
-                worker_id: WorkerId(w),
-                timestamp_ms: ts,
-                running_requests: running,
-                waiting_requests: waiting,
-                pending_prefill_tokens: p,
-                kv_active_blocks: a,
-                kv_total_blocks: t,
-                last_kv_event_id: last,
-                prefill_tokens_total: pt,
-                decode_tokens_total: dt,
-                busy_us_total: busy,
+            |(w, ts, running, waiting, [p, a, t, last], [pt, dt, busy], (max, resident))| {
+                LoadReport {
+                    worker_id: WorkerId(w),
+                    timestamp_ms: ts,
+                    running_requests: running,
+                    waiting_requests: waiting,
+                    pending_prefill_tokens: p,
+                    kv_active_blocks: a,
+                    kv_total_blocks: t,
+                    last_kv_event_id: last,
+                    prefill_tokens_total: pt,
+                    decode_tokens_total: dt,
+                    busy_us_total: busy,
+                    adapters: tandem_protocol::AdapterLoad {
+                        max_loaded: max,
+                        resident,
+                    },
+                }
             },
         )
 }

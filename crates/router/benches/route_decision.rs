@@ -8,10 +8,11 @@
 //! figures compare within one run.
 //!
 //! State: 64 workers; 512 conversations, each a 32-block system prompt shared by all plus 224
-//! blocks of its own history, cached on the worker it lives on (and the system prompt
-//! everywhere); 256 requests in flight in the tracker. Each query is one conversation's
-//! 4,096-token prompt: all its 256 blocks are cached on one worker, its first 32 on every
-//! worker.
+//! blocks of its own history, cached on the worker it lives on (and the system prompt on the
+//! first 64 workers: every worker at 64); 256 requests in flight in the tracker. Each query
+//! is one conversation's 4,096-token prompt: all its 256 blocks are cached on one worker, its
+//! first 32 on 64 workers. The replica path is timed at 64, 1,000 and 10,000 workers: all but
+//! at most 576 of them hold nothing of any prompt.
 //!
 //! Run: `cargo bench -p tandem-router --bench route_decision`.
 
@@ -68,9 +69,9 @@ fn stored(worker: WorkerId, event_id: u64, hashes: &[SequenceHash]) -> KvEvent {
     }
 }
 
-/// Every conversation cached on its worker, the shared system prompt on every worker, as the
-/// (worker, sequence hashes) of each store, in order.
-fn stores(prompts: &[Vec<u32>]) -> Vec<(WorkerId, Vec<SequenceHash>)> {
+/// Every conversation cached on its worker, the shared system prompt on the first 64
+/// workers (all of them at 64), as the (worker, sequence hashes) of each store, in order.
+fn stores(prompts: &[Vec<u32>], workers: u64) -> Vec<(WorkerId, Vec<SequenceHash>)> {
     let (bs, seed) = (BlockSize::DEFAULT, HashSeed::UNSALTED);
     let hashes = |t: &[u32]| -> Vec<SequenceHash> {
         compute_block_hashes(t, bs, seed)
@@ -79,9 +80,9 @@ fn stores(prompts: &[Vec<u32>]) -> Vec<(WorkerId, Vec<SequenceHash>)> {
             .collect()
     };
     let mut out: Vec<_> = (0..prompts.len())
-        .map(|c| (WorkerId(c as u64 % WORKERS), hashes(&prompts[c])))
+        .map(|c| (WorkerId(c as u64 % workers), hashes(&prompts[c])))
         .collect();
-    out.extend((0..WORKERS).map(|w| (WorkerId(w), hashes(&prompts[0][..512]))));
+    out.extend((0..workers.min(64)).map(|w| (WorkerId(w), hashes(&prompts[0][..512]))));
     out
 }
 
@@ -113,7 +114,7 @@ fn bare(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
     let bs = BlockSize::DEFAULT;
     let seed = HashSeed::UNSALTED;
     let mut index = KvIndex::new();
-    for (w, hs) in stores(prompts) {
+    for (w, hs) in stores(prompts, WORKERS) {
         let id = index.last_event_id(w).unwrap_or(0) + 1;
         index.apply(&stored(w, id, &hs));
     }
@@ -167,16 +168,27 @@ fn bare(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
     (lat, hits)
 }
 
-/// The same decisions through the routing replica.
-fn replica(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
+/// The same decisions through the routing replica, over `workers` workers.
+/// `full_scan`: score every worker on every decision, as before the shortcut (a busy
+/// threshold no worker reaches turns it off without changing any decision).
+fn replica(
+    prompts: &[Vec<u32>],
+    rounds: u64,
+    workers: u64,
+    full_scan: bool,
+) -> (LatencyHistogram, u64) {
     let (bs, seed) = (BlockSize::DEFAULT, HashSeed::UNSALTED);
+    let mut routing = RoutingConfig::default();
+    if full_scan {
+        routing.pool.busy_prefill_tokens = Some(u64::MAX);
+    }
     let mut r = RoutingReplica::new(ReplicaConfig {
         router_id: RouterId(1),
         seed: 7,
-        routing: RoutingConfig::default(),
+        routing,
     })
     .expect("replica");
-    for w in 0..WORKERS {
+    for w in 0..workers {
         let worker = WorkerId(w);
         let role = WorkerRole::Aggregated;
         r.apply(
@@ -195,7 +207,7 @@ fn replica(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
         });
         r.apply(Input::Repaired { worker, reply }, 0).expect("dump");
     }
-    for (w, hs) in stores(prompts) {
+    for (w, hs) in stores(prompts, workers) {
         let id = r.feed().index().last_event_id(w).unwrap_or(0) + 1;
         r.apply(Input::KvEvents(&[stored(w, id, &hs)]), 0)
             .expect("events");
@@ -203,6 +215,7 @@ fn replica(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
     let mut lat = LatencyHistogram::new(Resolution::Nanos);
     let mut hits = 0u64;
     let mut flights = std::collections::VecDeque::new();
+    let mut scored = 0usize;
     for i in 0..rounds {
         let tokens = &prompts[(i as usize * 7919) % prompts.len()];
         let t = Instant::now();
@@ -220,6 +233,7 @@ fn replica(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
         };
         let plan = r.route(&input, &[], i).expect("plan");
         let elapsed = t.elapsed();
+        scored += plan.decision.decode.explain.len();
         let cached = plan
             .decision
             .decode
@@ -239,30 +253,45 @@ fn replica(prompts: &[Vec<u32>], rounds: u64) -> (LatencyHistogram, u64) {
             lat.record_duration(elapsed);
         }
     }
+    eprintln!(
+        "    ({workers} workers: {:.1} candidates scored per decision)",
+        scored as f64 / rounds as f64
+    );
     (lat, hits)
 }
 
 fn main() {
     let prompts: Vec<Vec<u32>> = (0..CONVERSATIONS).map(conversation).collect();
     let rounds = 20_000u64;
+    let report = |pass: u32, what: &str, workers: u64, (lat, hits): (LatencyHistogram, u64)| {
+        let us = lat.summary().scaled(1000.0);
+        println!(
+            "pass {pass}, {what} ({workers} workers, {PROMPT_TOKENS}-token prompt, kv policy, {IN_FLIGHT} in flight): p50 {:.2} µs, p90 {:.2} µs, p99 {:.2} µs, max {:.1} µs over {} decisions; {:.1} % routed to the worker holding the whole prompt",
+            us.p50,
+            us.p90,
+            us.p99,
+            us.max,
+            us.count,
+            100.0 * hits as f64 / rounds as f64
+        );
+    };
+    // `cargo bench … -- 1000 no-full-scan` times one pool size only and skips the full-scan
+    // passes (for a profile).
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut sizes: Vec<u64> = args.iter().filter_map(|a| a.parse().ok()).collect();
+    if sizes.is_empty() {
+        sizes = vec![WORKERS, 1_000, 10_000];
+    }
+    let full_scan = !args.iter().any(|a| a == "no-full-scan");
     for pass in 1..=2 {
-        for (what, (lat, hits)) in [
-            ("bare pieces", bare(&prompts, rounds)),
-            ("RoutingReplica::route", replica(&prompts, rounds)),
-        ] {
-            let us = lat.summary().scaled(1000.0);
-            println!(
-                "pass {pass}, {what} ({} workers, {}-token prompt, kv policy, {} in flight): p50 {:.2} µs, p90 {:.2} µs, p99 {:.2} µs, max {:.1} µs over {} decisions; {:.1} % routed to the worker holding the whole prompt",
-                WORKERS,
-                PROMPT_TOKENS,
-                IN_FLIGHT,
-                us.p50,
-                us.p90,
-                us.p99,
-                us.max,
-                us.count,
-                100.0 * hits as f64 / rounds as f64
-            );
+        report(pass, "bare pieces", WORKERS, bare(&prompts, rounds));
+        for &workers in &sizes {
+            let r = replica(&prompts, rounds, workers, false);
+            report(pass, "RoutingReplica::route", workers, r);
+            if full_scan {
+                let r = replica(&prompts, rounds, workers, true);
+                report(pass, "RoutingReplica::route, full scan", workers, r);
+            }
         }
     }
 }

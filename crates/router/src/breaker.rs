@@ -164,6 +164,9 @@ impl Breaker {
 pub struct Breakers {
     cfg: BreakerConfig,
     workers: HashMap<WorkerId, Breaker>,
+    /// Workers whose breaker is open or half-open: the only ones [`Breakers::allows`] may
+    /// refuse, listed without a pass over every worker.
+    not_closed: std::collections::BTreeSet<WorkerId>,
 }
 
 impl Breakers {
@@ -171,6 +174,7 @@ impl Breakers {
         Breakers {
             cfg,
             workers: HashMap::new(),
+            not_closed: std::collections::BTreeSet::new(),
         }
     }
 
@@ -215,6 +219,7 @@ impl Breakers {
                     opened: b.opened,
                     ..Breaker::new(&cfg)
                 };
+                self.not_closed.remove(&worker);
             }
             BreakerState::Closed => {
                 b.consecutive = 0;
@@ -238,6 +243,7 @@ impl Breakers {
         match b.state {
             BreakerState::HalfOpen => {
                 b.open(&cfg, now_ms);
+                self.not_closed.insert(worker);
                 true
             }
             BreakerState::Open { .. } => false,
@@ -253,6 +259,7 @@ impl Breakers {
                     && f64::from(b.failures_in_window) >= cfg.window_failure_ratio * f64::from(n);
                 if by_row || by_ratio {
                     b.open(&cfg, now_ms);
+                    self.not_closed.insert(worker);
                     true
                 } else {
                     false
@@ -278,6 +285,16 @@ impl Breakers {
     /// A worker left: its breaker goes (a new worker under the id starts closed).
     pub fn remove(&mut self, worker: WorkerId) {
         self.workers.remove(&worker);
+        self.not_closed.remove(&worker);
+    }
+
+    /// The workers [`Breakers::allows`] refuses now, by id: a pass over the breakers that
+    /// are not closed only.
+    pub fn refused(&self, now_ms: u64) -> impl Iterator<Item = WorkerId> + '_ {
+        self.not_closed
+            .iter()
+            .copied()
+            .filter(move |&w| !self.allows(w, now_ms))
     }
 
     /// Workers with a breaker that is not closed.

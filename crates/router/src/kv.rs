@@ -17,6 +17,9 @@
 //! A prefill worker's cost also adds the transfer of the prompt's KV to the chosen decode
 //! worker, in block-equivalents ([`crate::disagg`]), after the division by its speed.
 //!
+//! A request on a LoRA adapter adds the adapter's load where the worker does not hold it
+//! ([`crate::adapters`]), also after the division.
+//!
 //! `speed(w)` is the worker's capacity weight ([`crate::capacity`]): 1 unless capacity
 //! weights are on and the workers differ, so a worker twice as fast costs half as much for
 //! the same blocks.
@@ -150,7 +153,8 @@ pub fn kv_terms(cfg: &KvConfig, req: &RouteRequest, candidates: &[WorkerView]) -
                 + decode_weight * v.load.potential_decode_blocks as f64
                 + cfg.active_request_weight * v.load.active_requests as f64)
                 / v.speed
-                + v.extra_cost;
+                + v.extra_cost
+                + v.adapter_cost;
             ScoreTerms {
                 worker: v.id,
                 overlap: v.overlap,
@@ -162,6 +166,7 @@ pub fn kv_terms(cfg: &KvConfig, req: &RouteRequest, candidates: &[WorkerView]) -
                 active_requests: v.load.active_requests,
                 speed: v.speed,
                 transfer: v.extra_cost,
+                adapter: v.adapter_cost,
                 cost,
                 probability: None,
             }

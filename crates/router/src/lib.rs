@@ -37,7 +37,13 @@
 //!
 //! - `replica/`: [`RoutingReplica`], [`Input`], [`KvSource`], [`RouteInput`], [`Plan`],
 //!   [`InFlight`];
-//!   `config.rs`: [`RoutingConfig`], [`ReplicaConfig`].
+//!   `config.rs`: [`RoutingConfig`], [`ReplicaConfig`]; `candidates.rs`: the candidates'
+//!   views, and the shortcut that scores only the prompt's holders and the least loaded
+//!   other workers where that cannot change the pick (a decision's cost then does not grow
+//!   with workers that hold nothing of the prompt).
+//! - `adapters.rs`: LoRA-aware routing ([`Adapters`]: which adapters each worker likely
+//!   holds, and the `kv` cost of loading one). `sessions.rs`: session affinity.
+//!   `capacity.rs`: capacity weights for unequal workers.
 //! - `view.rs`: a decision's inputs and outputs ([`WorkerView`], [`WorkerLoad`],
 //!   [`RouteRequest`], [`Decision`], [`ScoreTerms`], [`prefix_key`]).
 //! - `policy.rs`: the [`Policy`] trait. `simple.rs`, `kv.rs`, `cache_aware.rs`,
@@ -63,6 +69,7 @@
 //!   exact index (or a standalone indexer), approximate workers' from the approximate index;
 //!   approximate workers are never asked for dumps or repairs.
 
+pub mod adapters;
 pub mod breaker;
 pub mod cache_aware;
 pub mod capacity;
@@ -87,6 +94,7 @@ mod view;
 #[cfg(test)]
 mod tests;
 
+pub use adapters::{AdapterConfig, AdapterFit, Adapters};
 pub use breaker::{BreakerConfig, BreakerState, Breakers, RetryBudget, RetryBudgetConfig};
 pub use cache_aware::{CacheAwareConfig, CacheAwarePolicy};
 pub use capacity::{Capacity, CapacityConfig};

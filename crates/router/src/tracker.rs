@@ -224,6 +224,8 @@ struct WorkerState {
     private_blocks: u64,
     prefill_tokens: u64,
     requests: u64,
+    /// Listed in [`ActiveSequences::dirty`].
+    dirty: bool,
 }
 
 /// A change to one entry, the lattice's join operands.
@@ -251,6 +253,9 @@ pub struct ActiveSequences {
     /// (deadline, key) of tombstones, likewise (a shorter time: its own queue keeps the order).
     tombstones: VecDeque<(u64, Key)>,
     now_ms: u64,
+    /// Workers whose load changed since [`ActiveSequences::take_dirty`] last ran, each once
+    /// (bounded by the workers).
+    dirty: Vec<WorkerId>,
 }
 
 impl ActiveSequences {
@@ -263,6 +268,7 @@ impl ActiveSequences {
             expiry: VecDeque::new(),
             tombstones: VecDeque::new(),
             now_ms: 0,
+            dirty: Vec::new(),
         }
     }
 
@@ -335,6 +341,17 @@ impl ActiveSequences {
             })
     }
 
+    /// Moves the workers whose load changed since the last call into `out` (each once):
+    /// for a caller that keeps its own order of the loads up to date.
+    pub fn take_dirty(&mut self, out: &mut Vec<WorkerId>) {
+        for w in self.dirty.drain(..) {
+            if let Some(state) = self.workers.get_mut(&w) {
+                state.dirty = false;
+            }
+            out.push(w);
+        }
+    }
+
     /// Requests in flight on all workers.
     pub fn active_requests(&self) -> u64 {
         self.workers.values().map(|w| w.requests).sum()
@@ -365,7 +382,9 @@ impl ActiveSequences {
         for k in keys {
             self.step(k, Step::Free, None);
         }
-        self.workers.remove(&worker);
+        if self.workers.remove(&worker).is_some_and(|w| !w.dirty) {
+            self.dirty.push(worker);
+        }
     }
 
     /// Moves on every entry whose deadline has passed at `now_ms`.
@@ -476,6 +495,10 @@ impl ActiveSequences {
             return false;
         };
         let w = self.workers.entry(add.worker).or_default();
+        if !w.dirty {
+            w.dirty = true;
+            self.dirty.push(add.worker);
+        }
         if !was_active && now_active {
             for b in &add.blocks {
                 *w.blocks.entry(*b).or_insert(0) += 1;

@@ -2,7 +2,7 @@
 //! ([`Decision`], [`ScoreTerms`]).
 
 use tandem_indexer::TierCounts;
-use tandem_protocol::{BlockSize, HashSeed, LoadReport, WorkerId};
+use tandem_protocol::{AdapterId, BlockSize, HashSeed, LoadReport, WorkerId};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::RouteError;
@@ -55,6 +55,9 @@ pub struct WorkerView {
     /// Blocks added to the `kv` cost after the speed division: for a prefill worker, moving
     /// the prompt's KV to the chosen decode worker ([`crate::disagg`]); 0 otherwise.
     pub extra_cost: f64,
+    /// Blocks added to the `kv` cost for the request's LoRA adapter: 0 where it is resident,
+    /// a load elsewhere ([`crate::adapters`]).
+    pub adapter_cost: f64,
 }
 
 impl WorkerView {
@@ -67,6 +70,7 @@ impl WorkerView {
             warming_up: false,
             speed: 1.0,
             extra_cost: 0.0,
+            adapter_cost: 0.0,
         }
     }
 }
@@ -113,6 +117,8 @@ pub struct RouteRequest {
     /// Its band: `kv` weighs the decode term by it ([`crate::KvConfig::interactive_decode_weight`],
     /// [`crate::KvConfig::batch_decode_weight`]).
     pub priority: crate::Priority,
+    /// Its LoRA adapter ([`crate::adapters`]); `None`: the base model.
+    pub adapter: Option<AdapterId>,
 }
 
 impl RouteRequest {
@@ -124,6 +130,7 @@ impl RouteRequest {
             prefix_key: prefix_key(tokens, PREFIX_KEY_TOKENS, seed),
             overrides: KvOverrides::default(),
             priority: crate::Priority::Standard,
+            adapter: None,
         }
     }
 
@@ -198,6 +205,8 @@ pub struct ScoreTerms {
     pub speed: f64,
     /// [`WorkerView::extra_cost`]: the KV transfer of a remote prefill, in blocks.
     pub transfer: f64,
+    /// [`WorkerView::adapter_cost`]: loading the request's LoRA adapter, in blocks.
+    pub adapter: f64,
     /// The score compared; lower is better.
     pub cost: f64,
     /// Chance this worker was the pick given the state, when the policy knows it exactly
@@ -219,6 +228,7 @@ impl ScoreTerms {
             active_requests: v.load.active_requests,
             speed: v.speed,
             transfer: 0.0,
+            adapter: 0.0,
             cost: v.load.active_requests as f64,
             probability: None,
         }

@@ -159,6 +159,11 @@ pub struct EngineSettings {
     pub max_num_seqs: usize,
     /// Divides every mocker step time.
     pub speedup_ratio: f64,
+    /// LoRA adapter slots per worker (0: not limited, no load modelled) and the time a step
+    /// spends loading one ([`tandem_engine::scheduler::SchedulerConfig::max_loras`],
+    /// [`tandem_engine::MockerConfig::adapter_load_ms`]).
+    pub max_loras: usize,
+    pub adapter_load_ms: f64,
 }
 
 impl Default for EngineSettings {
@@ -170,6 +175,8 @@ impl Default for EngineSettings {
             max_num_batched_tokens: 8192,
             max_num_seqs: 256,
             speedup_ratio: 1.0,
+            max_loras: 0,
+            adapter_load_ms: 20.0,
         }
     }
 }

@@ -167,6 +167,8 @@ pub struct SimReport {
     /// …and max over the samples.
     pub inflight_imbalance_max_over_mean_max: f64,
     pub preemptions: u64,
+    /// LoRA adapters the engines loaded (workloads with adapters, `--max-loras` set).
+    pub adapter_loads: u64,
     pub kv_events_applied: u64,
     pub index_gaps_repaired: u64,
     /// TTFT at each percent 0, 1, …, 100 (the CDF, for plots).
@@ -347,6 +349,9 @@ impl SimReport {
                 self.throughput_rps, self.output_tokens_per_s
             ),
         );
+        if self.adapter_loads > 0 {
+            row("LoRA adapter loads", self.adapter_loads.to_string());
+        }
         row(
             "preemptions / KV events applied / gaps",
             format!(

@@ -14,7 +14,7 @@ use tandem_engine::{
 };
 use tandem_protocol::hashing::compute_block_hashes;
 use tandem_protocol::{
-    BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole,
+    AdapterId, BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole,
 };
 use tandem_router::{
     InFlight, Input, KvSource, RepairReply, RouteInput, RoutingReplica, SessionKey, SyncMessage,
@@ -26,6 +26,7 @@ use crate::queue::EventQueue;
 use crate::replica::{KvPayload, deliver};
 use crate::stats::{Outcome, RequestTimes, Stats};
 use crate::workload::RequestSpec;
+use tandem_workload::AdapterMix;
 
 #[derive(Debug)]
 enum Ev {
@@ -69,7 +70,7 @@ fn placement(t: &crate::config::TopologyConfig, w: u32) -> Option<tandem_protoco
 }
 
 /// How often workers report their load in streaming mode (when the routers use the reports:
-/// capacity weights), as a live worker's `--load-interval-ms` default.
+/// capacity weights, LoRA slots), as a live worker's `--load-interval-ms` default.
 const REPORT_INTERVAL_US: u64 = 500_000;
 
 struct Worker {
@@ -137,6 +138,7 @@ impl<'a> Sim<'a> {
                 scheduler: SchedulerConfig {
                     max_num_batched_tokens: cfg.engine.max_num_batched_tokens,
                     max_num_seqs: cfg.engine.max_num_seqs,
+                    max_loras: cfg.engine.max_loras,
                     ..SchedulerConfig::default()
                 },
                 mocker: MockerConfig {
@@ -147,6 +149,7 @@ impl<'a> Sim<'a> {
                             .get(w % cfg.worker_speedups.len().max(1))
                             .copied()
                             .unwrap_or(1.0),
+                    adapter_load_ms: cfg.engine.adapter_load_ms,
                     ..MockerConfig::default()
                 },
             };
@@ -232,7 +235,10 @@ impl<'a> Sim<'a> {
             }
         }
         self.queue.push(0, Ev::Sample);
-        if ep.snapshot_interval_us == 0 && self.cfg.routing.capacity.enabled {
+        // Reports matter to the routers for capacity weights and LoRA slots; without either
+        // they change nothing, and the timer would only cost time.
+        let reports_used = self.cfg.routing.capacity.enabled || self.cfg.engine.max_loras > 0;
+        if ep.snapshot_interval_us == 0 && reports_used {
             self.queue.push(REPORT_INTERVAL_US, Ev::ReportTick);
         }
         let mut end = 0;
@@ -320,16 +326,25 @@ impl<'a> Sim<'a> {
         let specs = self.specs;
         let spec = &specs[i as usize];
         let tokens = spec.prompt.tokens();
-        let hashes = compute_block_hashes(&tokens, self.block_size, HashSeed::UNSALTED);
+        let adapter = spec.adapter.map(AdapterMix::name);
+        let seed = HashSeed::for_request(None, adapter.as_deref());
+        let hashes = compute_block_hashes(&tokens, self.block_size, seed);
         let seq: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
         let r = i % self.cfg.topology.routers;
         let now_ms = now / 1000;
+        let mut route = self
+            .cfg
+            .routing
+            .route_request(&tokens, self.block_size, seed);
+        route.adapter = adapter.as_deref().map(AdapterId::of);
+        let engine_request = |tokens: Vec<u32>, max_tokens: u32| EngineRequest {
+            hash_seed: seed,
+            adapter: adapter.clone(),
+            ..EngineRequest::new(RequestId(u64::from(i)), tokens, max_tokens)
+        };
         let input = RouteInput {
             request: RequestId(u64::from(i)),
-            route: self
-                .cfg
-                .routing
-                .route_request(&tokens, self.block_size, HashSeed::UNSALTED),
+            route,
             hashes: &seq,
             expected_output_tokens: u64::from(spec.max_tokens),
             overlap: None,
@@ -341,7 +356,7 @@ impl<'a> Sim<'a> {
         // the request is prefilled locally there instead.
         let mut transfer_tokens = 0;
         if decision.is_remote() {
-            let req = EngineRequest::new(RequestId(u64::from(i)), tokens.clone(), spec.max_tokens);
+            let req = engine_request(tokens.clone(), spec.max_tokens);
             match self.workers[dw as usize]
                 .engine
                 .begin_remote_prefill(req, now)
@@ -409,11 +424,10 @@ impl<'a> Sim<'a> {
             self.workers[pw as usize].routed += 1;
             self.stats.remote_prefills += 1;
             self.pending.insert(i, transfer_tokens);
-            (pw, EngineRequest::new(RequestId(u64::from(i)), tokens, 1))
+            (pw, engine_request(tokens, 1))
         } else {
             self.stats.local_prefills += 1;
-            let req = EngineRequest::new(RequestId(u64::from(i)), tokens, spec.max_tokens);
-            (dw, req)
+            (dw, engine_request(tokens, spec.max_tokens))
         };
         for m in plan.sync {
             self.sync(r, m, now);
@@ -684,6 +698,11 @@ impl<'a> Sim<'a> {
                 .workers
                 .iter()
                 .map(|w| w.engine.stats().preemptions)
+                .sum(),
+            adapter_loads: self
+                .workers
+                .iter()
+                .map(|w| w.engine.stats().adapter_loads)
                 .sum(),
             events_applied: self
                 .replicas

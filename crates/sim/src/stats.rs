@@ -117,6 +117,8 @@ pub(crate) struct Outcome {
     pub decode_routed: Vec<u64>,
     pub prefill_routed: Vec<u64>,
     pub preemptions: u64,
+    /// LoRA adapters the engines loaded.
+    pub adapter_loads: u64,
     /// KV events the replicas' indexes applied, and the repairs made for them.
     pub events_applied: u64,
     pub gaps_repaired: u64,
@@ -284,6 +286,7 @@ pub(crate) fn report(cfg: &SimConfig, specs: &[RequestSpec], outcome: Outcome) -
             .map(|x| x.max_over_mean)
             .fold(0.0, f64::max),
         preemptions: outcome.preemptions,
+        adapter_loads: outcome.adapter_loads,
         kv_events_applied: applied,
         index_gaps_repaired: gaps,
         ttft_cdf_ms: ttft.cdf_ms(),

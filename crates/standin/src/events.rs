@@ -25,6 +25,9 @@ struct Known {
     tokens: Vec<u32>,
     /// The cache salt of the chain's request, on first blocks only (vLLM's `extra_keys`).
     salt: Option<String>,
+    /// The LoRA adapter of the chain's request, on every block (vLLM's `extra_keys` start
+    /// with it on each block).
+    lora: Option<String>,
 }
 
 /// Tokens of the blocks requests could store, by sequence hash; bounded (oldest forgotten).
@@ -46,9 +49,10 @@ impl BlockRegistry {
         }
     }
 
-    /// Remembers every full block of `tokens` hashed with `salt`'s seed.
-    pub fn learn(&mut self, tokens: &[u32], salt: Option<&str>) {
-        let seed = HashSeed::from_salt(salt.map(str::as_bytes));
+    /// Remembers every full block of `tokens` hashed with the seed of `salt` and `lora`
+    /// ([`HashSeed::for_request`], as the engine hashes the request).
+    pub fn learn(&mut self, tokens: &[u32], salt: Option<&str>, lora: Option<&str>) {
+        let seed = HashSeed::for_request(salt.map(str::as_bytes), lora);
         let mut hasher = TokenBlockHasher::new(self.block_size, seed);
         let mut hashes = Vec::new();
         hasher.extend(tokens, &mut hashes);
@@ -66,6 +70,7 @@ impl BlockRegistry {
                     } else {
                         None
                     },
+                    lora: lora.map(str::to_string),
                 },
             );
             self.order.push_back(h.sequence);
@@ -111,6 +116,7 @@ fn translate_event(shared: &Shared, ev: &KvEvent, out: &mut Vec<EngineEvent>) {
             let mut hashes = Vec::new();
             let mut tokens = Vec::new();
             let mut salt = None;
+            let mut lora = None;
             for (i, b) in blocks.iter().enumerate() {
                 let Some(k) = reg.get(b.sequence_hash) else {
                     shared
@@ -121,6 +127,9 @@ fn translate_event(shared: &Shared, ev: &KvEvent, out: &mut Vec<EngineEvent>) {
                 };
                 if i == 0 && parent.is_none() {
                     salt = k.salt.clone();
+                }
+                if i == 0 {
+                    lora = k.lora.clone();
                 }
                 hashes.push(engine_hash(b.sequence_hash, wire));
                 tokens.extend_from_slice(&k.tokens);
@@ -136,13 +145,8 @@ fn translate_event(shared: &Shared, ev: &KvEvent, out: &mut Vec<EngineEvent>) {
                 block_size: bs,
                 lora_id: None,
                 medium: Some(medium(ev.tier).to_string()),
-                lora_name: None,
-                // vLLM: one entry per block; the request's cache salt on its first block.
-                extra_keys: salt.map(|s| {
-                    let mut keys = vec![None; n];
-                    keys[0] = Some(vec![Value::from(s)]);
-                    keys
-                }),
+                lora_name: lora.clone(),
+                extra_keys: extra_keys(n, lora.as_deref(), salt.as_deref()),
                 group_idx: None,
                 kv_cache_spec_kind: None,
                 kv_cache_spec_sliding_window: None,
@@ -155,6 +159,28 @@ fn translate_event(shared: &Shared, ev: &KvEvent, out: &mut Vec<EngineEvent>) {
         }),
         KvEventKind::Cleared => out.push(EngineEvent::AllBlocksCleared),
     }
+}
+
+/// vLLM's `extra_keys` of `n` blocks (`generate_block_hash_extra_keys`,
+/// `vllm/v1/core/kv_cache_utils.py`): per block the LoRA name, then on a request's first
+/// block its cache salt; None for a block with neither, and none at all when no block has
+/// any.
+fn extra_keys(n: usize, lora: Option<&str>, salt: Option<&str>) -> Option<Vec<Option<Vec<Value>>>> {
+    if lora.is_none() && salt.is_none() {
+        return None;
+    }
+    let keys = (0..n)
+        .map(|i| {
+            let mut k: Vec<Value> = lora.map(Value::from).into_iter().collect();
+            if i == 0
+                && let Some(s) = salt
+            {
+                k.push(Value::from(s));
+            }
+            (!k.is_empty()).then_some(k)
+        })
+        .collect();
+    Some(keys)
 }
 
 /// Reads the engine's tandem events and publishes them in vLLM's shape, one batch per
@@ -203,5 +229,32 @@ pub(crate) async fn translate(
         if let Err(e) = publisher.publish(batch).await {
             tracing::warn!(error = %e, "stand-in: publishing KV events failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_keys_carry_the_lora_name_on_every_block_and_the_salt_on_the_first() {
+        assert_eq!(extra_keys(3, None, None), None);
+        assert_eq!(
+            extra_keys(2, None, Some("s")),
+            Some(vec![Some(vec![Value::from("s")]), None])
+        );
+        let lora = Some(vec![Value::from("sql-lora")]);
+        assert_eq!(
+            extra_keys(3, Some("sql-lora"), Some("s")),
+            Some(vec![
+                Some(vec![Value::from("sql-lora"), Value::from("s")]),
+                lora.clone(),
+                lora.clone(),
+            ])
+        );
+        assert_eq!(
+            extra_keys(2, Some("sql-lora"), None),
+            Some(vec![lora.clone(), lora])
+        );
     }
 }

@@ -100,18 +100,21 @@ async fn drop_next_event(State(s): State<Arc<Shared>>) -> Response {
     }
 }
 
+/// vLLM's `show_available_models`: the base model, then each LoRA adapter with `parent`.
 async fn models(State(s): State<Arc<Shared>>) -> Response {
-    axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": s.config.model,
-            "object": "model",
-            "created": now_s(),
-            "owned_by": "tandem-standin",
-            "max_model_len": s.config.max_model_len,
-        }],
-    }))
-    .into_response()
+    let created = now_s();
+    let base = &s.config.model;
+    let mut data = vec![json!({
+        "id": base, "object": "model", "created": created, "owned_by": "tandem-standin",
+        "root": base, "parent": null, "max_model_len": s.config.max_model_len,
+    })];
+    data.extend(s.config.lora_modules.iter().map(|l| {
+        json!({
+            "id": l, "object": "model", "created": created, "owned_by": "tandem-standin",
+            "root": l, "parent": base, "max_model_len": null,
+        })
+    }));
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
@@ -176,6 +179,9 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
          num_gpu_blocks=\"{}\"}} 1.0\n",
         s.config.block_size, s.config.device_blocks
     ));
+    if !s.config.lora_modules.is_empty() {
+        out.push_str(&lora_info(s.config.max_loras, &load.adapters.resident));
+    }
     out.push_str(&format!(
         "# TYPE standin:untranslated_blocks_total counter\nstandin:untranslated_blocks_total {}\n\
          # TYPE standin:kv_pulls_total counter\nstandin:kv_pulls_total {}\n\
@@ -194,6 +200,23 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         .into_response()
 }
 
+/// vLLM's `vllm:lora_requests_info` (`vllm/v1/metrics/loggers.py`): labels `max_lora`,
+/// `running_lora_adapters`, `waiting_lora_adapters` (comma-joined names), the value the time
+/// it was set. The stand-in lists the adapters its engine holds as running (vLLM lists
+/// those of its running requests) and none waiting.
+fn lora_info(max_loras: usize, resident: &[String]) -> String {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    format!(
+        "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+         # TYPE vllm:lora_requests_info gauge\n\
+         vllm:lora_requests_info{{max_lora=\"{max_loras}\",running_lora_adapters=\"{}\",\
+         waiting_lora_adapters=\"\"}} {now:e}\n",
+        resident.join(",")
+    )
+}
+
 /// A parsed `/v1/completions` request.
 struct Completion {
     prompt: Vec<u32>,
@@ -206,14 +229,17 @@ struct Completion {
     return_token_ids: bool,
     cache_salt: Option<String>,
     kv: Option<Value>,
+    /// The LoRA adapter `model` names (vLLM's `_maybe_get_adapters`); None: the base model.
+    lora: Option<String>,
 }
 
 fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
-    if let Some(m) = v.get("model").and_then(Value::as_str)
-        && m != s.config.model
-    {
-        return Err(format!("The model `{m}` does not exist."));
-    }
+    let lora = match v.get("model").and_then(Value::as_str) {
+        None => None,
+        Some(m) if m == s.config.model => None,
+        Some(m) if s.config.lora_modules.iter().any(|l| l == m) => Some(m.to_string()),
+        Some(m) => return Err(format!("The model `{m}` does not exist.")),
+    };
     let ids = |p: &Value| -> Option<Vec<u32>> {
         p.as_array()?
             .iter()
@@ -276,6 +302,7 @@ fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
             .get("cache_salt")
             .and_then(Value::as_str)
             .map(str::to_string),
+        lora,
         kv: v
             .get("kv_transfer_params")
             .filter(|k| k.is_object())
@@ -303,12 +330,18 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
         id: RequestId(id),
         prompt: c.prompt.clone(),
         max_tokens: c.max_tokens,
-        hash_seed: HashSeed::from_salt(c.cache_salt.as_deref().map(str::as_bytes)),
+        hash_seed: HashSeed::for_request(
+            c.cache_salt.as_deref().map(str::as_bytes),
+            c.lora.as_deref(),
+        ),
         sampling_seed: c.seed,
         stop_token: c.stop_token,
         ignore_eos: c.ignore_eos,
+        adapter: c.lora.clone(),
     };
-    s.registry.lock().learn(&c.prompt, c.cache_salt.as_deref());
+    s.registry
+        .lock()
+        .learn(&c.prompt, c.cache_salt.as_deref(), c.lora.as_deref());
     if flag("do_remote_decode") {
         return prefill_for_remote(s, c, req).await;
     }
@@ -325,7 +358,8 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     };
     let meta = Meta {
         id: format!("cmpl-standin-{id}"),
-        model: s.config.model.clone(),
+        // vLLM answers with the name asked for: the adapter's, on one.
+        model: c.lora.clone().unwrap_or_else(|| s.config.model.clone()),
         created: now_s(),
     };
     if c.stream {
@@ -352,6 +386,7 @@ struct Follow {
     s: Arc<Shared>,
     all: Vec<u32>,
     salt: Option<String>,
+    lora: Option<String>,
     prompt_len: usize,
     cached: Option<usize>,
     completion: u32,
@@ -363,6 +398,7 @@ impl Follow {
             s,
             all: c.prompt.clone(),
             salt: c.cache_salt.clone(),
+            lora: c.lora.clone(),
             prompt_len: c.prompt.len(),
             cached: None,
             completion: 0,
@@ -386,7 +422,7 @@ impl Follow {
             self.s
                 .registry
                 .lock()
-                .learn(&self.all, self.salt.as_deref());
+                .learn(&self.all, self.salt.as_deref(), self.lora.as_deref());
         }
         let finish = o.finish.map(|f| match f {
             FinishReason::Length => "length",
@@ -697,4 +733,27 @@ async fn pull(
             .map_err(|e| e.to_string())?;
     }
     Ok(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_protocol::AdapterLoad;
+    use tandem_worker::external::prom;
+
+    #[test]
+    fn lora_info_reads_back_as_vllm_s() {
+        let text = super::lora_info(2, &["sql-lora".into(), "chat-lora".into()]);
+        assert_eq!(
+            prom::adapters(&prom::parse(&text)),
+            Some(AdapterLoad {
+                max_loaded: 2,
+                resident: vec!["sql-lora".into(), "chat-lora".into()],
+            })
+        );
+        let idle = super::lora_info(1, &[]);
+        assert_eq!(
+            prom::adapters(&prom::parse(&idle)).map(|a| a.resident),
+            Some(Vec::new())
+        );
+    }
 }

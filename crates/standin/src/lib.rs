@@ -23,8 +23,13 @@
 //! - `GET /metrics` with vLLM's names (`vllm:num_requests_running`,
 //!   `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`,
 //!   `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`,
-//!   `vllm:prompt_tokens_total`, `vllm:request_success_total`), `GET /health`,
-//!   `GET /v1/models` (with `max_model_len`).
+//!   `vllm:prompt_tokens_total`, `vllm:request_success_total`, and with LoRA
+//!   `vllm:lora_requests_info`), `GET /health`, `GET /v1/models` (with `max_model_len`, and
+//!   the LoRA adapters with their `parent`).
+//! - LoRA adapters ([`StandinConfig::lora_modules`]): a request's `model` may name one; it
+//!   runs on it (the engine holds [`StandinConfig::max_loras`] at a time), its blocks are
+//!   hashed apart from the base model's, and its KV events carry `lora_name` and the LoRA
+//!   name in every block's `extra_keys`, as vLLM's do.
 //! - Fault injection for tests: `POST /standin/drop-next-event` (the next event batch is
 //!   kept for replay but not published), `POST /standin/health/{ok|fail}`.
 
@@ -73,6 +78,11 @@ pub struct StandinConfig {
     pub advertise_host: String,
     /// Play a plain OpenAI server: text only, `return_token_ids` unknown.
     pub text_only: bool,
+    /// LoRA adapters served, by name (vLLM's `--lora-modules NAME=PATH`; only the names
+    /// matter here): a request whose `model` names one runs on it. Empty: LoRA off.
+    pub lora_modules: Vec<String>,
+    /// Adapters one step may use (vLLM's `--max-loras`, default 1).
+    pub max_loras: usize,
 }
 
 impl StandinConfig {
@@ -91,6 +101,8 @@ impl StandinConfig {
             replay_buffer: 10_000,
             advertise_host: "127.0.0.1".into(),
             text_only: false,
+            lora_modules: Vec::new(),
+            max_loras: 1,
         }
     }
 }
@@ -143,6 +155,12 @@ pub async fn run(
     pool.block_size = block_size;
     let mut engine_cfg = MockEngineConfig::new(pool);
     engine_cfg.mocker.speedup_ratio = config.speedup_ratio;
+    if !config.lora_modules.is_empty() {
+        if config.max_loras == 0 {
+            return Err(StandinError::Config("max_loras must be at least 1".into()));
+        }
+        engine_cfg.scheduler.max_loras = config.max_loras;
+    }
     let engine =
         MockEngine::new(engine_cfg).map_err(|e| StandinError::Config(format!("engine: {e}")))?;
     let plane = Arc::new(MemoryEventPlane::with_capacity(1 << 16));

@@ -77,6 +77,34 @@ pub struct SyntheticConfig {
     pub isl: LengthDist,
     pub osl: LengthDist,
     pub shape: PromptShape,
+    /// The LoRA adapters requests run on (none by default).
+    pub adapters: AdapterMix,
+}
+
+/// How requests spread over LoRA adapters: `count` adapters (0: every request on the base
+/// model), adapter `k` (from 0) drawn with weight `1 / (k + 1)^skew` — Zipf, as adapter
+/// popularity is in multi-tenant LoRA serving (a few hot adapters, a long tail). A session
+/// keeps its adapter across its turns.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdapterMix {
+    pub count: u32,
+    pub skew: f64,
+}
+
+impl Default for AdapterMix {
+    fn default() -> Self {
+        AdapterMix {
+            count: 0,
+            skew: 1.0,
+        }
+    }
+}
+
+impl AdapterMix {
+    /// The name of adapter `k`, as requests and workers know it.
+    pub fn name(k: u32) -> String {
+        format!("lora-{k}")
+    }
 }
 
 impl Default for SyntheticConfig {
@@ -88,6 +116,7 @@ impl Default for SyntheticConfig {
             isl: LengthDist::fixed(1024),
             osl: LengthDist::fixed(128),
             shape: PromptShape::Random,
+            adapters: AdapterMix::default(),
         }
     }
 }
@@ -112,6 +141,9 @@ impl SyntheticConfig {
                     "{name} must be at least 1 and its spread in [0, 1]"
                 )));
             }
+        }
+        if !(self.adapters.skew.is_finite() && self.adapters.skew >= 0.0) {
+            return invalid("--adapter-skew must be a finite number, not negative");
         }
         match self.shape {
             PromptShape::SharedPrefix { groups: 0, .. } => {

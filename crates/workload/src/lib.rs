@@ -63,7 +63,8 @@ mod slo;
 pub mod trace;
 
 pub use config::{
-    ArrivalProcess, LengthDist, PromptShape, SyntheticConfig, TraceWorkload, WorkloadConfig,
+    AdapterMix, ArrivalProcess, LengthDist, PromptShape, SyntheticConfig, TraceWorkload,
+    WorkloadConfig,
 };
 pub use error::WorkloadError;
 pub use latency::{LatencyHistogram, LatencySummary, Resolution};

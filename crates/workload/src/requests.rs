@@ -24,6 +24,9 @@ pub struct RequestSpec {
     pub prompt: PromptSpec,
     /// The conversation it belongs to (multi-turn workloads), for session affinity.
     pub session: Option<u64>,
+    /// Its LoRA adapter (index into the workload's [`crate::AdapterMix`], named by
+    /// [`crate::AdapterMix::name`]); `None`: the base model.
+    pub adapter: Option<u32>,
 }
 
 /// A prompt, to be expanded into tokens at arrival.
@@ -103,8 +106,9 @@ pub fn build(
                     arrival_us: (r.timestamp as f64 * 1000.0 / t.arrival_speedup).round() as u64,
                     max_tokens: r.output_length.max(1),
                     prompt: PromptSpec::Trace(r),
-                    // Mooncake records name no session.
+                    // Mooncake records name no session and no adapter.
                     session: None,
+                    adapter: None,
                 })
                 .collect()
         }
@@ -133,8 +137,36 @@ fn below_u64(rng: &mut Rng, n: u64) -> u64 {
     ((u128::from(rng.next_u64()) * u128::from(n)) >> 64) as u64
 }
 
+/// Draws adapters from a [`crate::AdapterMix`]: cumulative Zipf weights, searched.
+struct AdapterDraw {
+    cumulative: Vec<f64>,
+}
+
+impl AdapterDraw {
+    fn new(mix: crate::AdapterMix) -> Self {
+        let mut total = 0.0;
+        let cumulative = (0..mix.count)
+            .map(|k| {
+                total += 1.0 / f64::from(k + 1).powf(mix.skew);
+                total
+            })
+            .collect();
+        AdapterDraw { cumulative }
+    }
+
+    /// None without adapters (and then nothing is drawn, so workloads without adapters keep
+    /// their random stream).
+    fn draw(&self, rng: &mut Rng) -> Option<u32> {
+        let total = *self.cumulative.last()?;
+        let x = rng.unit_f64() * total;
+        let k = self.cumulative.partition_point(|&c| c <= x);
+        Some(k.min(self.cumulative.len() - 1) as u32)
+    }
+}
+
 fn synthetic(cfg: &SyntheticConfig, seed: u64, rng: &mut Rng) -> Vec<RequestSpec> {
     let mut arrivals = Arrivals::new(cfg.arrival, cfg.rate);
+    let adapters = AdapterDraw::new(cfg.adapters);
     let mut out = Vec::with_capacity(cfg.requests);
     match cfg.shape {
         PromptShape::Random | PromptShape::SharedPrefix { .. } => {
@@ -153,6 +185,7 @@ fn synthetic(cfg: &SyntheticConfig, seed: u64, rng: &mut Rng) -> Vec<RequestSpec
                     max_tokens: draw(cfg.osl, rng),
                     prompt: PromptSpec::Streams([prefix, own]),
                     session: None,
+                    adapter: adapters.draw(rng),
                 });
             }
         }
@@ -164,6 +197,7 @@ fn synthetic(cfg: &SyntheticConfig, seed: u64, rng: &mut Rng) -> Vec<RequestSpec
             while out.len() < cfg.requests {
                 let start = arrivals.next(rng);
                 let stream = stream_id(seed, 3, session);
+                let adapter = adapters.draw(rng);
                 let mut history = 0u32;
                 for k in 0..turns {
                     if out.len() == cfg.requests {
@@ -176,6 +210,7 @@ fn synthetic(cfg: &SyntheticConfig, seed: u64, rng: &mut Rng) -> Vec<RequestSpec
                         max_tokens: answer,
                         prompt: PromptSpec::Streams([(stream, history + user), (0, 0)]),
                         session: Some(stream),
+                        adapter,
                     });
                     history += user + answer;
                 }
@@ -202,7 +237,52 @@ mod tests {
             },
             osl: LengthDist::fixed(8),
             shape,
+            adapters: crate::AdapterMix::default(),
         })
+    }
+
+    #[test]
+    fn adapters_follow_zipf_and_sessions_keep_theirs() {
+        let with = |shape, count| {
+            let WorkloadConfig::Synthetic(mut c) = cfg(shape, ArrivalProcess::Poisson) else {
+                unreachable!()
+            };
+            c.adapters = crate::AdapterMix { count, skew: 1.0 };
+            build(&WorkloadConfig::Synthetic(c), 3, 0).unwrap()
+        };
+        let specs = with(PromptShape::Random, 4);
+        let mut counts = [0usize; 4];
+        for s in &specs {
+            counts[s.adapter.unwrap() as usize] += 1;
+        }
+        // Weights 1, 1/2, 1/3, 1/4 of 2.083: 48 %, 24 %, 16 %, 12 % of 2,000.
+        for (k, expect) in [(0, 960.0), (1, 480.0), (2, 320.0), (3, 240.0)] {
+            let got = counts[k] as f64;
+            assert!((got - expect).abs() < 0.15 * expect, "adapter {k}: {got}");
+        }
+        // No adapters: none drawn, and the workload is the one it always was.
+        let none = with(PromptShape::Random, 0);
+        assert!(none.iter().all(|s| s.adapter.is_none()));
+        let plain = build(&cfg(PromptShape::Random, ArrivalProcess::Poisson), 3, 0).unwrap();
+        let key = |v: &[RequestSpec]| {
+            v.iter()
+                .map(|s| (s.arrival_us, s.prompt.len()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(key(&none), key(&plain));
+        // A session's turns share one adapter.
+        let turns = with(
+            PromptShape::MultiTurn {
+                turns: 4,
+                think_time_us: 1000,
+            },
+            8,
+        );
+        let mut by_session = std::collections::HashMap::new();
+        for s in &turns {
+            let a = by_session.entry(s.session.unwrap()).or_insert(s.adapter);
+            assert_eq!(*a, s.adapter);
+        }
     }
 
     fn trace(limit: usize) -> WorkloadConfig {

@@ -182,6 +182,11 @@ impl MockEngine {
         if mocker.vocab_size == 0 {
             return Err(EngineError::InvalidConfig("vocab_size must be at least 1"));
         }
+        if !(mocker.adapter_load_ms.is_finite() && mocker.adapter_load_ms >= 0.0) {
+            return Err(EngineError::InvalidConfig(
+                "adapter_load_ms must be finite and not negative",
+            ));
+        }
         let bs = pool.block_size.tokens();
         pool.bytes_per_block = mocker.kv_shape.bytes_per_block(bs);
         let kv_capacity_tokens = pool.device_blocks as usize * bs;
@@ -264,6 +269,7 @@ impl MockEngine {
     pub fn begin_step(&mut self, now_us: u64) -> Option<PlannedStep> {
         let capacity = self.kv_capacity_tokens;
         let (timing, speedup) = (self.cfg.timing, self.cfg.speedup_ratio);
+        let load_ms = self.cfg.adapter_load_ms;
         let mut plan = self.sched.schedule(now_us);
         if plan.is_empty() && !plan.preempted.is_empty() {
             // Everything runnable was preempted: the freed blocks let the queue head in now.
@@ -278,7 +284,7 @@ impl MockEngine {
             plan.decode_tokens > 0,
             kv_usage,
             speedup,
-        );
+        ) + plan.adapter_loads as f64 * load_ms;
         self.step_us = (duration_ms * 1000.0).round() as u64;
         Some(PlannedStep {
             duration_ms,

@@ -101,6 +101,10 @@ pub struct MockerConfig {
     pub vocab_size: u32,
     /// KV bytes per token; [`KvShape::TIMING_ONLY`] for no bytes at all.
     pub kv_shape: KvShape,
+    /// Time a step spends loading each LoRA adapter it needs and did not hold (default 20 ms:
+    /// a rank-16 adapter of a mid-size model copied from host memory), not divided by the
+    /// speedup. Only with [`crate::scheduler::SchedulerConfig::max_loras`] set.
+    pub adapter_load_ms: f64,
 }
 
 impl Default for MockerConfig {
@@ -110,6 +114,7 @@ impl Default for MockerConfig {
             speedup_ratio: 1.0,
             vocab_size: 32000,
             kv_shape: KvShape::MOCKER_DEFAULT,
+            adapter_load_ms: 20.0,
         }
     }
 }

@@ -374,3 +374,32 @@ fn timing_only_engines_time_and_cache_exactly_like_byte_engines() {
     assert_eq!(bytes, timing);
     assert_eq!(p1, p2);
 }
+
+#[test]
+fn a_step_that_loads_an_adapter_takes_the_load_time_longer() {
+    let cfg = SchedulerConfig {
+        max_loras: 1,
+        ..SchedulerConfig::default()
+    };
+    let mut e = engine(64, 4, cfg, KvShape::TIMING_ONLY);
+    let on = |id, adapter: Option<&str>| EngineRequest {
+        adapter: adapter.map(str::to_string),
+        ..request(id, prompt(id as u32, 32), 1)
+    };
+    e.add_request(on(1, None), 0).unwrap();
+    let base = e.begin_step(0).unwrap().duration_ms;
+    e.finish_step(1);
+    e.add_request(on(2, Some("a")), 10).unwrap();
+    let loading = e.begin_step(10).unwrap().duration_ms;
+    e.finish_step(11);
+    e.add_request(on(3, Some("a")), 20).unwrap();
+    let resident = e.begin_step(20).unwrap().duration_ms;
+    e.finish_step(21);
+    let load_ms = MockerConfig::default().adapter_load_ms;
+    assert!(
+        (loading - base - load_ms).abs() < 1e-9,
+        "{loading} vs {base}"
+    );
+    assert!((resident - base).abs() < 1e-9, "{resident} vs {base}");
+    assert_eq!(e.load_report(30).adapters.resident, vec!["a".to_string()]);
+}

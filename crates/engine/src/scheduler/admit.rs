@@ -3,6 +3,7 @@
 
 use tandem_protocol::RequestId;
 
+use super::adapters::Take;
 use super::{RequestPhase, ScheduledRequest, Scheduler, StepKind, StepPlan};
 
 impl Scheduler {
@@ -37,11 +38,52 @@ impl Scheduler {
     /// before any waiting request is admitted.
     fn seat_prefilled(&mut self) {
         while self.running.len() < self.cfg.max_num_seqs {
-            let Some(id) = self.prefilled.pop_front() else {
+            let Some(&id) = self.prefilled.front() else {
                 break;
             };
+            // In order: one whose adapter has no slot holds the queue (it holds its KV).
+            if !self.take_adapter(id) {
+                break;
+            }
+            self.prefilled.pop_front();
             self.running.push(id);
         }
+    }
+
+    /// Whether `id`'s adapter has a slot this step (taking it, loading the adapter if need
+    /// be); a request without one always has.
+    fn can_take_adapter(&self, id: RequestId) -> bool {
+        let Some(name) = self.seqs[&id].adapter() else {
+            return true;
+        };
+        self.adapters.can_take(name, |n| self.adapter_in_use(n))
+    }
+
+    fn take_adapter(&mut self, id: RequestId) -> bool {
+        let Some(name) = self.seqs[&id].adapter().cloned() else {
+            return true;
+        };
+        let (seqs, running) = (&self.seqs, &self.running);
+        let in_use = |n: &str| {
+            running
+                .iter()
+                .any(|r| seqs[r].adapter().is_some_and(|a| &**a == n))
+        };
+        match self.adapters.take(&name, self.plan.step, in_use) {
+            Take::Resident => true,
+            Take::Loaded => {
+                self.plan.adapter_loads += 1;
+                self.stats.adapter_loads += 1;
+                true
+            }
+            Take::NoSlot => false,
+        }
+    }
+
+    fn adapter_in_use(&self, name: &str) -> bool {
+        self.running
+            .iter()
+            .any(|r| self.seqs[r].adapter().is_some_and(|a| &**a == name))
     }
 
     /// Gives each running request, in admission order, its next tokens while budget lasts.
@@ -100,13 +142,28 @@ impl Scheduler {
     }
 
     /// Admits waiting requests first come first served while budget, seats and blocks last.
+    /// A request whose LoRA adapter has no slot is passed over for this step, keeping its
+    /// place (vLLM's `skipped_waiting_requests`).
     fn admit_waiting(&mut self, budget: &mut usize) {
+        let mut skipped = Vec::new();
+        self.admit_waiting_skipping(budget, &mut skipped);
+        for id in skipped.into_iter().rev() {
+            self.waiting.push_front(id);
+        }
+    }
+
+    fn admit_waiting_skipping(&mut self, budget: &mut usize, skipped: &mut Vec<RequestId>) {
         let bs = self.pool.block_size().tokens();
         let chunk_cap = self.chunk_cap();
         while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
+            if !self.can_take_adapter(id) {
+                self.waiting.pop_front();
+                skipped.push(id);
+                continue;
+            }
             let seq = &self.seqs[&id];
             let total = seq.tokens().len();
             // Never reuse the block holding the last token: at least one token is computed,
@@ -135,6 +192,8 @@ impl Scheduler {
                 break;
             }
             self.waiting.pop_front();
+            let taken = self.take_adapter(id);
+            debug_assert!(taken, "checked before admission");
             self.running.push(id);
             let seq = self
                 .seqs

@@ -35,6 +35,9 @@
 //!
 //! Time is `u64` microseconds, passed in by the caller; nothing here reads a clock.
 
+#[cfg(test)]
+mod adapter_tests;
+mod adapters;
 mod admit;
 mod complete;
 mod remote;
@@ -54,6 +57,8 @@ use crate::arena::KvArena;
 use crate::pool::{BlockPool, PoolError};
 
 pub use remote::RemotePrefill;
+
+use adapters::AdapterSlots;
 pub use sequence::{RequestPhase, Sequence};
 
 /// Scheduling limits.
@@ -71,6 +76,9 @@ pub struct SchedulerConfig {
     pub max_prefill_chunk: Option<usize>,
     /// Waiting requests at most; beyond it `add_request` answers `QueueFull` (default 65536).
     pub max_waiting: usize,
+    /// LoRA adapters one step may use at most (vLLM's `max_loras`; [`adapters`]); 0: not
+    /// limited, and no adapter load is modelled (default).
+    pub max_loras: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -81,6 +89,7 @@ impl Default for SchedulerConfig {
             enable_chunked_prefill: true,
             max_prefill_chunk: None,
             max_waiting: 65536,
+            max_loras: 0,
         }
     }
 }
@@ -99,6 +108,9 @@ pub struct EngineRequest {
     /// Generation stops after this token (it is emitted), unless `ignore_eos`.
     pub stop_token: Option<u32>,
     pub ignore_eos: bool,
+    /// The LoRA adapter it runs on; `None`: the base model. `hash_seed` should include it
+    /// ([`HashSeed::for_request`]).
+    pub adapter: Option<String>,
 }
 
 impl EngineRequest {
@@ -112,6 +124,7 @@ impl EngineRequest {
             sampling_seed: 0,
             stop_token: None,
             ignore_eos: false,
+            adapter: None,
         }
     }
 }
@@ -239,6 +252,8 @@ pub struct StepPlan {
     pub kv_tokens: usize,
     /// Requests preempted while planning this step, in preemption order.
     pub preempted: Vec<RequestId>,
+    /// LoRA adapters loaded for this step (each costs the step a load).
+    pub adapter_loads: usize,
     // The block tables of all entries, back to back; entries index into it. One buffer,
     // reused from step to step, instead of one allocation per request.
     block_ids: Vec<u32>,
@@ -269,6 +284,7 @@ impl StepPlan {
         self.decode_tokens = 0;
         self.kv_tokens = 0;
         self.preempted.clear();
+        self.adapter_loads = 0;
         self.block_ids.clear();
     }
 }
@@ -329,6 +345,8 @@ pub struct SchedulerStats {
     pub remote_prefills: u64,
     /// Remote prefills that failed and fell back to a local prefill.
     pub remote_prefill_fallbacks: u64,
+    /// LoRA adapters loaded (see [`SchedulerConfig::max_loras`]).
+    pub adapter_loads: u64,
 }
 
 /// Read access to the running requests, for a model computing the in-flight step.
@@ -375,6 +393,7 @@ pub struct Scheduler {
     pin_on_finish: hashbrown::HashSet<RequestId>,
     /// Finished requests' pinned blocks, until released.
     pinned: HashMap<RequestId, Vec<u32>>,
+    adapters: AdapterSlots,
 }
 
 impl Scheduler {
@@ -394,6 +413,7 @@ impl Scheduler {
                 "max_prefill_chunk must be at least 1",
             ));
         }
+        let adapters = AdapterSlots::new(cfg.max_loras);
         Ok(Scheduler {
             plan: StepPlan {
                 entries: Vec::with_capacity(cfg.max_num_seqs.min(4096)),
@@ -411,6 +431,7 @@ impl Scheduler {
             last_now_us: 0,
             pin_on_finish: hashbrown::HashSet::new(),
             pinned: HashMap::new(),
+            adapters,
         })
     }
 
@@ -624,6 +645,10 @@ impl Scheduler {
             prefill_tokens_total: self.stats.prefill_tokens,
             decode_tokens_total: self.stats.decode_tokens,
             busy_us_total: 0,
+            adapters: tandem_protocol::AdapterLoad {
+                max_loaded: self.adapters.max() as u32,
+                resident: self.adapters.resident(),
+            },
         }
     }
 }

@@ -38,6 +38,7 @@ pub struct Sequence {
     stop_token: Option<u32>,
     hash_seed: HashSeed,
     sampling_seed: u64,
+    adapter: Option<std::sync::Arc<str>>,
     /// Hashes of every full block of `tokens`, kept up to date by `hasher` as tokens arrive.
     hashes: Vec<BlockHashes>,
     hasher: TokenBlockHasher,
@@ -71,6 +72,7 @@ impl Sequence {
             stop_token: if req.ignore_eos { None } else { req.stop_token },
             hash_seed: req.hash_seed,
             sampling_seed: req.sampling_seed,
+            adapter: req.adapter.map(std::sync::Arc::from),
             hashes,
             hasher,
             phase: RequestPhase::Waiting,
@@ -126,6 +128,11 @@ impl Sequence {
 
     pub fn hash_seed(&self) -> HashSeed {
         self.hash_seed
+    }
+
+    /// The LoRA adapter it runs on.
+    pub fn adapter(&self) -> Option<&std::sync::Arc<str>> {
+        self.adapter.as_ref()
     }
 
     pub fn sampling_seed(&self) -> u64 {

@@ -9,6 +9,10 @@
 //! all workers under one read of the replica: replicas sharing their deltas should show the
 //! same numbers, and comparing two frontends' scrapes is how an operator (or a test) sees
 //! whether they do; a refresh period's lag would blur that.
+//!
+//! Each worker's LoRA adapters as of its last load report ([`AdapterLoads`]:
+//! `tandem_worker_lora_slots`, `tandem_worker_lora_adapter{adapter}`) are read at scrape time
+//! too, since the set of adapter series changes with every report.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -222,6 +226,7 @@ pub fn register(
         registry.register(name, help, family.clone());
     }
     registry.register_collector(Box::new(TrackedLoads { view: view.clone() }));
+    registry.register_collector(Box::new(AdapterLoads { view: view.clone() }));
     let gauges = ViewGauges {
         workers,
         index_workers,
@@ -421,12 +426,80 @@ impl Collector for TrackedLoads {
     }
 }
 
+/// Each member's LoRA adapters as its last load report gives them, read from the replica
+/// on every scrape: `tandem_worker_lora_slots{worker,role}` (adapters it can hold at once, 0
+/// unknown) for workers that reported LoRA at all, and `tandem_worker_lora_adapter{worker,
+/// role,adapter}` 1 for each adapter it holds.
+#[derive(Debug)]
+struct AdapterLoads {
+    view: Arc<ClusterView>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AdapterLabel {
+    worker: u64,
+    role: &'static str,
+    adapter: String,
+}
+
+impl AdapterLoads {
+    fn snapshot(&self) -> Vec<(WorkerLabel, tandem_protocol::AdapterLoad)> {
+        let replica = self.view.replica().read();
+        replica
+            .decode_workers()
+            .map(|id| (id, "decode"))
+            .chain(replica.prefill_workers().map(|id| (id, "prefill")))
+            .filter_map(|(id, role)| {
+                let a = &replica.report(id)?.adapters;
+                let any = a.max_loaded > 0 || !a.resident.is_empty();
+                any.then(|| (WorkerLabel { worker: id.0, role }, a.clone()))
+            })
+            .collect()
+    }
+}
+
+impl Collector for AdapterLoads {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let loads = self.snapshot();
+        let mut metric = encoder.encode_descriptor(
+            "tandem_worker_lora_slots",
+            "LoRA adapters a worker can hold at once (its max_loras; 0: unknown), as of its \
+             last load report",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (label, load) in &loads {
+            ConstGauge::new(i64::from(load.max_loaded)).encode(metric.encode_family(label)?)?;
+        }
+        let mut metric = encoder.encode_descriptor(
+            "tandem_worker_lora_adapter",
+            "1 for each LoRA adapter a worker holds (loaded, or being loaded for a waiting \
+             request), as of its last load report",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (label, load) in &loads {
+            for adapter in &load.resident {
+                let label = AdapterLabel {
+                    worker: label.worker,
+                    role: label.role,
+                    adapter: adapter.clone(),
+                };
+                ConstGauge::new(1i64).encode(metric.encode_family(&label)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use tandem_protocol::{BlockSize, RequestId, SequenceHash, WorkerId, WorkerRole};
+    use tandem_protocol::{
+        AdapterLoad, BlockSize, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole,
+    };
     use tandem_router::{Input, KvSource, RouterId, RoutingReplica, SyncMessage};
     use tandem_runtime::discovery::memory::MemoryDiscovery;
     use tandem_runtime::events::memory::MemoryEventPlane;
@@ -444,7 +517,7 @@ mod tests {
     /// A peer's add shows on the next scrape (no refresh period), per member, and its free
     /// takes it away again.
     #[tokio::test]
-    async fn tracked_loads_are_read_at_scrape_time() {
+    async fn tracked_loads_and_adapters_are_read_at_scrape_time() {
         let (tasks, cancel) = (TaskTracker::new(), CancellationToken::new());
         let replica =
             RoutingReplica::new(BackendConfig::new(RouterId(1)).replica_config()).unwrap();
@@ -522,6 +595,34 @@ mod tests {
             text.contains(&line("tandem_router_tracked_requests", 11, "decode", 0)),
             "{text}"
         );
+        // No LoRA reported yet: no LoRA series.
+        assert!(!text.contains("tandem_worker_lora_slots{"), "{text}");
+        let report = |adapters: &[&str]| LoadReport {
+            worker_id: WorkerId(11),
+            adapters: AdapterLoad {
+                max_loaded: 2,
+                resident: adapters.iter().map(|a| a.to_string()).collect(),
+            },
+            ..LoadReport::default()
+        };
+        feed(Input::LoadReport(&report(&["sql-lora", "chat-lora"])));
+        let text = scrape(&registry);
+        assert!(
+            text.contains(&line("tandem_worker_lora_slots", 11, "decode", 2)),
+            "{text}"
+        );
+        let adapter = |a: &str| {
+            format!(
+                "tandem_worker_lora_adapter{{worker=\"11\",role=\"decode\",adapter=\"{a}\"}} 1\n"
+            )
+        };
+        assert!(text.contains(&adapter("sql-lora")), "{text}");
+        assert!(text.contains(&adapter("chat-lora")), "{text}");
+        // The next report replaces the set: a dropped adapter's series goes.
+        feed(Input::LoadReport(&report(&["chat-lora"])));
+        let text = scrape(&registry);
+        assert!(!text.contains(&adapter("sql-lora")), "{text}");
+        assert!(text.contains(&adapter("chat-lora")), "{text}");
         cancel.cancel();
         tasks.close();
         tasks.wait().await;

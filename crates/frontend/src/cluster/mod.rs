@@ -126,7 +126,12 @@ pub async fn run_frontend(
         state.clone(),
         server_stop.clone(),
     ));
-    tracing::info!(%addr, model = %cfg.http.served_model_name, "frontend serving");
+    tracing::info!(
+        %addr,
+        model = %cfg.http.served_model_name,
+        lora_adapters = ?cfg.http.lora_adapters,
+        "frontend serving"
+    );
 
     shutdown.draining().await;
     state.start_draining();

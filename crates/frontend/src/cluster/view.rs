@@ -175,7 +175,7 @@ impl ClusterView {
     }
 
     pub fn report(&self, id: WorkerId) -> Option<LoadReport> {
-        self.replica.read().report(id).copied()
+        self.replica.read().report(id).cloned()
     }
 
     pub fn has_index(&self) -> bool {

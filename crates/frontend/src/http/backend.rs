@@ -65,8 +65,13 @@ pub struct ValidRequest {
     /// as `x-request-id`.
     pub response_id: String,
     pub endpoint: Endpoint,
-    /// The served model name (requests naming another model were refused with 404).
+    /// The model name the request asked for, shown in responses: the served model name or
+    /// one of its LoRA adapters' (requests naming another model were refused with 404).
     pub model: String,
+    /// The LoRA adapter it runs on (one of [`super::HttpConfig::lora_adapters`]); `None`: the
+    /// base model. It joins the block-hash seed
+    /// ([`tandem_protocol::HashSeed::for_request`]) and the route.
+    pub adapter: Option<String>,
     /// The prompt after the chat template and tokenization; never empty.
     pub prompt_tokens: Vec<u32>,
     /// Most tokens to generate, `>= 1`. The edge also enforces it on what the backend sends.

@@ -132,7 +132,7 @@ pub(crate) fn check(req: MessagesRequest, config: &HttpConfig) -> Result<Checked
             .and_then(|u| u.as_str())
             .map(str::to_string),
     };
-    let model = validate::check_model(common.model.as_deref(), config)?;
+    let model = super::models::resolve_model(common.model.as_deref(), config)?;
     let mut checked = validate::finish_common(
         common,
         model,

@@ -11,7 +11,8 @@
 //!   over a bounded store); see `responses.rs` for what is served.
 //! - `POST /v1/messages`: the Anthropic Messages API (its SSE events and error shape); see
 //!   `messages.rs`.
-//! - `GET /v1/models`, `GET /v1/models/{model}`: the served model.
+//! - `GET /v1/models`, `GET /v1/models/{model}`: the served model and its LoRA adapters
+//!   (`models.rs`).
 //! - `GET /health`: 200 when the backend is ready and we are not draining, else 503.
 //! - `GET /live`: 200 while the process serves HTTP at all.
 //! - `GET /metrics`: Prometheus (OpenMetrics text), see `metrics.rs`.
@@ -48,9 +49,11 @@
 //!
 //! # Request fields (chat completions and completions)
 //!
-//! Served: `model` (optional; another name is 404), `messages` (content as a string or a list
-//! of `{"type": "text", "text"}` parts; roles `system`, `developer` (as system), `user`,
-//! `assistant` (with `tool_calls`), `tool` (with `tool_call_id`); `name`), `tools`
+//! Served: `model` (optional: the served model name, or one of
+//! [`HttpConfig::lora_adapters`] to run on that LoRA adapter; another name is 404),
+//! `messages` (content as a string or a list of `{"type": "text", "text"}` parts; roles
+//! `system`, `developer` (as system), `user`, `assistant` (with `tool_calls`), `tool` (with
+//! `tool_call_id`); `name`), `tools`
 //! (`{"type": "function", "function": {…}}`, passed to the template as given), `tool_choice`
 //! (`auto`, `none`: tools are shown, calls not parsed), `prompt` (string, token ids, or a
 //! one-element list of either), `max_tokens` / `max_completion_tokens` (the latter wins),
@@ -117,6 +120,8 @@
 //!   strings; `stop.rs`: the stop-string matcher; `tool_calls.rs`: [`ToolCallParser`] and
 //!   the Hermes parser.
 //! - `tokenizer.rs`: [`Tokenizer`], [`Detokenizer`].
+//! - `models.rs`: what a request's `model` names (the base model or a LoRA adapter), the
+//!   model objects.
 //! - `metrics.rs`: [`HttpMetrics`]; `ids.rs`: request ids.
 //!
 //! # Invariants
@@ -143,6 +148,7 @@ mod hints;
 mod ids;
 mod messages;
 mod metrics;
+mod models;
 mod openai;
 mod output;
 mod prompt;
@@ -168,6 +174,7 @@ pub use chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec, Clock
 pub use error::{ErrorKind, ServeError};
 pub use hints::{RoutingHints, SessionField};
 pub use metrics::HttpMetrics;
+pub use models::AdapterNameError;
 pub use prompt::Prompts;
 pub use responses_store::ResponsesStoreConfig;
 pub use state::watch_api_keys;
@@ -177,8 +184,8 @@ pub use tokenizer::{Detokenizer, Tokenizer, TokenizerError, TokenizerSpec};
 pub use tool_calls::ToolCallParser;
 
 use axum::Router;
-use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use tokio_util::sync::CancellationToken;
@@ -190,8 +197,8 @@ pub fn app(state: HttpState) -> Router {
         .route("/v1/completions", post(generate::completions))
         .route("/v1/responses", post(generate::responses))
         .route("/v1/messages", post(generate::messages))
-        .route("/v1/models", get(models))
-        .route("/v1/models/{*model}", get(model))
+        .route("/v1/models", get(models::models))
+        .route("/v1/models/{*model}", get(models::model))
         .route("/health", get(health))
         .route("/live", get(live))
         .route("/metrics", get(metrics))
@@ -305,41 +312,6 @@ pub async fn serve_state(
 
 fn json(body: String) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
-}
-
-fn model_object(state: &HttpState) -> openai::Model<'_> {
-    openai::Model {
-        id: &state.config().served_model_name,
-        object: "model",
-        created: state.started(),
-        owned_by: "tandem",
-    }
-}
-
-async fn models(State(state): State<HttpState>, headers: HeaderMap) -> Response {
-    // OpenAI asks for a key here too; so do we, when keys are configured.
-    if let Err(e) = state.access().require_key(&headers) {
-        return e.into_response();
-    }
-    let list = openai::ModelList {
-        object: "list",
-        data: [model_object(&state)],
-    };
-    json(serde_json::to_string(&list).unwrap_or_default())
-}
-
-async fn model(
-    State(state): State<HttpState>,
-    headers: HeaderMap,
-    Path(name): Path<String>,
-) -> Response {
-    if let Err(e) = state.access().require_key(&headers) {
-        return e.into_response();
-    }
-    if name != state.config().served_model_name {
-        return ServeError::model_not_found(&name).into_response();
-    }
-    json(serde_json::to_string(&model_object(&state)).unwrap_or_default())
 }
 
 async fn health(State(state): State<HttpState>) -> Response {

@@ -275,13 +275,19 @@ pub(crate) struct CompletionChoice<'a> {
 #[derive(Debug, Serialize)]
 pub(crate) struct ModelList<'a> {
     pub object: &'static str,
-    pub data: [Model<'a>; 1],
+    pub data: Vec<Model<'a>>,
 }
 
+/// A model object, as vLLM's `ModelCard` (`vllm/entrypoints/openai/protocol.py`): OpenAI's
+/// fields, then `root`, `parent` (the base model of a LoRA adapter, else null) and
+/// `max_model_len` (the base model's context, null for adapters).
 #[derive(Debug, Serialize)]
 pub(crate) struct Model<'a> {
     pub id: &'a str,
     pub object: &'static str,
     pub created: u64,
     pub owned_by: &'static str,
+    pub root: &'a str,
+    pub parent: Option<&'a str>,
+    pub max_model_len: Option<u32>,
 }

@@ -159,7 +159,7 @@ pub(crate) fn check(
             .map(str::to_string),
         session_field: req.user,
     };
-    let model = validate::check_model(common.model.as_deref(), config)?;
+    let model = super::models::resolve_model(common.model.as_deref(), config)?;
     let mut checked = validate::finish_common(
         common,
         model,

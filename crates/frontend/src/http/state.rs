@@ -24,6 +24,12 @@ pub struct HttpConfig {
     /// The one model name served: `GET /v1/models` lists it, requests naming another get 404.
     /// A request without `model` is served by it.
     pub served_model_name: String,
+    /// LoRA adapters served on top of it, by name: a request whose `model` names one runs on
+    /// that adapter (its KV blocks are hashed apart from the base model's and it is routed
+    /// to workers holding it); `GET /v1/models` lists them with the base model as `parent`.
+    /// Names are non-empty, without whitespace, distinct and not the served name. Default:
+    /// none.
+    pub lora_adapters: Vec<String>,
     /// Most prompt + completion tokens of one request. Default 32768.
     pub context_length: u32,
     /// `max_tokens` when a request sets none, lowered to what fits in the context. Default
@@ -71,6 +77,7 @@ impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             served_model_name: "tandem".to_string(),
+            lora_adapters: Vec::new(),
             context_length: 32_768,
             default_max_tokens: 256,
             max_body_bytes: 8 * 1024 * 1024,
@@ -122,6 +129,8 @@ pub enum StateError {
     Access(#[from] AccessError),
     #[error(transparent)]
     Tls(#[from] TlsError),
+    #[error(transparent)]
+    Adapters(#[from] super::models::AdapterNameError),
 }
 
 impl fmt::Debug for HttpState {
@@ -207,8 +216,9 @@ impl HttpState {
         }
     }
 
-    /// [`Self::with_template`], failing when the API keys or TLS files cannot be used. The
-    /// backend is told the tenants' limits ([`Backend::set_tenants`]) before this returns.
+    /// [`Self::with_template`], failing when the API keys or TLS files cannot be used, or
+    /// the LoRA adapter names are not valid ([`HttpConfig::lora_adapters`]). The backend is
+    /// told the tenants' limits ([`Backend::set_tenants`]) before this returns.
     pub fn try_with_template(
         backend: Arc<dyn Backend>,
         config: HttpConfig,
@@ -216,6 +226,7 @@ impl HttpState {
         template: ChatTemplate,
         mut registry: Registry,
     ) -> Result<Self, StateError> {
+        super::models::check_adapters(&config)?;
         let access = Access::load(&config.access)?;
         let tls = config.tls.as_ref().map(super::tls::load).transpose()?;
         backend.set_tenants(access.tenant_limits());

@@ -9,6 +9,7 @@ use super::backend::{Endpoint, ValidRequest};
 use super::conversation::{Content, Conversation, Message, ToolCall};
 use super::error::ServeError;
 use super::hints::{HintFields, RoutingHints, SessionField};
+use super::models::{ModelChoice, resolve_model};
 use super::openai::{
     ChatCompletionRequest, ChatMessage, CompletionRequest, MessageContent, PriorityField, Prompt,
     Stop, StreamOptions,
@@ -52,6 +53,8 @@ const LARGE_PROMPT_BYTES: usize = 64 * 1024;
 pub(crate) struct Checked {
     pub endpoint: Endpoint,
     pub model: String,
+    /// The LoRA adapter `model` named, if any.
+    pub adapter: Option<String>,
     pub prompt: PromptInput,
     /// The field the prompt came from, for error messages.
     prompt_param: &'static str,
@@ -147,7 +150,7 @@ pub(crate) fn check_chat(
             session_field: req.user,
         },
     };
-    let model = check_model(common.model.as_deref(), config)?;
+    let model = resolve_model(common.model.as_deref(), config)?;
     if req.logprobs == Some(true) {
         return Err(unsupported("logprobs", "logprobs are not supported"));
     }
@@ -328,7 +331,7 @@ pub(crate) fn check_completion(
             session_field: req.user,
         },
     };
-    let model = check_model(common.model.as_deref(), config)?;
+    let model = resolve_model(common.model.as_deref(), config)?;
     if req.logprobs.is_some_and(|n| n > 0) {
         return Err(unsupported("logprobs", "logprobs are not supported"));
     }
@@ -372,14 +375,6 @@ pub(crate) fn check_completion(
     )
 }
 
-pub(crate) fn check_model(model: Option<&str>, config: &HttpConfig) -> Result<String, ServeError> {
-    match model {
-        None => Ok(config.served_model_name.clone()),
-        Some(m) if m == config.served_model_name => Ok(m.to_string()),
-        Some(m) => Err(ServeError::model_not_found(m)),
-    }
-}
-
 pub(crate) fn unsupported(param: &'static str, message: &str) -> ServeError {
     ServeError::invalid(message)
         .with_param(param)
@@ -388,7 +383,7 @@ pub(crate) fn unsupported(param: &'static str, message: &str) -> ServeError {
 
 pub(crate) fn finish_common(
     c: Common,
-    model: String,
+    model: ModelChoice,
     endpoint: Endpoint,
     prompt: PromptInput,
     prompt_param: &'static str,
@@ -483,7 +478,8 @@ pub(crate) fn finish_common(
             .unwrap_or(false);
     Ok(Checked {
         endpoint,
-        model,
+        model: model.model,
+        adapter: model.adapter,
         prompt,
         prompt_param,
         max_tokens,
@@ -592,6 +588,7 @@ impl Checked {
             response_id,
             endpoint: self.endpoint,
             model: self.model,
+            adapter: self.adapter,
             prompt_tokens,
             max_tokens,
             temperature: self.temperature,

@@ -4,6 +4,7 @@
 use tandem_indexer::ApproxConfig;
 use tandem_protocol::{BlockSize, HashSeed};
 
+use crate::adapters::AdapterConfig;
 use crate::breaker::{BreakerConfig, RetryBudgetConfig};
 use crate::capacity::CapacityConfig;
 use crate::disagg::DisaggConfig;
@@ -54,6 +55,8 @@ pub struct RoutingConfig {
     pub sessions: SessionConfig,
     /// Capacity weights for unequal workers ([`crate::capacity`]).
     pub capacity: CapacityConfig,
+    /// LoRA-aware routing ([`crate::adapters`]): the cost of loading a request's adapter.
+    pub adapters: AdapterConfig,
 }
 
 impl RoutingConfig {
@@ -80,6 +83,7 @@ impl RoutingConfig {
         self.retry_budget.validate()?;
         self.sessions.validate()?;
         self.capacity.validate()?;
+        self.adapters.validate()?;
         self.policy.build()?;
         // Every policy's knobs, not only the chosen one's: a bad flag is an error whatever
         // the policy.

@@ -36,6 +36,8 @@
 //! both kinds. A worker that leaves, or re-joins (a restart: its cache is new), loses its
 //! approximate entries.
 
+mod admit;
+mod candidates;
 mod config;
 
 use std::collections::BTreeMap;
@@ -43,20 +45,22 @@ use std::collections::BTreeMap;
 use hashbrown::HashMap;
 use tandem_indexer::{ApproxIndex, FeedError, IndexFeed, OverlapScores, Repair, RepairReply};
 use tandem_protocol::{
-    Distance, KvEvent, LoadReport, Placement, RequestId, SequenceHash, WorkerId, WorkerRole,
+    AdapterId, Distance, KvEvent, LoadReport, Placement, RequestId, SequenceHash, WorkerId,
+    WorkerRole,
 };
 
 pub use config::{ReplicaConfig, RoutingConfig};
 
+use crate::adapters::Adapters;
 use crate::breaker::{BreakerState, Breakers, RetryBudget};
 use crate::capacity::Capacity;
 use crate::disagg::{self, DisaggDecision, DisaggReason};
 use crate::error::{ConfigError, RouteError};
-use crate::pool::{PoolConfig, Router, RouterConfig};
+use crate::pool::{Router, RouterConfig};
 use crate::rng::Rng;
 use crate::sessions::{SessionKey, SessionOutcome, Sessions};
 use crate::tracker::{ActiveSequences, NewSequence, SyncMessage};
-use crate::view::{Decision, RouteRequest, Rule, WorkerView};
+use crate::view::{Decision, RouteRequest, Rule};
 
 /// Tracker ids of a request's prefill part: the request id with the top bit set.
 const PREFILL_BIT: u64 = 1 << 63;
@@ -138,6 +142,10 @@ pub struct InFlight {
     prefill_booked: bool,
     first_token: bool,
     session: Option<SessionKey>,
+    /// Its LoRA adapter and the workers it runs on, for the adapter table.
+    adapter: Option<AdapterId>,
+    decode_worker: WorkerId,
+    prefill_worker: Option<WorkerId>,
 }
 
 impl InFlight {
@@ -212,6 +220,15 @@ pub struct RoutingReplica {
     capacity_decode: Capacity,
     capacity_prefill: Capacity,
     placements: HashMap<WorkerId, Placement>,
+    adapters: Adapters,
+    /// The decode pool by load, for decisions that need not score every member
+    /// ([`candidates`]).
+    order: candidates::LoadOrder,
+    joins: candidates::Joins,
+    /// Decode members saturated now (kept up to date by `sync_loads` and the reports).
+    saturated: std::collections::BTreeSet<WorkerId>,
+    /// Scratch for the tracker's changed workers.
+    dirty: Vec<WorkerId>,
 }
 
 impl RoutingReplica {
@@ -237,6 +254,11 @@ impl RoutingReplica {
             capacity_decode: Capacity::new(r.capacity),
             capacity_prefill: Capacity::new(r.capacity),
             placements: HashMap::new(),
+            adapters: Adapters::new(r.adapters),
+            order: candidates::LoadOrder::default(),
+            joins: candidates::Joins::default(),
+            saturated: std::collections::BTreeSet::new(),
+            dirty: Vec::new(),
             config,
         })
     }
@@ -262,6 +284,14 @@ impl RoutingReplica {
                     WorkerRole::Decode | WorkerRole::Aggregated => &mut self.decode,
                 };
                 pool.insert(worker, Member { joined_ms, kv });
+                match role {
+                    WorkerRole::Prefill => self.order.remove(worker),
+                    WorkerRole::Decode | WorkerRole::Aggregated => {
+                        self.order.touch(worker);
+                        self.joins.joined(joined_ms);
+                    }
+                }
+                self.update_saturated(worker);
                 // Whatever the source, a (re-)join is a new cache: what was assumed of the old
                 // one goes; and a new process (a restart), whose breaker starts closed.
                 self.approx.remove_worker(worker);
@@ -269,6 +299,7 @@ impl RoutingReplica {
                 self.sessions.remove_worker(worker);
                 self.capacity_decode.remove(worker);
                 self.capacity_prefill.remove(worker);
+                self.adapters.remove(worker);
                 match kv {
                     KvSource::Events => self.feed.join(worker).into_iter().collect(),
                     KvSource::Approximate => {
@@ -280,6 +311,8 @@ impl RoutingReplica {
                 }
             }
             Input::Left { worker } => {
+                self.order.remove(worker);
+                self.saturated.remove(&worker);
                 self.decode.remove(&worker);
                 self.prefill.remove(&worker);
                 self.reports.remove(&worker);
@@ -291,6 +324,7 @@ impl RoutingReplica {
                 self.capacity_decode.remove(worker);
                 self.capacity_prefill.remove(worker);
                 self.placements.remove(&worker);
+                self.adapters.remove(worker);
                 Vec::new()
             }
             Input::KvEvents(batch) => self.feed.apply(batch),
@@ -306,7 +340,9 @@ impl RoutingReplica {
                 let Some(kv) = self.pool_of(r.worker_id).map(|m| m.kv) else {
                     return Ok(Vec::new());
                 };
-                self.reports.insert(r.worker_id, *r);
+                self.adapters.report(r.worker_id, &r.adapters);
+                self.reports.insert(r.worker_id, (*r).clone());
+                self.update_saturated(r.worker_id);
                 if self.prefill.contains_key(&r.worker_id) {
                     self.capacity_prefill.report(r);
                 } else {
@@ -353,83 +389,6 @@ impl RoutingReplica {
         self.commit(input, decision, now_ms)
     }
 
-    /// [`RoutingReplica::route`] for a request that has not started yet, under flow control:
-    /// saturated decode workers ([`RoutingConfig::saturation`]) are left out, and when every
-    /// one left is saturated the answer is [`RouteError::Saturated`] (the request should wait
-    /// for capacity). Retries and migrations of started requests use `route`.
-    pub fn route_admitted(
-        &mut self,
-        input: &RouteInput<'_>,
-        excluded: &[WorkerId],
-        now_ms: u64,
-    ) -> Result<Plan, RouteError> {
-        self.tracker.expire(now_ms);
-        let mut out: Vec<WorkerId> = excluded.to_vec();
-        let mut free = 0usize;
-        for &id in self.decode.keys().filter(|id| !excluded.contains(id)) {
-            if !self.breakers.allows(id, now_ms) {
-                continue; // left out by `decide`
-            }
-            if self.is_saturated(id) {
-                out.push(id);
-            } else {
-                free += 1;
-            }
-        }
-        if free == 0 && out.len() > excluded.len() {
-            return Err(RouteError::Saturated);
-        }
-        // Saturated prefill workers are left out too; when all of them are, the request
-        // waits unless the rule would prefill it locally anyway.
-        let saturated_prefill: Vec<WorkerId> = self
-            .prefill
-            .keys()
-            .copied()
-            .filter(|id| !excluded.contains(id) && self.is_prefill_saturated(*id))
-            .collect();
-        let all_prefill_saturated = !saturated_prefill.is_empty()
-            && saturated_prefill.len()
-                == self
-                    .prefill
-                    .keys()
-                    .filter(|id| !excluded.contains(id))
-                    .count();
-        if all_prefill_saturated {
-            let decision = self.decide(input, &out, now_ms)?;
-            if decision.prefill.is_some() {
-                return Err(RouteError::Saturated);
-            }
-            return self.commit(input, decision, now_ms);
-        }
-        out.extend(saturated_prefill);
-        self.route(input, &out, now_ms)
-    }
-
-    /// Whether a prefill worker is saturated now ([`RoutingConfig::saturation`]).
-    pub fn is_prefill_saturated(&self, worker: WorkerId) -> bool {
-        let load = self.tracker.load(worker).to_worker_load();
-        self.config.routing.saturation.is_prefill_saturated(&load)
-    }
-
-    /// Whether a member is saturated now ([`RoutingConfig::saturation`]).
-    pub fn is_saturated(&self, worker: WorkerId) -> bool {
-        let load = self.tracker.load(worker).to_worker_load();
-        let (capacity, waiting) = self
-            .reports
-            .get(&worker)
-            .map_or((0, 0), |r| (r.kv_total_blocks, r.waiting_requests));
-        self.config
-            .routing
-            .saturation
-            .is_saturated(&load, capacity, waiting)
-    }
-
-    /// Whether some decode worker could take a request now: at least one member, not every
-    /// one saturated.
-    pub fn has_capacity(&self) -> bool {
-        self.decode.keys().any(|&id| !self.is_saturated(id))
-    }
-
     /// Picks the decode worker, and the prefill worker when prefill is remote, among the
     /// members not in `excluded` (workers that already failed this request). Records nothing:
     /// [`RoutingReplica::commit`] does.
@@ -440,6 +399,7 @@ impl RoutingReplica {
         now_ms: u64,
     ) -> Result<DisaggDecision, RouteError> {
         self.tracker.expire(now_ms);
+        self.sync_loads();
         let own;
         let exact = match input.overlap {
             Some(s) => s,
@@ -456,8 +416,8 @@ impl RoutingReplica {
         // Workers whose breaker is open are left out like those that failed this request.
         let mut excluded_all = excluded.to_vec();
         let mut open_decode = 0usize;
-        for (&id, _) in self.decode.iter().chain(self.prefill.iter()) {
-            if !excluded.contains(&id) && !self.breakers.allows(id, now_ms) {
+        for id in self.breakers.refused(now_ms) {
+            if self.pool_of(id).is_some() && !excluded.contains(&id) {
                 excluded_all.push(id);
                 open_decode += usize::from(self.decode.contains_key(&id));
             }
@@ -466,11 +426,12 @@ impl RoutingReplica {
         self.capacity_decode.refresh(now_ms);
         self.capacity_prefill.refresh(now_ms);
         let cfg = &self.config.routing;
+        let adapter = input.route.adapter;
         let prefill = self.views(
             &self.prefill,
             &cfg.disagg.prefill_pool,
             scores,
-            excluded,
+            (excluded, adapter),
             now_ms,
         );
         let decode_pool = if prefill.is_empty() {
@@ -478,13 +439,21 @@ impl RoutingReplica {
         } else {
             &cfg.disagg.decode_pool
         };
-        let mut decode = self.views(&self.decode, decode_pool, scores, excluded, now_ms);
+        let decode_pool = *decode_pool;
+        let mut decode = self.decode_views(input, &decode_pool, scores, excluded, now_ms);
         // A pinned session whose worker can take it: that worker is the only candidate (the
         // disaggregation rule still decides where to prefill).
+        // (The shortcut may have left it out of the candidates: its view is made alone then.)
         let pinned = input
             .session
             .and_then(|key| self.sessions.pinned(key, now_ms))
-            .and_then(|w| decode.iter().find(|v| v.id == w).copied())
+            .filter(|w| !excluded.contains(w))
+            .and_then(|w| {
+                decode.iter().find(|v| v.id == w).copied().or_else(|| {
+                    let m = self.decode.get(&w)?;
+                    Some(self.view_of(w, m, &decode_pool, scores, adapter, now_ms))
+                })
+            })
             .filter(|v| !decode_pool.is_busy(&v.load) && !self.is_saturated(v.id));
         if let Some(v) = pinned {
             decode = vec![v];
@@ -506,6 +475,7 @@ impl RoutingReplica {
                 why: DisaggReason::NoPrefillPool,
             }
         } else {
+            let cfg = &self.config.routing;
             let places = &self.placements;
             let distance = |a: WorkerId, b: WorkerId| match (places.get(&a), places.get(&b)) {
                 (Some(a), Some(b)) => a.distance(b),
@@ -577,8 +547,17 @@ impl RoutingReplica {
             prefill_booked: remote,
             first_token: false,
             session: session.and(input.session),
+            adapter: route.adapter,
+            decode_worker: decision.decode.worker,
+            prefill_worker: decision.prefill.as_ref().map(|p| p.worker),
         };
         self.record_approx(decision.decode.worker, input.hashes, now_ms);
+        if let Some(a) = route.adapter {
+            self.adapters.start(decision.decode.worker, a, now_ms);
+            if let Some(p) = &decision.prefill {
+                self.adapters.start(p.worker, a, now_ms);
+            }
+        }
         if let Some(p) = &decision.prefill {
             self.record_approx(p.worker, input.hashes, now_ms);
             sync.push(self.tracker.add(
@@ -624,6 +603,9 @@ impl RoutingReplica {
         }
         let mut sync = vec![self.tracker.free(flight.request, now_ms)];
         sync.extend(self.release_prefill(&mut flight, now_ms));
+        if let Some(a) = flight.adapter {
+            self.adapters.end(flight.decode_worker, a, now_ms);
+        }
         sync
     }
 
@@ -632,6 +614,9 @@ impl RoutingReplica {
             return None;
         }
         flight.prefill_booked = false;
+        if let (Some(a), Some(p)) = (flight.adapter, flight.prefill_worker) {
+            self.adapters.end(p, a, now_ms);
+        }
         Some(self.tracker.free(flight.prefill_id(), now_ms))
     }
 
@@ -664,6 +649,11 @@ impl RoutingReplica {
     /// The session table (its counters are the session metrics).
     pub fn sessions(&self) -> &Sessions {
         &self.sessions
+    }
+
+    /// What the replica knows of the workers' LoRA adapters.
+    pub fn adapters(&self) -> &Adapters {
+        &self.adapters
     }
 
     pub fn breakers(&self) -> &Breakers {
@@ -747,46 +737,5 @@ impl RoutingReplica {
         self.decode
             .get(&worker)
             .or_else(|| self.prefill.get(&worker))
-    }
-
-    /// The candidate views of a pool's members not in `excluded`.
-    fn views(
-        &self,
-        pool: &Pool,
-        cfg: &PoolConfig,
-        scores: Overlaps<'_>,
-        excluded: &[WorkerId],
-        now_ms: u64,
-    ) -> Vec<WorkerView> {
-        pool.iter()
-            .filter(|(id, _)| !excluded.contains(id))
-            .map(|(&id, m)| {
-                let mut load = self.tracker.load(id).to_worker_load();
-                if let Some(r) = self.reports.get(&id) {
-                    if self.config.routing.merge_load_reports {
-                        load.merge_report(r);
-                    } else {
-                        load.kv_usage = r.kv_usage();
-                    }
-                }
-                let scores = match m.kv {
-                    KvSource::Events => scores.exact,
-                    KvSource::Approximate => scores.approx,
-                };
-                let capacity = if std::ptr::eq(pool, &self.prefill) {
-                    &self.capacity_prefill
-                } else {
-                    &self.capacity_decode
-                };
-                WorkerView {
-                    id,
-                    overlap: scores.get(id).unwrap_or_default(),
-                    load,
-                    warming_up: cfg.is_warming_up(m.joined_ms, now_ms),
-                    speed: capacity.weight(id),
-                    extra_cost: 0.0,
-                }
-            })
-            .collect()
     }
 }

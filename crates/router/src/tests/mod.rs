@@ -1,5 +1,6 @@
 //! Unit tests of the crate, one file per module under test, sharing the builders below.
 
+mod adapters;
 mod approx;
 mod disagg;
 mod flow;
@@ -8,6 +9,7 @@ mod policies;
 mod pool;
 mod replica;
 mod sessions;
+mod shortcut;
 mod tracker;
 
 use tandem_indexer::TierCounts;
@@ -26,6 +28,7 @@ pub(crate) fn req(prompt_tokens: u64, block_size: u32) -> RouteRequest {
         prefix_key: 0,
         overrides: KvOverrides::default(),
         priority: crate::Priority::Standard,
+        adapter: None,
     }
 }
 
@@ -53,6 +56,7 @@ pub(crate) fn view(
         },
         speed: 1.0,
         extra_cost: 0.0,
+        adapter_cost: 0.0,
         warming_up: false,
     }
 }

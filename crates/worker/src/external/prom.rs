@@ -5,7 +5,7 @@
 //!   `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction, 0..1; older
 //!   releases `vllm:gpu_cache_usage_perc`), and the info gauge `vllm:cache_config_info`
 //!   whose labels carry the cache config (`block_size`, `num_gpu_blocks`,
-//!   `num_cpu_blocks`).
+//!   `num_cpu_blocks`); with LoRA on, `vllm:lora_requests_info` ([`adapters`]).
 //! - SGLang (`python/sglang/srt/metrics/collector.py`): `sglang:num_running_reqs`,
 //!   `sglang:num_queue_reqs`, `sglang:token_usage` (a fraction of KV tokens in use).
 //!
@@ -13,6 +13,7 @@
 //! fronts one engine.
 
 use hashbrown::HashMap;
+use tandem_protocol::AdapterLoad;
 
 use super::engine::EngineKind;
 
@@ -191,6 +192,41 @@ pub fn geometry(samples: &[Sample]) -> EngineGeometry {
     g
 }
 
+/// vLLM's LoRA adapters, from its `vllm:lora_requests_info` gauge; None without one (LoRA
+/// off, or another engine).
+///
+/// vLLM (`vllm/v1/metrics/loggers.py`, `PrometheusStatLogger`: `gauge_lora_info`, set in
+/// `record`) labels it `max_lora` (its `--max-loras`: adapters one batch may use),
+/// `running_lora_adapters` and `waiting_lora_adapters` (the adapters of the running and the
+/// waiting requests, each `",".join(...)` of their names, empty when none), and sets it to
+/// the current time (`set_to_current_time`) at every logged step. Each label set is its own
+/// series and old ones stay in the exposition, so the series with the largest value is the
+/// latest. Resident adapters are running ∪ waiting: a waiting request's adapter is being
+/// loaded or is about to be.
+pub fn adapters(samples: &[Sample]) -> Option<AdapterLoad> {
+    let latest = samples
+        .iter()
+        .filter(|s| s.name == "vllm:lora_requests_info" && !s.value.is_nan())
+        .max_by(|a, b| a.value.total_cmp(&b.value))?;
+    let max_loaded = latest
+        .label("max_lora")
+        .and_then(|m| m.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    let mut resident: Vec<String> = Vec::new();
+    for key in ["running_lora_adapters", "waiting_lora_adapters"] {
+        let names = latest.label(key).unwrap_or("");
+        for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            if !resident.iter().any(|r| r == name) {
+                resident.push(name.to_string());
+            }
+        }
+    }
+    Some(AdapterLoad {
+        max_loaded,
+        resident,
+    })
+}
+
 /// Counts by name (for tests and the stand-in's own checks).
 pub fn by_name(samples: &[Sample]) -> HashMap<&str, f64> {
     let mut m = HashMap::new();
@@ -255,6 +291,51 @@ vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="a \"quoted\" name"
             })
         );
         assert_eq!(load(EngineKind::Vllm, &s), None, "another engine's names");
+    }
+
+    /// As vLLM's `prometheus_client` writes it with `--enable-lora --max-loras 4`: one series
+    /// per label set seen, each stamped with the time it was last set.
+    const VLLM_LORA: &str = r#"# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""} 1.7471562e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql-lora,chat-lora",waiting_lora_adapters="sql-lora, tool-lora,"} 1.7471563127e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql-lora",waiting_lora_adapters=""} 1.7471562998e+09
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+"#;
+
+    #[test]
+    fn reads_vllm_lora_adapters_from_the_latest_series() {
+        let s = parse(VLLM_LORA);
+        assert_eq!(
+            adapters(&s),
+            Some(AdapterLoad {
+                max_loaded: 4,
+                resident: vec!["sql-lora".into(), "chat-lora".into(), "tool-lora".into()],
+            })
+        );
+        // Idle: the latest series lists none.
+        let idle = parse(
+            "vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"a\",waiting_lora_adapters=\"\"} 100\n\
+             vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 200\n",
+        );
+        assert_eq!(
+            adapters(&idle),
+            Some(AdapterLoad {
+                max_loaded: 2,
+                resident: Vec::new(),
+            })
+        );
+        // No LoRA (or not vLLM): nothing to say.
+        assert_eq!(adapters(&parse(VLLM)), None);
+        // A label missing or not a number: no slot count, the names still count.
+        let odd = parse("vllm:lora_requests_info{running_lora_adapters=\" x \"} 1\n");
+        assert_eq!(
+            adapters(&odd),
+            Some(AdapterLoad {
+                max_loaded: 0,
+                resident: vec!["x".into()],
+            })
+        );
     }
 
     #[test]

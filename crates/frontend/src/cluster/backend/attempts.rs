@@ -2,6 +2,7 @@
 //! and backoff, hedging, and what each outcome tells the breakers and the TTFT history.
 
 use super::*;
+use tandem_protocol::AdapterId;
 
 impl ClusterBackend {
     /// Routes `job` and starts it. A decode worker that fails before the first token is
@@ -26,6 +27,7 @@ impl ClusterBackend {
             route: RouteRequest {
                 overrides: job.overrides,
                 priority: job.priority,
+                adapter: job.adapter.as_deref().map(AdapterId::of),
                 ..self
                     .shared
                     .cfg

@@ -1,6 +1,7 @@
 //! [`ClusterBackend`]: the HTTP edge's [`Backend`] over real workers.
 //!
-//! Per request: hash the prompt's full blocks under its cache salt, find each worker's
+//! Per request: hash the prompt's full blocks under its cache salt and LoRA adapter
+//! ([`HashSeed::for_request`]), find each worker's
 //! cached prefix (embedded index or a standalone indexer), gather candidate views (overlap,
 //! the tracker's load merged with the latest load report, warm-up), decide — the policy over
 //! the decode pool, or conditional disaggregation when a prefill pool exists — record the
@@ -370,6 +371,7 @@ impl ClusterBackend {
                 address: p.record.addresses.grpc.clone(),
             }),
             cache_salt: job.cache_salt.clone().unwrap_or_default(),
+            lora_adapter: job.adapter.clone().unwrap_or_default(),
         };
         let mut client = plan.decode.client.clone();
         let mut stream = client.generate(greq).await?.into_inner();
@@ -393,6 +395,8 @@ struct Job {
     sampling_seed: u64,
     /// The client's cache salt, passed on for external engines' own salting.
     cache_salt: Option<String>,
+    /// The LoRA adapter it runs on (already part of `seed`).
+    adapter: Option<String>,
     top_p: f32,
     /// Past it the request is cancelled (continuations keep the original's).
     deadline: tokio::time::Instant,
@@ -547,13 +551,17 @@ impl Backend for ClusterBackend {
             begun: false,
         };
         let job = Job {
-            seed: HashSeed::from_salt(req.cache_salt.as_deref().map(str::as_bytes)),
+            seed: HashSeed::for_request(
+                req.cache_salt.as_deref().map(str::as_bytes),
+                req.adapter.as_deref(),
+            ),
             sampling_seed: req.seed.unwrap_or_else(|| s.ids.lock().next_u64()),
             prompt: req.prompt_tokens,
             max_tokens: req.max_tokens,
             temperature: req.temperature,
             ignore_eos: req.ignore_eos,
             cache_salt: req.cache_salt.clone(),
+            adapter: req.adapter.clone(),
             top_p: req.top_p,
             deadline: tokio::time::Instant::now() + left,
             overrides: req.routing.overrides,

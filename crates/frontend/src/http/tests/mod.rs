@@ -5,6 +5,7 @@ mod agents;
 mod auth;
 mod errors;
 mod hints;
+mod lora;
 mod ops;
 mod responses;
 mod templates;

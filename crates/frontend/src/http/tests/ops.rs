@@ -27,6 +27,9 @@ async fn health_live_and_models() {
     assert_eq!(v["data"][0]["object"], "model");
     assert_eq!(v["data"][0]["owned_by"], "tandem");
     assert!(v["data"][0]["created"].is_u64());
+    // vLLM's ModelCard fields: no parent for the base model.
+    assert_eq!(v["data"][0]["root"], "tandem-test");
+    assert_eq!(v["data"][0]["parent"], Value::Null);
     let v = body_json(send(&app, get("/v1/models/tandem-test")).await).await;
     assert_eq!(v["id"], "tandem-test");
     let resp = send(&app, get("/v1/models/other/model")).await;

@@ -5,18 +5,23 @@
 //! sha256 or a per-process random seed), so the mirror recomputes tandem's from the
 //! `BlockStored` event's `token_ids`, split into `block_size` blocks (a trailing partial
 //! block is ignored), chained onto the parent's tandem hash. A block's seed is its parent's;
-//! a sequence start (`parent_block_hash` is `None`) takes its salt from, in order:
-//! 1. the cache salt among the first block's `extra_keys`: vLLM's
-//!    `generate_block_hash_extra_keys` (`vllm/v1/core/kv_cache_utils.py`) builds a block's
-//!    tuple as LoRA keys (`[lora_name]`), multimodal keys (`(identifier, offset)` pairs),
-//!    `[cache_salt]` on a request's first block only, and prompt-embedding digests (bytes).
-//!    The salt is therefore the *last* top-level string of the first block's tuple once a
-//!    leading string equal to the event's `lora_name` is set aside;
-//! 2. `lora_name`; 3. `lora_id` as a decimal string; 4. none ([`HashSeed::UNSALTED`]).
+//! a sequence start (`parent_block_hash` is `None`) is seeded as the frontend seeds a
+//! request, [`HashSeed::for_request`]`(cache_salt, adapter)`:
+//! - the cache salt is the one among the first block's `extra_keys`, if any: vLLM's
+//!   `generate_block_hash_extra_keys` (`vllm/v1/core/kv_cache_utils.py`) builds a block's
+//!   tuple as LoRA keys (`[lora_name]`), multimodal keys (`(identifier, offset)` pairs),
+//!   `[cache_salt]` on a request's first block only, and prompt-embedding digests (bytes).
+//!   The salt is therefore the *last* top-level string of the first block's tuple once a
+//!   leading string equal to the event's `lora_name` is set aside;
+//! - the adapter is the event's `lora_name`, else its `lora_id` as a decimal string (the
+//!   older vLLM schema's and SGLang's only LoRA field), else none.
 //!
-//! The frontend seeds with the request's `cache_salt` alone, so a salted vLLM chain matches a
-//! salted tandem request, and a LoRA chain without a salt never matches an unsalted request
-//! (safe: no false sharing).
+//! Without LoRA that is `HashSeed::from_salt(salt)` ([`HashSeed::UNSALTED`] without a salt).
+//! So a vLLM chain matches a tandem request with the same cache salt on the adapter of the
+//! same name (vLLM serves an adapter under its `lora_name`, the name a tandem request gives
+//! as its `model`), and never one on another adapter or the base model. A chain known by
+//! `lora_id` alone matches only a request on an adapter named by that number: usually none
+//! (safe: no false sharing, only lost overlap).
 //!
 //! Per engine hash the mirror keeps the tandem sequence hash, local hash, seed, tier and
 //! parent. Rules:
@@ -507,22 +512,27 @@ fn not_prefix_closed(kind: &str) -> bool {
     k.contains("sliding") || k.contains("chunked") || k.contains("mamba")
 }
 
-/// The seed of a sequence start (module doc: cache salt, LoRA name, LoRA id, none).
+/// The seed of a sequence start (module doc): the cache salt in the first block's extra
+/// keys and the LoRA adapter (`lora_name`, else `lora_id` in decimal), as
+/// [`HashSeed::for_request`] seeds a tandem request.
 pub(crate) fn chain_start_seed(
     extra_keys: Option<&Vec<Option<Vec<rmpv::Value>>>>,
     lora_name: Option<&str>,
     lora_id: Option<i64>,
 ) -> HashSeed {
-    if let Some(salt) = cache_salt(extra_keys, lora_name) {
-        return HashSeed::from_salt(Some(salt.as_bytes()));
-    }
-    if let Some(name) = lora_name {
-        return HashSeed::from_salt(Some(name.as_bytes()));
-    }
-    if let Some(id) = lora_id {
-        return HashSeed::from_salt(Some(id.to_string().as_bytes()));
-    }
-    HashSeed::UNSALTED
+    // An empty name is no adapter, as an empty `lora_adapter` is the base model in tandem.
+    let lora_name = lora_name.filter(|n| !n.is_empty());
+    let salt = cache_salt(extra_keys, lora_name);
+    let id_name;
+    let adapter = match (lora_name, lora_id) {
+        (Some(name), _) => Some(name),
+        (None, Some(id)) => {
+            id_name = id.to_string();
+            Some(id_name.as_str())
+        }
+        (None, None) => None,
+    };
+    HashSeed::for_request(salt.map(str::as_bytes), adapter)
 }
 
 /// The cache salt in the first block's extra keys: its last top-level string, after setting

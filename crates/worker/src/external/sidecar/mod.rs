@@ -438,15 +438,22 @@ impl Sidecar {
     }
 
     /// The load report: the engine's own figures when its metrics answer, with requests
-    /// sent here but not yet visible there counted as waiting.
+    /// sent here but not yet visible there counted as waiting; its LoRA adapters where it
+    /// reports them (vLLM's `vllm:lora_requests_info`, [`prom::adapters`]).
     pub async fn load_report(&self) -> LoadReport {
         let ours = self.inner.in_flight.load(Ordering::Acquire);
         let ours = u32::try_from(ours).unwrap_or(u32::MAX);
-        let engine = match self.inner.api.metrics(Duration::from_secs(2)).await {
-            Ok(text) => prom::load(self.inner.config.engine, &prom::parse(&text)),
+        let (engine, adapters) = match self.inner.api.metrics(Duration::from_secs(2)).await {
+            Ok(text) => {
+                let samples = prom::parse(&text);
+                (
+                    prom::load(self.inner.config.engine, &samples),
+                    prom::adapters(&samples),
+                )
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "engine metrics unavailable");
-                None
+                (None, None)
             }
         };
         let total = self.inner.shape.device_blocks;
@@ -466,6 +473,7 @@ impl Sidecar {
             kv_active_blocks: (usage * total as f64).round() as u64,
             kv_total_blocks: total,
             last_kv_event_id: self.inner.relay.as_ref().map_or(0, KvRelay::last_event_id),
+            adapters: adapters.unwrap_or_default(),
             // Not measured behind an external engine: the router weighs it at the pool's
             // median speed.
             ..LoadReport::default()

@@ -38,6 +38,7 @@ impl Sidecar {
             cache_salt: Some(req.cache_salt.clone()).filter(|s| !s.is_empty()),
             kv_transfer_params: None,
             bootstrap: None,
+            lora_adapter: Some(req.lora_adapter.clone()).filter(|a| !a.is_empty()),
         })
     }
 
@@ -67,6 +68,7 @@ impl Sidecar {
             engine_handshake: true,
             cache_salt: req.cache_salt.clone(),
             bootstrap_room: room,
+            lora_adapter: req.lora_adapter.clone(),
         };
         let mut stream = client
             .prefill(prefill)
@@ -150,6 +152,7 @@ impl Sidecar {
             cache_salt: None,
             kv_transfer_params: None,
             bootstrap: Some(bootstrap),
+            lora_adapter: Some(req.lora_adapter).filter(|a| !a.is_empty()),
         };
         let flight = self.begin(engine_req.prompt.len() as u64);
         let api = self.inner.api.clone();
@@ -472,6 +475,7 @@ impl worker_server::Worker for Sidecar {
                 "remote_port": null,
             })),
             bootstrap: None,
+            lora_adapter: Some(req.lora_adapter).filter(|a| !a.is_empty()),
         };
         let answer = self
             .inner
