@@ -675,49 +675,33 @@ mod tests {
 
     #[test]
     fn lora_flags_reach_the_engine_and_the_frontend() {
+        let engine = |cli: &Cli| {
+            let (role, id) = (
+                tandem_protocol::WorkerRole::Decode,
+                tandem_protocol::WorkerId(1),
+            );
+            cli.engine.config(role, id, "m", "ns")
+        };
+        let adapters = |cli: &Cli| {
+            let f = frontend_config("ns", &cli.routing, &cli.http, 16, None, false).unwrap();
+            f.http.lora_adapters
+        };
         let cli = parse(&[
             "--max-loras=2",
             "--adapter-load-ms=7.5",
             "--lora-adapters= sql-lora ,chat-lora,",
         ]);
-        let w = cli
-            .engine
-            .config(
-                tandem_protocol::WorkerRole::Decode,
-                tandem_protocol::WorkerId(1),
-                "m",
-                "ns",
-            )
-            .unwrap();
+        let w = engine(&cli).unwrap();
         assert_eq!(w.engine.scheduler.max_loras, 2);
         assert_eq!(w.engine.mocker.adapter_load_ms, 7.5);
-        let f = frontend_config("ns", &cli.routing, &cli.http, 16, None, false).unwrap();
-        assert_eq!(f.http.lora_adapters, ["sql-lora", "chat-lora"]);
+        assert_eq!(adapters(&cli), ["sql-lora", "chat-lora"]);
         // Defaults: no adapter limit, none served.
         let cli = parse(&[]);
-        let w = cli
-            .engine
-            .config(
-                tandem_protocol::WorkerRole::Decode,
-                tandem_protocol::WorkerId(1),
-                "m",
-                "ns",
-            )
-            .unwrap();
+        let w = engine(&cli).unwrap();
         assert_eq!(w.engine.scheduler.max_loras, 0);
         assert_eq!(w.engine.mocker.adapter_load_ms, 20.0);
-        let f = frontend_config("ns", &cli.routing, &cli.http, 16, None, false).unwrap();
-        assert!(f.http.lora_adapters.is_empty());
-        let bad = parse(&["--adapter-load-ms=-1"]);
-        let e = bad
-            .engine
-            .config(
-                tandem_protocol::WorkerRole::Decode,
-                tandem_protocol::WorkerId(1),
-                "m",
-                "ns",
-            )
-            .unwrap_err();
+        assert!(adapters(&cli).is_empty());
+        let e = engine(&parse(&["--adapter-load-ms=-1"])).unwrap_err();
         assert!(e.to_string().contains("--adapter-load-ms"), "{e}");
     }
 }

@@ -174,9 +174,9 @@ pub use chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec, Clock
 pub use error::{ErrorKind, ServeError};
 pub use hints::{RoutingHints, SessionField};
 pub use metrics::HttpMetrics;
-pub use models::AdapterNameError;
 pub use prompt::Prompts;
 pub use responses_store::ResponsesStoreConfig;
+pub use state::AdapterNameError;
 pub use state::watch_api_keys;
 pub use state::{HttpConfig, HttpState, StateError};
 pub use tls::{TlsConfig, TlsError};

@@ -52,41 +52,6 @@ pub(crate) fn resolve_model(
     }
 }
 
-/// Why a list of adapter names cannot be served.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AdapterNameError {
-    #[error("a LoRA adapter name is empty")]
-    Empty,
-    #[error("LoRA adapter {0:?} has the served model's name")]
-    BaseName(String),
-    #[error("LoRA adapter {0:?} is listed twice")]
-    Duplicate(String),
-    #[error("LoRA adapter name {0:?} has whitespace or control characters")]
-    BadCharacters(String),
-}
-
-/// Checks [`HttpConfig::lora_adapters`]: names non-empty, without whitespace or control
-/// characters (they travel in HTTP bodies, gRPC strings and Prometheus labels), none the
-/// served model's, none twice.
-pub(crate) fn check_adapters(config: &HttpConfig) -> Result<(), AdapterNameError> {
-    let mut seen = hashbrown::HashSet::new();
-    for name in &config.lora_adapters {
-        if name.is_empty() {
-            return Err(AdapterNameError::Empty);
-        }
-        if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(AdapterNameError::BadCharacters(name.clone()));
-        }
-        if *name == config.served_model_name {
-            return Err(AdapterNameError::BaseName(name.clone()));
-        }
-        if !seen.insert(name.as_str()) {
-            return Err(AdapterNameError::Duplicate(name.clone()));
-        }
-    }
-    Ok(())
-}
-
 /// The model objects served, the base model first.
 pub(crate) fn model_cards(config: &HttpConfig, created: u64) -> Vec<openai::Model<'_>> {
     let base = config.served_model_name.as_str();
@@ -150,6 +115,7 @@ pub(crate) async fn model(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::state::{AdapterNameError, check_adapters};
 
     fn config(adapters: &[&str]) -> HttpConfig {
         HttpConfig {

@@ -130,7 +130,7 @@ pub enum StateError {
     #[error(transparent)]
     Tls(#[from] TlsError),
     #[error(transparent)]
-    Adapters(#[from] super::models::AdapterNameError),
+    Adapters(#[from] AdapterNameError),
 }
 
 impl fmt::Debug for HttpState {
@@ -226,7 +226,7 @@ impl HttpState {
         template: ChatTemplate,
         mut registry: Registry,
     ) -> Result<Self, StateError> {
-        super::models::check_adapters(&config)?;
+        check_adapters(&config)?;
         let access = Access::load(&config.access)?;
         let tls = config.tls.as_ref().map(super::tls::load).transpose()?;
         backend.set_tenants(access.tenant_limits());
@@ -361,4 +361,39 @@ pub async fn watch_api_keys(state: HttpState, shutdown: tokio_util::sync::Cancel
             ),
         }
     }
+}
+
+/// Why a list of adapter names cannot be served.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdapterNameError {
+    #[error("a LoRA adapter name is empty")]
+    Empty,
+    #[error("LoRA adapter {0:?} has the served model's name")]
+    BaseName(String),
+    #[error("LoRA adapter {0:?} is listed twice")]
+    Duplicate(String),
+    #[error("LoRA adapter name {0:?} has whitespace or control characters")]
+    BadCharacters(String),
+}
+
+/// Checks [`HttpConfig::lora_adapters`]: names non-empty, without whitespace or control
+/// characters (they travel in HTTP bodies, gRPC strings and Prometheus labels), none the
+/// served model's, none twice.
+pub(crate) fn check_adapters(config: &HttpConfig) -> Result<(), AdapterNameError> {
+    let mut seen = hashbrown::HashSet::new();
+    for name in &config.lora_adapters {
+        if name.is_empty() {
+            return Err(AdapterNameError::Empty);
+        }
+        if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(AdapterNameError::BadCharacters(name.clone()));
+        }
+        if *name == config.served_model_name {
+            return Err(AdapterNameError::BaseName(name.clone()));
+        }
+        if !seen.insert(name.as_str()) {
+            return Err(AdapterNameError::Duplicate(name.clone()));
+        }
+    }
+    Ok(())
 }
