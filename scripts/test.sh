@@ -9,14 +9,26 @@ cd "$(dirname "$0")/.."
 # against; the real etcd and nats-server that the runtime and integration tests start on free
 # loopback ports; UCX's libraries, which the UCX transport loads at run time, and its headers
 # with libclang, from which a test regenerates the checked-in UCX bindings to compare.
-APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server libucx-dev libclang-dev)
+# Headless Chromium and its WebDriver for the status page's browser test (tests/status_page.rs).
+# Prometheus, which scrapes a running cluster and evaluates deploy/'s PromQL
+# (tests/prometheus.rs).
+# kubectl, whose built-in kustomize renders deploy/'s manifests (tests/deploy; it comes with
+# this kind of machine, from Kubernetes' own repository: Debian's kubernetes-client is 1.20,
+# too old for kustomize components); buildah, which builds the Containerfile's final stage
+# offline from the image root that deploy/container/build.sh lays out (tests/deploy).
+APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server libucx-dev libclang-dev chromium chromium-driver prometheus kubectl buildah)
 . scripts/lib/apt.sh
 ensure_apt "${APT_PACKAGES[@]}"
 
 # Python packages the interop tests use as independent implementations: msgspec and pyzmq
 # encode KV event batches the way vLLM and SGLang do (their publishers are built on them); the
-# official `openai` and `anthropic` clients talk to the frontend's Responses and Messages APIs.
-PIP_PACKAGES=(msgspec pyzmq openai anthropic)
+# official `openai` and `anthropic` clients talk to the frontend's Responses and Messages APIs;
+# kubernetes-validate checks deploy/'s rendered manifests offline against the Kubernetes
+# schemas it bundles (tests/deploy).
+# grpcio and xds-protos (the grpc project's generated Envoy protos) speak ext_proc to `tandem epp` (tests/epp.rs);
+# grpcio with opentelemetry-proto (the OpenTelemetry project's OTLP protos) is the trace
+# receiver the processes export to (tests/otlp_receiver.py, tests/tracing.rs).
+PIP_PACKAGES=(msgspec pyzmq openai anthropic kubernetes-validate grpcio xds-protos opentelemetry-proto)
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${PIP_PACKAGES[@]}"
 
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt

@@ -14,8 +14,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod access;
 mod backends;
 mod bench;
+mod epp;
 mod flow_args;
 mod plan;
+mod planner;
 mod routing_args;
 mod serve;
 mod sim;
@@ -64,6 +66,13 @@ enum Command {
     /// How many workers a load needs to meet its SLO, aggregated and split into prefill and
     /// decode pools: `tandem sim` over candidate clusters.
     Plan(Box<plan::PlanArgs>),
+    /// The router as a Gateway API Inference Extension endpoint picker (Envoy ext_proc) for
+    /// an InferencePool: picks the model server (a sidecar's engine) for each request.
+    Epp(Box<epp::EppArgs>),
+    /// The online planner: reads the frontends' metrics every interval, forecasts the load
+    /// and sets the prefill and decode replica counts (local worker processes, or the
+    /// Kubernetes scale subresource), with hysteresis.
+    Planner(Box<planner::PlannerArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -77,6 +86,8 @@ fn main() -> anyhow::Result<()> {
         Command::Indexer(args) => block_on(serve::run_indexer(*args)),
         Command::Bench(args) => block_on(bench::run(*args)),
         Command::Plan(args) => plan::run(*args),
+        Command::Epp(args) => block_on(epp::run(*args)),
+        Command::Planner(args) => block_on(planner::run(*args)),
     }
 }
 

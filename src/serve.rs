@@ -55,9 +55,39 @@ pub struct PlaneArgs {
     /// Log one JSON object per line.
     #[arg(long, env = "TANDEM_LOG_JSON", default_value_t = false)]
     pub log_json: bool,
+    /// Export traces over OTLP gRPC to this collector (e.g. `http://otel-collector:4317`):
+    /// one span per layer of a request (HTTP, tokenize, queue, route, remote prefill, KV
+    /// transfer, decode, stream), linked across processes by W3C trace context, with the
+    /// OpenTelemetry GenAI attributes. Unset: no traces.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Fraction of the traces begun here that are exported, 0–1 (a request that arrives with
+    /// a `traceparent` follows its sampled flag instead).
+    #[arg(long, env = "TANDEM_OTLP_SAMPLING_RATIO", default_value_t = 1.0)]
+    pub otlp_sampling_ratio: f64,
 }
 
 impl PlaneArgs {
+    /// Logs, and traces when an OTLP endpoint is set, as `service` (`tandem-frontend`, …);
+    /// hold the guard until the process ends (it flushes the traces).
+    pub fn init_telemetry(
+        &self,
+        service: &str,
+        instance: Option<String>,
+    ) -> anyhow::Result<tandem_runtime::telemetry::TelemetryGuard> {
+        use tandem_runtime::telemetry::{OtlpConfig, TelemetryConfig, init};
+        let otlp = self.otlp_endpoint.as_ref().map(|endpoint| OtlpConfig {
+            sampling_ratio: self.otlp_sampling_ratio,
+            instance_id: instance,
+            ..OtlpConfig::new(endpoint, service)
+        });
+        Ok(init(TelemetryConfig {
+            json: self.log_json,
+            filter: None,
+            otlp,
+        })?)
+    }
+
     pub async fn connect(&self, name: &str) -> anyhow::Result<ClusterDeps> {
         if self.etcd_endpoints.is_empty() {
             anyhow::bail!("--etcd-endpoints (or TANDEM_ETCD_ENDPOINTS) is required");
@@ -188,6 +218,11 @@ pub struct ExternalEngineArgs {
     /// info says).
     #[arg(long, env = "TANDEM_ENGINE_BOOTSTRAP_PORT")]
     pub engine_bootstrap_port: Option<u16>,
+    /// Where a gateway reaches the engine's HTTP API, `host:port` (e.g. the pod IP and
+    /// vLLM's port), registered for the endpoint picker (`tandem epp`). Default:
+    /// --engine-url's host and port, a loopback host replaced by --advertise-host.
+    #[arg(long, env = "TANDEM_ENGINE_ADVERTISE")]
+    pub engine_advertise: Option<String>,
 }
 
 /// One worker process.
@@ -205,6 +240,12 @@ pub struct WorkerArgs {
     /// Host other processes reach this worker at (the bound port is appended).
     #[arg(long, env = "TANDEM_ADVERTISE_HOST", default_value = "127.0.0.1")]
     pub advertise_host: String,
+    /// Serve the worker's Prometheus metrics at `GET /metrics` on this address (`host:port`;
+    /// port 0 picks one), registered in discovery. vLLM's names where the meaning is the
+    /// same (`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, …). A sidecar in
+    /// front of vLLM or SGLang leaves metrics to the engine's own `/metrics`.
+    #[arg(long, env = "TANDEM_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
     /// Topology label (rack, NVLink domain, zone): workers with the same label move KV
     /// between them faster than across labels; the router's prefill choice counts it.
     #[arg(long, env = "TANDEM_TOPOLOGY_RACK", default_value = "")]
@@ -306,6 +347,7 @@ impl WorkerArgs {
         c.load_interval = Duration::from_millis(self.load_interval_ms);
         c.transfer_fence_timeout = Duration::from_secs(self.transfer_fence_timeout_s);
         c.kv_memory = self.kv_memory;
+        c.metrics_listen = self.metrics_addr.clone();
         Ok(c)
     }
 }
@@ -505,14 +547,6 @@ async fn bind(addr: &str) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("binding {addr}"))
 }
 
-fn init_logs(json: bool) -> anyhow::Result<()> {
-    tandem_runtime::telemetry::init(tandem_runtime::telemetry::TelemetryConfig {
-        json,
-        filter: None,
-    })?;
-    Ok(())
-}
-
 /// The process's shutdown: drained on SIGTERM or SIGINT, stopped on a second one.
 fn shutdown_on_signals() -> Shutdown {
     let root = Shutdown::new();
@@ -553,6 +587,7 @@ impl WorkerArgs {
         c.incremental_output = x.engine_incremental_output;
         c.bootstrap_host = x.engine_bootstrap_host.clone();
         c.bootstrap_port = x.engine_bootstrap_port;
+        c.engine_advertise = x.engine_advertise.clone();
         c.load_interval = Duration::from_millis(self.load_interval_ms);
         c.health_interval = Duration::from_millis(x.engine_health_interval_ms.max(10));
         c.health_failures = x.engine_health_failures.max(1);
@@ -564,8 +599,19 @@ impl WorkerArgs {
 }
 
 pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()> {
-    init_logs(args.plane.log_json)?;
+    let service = match role {
+        WorkerRole::Prefill => "tandem-prefill",
+        _ => "tandem-decode",
+    };
+    let _telemetry = args
+        .plane
+        .init_telemetry(service, args.worker_id.map(|id| id.to_string()))?;
     if let Some(cfg) = args.sidecar_config(role)? {
+        anyhow::ensure!(
+            args.metrics_addr.is_none(),
+            "--metrics-addr serves the metrics of tandem's own engine: in front of an external \
+             engine, scrape the engine's own /metrics"
+        );
         let listener = bind(&args.listen).await?;
         let deps = args
             .plane
@@ -615,7 +661,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
 }
 
 pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
-    init_logs(args.plane.log_json)?;
+    let _telemetry = args.plane.init_telemetry("tandem-frontend", None)?;
     let mut cfg = frontend_config(
         &args.plane.namespace,
         &args.routing,
@@ -638,7 +684,7 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
 }
 
 pub async fn run_indexer(args: IndexerArgs) -> anyhow::Result<()> {
-    init_logs(args.plane.log_json)?;
+    let _telemetry = args.plane.init_telemetry("tandem-indexer", None)?;
     let listener = bind(&args.listen).await?;
     let deps = args.plane.connect("indexer").await?;
     let cfg = ViewConfig {

@@ -51,12 +51,27 @@ pub struct UpArgs {
     /// Log one JSON object per line.
     #[arg(long, env = "TANDEM_LOG_JSON", default_value_t = false)]
     pub log_json: bool,
+    /// Export traces over OTLP gRPC to this collector (e.g. `http://127.0.0.1:4317`), as the
+    /// roles' own `--otlp-endpoint` does; in one process, every span is `service.name`
+    /// `tandem`.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Fraction of the traces begun here that are exported, 0–1.
+    #[arg(long, env = "TANDEM_OTLP_SAMPLING_RATIO", default_value_t = 1.0)]
+    pub otlp_sampling_ratio: f64,
 }
 
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
-    tandem_runtime::telemetry::init(tandem_runtime::telemetry::TelemetryConfig {
+    let _telemetry = tandem_runtime::telemetry::init(tandem_runtime::telemetry::TelemetryConfig {
         json: args.log_json,
         filter: None,
+        otlp: args
+            .otlp_endpoint
+            .as_ref()
+            .map(|endpoint| tandem_runtime::telemetry::OtlpConfig {
+                sampling_ratio: args.otlp_sampling_ratio,
+                ..tandem_runtime::telemetry::OtlpConfig::new(endpoint, "tandem")
+            }),
     })?;
     if args.decode == 0 {
         anyhow::bail!("--decode must be at least 1");
@@ -136,12 +151,20 @@ async fn run_processes(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     let etcd = EtcdServer::start(EtcdOptions::default()).await?;
     let nats = NatsServer::start(NatsOptions::default()).await?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
-    let plane = [
+    let mut plane = vec![
         "--etcd-endpoints".to_string(),
         etcd.endpoint(),
         "--nats-url".to_string(),
         nats.url(),
     ];
+    // Each process exports its own spans, as its role.
+    if let Some(endpoint) = &args.otlp_endpoint {
+        plane.push(format!("--otlp-endpoint={endpoint}"));
+        plane.push(format!(
+            "--otlp-sampling-ratio={}",
+            args.otlp_sampling_ratio
+        ));
+    }
     let engine = [
         format!("--block-size={}", args.engine.block_size),
         format!("--device-blocks={}", args.engine.device_blocks),

@@ -57,9 +57,10 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    tandem_runtime::telemetry::init(tandem_runtime::telemetry::TelemetryConfig {
+    let _telemetry = tandem_runtime::telemetry::init(tandem_runtime::telemetry::TelemetryConfig {
         json: false,
         filter: None,
+        otlp: None,
     })?;
     let mut c = StandinConfig::new(&args.model);
     if let Some(id) = args.engine_id {

@@ -39,6 +39,7 @@ use tandem_worker::{
 use tokio::net::TcpListener;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use crate::remote::{PrefillClients, TransferHold};
 
@@ -113,6 +114,7 @@ impl DecodeService {
                 self.stats
                     .remote_prefill_fallbacks
                     .fetch_add(1, Ordering::Relaxed);
+                self.ctx.metrics.transfer_fallback();
                 let handle = host.submit(req)?;
                 return Ok((handle, outcome(PrefillOutcome::Fallback)));
             }
@@ -147,44 +149,79 @@ impl DecodeService {
             destination: prefill.destination.clone(),
         };
         let (host, clients, stats) = (host.clone(), self.clients.clone(), self.stats.clone());
+        let metrics = self.ctx.metrics.clone();
+        let bytes = (rp.blocks.len() * host.bytes_per_block()) as u64;
         let timeout = self.ctx.config.prefill_timeout;
         let fence_timeout = self.ctx.config.transfer_fence_timeout;
         let stop = self.ctx.stopping();
         let out = settled.clone();
         let id = req.id;
-        self.ctx.tasks().spawn(async move {
-            let fetched = tokio::select! {
-                r = tokio::time::timeout(
-                    timeout,
-                    remote::fetch(
-                        &clients, &host, exposed.as_ref(), hold.as_mut(), &target, prefill, &rp,
+        // The remote prefill's client span, under the `Generate` server span (current here).
+        let call = tracing::info_span!(
+            "tandem.v1.Worker/Prefill",
+            otel.kind = "client",
+            server.address = target.address.as_str(),
+            tandem.worker = tandem_runtime::telemetry::int(target.worker_id),
+            tandem.blocks = tandem_runtime::telemetry::int(rp.blocks.len() as u64),
+            tandem.bytes = tandem_runtime::telemetry::int(bytes),
+            tandem.outcome = tracing::field::Empty,
+        );
+        tandem_runtime::telemetry::set_attributes(
+            &call,
+            &[
+                ("rpc.system", "grpc"),
+                ("rpc.service", "tandem.v1.Worker"),
+                ("rpc.method", "Prefill"),
+            ],
+        );
+        let call_span = call.clone();
+        self.ctx.tasks().spawn(
+            async move {
+                let started = std::time::Instant::now();
+                let fetched = tokio::select! {
+                    r = tokio::time::timeout(
                         timeout,
-                    ),
-                ) => Some(r),
-                // The client went away: the handle's drop aborted the request already.
-                _ = cancel.cancelled() => None,
-            };
-            if let Some(fetched) = fetched {
-                settle(&host, &stats, &out, id, fetched, timeout);
-            }
-            // Given up before the prefill worker said it was done: its writes may still come,
-            // so the blocks stay held (the request has gone on with others) until they cannot.
-            if let Some(hold) = hold.filter(TransferHold::is_held) {
-                stats.fences.fetch_add(1, Ordering::Relaxed);
-                let fenced =
-                    remote::fence(&clients, &target.address, abort, hold, fence_timeout, stop)
-                        .await;
-                if fenced == remote::Fenced::TimedOut {
-                    stats.fence_timeouts.fetch_add(1, Ordering::Relaxed);
+                        remote::fetch(
+                            &clients, &host, exposed.as_ref(), hold.as_mut(), &target, prefill, &rp,
+                            timeout,
+                        ),
+                    ) => Some(r),
+                    // The client went away: the handle's drop aborted the request already.
+                    _ = cancel.cancelled() => None,
+                };
+                if let Some(fetched) = fetched {
+                    if settle(&host, &stats, &out, id, fetched, timeout) {
+                        metrics.transfer_received(bytes, started.elapsed().as_secs_f64());
+                        call_span.record("tandem.outcome", "remote");
+                    } else {
+                        metrics.transfer_fallback();
+                        call_span.record("tandem.outcome", "fallback");
+                        call_span.record("otel.status_code", "ERROR");
+                    }
+                }
+                // Given up before the prefill worker said it was done: its writes may still come,
+                // so the blocks stay held (the request has gone on with others) until they cannot.
+                if let Some(hold) = hold.filter(TransferHold::is_held) {
+                    stats.fences.fetch_add(1, Ordering::Relaxed);
+                    let fenced =
+                        remote::fence(&clients, &target.address, abort, hold, fence_timeout, stop)
+                            .await;
+                    if fenced == remote::Fenced::TimedOut {
+                        stats.fence_timeouts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if let Some(outcome) = fenced.metric_label() {
+                        metrics.fence(outcome);
+                    }
                 }
             }
-        });
+            .instrument(call),
+        );
         Ok((handle, settled))
     }
 }
 
-/// Applies a remote prefill's result: the request continues with the received KV, or
-/// prefills here.
+/// Applies a remote prefill's result: the request continues with the received KV (true), or
+/// prefills here (false).
 fn settle(
     host: &EngineHost,
     stats: &DecodeStats,
@@ -192,7 +229,7 @@ fn settle(
     id: RequestId,
     fetched: Result<Result<u32, WorkerError>, tokio::time::error::Elapsed>,
     timeout: std::time::Duration,
-) {
+) -> bool {
     let result = match fetched {
         Ok(Ok(first)) => {
             out.store(PrefillOutcome::Remote as i32, Ordering::Release);
@@ -213,7 +250,9 @@ fn settle(
             // Aborted meanwhile: nothing left to do.
             tracing::debug!(request = id.0, error = %e, "fallback after abort");
         }
+        return false;
     }
+    true
 }
 
 fn outcome(o: PrefillOutcome) -> Arc<AtomicI32> {
@@ -254,10 +293,14 @@ fn generate_stream(
     handle: RequestHandle,
     outcome: Arc<AtomicI32>,
     guard: DropGuard,
+    span: tracing::Span,
 ) -> BoxStream<GenerateChunk> {
-    let state = Some((handle, outcome, guard, true));
+    // `decode`: from the first token to the last, under the call's server span (which ends
+    // with the stream).
+    let decode = tracing::info_span!(parent: &span, "decode", tandem.output_tokens = 0i64);
+    let state = Some((handle, outcome, (guard, span, decode, 0u64), true));
     Box::pin(stream::unfold(state, |state| async move {
-        let (mut handle, outcome, guard, first) = state?;
+        let (mut handle, outcome, (guard, span, decode, tokens), first) = state?;
         loop {
             match handle.next().await {
                 Some(Err(e)) => return Some((Err(Status::from(e)), None)),
@@ -280,10 +323,20 @@ fn generate_stream(
                         prefill,
                         ..Default::default()
                     };
-                    let next = out
-                        .finish
-                        .is_none()
-                        .then_some((handle, outcome, guard, false));
+                    let tokens = tokens + 1;
+                    decode.record(
+                        "tandem.output_tokens",
+                        tandem_runtime::telemetry::int(tokens),
+                    );
+                    if first {
+                        span.record("tandem.prefill", prefill_name(prefill));
+                    }
+                    let next = out.finish.is_none().then_some((
+                        handle,
+                        outcome,
+                        (guard, span, decode, tokens),
+                        false,
+                    ));
                     return Some((Ok(chunk), next));
                 }
                 // Decode workers never export blocks.
@@ -308,8 +361,21 @@ impl worker_server::Worker for DecodeService {
         &self,
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let span = tandem_worker::trace::server_span(
+            tandem_worker::trace::Method::Generate,
+            request.metadata(),
+        );
+        let _entered = span.enter();
         self.ctx.check_accepting()?;
         let req = request.into_inner();
+        span.record(
+            "tandem.request_id",
+            tandem_runtime::telemetry::int(req.request_id),
+        );
+        span.record(
+            "tandem.prompt_tokens",
+            tandem_runtime::telemetry::int(req.prompt.len() as u64),
+        );
         let engine_req = engine_request(&req)?;
         let cancel = self.ctx.stopping().child_token();
         let (handle, outcome) = match req.remote_prefill {
@@ -319,10 +385,12 @@ impl worker_server::Worker for DecodeService {
             ),
             Some(target) => self.start_remote(engine_req, target, cancel.clone())?,
         };
+        drop(_entered);
         Ok(Response::new(generate_stream(
             handle,
             outcome,
             cancel.drop_guard(),
+            span,
         )))
     }
 
@@ -356,5 +424,15 @@ impl worker_server::Worker for DecodeService {
         _request: Request<HealthRequest>,
     ) -> Result<Response<HealthReply>, Status> {
         Ok(Response::new(self.ctx.health()))
+    }
+}
+
+/// A first chunk's prefill outcome, for the span.
+fn prefill_name(outcome: i32) -> &'static str {
+    match PrefillOutcome::try_from(outcome) {
+        Ok(PrefillOutcome::Local) => "local",
+        Ok(PrefillOutcome::Remote) => "remote",
+        Ok(PrefillOutcome::Fallback) => "fallback",
+        _ => "unknown",
     }
 }

@@ -99,8 +99,10 @@ pub async fn fetch(
 ) -> Result<u32, WorkerError> {
     let id = RequestId(request.request_id);
     let mut client = clients.client(&target.address, connect_timeout)?;
+    let mut call = tonic::Request::new(request);
+    tandem_runtime::telemetry::inject_metadata(&tracing::Span::current(), call.metadata_mut());
     let mut stream = client
-        .prefill(request)
+        .prefill(call)
         .await
         .map_err(|s| WorkerError::BadTransfer(format!("prefill worker refused: {s}")))?
         .into_inner();
@@ -176,6 +178,18 @@ pub enum Fenced {
     TimedOut,
     /// This worker is stopping; the blocks go with it.
     Stopping,
+}
+
+impl Fenced {
+    /// Its `outcome` label on `tandem_worker_transfer_fences_total`; None for a stop.
+    pub fn metric_label(self) -> Option<&'static str> {
+        match self {
+            Fenced::Confirmed => Some("confirmed"),
+            Fenced::PeerGone => Some("peer_gone"),
+            Fenced::TimedOut => Some("timed_out"),
+            Fenced::Stopping => None,
+        }
+    }
 }
 
 /// Waits until the abandoned transfer of `request_id` into `destination` can write nothing

@@ -10,10 +10,14 @@
 //!   streaming, and replica sync with peer frontends. [`cluster::run_frontend`] and
 //!   [`cluster::run_indexer`] are the services (`tandem frontend`, `tandem indexer`).
 //!
+//! - [`epp`]: the same routing as a Gateway API Inference Extension endpoint picker (Envoy
+//!   ext_proc), [`epp::run_epp`] (`tandem epp`).
+//!
 //! What stays here is what needs I/O; what decides lives in `tandem-router`, so that
 //! `tandem sim` runs the same decisions in virtual time.
 
 pub mod cluster;
+pub mod epp;
 pub mod http;
 
 pub use cluster::{

@@ -108,6 +108,6 @@ pub use descriptor::{MemoryKind, RegionDescriptor, TransportKind};
 pub use error::{ErrorClass, TransferError};
 pub use local::LocalTransport;
 pub use open::{default_kind, open};
-pub use region::{BlockGuard, Region};
+pub use region::{BlockGuard, BlockReadGuard, Region};
 pub use tcp::TcpTransport;
 pub use transport::{BlockWriter, Transport, TransportConfig, UcxConfig};

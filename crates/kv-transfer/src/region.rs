@@ -3,8 +3,9 @@
 //! A [`Region`] is shared (`Arc`) between its owner, who reads and writes blocks through the
 //! safe methods here, and the transports, which let remote peers write into it. Every access
 //! made by Rust code in this process (the owner's reads and writes, the TCP and local
-//! transports' copies, a source block being sent) holds that block's lock, so no two of them
-//! ever overlap and no safe API hands out overlapping `&mut`. Writes that arrive through UCX are
+//! transports' copies, a source block being sent) holds that block's lock — shared for
+//! reads, exclusive for writes — so a write never overlaps another access and no safe API
+//! hands out overlapping `&mut`. Writes that arrive through UCX are
 //! made by the NIC, the kernel (CMA) or UCX's own code, outside Rust's view: like RDMA, they
 //! rely on the protocol, which reserves a destination block for one writer and has nobody else
 //! touch it until the write's flush completes (crate docs, "Memory contract").
@@ -19,7 +20,7 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use crate::descriptor::MemoryKind;
 use crate::error::TransferError;
@@ -37,7 +38,7 @@ pub struct Region {
     bytes_per_block: usize,
     memory: Memory,
     /// One lock per block, taken by every in-process access (see [`BlockGuard`]).
-    locks: Box<[AtomicBool]>,
+    locks: Box<[AtomicU32]>,
 }
 
 enum Memory {
@@ -120,7 +121,7 @@ impl Region {
             num_blocks,
             bytes_per_block,
             memory,
-            locks: (0..num_blocks).map(|_| AtomicBool::new(false)).collect(),
+            locks: (0..num_blocks).map(|_| AtomicU32::new(FREE)).collect(),
         })
     }
 
@@ -258,26 +259,68 @@ impl Region {
         Ok(block as usize * self.bytes_per_block)
     }
 
+    /// Takes `block` for writing: no reader and no other writer.
     fn lock(&self, block: u32) {
         let lock = &self.locks[block as usize];
         let mut spins = 0u32;
         while lock
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .compare_exchange_weak(FREE, WRITER, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
         {
-            // Contention means two parties touch one block at once, which the protocol rules
-            // out; wait politely rather than fail, since it resolves in one block copy.
-            if spins < 100 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-            spins = spins.saturating_add(1);
+            // Contention means a write meets another access to one block, which the protocol
+            // rules out; wait politely rather than fail, since it resolves in one block copy.
+            backoff(&mut spins);
         }
     }
 
     fn unlock(&self, block: u32) {
-        self.locks[block as usize].store(false, Ordering::Release);
+        self.locks[block as usize].store(FREE, Ordering::Release);
+    }
+
+    /// Takes `block` for reading: readers share it (a source block queued for sending and
+    /// the engine reading the same prefix block), a writer excludes them.
+    fn lock_shared(&self, block: u32) {
+        let lock = &self.locks[block as usize];
+        let mut spins = 0u32;
+        loop {
+            let readers = lock.load(Ordering::Relaxed);
+            if readers < WRITER - 1
+                && lock
+                    .compare_exchange_weak(
+                        readers,
+                        readers + 1,
+                        Ordering::Acquire,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+            {
+                return;
+            }
+            backoff(&mut spins);
+        }
+    }
+
+    fn unlock_shared(&self, block: u32) {
+        self.locks[block as usize].fetch_sub(1, Ordering::Release);
+    }
+
+    /// Locks a host block for reading until the guard drops: other readers may hold it at
+    /// the same time, writers wait. [`TransferError::Unsupported`] for device memory.
+    pub fn read_lock_block(&self, block: u32) -> Result<BlockReadGuard<'_>, TransferError> {
+        let offset = self.check(block, self.bytes_per_block)?;
+        let host = self.host_memory().ok_or_else(|| {
+            TransferError::Unsupported(
+                "direct access to device memory; use read_block_into/write_block".into(),
+            )
+        })?;
+        self.lock_shared(block);
+        // SAFETY: `offset + bytes_per_block <= len` (checked above).
+        let ptr = unsafe { host.ptr.as_ptr().add(offset) };
+        Ok(BlockReadGuard {
+            region: self,
+            block,
+            ptr,
+        })
     }
 
     /// Locks a host block and gives exclusive access to its bytes until the guard drops.
@@ -325,14 +368,14 @@ impl Region {
         let offset = self.check(block, dst.len())?;
         match &self.memory {
             Memory::Host(_) => {
-                dst.copy_from_slice(&self.lock_block(block)?);
+                dst.copy_from_slice(&self.read_lock_block(block)?);
                 Ok(())
             }
             #[cfg(feature = "cuda")]
             Memory::Cuda(dev) => {
-                self.lock(block);
+                self.lock_shared(block);
                 let r = dev.dtoh(dst, offset);
-                self.unlock(block);
+                self.unlock_shared(block);
                 r
             }
         }
@@ -359,13 +402,15 @@ impl Region {
         if self.id == src.id && block == src_block {
             return Ok(());
         }
-        let (first, second) = if (self.id, block) < (src.id, src_block) {
-            ((self, block), (src, src_block))
+        // The destination for writing, the source for reading, in one global order.
+        let dst_first = (self.id, block) < (src.id, src_block);
+        if dst_first {
+            self.lock(block);
+            src.lock_shared(src_block);
         } else {
-            ((src, src_block), (self, block))
-        };
-        first.0.lock(first.1);
-        second.0.lock(second.1);
+            src.lock_shared(src_block);
+            self.lock(block);
+        }
         let result = copy_bytes(
             &self.memory,
             dst_off,
@@ -373,16 +418,19 @@ impl Region {
             src_off,
             self.bytes_per_block,
         );
-        second.0.unlock(second.1);
-        first.0.unlock(first.1);
+        src.unlock_shared(src_block);
+        self.unlock(block);
         result
     }
 
-    /// Locks `block` for as long as the returned lease lives: a transport holds one while it
-    /// sends a source block, so the owner's writes wait instead of tearing it.
+    /// Locks `block` for reading for as long as the returned lease lives: a transport holds
+    /// one while it sends a source block (a queued TCP batch: until the batch is written), so
+    /// the owner's writes wait instead of tearing it while its reads go on — the engine
+    /// reading a prefix block that a transfer has queued must not wait for the transfer,
+    /// which itself waits for the engine's next step.
     pub(crate) fn lease_block(self: &Arc<Self>, block: u32) -> Result<BlockLease, TransferError> {
         self.check(block, self.bytes_per_block)?;
-        self.lock(block);
+        self.lock_shared(block);
         Ok(BlockLease {
             region: Arc::clone(self),
             block,
@@ -549,8 +597,59 @@ impl BlockLease {
 
 impl Drop for BlockLease {
     fn drop(&mut self) {
-        self.region.unlock(self.block);
+        self.region.unlock_shared(self.block);
     }
+}
+
+/// Shared access to one host block; unlocks on drop (see [`Region::read_lock_block`]).
+pub struct BlockReadGuard<'a> {
+    region: &'a Region,
+    block: u32,
+    ptr: *const u8,
+}
+
+// SAFETY: as for `BlockGuard`: a lock token and a pointer the region keeps alive for 'a; it
+// only gives `&[u8]`.
+unsafe impl Send for BlockReadGuard<'_> {}
+// SAFETY: `&BlockReadGuard` only gives `&[u8]`.
+unsafe impl Sync for BlockReadGuard<'_> {}
+
+impl fmt::Debug for BlockReadGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockReadGuard")
+            .field("region", &self.region.id)
+            .field("block", &self.block)
+            .finish()
+    }
+}
+
+impl Deref for BlockReadGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` points at `bytes_per_block` bytes inside the live allocation, and the
+        // shared lock held by this guard excludes every in-process writer.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.region.bytes_per_block) }
+    }
+}
+
+impl Drop for BlockReadGuard<'_> {
+    fn drop(&mut self) {
+        self.region.unlock_shared(self.block);
+    }
+}
+
+/// A free block lock; [`WRITER`] when a writer holds it; any other value counts readers.
+const FREE: u32 = 0;
+const WRITER: u32 = u32::MAX;
+
+/// One wait of a contended block lock: spin briefly, then yield the thread.
+fn backoff(spins: &mut u32) {
+    if *spins < 100 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+    *spins = spins.saturating_add(1);
 }
 
 #[cfg(test)]
@@ -647,5 +746,39 @@ mod tests {
         drop(lease);
         writer.join().unwrap();
         assert_eq!(r.read_block(0).unwrap(), vec![7; 8]);
+    }
+
+    /// A source block queued for sending (leased) is still readable by its owner: the
+    /// engine reads prefix blocks while a prefill worker's TCP batch holds them, and the
+    /// batch is only written after the engine's next step. With one exclusive lock both
+    /// waited on each other (a prefill worker hung under load).
+    #[test]
+    fn readers_share_a_leased_block_and_writers_wait_for_all() {
+        let r = Region::host(2, 8).unwrap();
+        r.write_block(1, &[3; 8]).unwrap();
+        let lease = r.lease_block(1).unwrap();
+        let second = r.lease_block(1).unwrap();
+        // Same thread, lease held: would spin forever with an exclusive lease.
+        assert_eq!(r.read_block(1).unwrap(), vec![3; 8]);
+        assert_eq!(&*r.read_lock_block(1).unwrap(), &[3; 8]);
+        let dst = Region::host(2, 8).unwrap();
+        dst.copy_block_from(0, &r, 1).unwrap();
+        assert_eq!(dst.read_block(0).unwrap(), vec![3; 8]);
+        let r2 = Arc::clone(&r);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let writer = std::thread::spawn(move || {
+            r2.write_block(1, &[9; 8]).unwrap();
+            tx.send(()).unwrap();
+        });
+        drop(lease);
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_millis(50))
+                .is_err(),
+            "a writer went in while a reader held the block"
+        );
+        drop(second);
+        rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        writer.join().unwrap();
+        assert_eq!(r.read_block(1).unwrap(), vec![9; 8]);
     }
 }

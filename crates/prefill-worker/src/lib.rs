@@ -31,7 +31,7 @@ use tandem_protocol::{HashSeed, RequestId, WorkerRole};
 use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::{
     HostOutput, KvDigest, RequestHandle, WorkerConfig, WorkerContext, WorkerDeps, WorkerError,
-    digest_block,
+    WorkerMetrics, digest_block,
 };
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -161,6 +161,13 @@ struct Prefill {
     aborted: CancellationToken,
     /// Fault injection: corrupt the first block sent, after hashing it.
     corrupt: bool,
+    /// The worker's counters (KV bytes sent), and the size of a block.
+    metrics: Arc<WorkerMetrics>,
+    bytes_per_block: u64,
+    /// The call's server span, and its `kv_transfer` child (the blocks sent, as computed).
+    _span: tracing::Span,
+    transfer: tracing::Span,
+    sent: (u64, u64),
 }
 
 impl Prefill {
@@ -202,6 +209,8 @@ impl Prefill {
 
     async fn send(&mut self, blocks: Vec<ExportedBlock>) -> Result<Vec<PrefillChunk>, Status> {
         let mut inline = Vec::new();
+        let n = blocks.len() as u64;
+        let sent = n * self.bytes_per_block;
         for mut b in blocks {
             if let Some(source) = &self.source {
                 // Pinned in the arena until the writer is closed: hash it where it is, and
@@ -250,6 +259,13 @@ impl Prefill {
                 }
             }
         }
+        self.metrics.transfer_sent(sent);
+        self.sent.0 += n;
+        self.sent.1 += sent;
+        self.transfer
+            .record("tandem.blocks", tandem_runtime::telemetry::int(self.sent.0));
+        self.transfer
+            .record("tandem.bytes", tandem_runtime::telemetry::int(self.sent.1));
         Ok(inline)
     }
 }
@@ -295,8 +311,20 @@ impl worker_server::Worker for PrefillService {
         &self,
         request: Request<PrefillRequest>,
     ) -> Result<Response<Self::PrefillStream>, Status> {
+        let span = tandem_worker::trace::server_span(
+            tandem_worker::trace::Method::Prefill,
+            request.metadata(),
+        );
         self.ctx.check_accepting()?;
         let req = request.into_inner();
+        span.record(
+            "tandem.request_id",
+            tandem_runtime::telemetry::int(req.request_id),
+        );
+        span.record(
+            "tandem.prompt_tokens",
+            tandem_runtime::telemetry::int(req.prompt.len() as u64),
+        );
         if req.engine_handshake {
             return Err(WorkerError::InvalidRequest(
                 "this prefill worker runs tandem's own engine: an external engine's decode \
@@ -330,6 +358,10 @@ impl worker_server::Worker for PrefillService {
             // Nothing aborts an inline send but the stream's drop (or the worker stopping).
             Sink::Inline => self.ctx.stopping().child_token(),
         };
+        let transport = match &sink {
+            Sink::Transport { .. } => "transport",
+            Sink::Inline => "inline",
+        };
         Ok(Response::new(prefill_stream(Prefill {
             handle,
             digest: KvDigest::default(),
@@ -337,6 +369,17 @@ impl worker_server::Worker for PrefillService {
             source,
             aborted,
             corrupt: self.ctx.config.corrupt_transfers,
+            metrics: self.ctx.metrics.clone(),
+            bytes_per_block: self.ctx.host.bytes_per_block() as u64,
+            transfer: tracing::info_span!(
+                parent: &span,
+                "kv_transfer",
+                tandem.transport = transport,
+                tandem.blocks = 0i64,
+                tandem.bytes = 0i64,
+            ),
+            _span: span,
+            sent: (0, 0),
         })))
     }
 

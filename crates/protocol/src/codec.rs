@@ -210,6 +210,8 @@ mod tests {
             addresses: WorkerAddresses {
                 grpc: "127.0.0.1:1".into(),
                 kv_transfer: None,
+                metrics: None,
+                http: None,
             },
             kv_events: true,
             placement: Default::default(),

@@ -21,6 +21,7 @@
 pub mod codec;
 pub mod error;
 pub mod events;
+pub mod exposition;
 #[cfg(feature = "grpc")]
 pub mod grpc;
 pub mod hashing;

@@ -31,6 +31,12 @@ pub struct WorkerAddresses {
     pub grpc: String,
     /// KV transfer endpoint, when the worker receives or sends KV.
     pub kv_transfer: Option<String>,
+    /// Its Prometheus metrics (`GET /metrics`), `host:port`, when it serves them.
+    pub metrics: Option<String>,
+    /// The OpenAI-compatible HTTP endpoint that serves this worker's requests, `host:port`
+    /// (an external engine behind a sidecar): what a gateway sends a request to when the
+    /// endpoint picker (`tandem epp`) chooses this worker. None: not pickable by it.
+    pub http: Option<String>,
 }
 
 /// Where a worker runs, for the cost of moving KV between two workers: the same process

@@ -147,7 +147,12 @@ fn worker_record() -> impl Strategy<Value = WorkerRecord> {
                     host_blocks: h,
                     disk_blocks: k,
                 },
-                addresses: WorkerAddresses { grpc, kv_transfer },
+                addresses: WorkerAddresses {
+                    grpc,
+                    kv_transfer,
+                    metrics: None,
+                    http: None,
+                },
                 kv_events,
                 placement: Default::default(),
             },

@@ -41,6 +41,8 @@ fn record(id: u64, role: WorkerRole) -> WorkerRecord {
         addresses: WorkerAddresses {
             grpc: format!("127.0.0.1:{}", 7000 + id),
             kv_transfer: None,
+            metrics: None,
+            http: None,
         },
         kv_events: true,
         placement: Default::default(),

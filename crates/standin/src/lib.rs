@@ -177,6 +177,7 @@ pub async fn run(
             kv_subject,
             load_subject: "standin.load".into(),
             load_interval: Duration::from_secs(3600),
+            metrics: Arc::default(),
         },
         4096,
         &tasks,

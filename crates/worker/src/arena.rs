@@ -89,7 +89,7 @@ impl ArenaStorage for RegionStorage {
             MemoryKind::Host => {
                 let guard = self
                     .region
-                    .lock_block(block)
+                    .read_lock_block(block)
                     .expect("arena blocks are within the region (checked by the arena)");
                 f(&guard);
             }
@@ -145,7 +145,7 @@ pub fn digest_block(
     digest: &mut KvDigest,
 ) -> Result<(), TransferError> {
     match region.memory_kind() {
-        MemoryKind::Host => digest.update(&region.lock_block(block)?),
+        MemoryKind::Host => digest.update(&region.read_lock_block(block)?),
         MemoryKind::Cuda => digest.update(&region.read_block(block)?),
     }
     Ok(())

@@ -26,6 +26,7 @@ use tonic::Status;
 use crate::arena::{KvMemory, RegionStorage};
 use crate::error::WorkerError;
 use crate::host::{EngineHost, HostPublishing};
+use crate::metrics::WorkerMetrics;
 
 /// A worker's settings (the binary fills them from flags).
 #[derive(Clone, Debug)]
@@ -59,6 +60,8 @@ pub struct WorkerConfig {
     /// Outputs (about one per engine step) a request's consumer may fall behind before the
     /// request is aborted: bounds a stalled stream's memory.
     pub output_buffer: usize,
+    /// Where to serve `GET /metrics` (`host:port`, port 0 picks one); None: not served.
+    pub metrics_listen: Option<String>,
 }
 
 impl WorkerConfig {
@@ -80,6 +83,7 @@ impl WorkerConfig {
             transfer_fence_timeout: Duration::from_secs(60),
             corrupt_transfers: false,
             output_buffer: 1024,
+            metrics_listen: None,
         }
     }
 }
@@ -126,6 +130,8 @@ pub struct WorkerContext {
     /// The region the engine's device arena lives in, when it is one (a transport's memory
     /// or GPU memory): prefill workers send blocks straight from it.
     pub arena: Option<Arc<Region>>,
+    /// Its counters, served on `/metrics` with the engine's state.
+    pub metrics: Arc<WorkerMetrics>,
     draining: Arc<AtomicBool>,
     /// Cancelled when the worker stops for good (after draining): ends its tasks.
     stop: CancellationToken,
@@ -156,11 +162,13 @@ impl WorkerContext {
         .map_err(|e| WorkerError::InvalidRequest(format!("engine config: {e}")))?;
         let tasks = TaskTracker::new();
         let stop = shutdown.stop_token().child_token();
+        let metrics = Arc::new(WorkerMetrics::default());
         let publishing = HostPublishing {
             events,
             kv_subject: subjects::kv_events(&config.namespace),
             load_subject: subjects::load_reports(&config.namespace),
             load_interval: config.load_interval,
+            metrics: metrics.clone(),
         };
         let host = EngineHost::start(
             engine,
@@ -175,6 +183,7 @@ impl WorkerContext {
             transport: deps.transport.clone(),
             exposed,
             arena: region,
+            metrics,
             draining: Arc::new(AtomicBool::new(false)),
             stop,
             tasks,
@@ -226,8 +235,8 @@ impl WorkerContext {
         }
     }
 
-    /// The record registered in discovery.
-    pub fn record(&self, addr: SocketAddr) -> WorkerRecord {
+    /// The record registered in discovery: gRPC on `addr`, metrics on `metrics` if served.
+    pub fn record(&self, addr: SocketAddr, metrics: Option<SocketAddr>) -> WorkerRecord {
         let pool = &self.config.engine.pool;
         WorkerRecord {
             id: self.config.worker_id,
@@ -242,6 +251,8 @@ impl WorkerContext {
             addresses: WorkerAddresses {
                 grpc: format!("{}:{}", self.config.advertise_host, addr.port()),
                 kv_transfer: self.exposed.as_ref().map(|l| l.descriptor.to_compact()),
+                metrics: metrics.map(|m| format!("{}:{}", self.config.advertise_host, m.port())),
+                http: None,
             },
             kv_events: true,
             placement: self.config.placement(),
@@ -264,7 +275,27 @@ impl WorkerContext {
         let addr = listener
             .local_addr()
             .map_err(|e| WorkerError::Internal(format!("listener address: {e}")))?;
-        let record = self.record(addr);
+        // Metrics stay up while the worker drains (the drain is worth watching).
+        let metrics_addr = match &self.config.metrics_listen {
+            Some(listen) => {
+                let (listener, local) = crate::scrape::bind(listen).await?;
+                let registry = crate::scrape::registry(
+                    &self.metrics,
+                    self.host.clone(),
+                    &self.config.model,
+                    self.draining.clone(),
+                );
+                let stop = self.stop.clone();
+                self.tasks.spawn(async move {
+                    if let Err(e) = crate::scrape::serve(listener, registry, stop).await {
+                        tracing::error!(error = %e, "metrics server failed");
+                    }
+                });
+                Some(local)
+            }
+            None => None,
+        };
+        let record = self.record(addr, metrics_addr);
         let server_stop = self.stop.child_token();
         let router = tonic::transport::Server::builder()
             .add_service(worker_server::WorkerServer::new(service));

@@ -52,6 +52,8 @@ pub struct HostPublishing {
     /// Subject of load reports (`tandem.<ns>.load`).
     pub load_subject: String,
     pub load_interval: Duration,
+    /// The worker's counters (KV events published).
+    pub metrics: Arc<crate::metrics::WorkerMetrics>,
 }
 
 impl std::fmt::Debug for HostPublishing {
@@ -479,10 +481,11 @@ impl EngineHost {
             };
             match batch.encode() {
                 Ok(bytes) => {
-                    if let Err(e) = p.events.publish(&p.kv_subject, Bytes::from(bytes)).await {
+                    match p.events.publish(&p.kv_subject, Bytes::from(bytes)).await {
+                        Ok(()) => p.metrics.events_published(batch.len() as u64),
                         // Not retried here: the index sees the gap (next batch or load
                         // report) and asks this worker for the range.
-                        tracing::warn!(error = %e, "publishing KV events failed");
+                        Err(e) => tracing::warn!(error = %e, "publishing KV events failed"),
                     }
                 }
                 Err(e) => tracing::error!(error = %e, "encoding KV events failed"),
@@ -637,6 +640,7 @@ mod tests {
             kv_subject: "kv".into(),
             load_subject: "load".into(),
             load_interval: Duration::from_secs(1),
+            metrics: Arc::default(),
         };
         let engine = MockEngine::new(cfg).expect("engine");
         EngineHost::start(engine, publishing, output_buffer, tasks, stop.clone())

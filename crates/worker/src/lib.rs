@@ -5,7 +5,8 @@
 //! `tandem-decode-worker`) add their request handlers on top.
 //!
 //! Layout: `host.rs` (engine driver, event publisher, load reporter, request handles),
-//! `context.rs` (config, shared handlers, serve/drain), `arena.rs` (the engine's arena in a
+//! `context.rs` (config, shared handlers, serve/drain), `metrics.rs` (the worker's own
+//! `/metrics`, vLLM's names where the meaning is the same), `arena.rs` (the engine's arena in a
 //! transport region or GPU memory), `error.rs` (typed errors → gRPC
 //! status), `digest.rs` (the checksum of transferred KV).
 //!
@@ -20,9 +21,13 @@ pub mod digest;
 pub mod error;
 pub mod external;
 pub mod host;
+pub mod metrics;
+pub mod scrape;
+pub mod trace;
 
 pub use arena::{KvMemory, RegionStorage, digest_block, region_digest};
 pub use context::{ExposedArena, WorkerConfig, WorkerContext, WorkerDeps};
 pub use digest::KvDigest;
 pub use error::WorkerError;
 pub use host::{EngineHost, HostOutput, HostPublishing, RequestHandle, cpu_bound};
+pub use metrics::WorkerMetrics;

@@ -208,6 +208,7 @@ impl Scheduler {
             }
             self.stats.admissions += 1;
             self.stats.cached_tokens += cached as u64;
+            self.stats.queried_tokens += total as u64;
             self.push_entry(id, cached, n);
             *budget -= n;
         }

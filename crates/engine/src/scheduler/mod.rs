@@ -337,6 +337,9 @@ pub struct SchedulerStats {
     pub decode_tokens: u64,
     /// Tokens served from the prefix cache on admission (every admission counted).
     pub cached_tokens: u64,
+    /// Tokens looked up in the prefix cache on admission (each admission's whole sequence;
+    /// vLLM's `prefix_cache_queries`, of which `cached_tokens` are its hits).
+    pub queried_tokens: u64,
     /// Admissions from the waiting queue (re-admissions after preemption included).
     pub admissions: u64,
     pub finished: u64,

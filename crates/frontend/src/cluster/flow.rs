@@ -64,6 +64,8 @@ pub struct FlowMetrics {
     labels: Mutex<hashbrown::HashSet<Arc<str>>>,
     /// Session routes and the per-session cap's refusals.
     pub(crate) sessions: Arc<super::sessions::SessionMetrics>,
+    /// The status page's rings: recent decisions, migrations and these rejections.
+    pub(crate) recent: Arc<super::recent::RecentActivity>,
 }
 
 impl FlowMetrics {
@@ -77,6 +79,7 @@ impl FlowMetrics {
             tokens: Family::default(),
             labels: Mutex::default(),
             sessions: Arc::new(super::sessions::SessionMetrics::register(registry)),
+            recent: Arc::default(),
         };
         for p in Priority::ALL {
             m.depth
@@ -136,6 +139,7 @@ impl FlowMetrics {
     }
 
     fn rejected(&self, reason: RejectReason) {
+        self.recent.rejection(reason);
         self.rejections
             .get_or_create(&ReasonLabel {
                 reason: reason.as_str(),

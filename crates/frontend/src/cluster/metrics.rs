@@ -23,6 +23,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tandem_router::TrackedLoad;
 use tokio_util::sync::CancellationToken;
@@ -65,7 +66,24 @@ pub struct RouteCounters {
     migrations: Counter,
     retries: Family<OutcomeLabel, Counter>,
     hedges: Family<OutcomeLabel, Counter>,
+    overhead: Family<PhaseLabel, Histogram>,
     pub(crate) flow: Arc<FlowMetrics>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    phase: &'static str,
+}
+
+/// The router's time on one request, by phase (`tandem_router_overhead_seconds`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Overhead {
+    /// Block hashes of the prompt (and the routing request built from it).
+    pub hash: Duration,
+    /// The KV index lookup: the standalone indexer's round trip, or the replica's own index.
+    pub index: Duration,
+    /// Candidates scored and the decision recorded, index lookup excluded.
+    pub score: Duration,
 }
 
 impl RouteCounters {
@@ -98,6 +116,21 @@ impl RouteCounters {
         let _ = self.retries.get_or_create(&OutcomeLabel { outcome });
     }
 
+    /// One routed request's overhead, by phase and in total.
+    pub(crate) fn overhead(&self, o: Overhead) {
+        let total = o.hash + o.index + o.score;
+        for (phase, d) in [
+            ("hash", o.hash),
+            ("index", o.index),
+            ("score", o.score),
+            ("total", total),
+        ] {
+            self.overhead
+                .get_or_create(&PhaseLabel { phase })
+                .observe(d.as_secs_f64());
+        }
+    }
+
     /// A hedge: `started`, `primary_won`, `hedge_won`, or `budget_exhausted`.
     pub fn hedge(&self, outcome: &'static str) {
         self.hedges.get_or_create(&OutcomeLabel { outcome }).inc();
@@ -110,8 +143,22 @@ impl RouteCounters {
             migrations: Counter::default(),
             retries: Family::default(),
             hedges: Family::default(),
+            // 1 µs .. 131 ms.
+            overhead: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(1e-6, 2.0, 18))
+            }),
             flow: Arc::new(FlowMetrics::register(registry)),
         });
+        for phase in ["hash", "index", "score", "total"] {
+            let _ = c.overhead.get_or_create(&PhaseLabel { phase });
+        }
+        registry.register(
+            "tandem_router_overhead_seconds",
+            "The router's time per request by phase: hash (the prompt's block hashes), index \
+             (KV index lookup), score (candidates scored and the decision recorded), total \
+             (their sum; queueing excluded)",
+            c.overhead.clone(),
+        );
         for outcome in ["retried", "budget_exhausted"] {
             c.retry_zero(outcome);
         }

@@ -9,13 +9,17 @@
 //! plane → the replica; the repairs it asks for), `backend/` (the replica's plans → gRPC
 //! calls to decode workers, migration, streaming, replica sync; `attempts.rs`: re-routing under the retry budget, hedging, outcomes to the breakers), `indexer.rs`
 //! (the `Indexer` gRPC service), `metrics.rs` (the view's gauges on `/metrics`, and what the
-//! replica's tracker counts per worker, read at scrape time).
+//! replica's tracker counts per worker, read at scrape time), `recent.rs` (bounded rings of
+//! recent decisions, migrations and rejections) and `status.rs` (pools, workers and those
+//! rings for the status page).
 
 mod backend;
-mod flow;
+pub(crate) mod flow;
 mod indexer;
-mod metrics;
+pub(crate) mod metrics;
+mod recent;
 mod sessions;
+mod status;
 mod view;
 
 use std::sync::Arc;
@@ -72,6 +76,43 @@ pub struct FrontendConfig {
     pub drain_timeout: Duration,
 }
 
+/// The cluster view over `deps` with its routing replica, and the metrics registry with the
+/// view's gauges and the routing counters registered: what the frontend and the endpoint
+/// picker both route with. `embedded`: the view keeps its own KV index.
+pub(crate) async fn start_view(
+    view: &ViewConfig,
+    backend: &BackendConfig,
+    embedded: bool,
+    deps: &ClusterDeps,
+    tasks: &TaskTracker,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Result<
+    (
+        Arc<ClusterView>,
+        prometheus_client::registry::Registry,
+        Arc<metrics::RouteCounters>,
+    ),
+    ServiceError,
+> {
+    let mut view_cfg = view.clone();
+    view_cfg.embedded_index = embedded;
+    let replica = RoutingReplica::new(backend.replica_config())
+        .map_err(|e| ServiceError::Config(format!("routing: {e}")))?;
+    let view = ClusterView::start(
+        view_cfg,
+        replica,
+        deps.discovery.clone(),
+        deps.events.clone(),
+        tasks.clone(),
+        stop.clone(),
+    )
+    .await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics::register(&mut registry, view.clone(), tasks, stop.clone());
+    let counters = metrics::RouteCounters::register(&mut registry);
+    Ok((view, registry, counters))
+}
+
 /// Serves the OpenAI API on `listener` until `shutdown` drains; then drains: `/health` turns
 /// 503, new requests are refused, responses in flight finish (up to the drain timeout, or
 /// until `shutdown` stops). Every task and token of the frontend hangs under `shutdown`.
@@ -85,22 +126,9 @@ pub async fn run_frontend(
         Tokenizer::load(&cfg.tokenizer).map_err(|e| ServiceError::Config(e.to_string()))?;
     let tasks = TaskTracker::new();
     let stop = shutdown.stop_token().child_token();
-    let mut view_cfg = cfg.view.clone();
-    view_cfg.embedded_index = cfg.backend.indexer_url.is_none();
-    let replica = RoutingReplica::new(cfg.backend.replica_config())
-        .map_err(|e| ServiceError::Config(format!("routing: {e}")))?;
-    let view = ClusterView::start(
-        view_cfg,
-        replica,
-        deps.discovery.clone(),
-        deps.events.clone(),
-        tasks.clone(),
-        stop.clone(),
-    )
-    .await?;
-    let mut registry = prometheus_client::registry::Registry::default();
-    metrics::register(&mut registry, view.clone(), &tasks, stop.clone());
-    let counters = metrics::RouteCounters::register(&mut registry);
+    let embedded = cfg.backend.indexer_url.is_none();
+    let (view, registry, counters) =
+        start_view(&cfg.view, &cfg.backend, embedded, &deps, &tasks, &stop).await?;
     let backend = ClusterBackend::start(
         cfg.backend.clone(),
         view,

@@ -73,6 +73,9 @@ pub struct ClusterView {
     cfg: ViewConfig,
     registry: RwLock<Registry>,
     replica: RwLock<RoutingReplica>,
+    /// When each registered worker's latest load report arrived (the status page's "last
+    /// seen"); entries leave with their worker.
+    reported: RwLock<BTreeMap<WorkerId, Instant>>,
     started: Instant,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -93,6 +96,7 @@ impl ClusterView {
             cfg,
             registry: RwLock::default(),
             replica: RwLock::new(replica),
+            reported: RwLock::default(),
             started: Instant::now(),
             tasks,
             cancel,
@@ -127,7 +131,10 @@ impl ClusterView {
                 tokio::select! {
                     msg = loads.next() => match msg {
                         Some(bytes) => match LoadReport::decode(&bytes) {
-                            Ok(r) => v.feed(Input::LoadReport(&r)),
+                            Ok(r) => {
+                                v.reported_now(r.worker_id);
+                                v.feed(Input::LoadReport(&r));
+                            }
                             Err(e) => tracing::debug!(error = %e, "undecodable load report"),
                         },
                         None => return,
@@ -178,6 +185,18 @@ impl ClusterView {
         self.replica.read().report(id).cloned()
     }
 
+    /// How long ago the worker's latest load report arrived (`None`: none yet).
+    pub fn last_report_age(&self, id: WorkerId) -> Option<Duration> {
+        self.reported.read().get(&id).map(Instant::elapsed)
+    }
+
+    fn reported_now(&self, id: WorkerId) {
+        // Only registered workers: a stray sender cannot grow the map.
+        if self.registry.read().get(id).is_some() {
+            self.reported.write().insert(id, Instant::now());
+        }
+    }
+
     pub fn has_index(&self) -> bool {
         self.cfg.embedded_index
     }
@@ -224,6 +243,7 @@ impl ClusterView {
             DiscoveryEvent::Removed { id, role } => {
                 let gone = self.registry.write().pool_mut(role).remove(&id).is_some();
                 if gone {
+                    self.reported.write().remove(&id);
                     self.feed(Input::Left { worker: id });
                     tracing::info!(worker = id.0, ?role, "worker left");
                 }

@@ -229,4 +229,12 @@ pub trait Backend: Send + Sync + 'static {
     fn set_tenants(&self, tenants: Vec<(Arc<str>, tandem_router::TenantLimits)>) {
         let _ = tenants;
     }
+
+    /// What the status page (`GET /status.json`) shows of the backend: a JSON object, for
+    /// the cluster backend its `pools`, `workers`, recent `decisions` (each candidate's cost
+    /// terms), `migrations` and `rejections` (see `cluster/status.rs`). `None`: nothing
+    /// beyond what the edge knows itself.
+    fn status(&self) -> Option<serde_json::Value> {
+        None
+    }
 }

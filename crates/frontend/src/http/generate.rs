@@ -24,6 +24,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use futures::stream::BoxStream;
+use tracing::Instrument as _;
 
 use super::auth;
 use super::backend::{Endpoint, FinishReason, RouteInfo, TokenChunk, ValidRequest};
@@ -39,6 +40,7 @@ use super::output::Output;
 use super::responses;
 use super::state::HttpState;
 use super::tool_calls::{Piece, ToolCallStream};
+use super::trace;
 use super::validate::{self, Checked};
 
 pub(crate) async fn chat_completions(
@@ -81,7 +83,20 @@ struct Admitted {
 }
 
 async fn handle(state: HttpState, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
-    let mut record = RequestRecord::start(state.metrics().clone(), endpoint);
+    let span = trace::request_span(endpoint, &headers);
+    let record = RequestRecord::start(state.metrics().clone(), endpoint).traced(span.clone());
+    serve(state, endpoint, headers, body, record)
+        .instrument(span)
+        .await
+}
+
+async fn serve(
+    state: HttpState,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Body,
+    mut record: RequestRecord,
+) -> Response {
     let admitted = match admit(&state, endpoint, &headers, body).await {
         Ok(a) => a,
         Err(e) => {
@@ -91,6 +106,7 @@ async fn handle(state: HttpState, endpoint: Endpoint, headers: HeaderMap, body: 
         }
     };
     let req = &admitted.req;
+    trace::record_request(record.span(), req);
     tracing::debug!(
         id = req.id,
         endpoint = endpoint.as_str(),
@@ -145,7 +161,9 @@ async fn admit(
         _ => None,
     };
     drop(bytes);
-    let (checked, tokens) = tokenize(state, checked).await?;
+    let (checked, tokens) = tokenize(state, checked)
+        .instrument(tracing::info_span!("tokenize"))
+        .await?;
     let parse_tool_calls = state.parses_tool_calls() && checked.wants_tool_calls;
     let ids = state.ids().next(endpoint);
     // The deadline counts from arrival, tokenization included.
@@ -299,6 +317,15 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
         Err(e) => return fail(endpoint, e, &id, &mut record),
     };
     let route = generation.route;
+    record.span().record(
+        "tandem.decode_worker",
+        tandem_runtime::telemetry::int(route.decode_worker),
+    );
+    if let Some(p) = route.prefill_worker {
+        record
+            .span()
+            .record("tandem.prefill_worker", tandem_runtime::telemetry::int(p));
+    }
     let mut chunks = generation.chunks;
     let first = match chunks.next().await {
         Some(Ok(chunk)) => chunk,
@@ -323,6 +350,7 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
             HeaderName::from_static("x-accel-buffering"),
             HeaderValue::from_static("no"),
         );
+        let stream_span = tracing::info_span!(parent: record.span(), "stream");
         let sse = Sse {
             id,
             format,
@@ -332,9 +360,11 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
             prompt_tokens,
             record,
             phase: Phase::Start,
+            span: stream_span,
         };
         let body = futures::stream::unfold(sse, |mut sse| async move {
-            let bytes = sse.next_bytes().await?;
+            let span = sse.span.clone();
+            let bytes = sse.next_bytes().instrument(span).await?;
             Some((Ok::<_, std::convert::Infallible>(bytes), sse))
         });
         return (headers, Body::from_stream(body)).into_response();
@@ -353,11 +383,13 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
             },
         };
         let fed = pipeline.feed(&chunk);
+        record.completion_tokens(pipeline.completion_tokens());
         pieces.extend(fed.pieces);
         if let Some(finish) = fed.finish {
             // An external engine's own count comes with its last chunk (its usage); the
             // first chunk's was the worker's estimate (the header keeps that one).
             usage_cached = chunk.cached_tokens;
+            record.finish_reason(finish.0.as_str());
             break finish;
         }
     };
@@ -441,6 +473,8 @@ struct Sse {
     prompt_tokens: u32,
     record: RequestRecord,
     phase: Phase,
+    /// The response body from the first token to the last.
+    span: tracing::Span,
 }
 
 impl Sse {
@@ -479,6 +513,7 @@ impl Sse {
                 return Some(Bytes::from(self.format.step(fed.pieces, None)));
             };
             self.chunks = None;
+            self.record.finish_reason(finish.as_str());
             // As in the whole response: the last chunk has the engine's own count.
             let end = End {
                 finish,

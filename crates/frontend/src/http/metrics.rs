@@ -9,6 +9,13 @@
 //! - `tandem_http_requests_in_flight`: generation requests being served.
 //! - `tandem_http_time_to_first_token_seconds`: arrival → first backend chunk.
 //! - `tandem_http_request_duration_seconds`: arrival → last byte, completed requests only.
+//! - `tandem_http_inter_token_latency_seconds`: the gap between consecutive output tokens,
+//!   one observation per token after those of the first chunk (a chunk of `n` tokens `t`
+//!   after the previous one counts `n` gaps of `t / n`); vLLM's
+//!   `vllm:inter_token_latency_seconds` observes once per engine step instead.
+//! - `tandem_http_time_per_output_token_seconds`: per completed request with at least two
+//!   tokens, (last token − first token) / (tokens − 1), as vLLM's
+//!   `vllm:request_time_per_output_token_seconds`.
 //! - `tandem_http_{prompt,completion,cached}_tokens_total`: over requests that got a 200.
 //! - `tandem_http_stream_errors_total{endpoint}`: streams ended by a backend error after the
 //!   head was sent.
@@ -31,6 +38,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
 
 use super::backend::{Endpoint, EngineReport};
+use super::recent::RecentLatency;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -50,12 +58,16 @@ pub struct HttpMetrics {
     in_flight: Gauge,
     ttft: Histogram,
     e2e: Histogram,
+    itl: Histogram,
+    tpot: Histogram,
     prompt_tokens: Counter,
     completion_tokens: Counter,
     cached_tokens: Counter,
     stream_errors: Family<EndpointLabels, Counter>,
     client_disconnects: Family<EndpointLabels, Counter>,
     prompt_token_mismatch: Counter,
+    /// TTFT and ITL over the last minute, for the status page.
+    recent: Arc<RecentLatency>,
     /// Notified when `in_flight` drops to zero.
     idle: Notify,
 }
@@ -69,12 +81,16 @@ impl HttpMetrics {
             // 1 ms .. 65 s and 10 ms .. 164 s.
             ttft: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             e2e: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
+            // 0.5 ms .. 16 s.
+            itl: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            tpot: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             prompt_tokens: Counter::default(),
             completion_tokens: Counter::default(),
             cached_tokens: Counter::default(),
             stream_errors: Family::default(),
             client_disconnects: Family::default(),
             prompt_token_mismatch: Counter::default(),
+            recent: Arc::new(RecentLatency::new()),
             idle: Notify::new(),
         };
         registry.register(
@@ -103,6 +119,17 @@ impl HttpMetrics {
             "request_duration_seconds",
             "Time from request arrival to the end of the response, completed requests",
             m.e2e.clone(),
+        );
+        r.register(
+            "inter_token_latency_seconds",
+            "Time between consecutive output tokens, one observation per token after the first \
+             chunk",
+            m.itl.clone(),
+        );
+        r.register(
+            "time_per_output_token_seconds",
+            "Per completed request: (last token - first token) / (output tokens - 1)",
+            m.tpot.clone(),
         );
         r.register("prompt_tokens", "Prompt tokens", m.prompt_tokens.clone());
         r.register(
@@ -159,6 +186,16 @@ impl HttpMetrics {
         }
     }
 
+    /// TTFT and ITL over the last minute.
+    pub fn recent(&self) -> &Arc<RecentLatency> {
+        &self.recent
+    }
+
+    /// Prompt tokens and, of those, tokens served from cache, over requests that got a 200.
+    pub fn prompt_and_cached_tokens(&self) -> (u64, u64) {
+        (self.prompt_tokens.get(), self.cached_tokens.get())
+    }
+
     /// Prompt-token mismatches so far.
     pub fn prompt_token_mismatches(&self) -> u64 {
         self.prompt_token_mismatch.get()
@@ -194,8 +231,14 @@ pub(crate) struct RequestRecord {
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: u64,
+    /// When the first and the latest output tokens arrived.
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
     /// `(id, tokens sent, engine report)` until the engine's prompt length was checked.
     prompt_check: Option<(u64, usize, EngineReport)>,
+    /// The request's server span ([`super::trace`]): its usage and status are recorded
+    /// there too, and it ends when the record drops (the response's last byte).
+    span: tracing::Span,
 }
 
 impl RequestRecord {
@@ -210,8 +253,30 @@ impl RequestRecord {
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_tokens: 0,
+            first_token: None,
+            last_token: None,
             prompt_check: None,
+            span: tracing::Span::none(),
         }
+    }
+
+    /// The record's request is traced in `span`.
+    pub(crate) fn traced(mut self, span: tracing::Span) -> Self {
+        self.span = span;
+        self
+    }
+
+    pub(crate) fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// The response's finish reason (`gen_ai.response.finish_reasons`).
+    pub(crate) fn finish_reason(&self, reason: &str) {
+        tandem_runtime::telemetry::set_string_array(
+            &self.span,
+            "gen_ai.response.finish_reasons",
+            &[reason],
+        );
     }
 
     /// The request went to the backend with `sent` prompt tokens; check what the engine
@@ -234,11 +299,17 @@ impl RequestRecord {
 
     /// The first backend chunk arrived.
     pub(crate) fn first_chunk(&mut self, prompt_tokens: u32, cached_tokens: u32) {
-        self.metrics
-            .ttft
-            .observe(self.start.elapsed().as_secs_f64());
+        let ttft = self.start.elapsed();
+        self.metrics.ttft.observe(ttft.as_secs_f64());
+        self.metrics.recent.record_ttft(ttft);
         self.prompt_tokens = prompt_tokens.into();
         self.cached_tokens = cached_tokens.into();
+        self.span
+            .record("gen_ai.usage.input_tokens", i64::from(prompt_tokens));
+        self.span
+            .record("gen_ai.server.time_to_first_token", ttft.as_secs_f64());
+        self.span
+            .record("tandem.cached_tokens", i64::from(cached_tokens));
         self.check_prompt_tokens();
     }
 
@@ -247,14 +318,48 @@ impl RequestRecord {
         self.status = Some(status);
     }
 
+    /// `n` output tokens so far: the new ones since the last call are timed (inter-token
+    /// latency).
     pub(crate) fn completion_tokens(&mut self, n: u32) {
-        self.completion_tokens = n.into();
+        self.tokens_at(u64::from(n), Instant::now());
+    }
+
+    fn tokens_at(&mut self, n: u64, now: Instant) {
+        let new = n.saturating_sub(self.completion_tokens);
+        self.completion_tokens = self.completion_tokens.max(n);
+        if new == 0 {
+            return;
+        }
+        match self.last_token {
+            Some(last) => {
+                let gap = now.saturating_duration_since(last) / new.try_into().unwrap_or(u32::MAX);
+                for _ in 0..new {
+                    self.metrics.itl.observe(gap.as_secs_f64());
+                    self.metrics.recent.record_itl(gap);
+                }
+            }
+            // The first chunk's tokens are timed by TTFT.
+            None => self.first_token = Some(now),
+        }
+        self.last_token = Some(now);
     }
 
     /// The response ended as it should (a mid-stream error event counts as an end too).
     pub(crate) fn completed(&mut self) {
         self.completed = true;
+        self.span.record(
+            "gen_ai.usage.output_tokens",
+            i64::try_from(self.completion_tokens).unwrap_or(i64::MAX),
+        );
         self.metrics.e2e.observe(self.start.elapsed().as_secs_f64());
+        if let (Some(first), Some(last)) = (self.first_token, self.last_token)
+            && self.completion_tokens > 1
+        {
+            let span = last.saturating_duration_since(first).as_secs_f64();
+            self.metrics
+                .tpot
+                .observe(span / (self.completion_tokens - 1) as f64);
+        }
     }
 
     pub(crate) fn stream_error(&mut self) {
@@ -273,6 +378,11 @@ impl Drop for RequestRecord {
         let m = &self.metrics;
         let endpoint = self.endpoint.as_str();
         let status = self.status.unwrap_or(499);
+        self.span
+            .record("http.response.status_code", i64::from(status));
+        if status >= 500 {
+            self.span.record("otel.status_code", "ERROR");
+        }
         m.requests
             .get_or_create(&RequestLabels { endpoint, status })
             .inc();
@@ -289,5 +399,73 @@ impl Drop for RequestRecord {
         if m.in_flight.dec() <= 1 {
             m.idle.notify_waiters();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn scrape(registry: &Registry) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).expect("encodes");
+        text
+    }
+
+    fn sample(text: &str, name: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} not in\n{text}"))
+    }
+
+    #[test]
+    fn inter_token_latency_and_tpot_follow_the_chunks() {
+        let mut registry = Registry::default();
+        let metrics = Arc::new(HttpMetrics::register(&mut registry));
+        let mut record = RequestRecord::start(metrics.clone(), Endpoint::ALL[0]);
+        let t0 = Instant::now();
+        // First chunk: 2 tokens (timed by TTFT), then 4 tokens 40 ms later (4 gaps of
+        // 10 ms), then 1 token 30 ms later; a repeated count adds nothing.
+        record.tokens_at(2, t0);
+        record.tokens_at(6, t0 + Duration::from_millis(40));
+        record.tokens_at(6, t0 + Duration::from_millis(50));
+        record.tokens_at(7, t0 + Duration::from_millis(70));
+        record.completed();
+        drop(record);
+        let text = scrape(&registry);
+        assert_eq!(
+            sample(&text, "tandem_http_inter_token_latency_seconds_count"),
+            5.0
+        );
+        let itl_sum = sample(&text, "tandem_http_inter_token_latency_seconds_sum");
+        assert!((itl_sum - 0.070).abs() < 1e-9, "{itl_sum}");
+        assert_eq!(
+            sample(&text, "tandem_http_time_per_output_token_seconds_count"),
+            1.0
+        );
+        // (70 ms) / (7 - 1) tokens.
+        let tpot = sample(&text, "tandem_http_time_per_output_token_seconds_sum");
+        assert!((tpot - 0.070 / 6.0).abs() < 1e-9, "{tpot}");
+    }
+
+    #[test]
+    fn a_single_token_has_no_gaps() {
+        let mut registry = Registry::default();
+        let metrics = Arc::new(HttpMetrics::register(&mut registry));
+        let mut record = RequestRecord::start(metrics, Endpoint::ALL[0]);
+        record.tokens_at(1, Instant::now());
+        record.completed();
+        drop(record);
+        let text = scrape(&registry);
+        assert_eq!(
+            sample(&text, "tandem_http_inter_token_latency_seconds_count"),
+            0.0
+        );
+        assert_eq!(
+            sample(&text, "tandem_http_time_per_output_token_seconds_count"),
+            0.0
+        );
     }
 }

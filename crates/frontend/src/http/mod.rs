@@ -16,13 +16,16 @@
 //! - `GET /health`: 200 when the backend is ready and we are not draining, else 503.
 //! - `GET /live`: 200 while the process serves HTTP at all.
 //! - `GET /metrics`: Prometheus (OpenMetrics text), see `metrics.rs`.
+//! - `GET /`, `GET /status`: a live status page (one self-contained HTML file); `GET
+//!   /status.json`: the data it polls (pools, workers, latency over the last minute, recent
+//!   routing decisions with their cost terms, migrations, rejections), see `status.rs`.
 //!
 //! # Tenants, keys and TLS (`auth.rs`, `tls.rs`)
 //!
 //! With API keys configured ([`HttpConfig::access`]: a keys file reloaded on change, and/or
 //! a fixed list), the generation endpoints and `GET /v1/models…` need
-//! `Authorization: Bearer <key>` or `x-api-key: <key>`, else 401; `/health`, `/live` and
-//! `/metrics` stay open for probes and scrapers. The key names the request's tenant; without
+//! `Authorization: Bearer <key>` or `x-api-key: <key>`, else 401; `/health`, `/live`,
+//! `/metrics` and the status page stay open for probes, scrapers and operators. The key names the request's tenant; without
 //! keys, `x-tandem-tenant` may (a gateway authenticated the user). A tenant's requests are
 //! salted with its `cache_salt` or its name, narrowed by the request's `cache_salt`, so two
 //! tenants never share KV blocks unless configured to. [`serve_state`] serves over TLS when
@@ -138,6 +141,7 @@
 
 mod auth;
 mod backend;
+mod body;
 mod chat_template;
 mod conversation;
 mod error;
@@ -153,14 +157,17 @@ mod openai;
 mod output;
 mod prompt;
 mod pyjson;
+mod recent;
 mod responses;
 mod responses_store;
 mod state;
+mod status;
 mod stop;
 mod strftime;
 mod tls;
 pub mod tokenizer;
 mod tool_calls;
+mod trace;
 mod validate;
 
 #[cfg(test)]
@@ -170,11 +177,13 @@ pub use auth::{AccessConfig, AccessError};
 pub use backend::{
     Backend, Endpoint, EngineReport, FinishReason, Generation, RouteInfo, TokenChunk, ValidRequest,
 };
+pub use body::{BodyCheck, endpoint_of};
 pub use chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec, Clock};
 pub use error::{ErrorKind, ServeError};
 pub use hints::{RoutingHints, SessionField};
 pub use metrics::HttpMetrics;
 pub use prompt::Prompts;
+pub use recent::{LatencySnapshot, Percentiles, RecentLatency, SlotPoint};
 pub use responses_store::ResponsesStoreConfig;
 pub use state::AdapterNameError;
 pub use state::watch_api_keys;
@@ -202,6 +211,9 @@ pub fn app(state: HttpState) -> Router {
         .route("/health", get(health))
         .route("/live", get(live))
         .route("/metrics", get(metrics))
+        .route("/", get(status::page))
+        .route("/status", get(status::page))
+        .route("/status.json", get(status::data))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         // Bodies are bounded by `max_body_bytes` in the handlers (to answer 413 in JSON).

@@ -229,6 +229,10 @@ pub struct RoutingReplica {
     saturated: std::collections::BTreeSet<WorkerId>,
     /// Scratch for the tracker's changed workers.
     dirty: Vec<WorkerId>,
+    /// How long the latest decision's exact-index lookup took (zero when the overlap was
+    /// given): the router's overhead by phase, for the shells' metrics. Measured only,
+    /// never decided on.
+    last_lookup: std::time::Duration,
 }
 
 impl RoutingReplica {
@@ -259,6 +263,7 @@ impl RoutingReplica {
             joins: candidates::Joins::default(),
             saturated: std::collections::BTreeSet::new(),
             dirty: Vec::new(),
+            last_lookup: std::time::Duration::ZERO,
             config,
         })
     }
@@ -377,6 +382,12 @@ impl RoutingReplica {
         })
     }
 
+    /// How long the latest decision's lookup in this replica's exact index took; zero when
+    /// the decision was given its overlap ([`RouteInput::overlap`]).
+    pub fn last_index_lookup(&self) -> std::time::Duration {
+        self.last_lookup
+    }
+
     /// Decides where a request goes and records it: [`RoutingReplica::decide`] then
     /// [`RoutingReplica::commit`].
     pub fn route(
@@ -400,11 +411,14 @@ impl RoutingReplica {
     ) -> Result<DisaggDecision, RouteError> {
         self.tracker.expire(now_ms);
         self.sync_loads();
+        self.last_lookup = std::time::Duration::ZERO;
         let own;
         let exact = match input.overlap {
             Some(s) => s,
             None => {
+                let started = std::time::Instant::now();
                 own = self.feed.find_matches(input.hashes);
+                self.last_lookup = started.elapsed();
                 &own
             }
         };

@@ -37,6 +37,8 @@ pub use memory::MemoryDiscovery;
 pub(crate) const WATCH_BUFFER: usize = 256;
 
 /// A change in the set of registered workers.
+// Events are as rare as workers joining and leaving: the record's size is not worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DiscoveryEvent {
     /// A worker appeared or its record changed (treat as an upsert).
@@ -316,6 +318,8 @@ pub(crate) mod tests {
             addresses: WorkerAddresses {
                 grpc: format!("127.0.0.1:{}", 9000 + id),
                 kv_transfer: None,
+                metrics: None,
+                http: None,
             },
             kv_events: true,
             placement: Default::default(),

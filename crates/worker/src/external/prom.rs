@@ -17,105 +17,12 @@ use tandem_protocol::AdapterLoad;
 
 use super::engine::EngineKind;
 
-/// One sample: metric name, labels, value.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Sample {
-    pub name: String,
-    pub labels: Vec<(String, String)>,
-    pub value: f64,
-}
+pub use tandem_protocol::exposition::Sample;
 
-impl Sample {
-    pub fn label(&self, key: &str) -> Option<&str> {
-        self.labels
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-/// Parses the Prometheus text exposition format (version 0.0.4 and OpenMetrics' subset of
-/// it): comments and blank lines skipped, malformed lines skipped (an engine's one odd line
-/// must not blind the sidecar to the rest).
+/// Parses an engine's page (tandem-protocol's exposition parser): malformed lines skipped, so
+/// an engine's one odd line does not blind the sidecar to the rest.
 pub fn parse(text: &str) -> Vec<Sample> {
-    text.lines().filter_map(parse_line).collect()
-}
-
-fn parse_line(line: &str) -> Option<Sample> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let (name, labels, rest) = match line.find(['{', ' ']) {
-        Some(i) if line.as_bytes()[i] == b'{' => {
-            let close = find_labels_end(&line[i + 1..])? + i + 1;
-            (
-                &line[..i],
-                parse_labels(&line[i + 1..close])?,
-                &line[close + 1..],
-            )
-        }
-        Some(i) => (&line[..i], Vec::new(), &line[i..]),
-        None => return None,
-    };
-    let value = rest.split_whitespace().next()?;
-    let value = match value {
-        "+Inf" => f64::INFINITY,
-        "-Inf" => f64::NEG_INFINITY,
-        v => v.parse().ok()?,
-    };
-    Some(Sample {
-        name: name.to_string(),
-        labels,
-        value,
-    })
-}
-
-/// Index of the `}` closing a label set (quotes and escapes respected).
-fn find_labels_end(s: &str) -> Option<usize> {
-    let mut in_quotes = false;
-    let mut escaped = false;
-    for (i, c) in s.char_indices() {
-        match c {
-            _ if escaped => escaped = false,
-            '\\' if in_quotes => escaped = true,
-            '"' => in_quotes = !in_quotes,
-            '}' if !in_quotes => return Some(i),
-            _ => {}
-        }
-    }
-    None
-}
-
-fn parse_labels(s: &str) -> Option<Vec<(String, String)>> {
-    let mut out = Vec::new();
-    let mut rest = s.trim();
-    while !rest.is_empty() {
-        let eq = rest.find('=')?;
-        let key = rest[..eq].trim().to_string();
-        let after = rest[eq + 1..].trim_start().strip_prefix('"')?;
-        let mut value = String::new();
-        let mut chars = after.char_indices();
-        let mut end = None;
-        while let Some((i, c)) = chars.next() {
-            match c {
-                '\\' => match chars.next() {
-                    Some((_, 'n')) => value.push('\n'),
-                    Some((_, c)) => value.push(c),
-                    None => return None,
-                },
-                '"' => {
-                    end = Some(i);
-                    break;
-                }
-                c => value.push(c),
-            }
-        }
-        out.push((key, value));
-        rest = after[end? + 1..].trim_start();
-        rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
-    }
-    Some(out)
+    tandem_protocol::exposition::parse_lenient(text)
 }
 
 /// What the sidecar reads of an engine's load.

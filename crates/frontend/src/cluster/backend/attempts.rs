@@ -18,24 +18,39 @@ impl ClusterBackend {
         admission: Option<&Admission>,
     ) -> Result<Started, ServeError> {
         let bs = self.shared.view.config().block_size;
+        let hashing = Instant::now();
         let hashes: Vec<SequenceHash> = compute_block_hashes(&job.prompt, bs, job.seed)
             .iter()
             .map(|h| h.sequence)
             .collect();
+        let route = RouteRequest {
+            overrides: job.overrides,
+            priority: job.priority,
+            adapter: job.adapter.as_deref().map(AdapterId::of),
+            ..self
+                .shared
+                .cfg
+                .routing
+                .route_request(&job.prompt, bs, job.seed)
+        };
+        let hash = hashing.elapsed();
+        let looking = Instant::now();
         let scores = self.remote_matches(&hashes).await;
+        let index = if scores.is_some() {
+            looking.elapsed()
+        } else {
+            Duration::ZERO
+        };
         let prepared = Arc::new(Prepared {
-            route: RouteRequest {
-                overrides: job.overrides,
-                priority: job.priority,
-                adapter: job.adapter.as_deref().map(AdapterId::of),
-                ..self
-                    .shared
-                    .cfg
-                    .routing
-                    .route_request(&job.prompt, bs, job.seed)
-            },
+            route,
             hashes,
             scores,
+            overhead: Overhead {
+                hash,
+                index,
+                score: Duration::ZERO,
+            },
+            span: tracing::Span::current(),
             expected_output_tokens: job
                 .expected_output_tokens
                 .map_or(job.max_tokens, |n| n.min(job.max_tokens)),
@@ -50,6 +65,11 @@ impl ClusterBackend {
                     .acquire(a, prepared.clone(), now, job.deadline, |p| {
                         me.plan(p, &[], true)
                     })
+                    .instrument(tracing::info_span!(
+                        "queue",
+                        tandem.tenant = a.tenant.as_ref(),
+                        tandem.priority = a.priority.as_str(),
+                    ))
                     .await?
             }
             None => self.plan_retry(&prepared, excluded)?,
@@ -205,7 +225,7 @@ impl ClusterBackend {
         let decode = plan.decode.record.id;
         match r {
             Err(_) => Err(Failed::Deadline),
-            Ok(Ok((rest, first))) => {
+            Ok(Ok((rest, first, span))) => {
                 plan.flight.first_token();
                 s.counters.prefill(first.prefill);
                 {
@@ -237,6 +257,7 @@ impl ClusterBackend {
                     first,
                     rest,
                     flight: plan.flight,
+                    span,
                 })
             }
             Ok(Err(status)) => {
@@ -251,9 +272,17 @@ impl ClusterBackend {
     }
 }
 
-/// An attempt's answer: the stream and its first chunk, the worker's error, or the deadline.
+/// An attempt's answer: the stream, its first chunk and the call's span, the worker's error,
+/// or the deadline.
 type Attempted = Result<
-    Result<(tonic::Streaming<GenerateChunk>, GenerateChunk), Status>,
+    Result<
+        (
+            tonic::Streaming<GenerateChunk>,
+            GenerateChunk,
+            tracing::Span,
+        ),
+        Status,
+    >,
     tokio::time::error::Elapsed,
 >;
 

@@ -19,7 +19,7 @@
 //! load leaves at the first token, everything leaves when the stream ends or is dropped.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use futures::stream;
@@ -37,22 +37,27 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::Status;
 use tonic::transport::Channel;
+use tracing::Instrument as _;
 
 use super::flow::{ANONYMOUS, Admission, Gate, PUMP_TICK};
-use super::metrics::RouteCounters;
+use super::metrics::{Overhead, RouteCounters};
 use super::sessions::{SessionLimiter, SessionPermit};
 use super::view::{ClusterView, WorkerEntry};
 use crate::http::{
     Backend, EngineReport, FinishReason, Generation, RouteInfo, ServeError, TokenChunk,
     ValidRequest,
 };
+use run::Run;
 use tandem_router::{
     FlowQueue, InFlight, Input, KvOverrides, Priority, Rng, RouteError, RouteInput, RouteRequest,
     SessionKey, SyncMessage, TenantLimits, TtftHistory,
 };
+use trace::{record_decision, route_span};
 
 mod attempts;
 mod config;
+mod run;
+mod trace;
 
 pub use config::{BackendConfig, HedgeConfig};
 
@@ -107,6 +112,12 @@ struct Prepared {
     /// `max_tokens`.
     expected_output_tokens: u32,
     session: Option<SessionKey>,
+    /// The router's time on it before the decision: hashing, and a standalone indexer's
+    /// lookup (zero when the replica's own index answers, timed in [`Self::plan`]).
+    overhead: Overhead,
+    /// The request's span: its `route` spans hang under it (a queued request is planned by
+    /// whichever task dispatches it).
+    span: tracing::Span,
 }
 
 impl ClusterBackend {
@@ -291,18 +302,33 @@ impl ClusterBackend {
         };
         let now = s.view.now_ms();
         let registry = s.view.registry();
+        let span = route_span(&p.span);
+        let _entered = span.enter();
         let (plan, sessions) = {
             let mut replica = s.view.replica().write();
+            let started = Instant::now();
             let plan = if admitted {
                 replica.route_admitted(&input, excluded, now)?
             } else {
                 replica.route(&input, excluded, now)?
             };
+            let routed = started.elapsed();
+            let lookup = replica.last_index_lookup();
+            s.counters.overhead(Overhead {
+                index: p.overhead.index + lookup,
+                score: routed.saturating_sub(lookup),
+                ..p.overhead
+            });
             (plan, replica.sessions().len())
         };
         if let Some(outcome) = plan.session {
             s.counters.flow.sessions.routed(outcome, sessions);
         }
+        s.counters
+            .flow
+            .recent
+            .decision(request, &p.route, excluded.len(), &plan.decision);
+        record_decision(&span, &plan.decision, excluded.len());
         for m in plan.sync.iter().cloned() {
             self.sync(m);
         }
@@ -352,7 +378,14 @@ impl ClusterBackend {
         &self,
         plan: &Plan,
         job: &Job,
-    ) -> Result<(tonic::Streaming<GenerateChunk>, GenerateChunk), Status> {
+    ) -> Result<
+        (
+            tonic::Streaming<GenerateChunk>,
+            GenerateChunk,
+            tracing::Span,
+        ),
+        Status,
+    > {
         let greq = GenerateRequest {
             request_id: plan.flight.inner.request().0,
             prompt: job.prompt.clone(),
@@ -373,13 +406,39 @@ impl ClusterBackend {
             cache_salt: job.cache_salt.clone().unwrap_or_default(),
             lora_adapter: job.adapter.clone().unwrap_or_default(),
         };
+        let span = tracing::info_span!(
+            "tandem.v1.Worker/Generate",
+            otel.kind = "client",
+            server.address = plan.decode.record.addresses.grpc.as_str(),
+            tandem.worker = tandem_runtime::telemetry::int(plan.decode.record.id.0),
+            tandem.remote_prefill = plan.prefill.is_some(),
+        );
+        tandem_runtime::telemetry::set_attributes(
+            &span,
+            &[
+                ("rpc.system", "grpc"),
+                ("rpc.service", "tandem.v1.Worker"),
+                ("rpc.method", "Generate"),
+            ],
+        );
+        let mut call = tonic::Request::new(greq);
+        tandem_runtime::telemetry::inject_metadata(&span, call.metadata_mut());
         let mut client = plan.decode.client.clone();
-        let mut stream = client.generate(greq).await?.into_inner();
-        let first = stream
-            .message()
-            .await?
-            .ok_or_else(|| Status::unavailable("the worker ended the stream before a token"))?;
-        Ok((stream, first))
+        let (stream, first) = async {
+            let mut stream = client.generate(call).await?.into_inner();
+            let first = stream
+                .message()
+                .await?
+                .ok_or_else(|| Status::unavailable("the worker ended the stream before a token"))?;
+            Ok::<_, Status>((stream, first))
+        }
+        .instrument(span.clone())
+        .await
+        .inspect_err(|status| {
+            span.record("otel.status_code", "ERROR");
+            span.record("rpc.grpc.status_code", status.code() as i32);
+        })?;
+        Ok((stream, first, span))
     }
 }
 
@@ -416,6 +475,8 @@ struct Started {
     first: GenerateChunk,
     rest: tonic::Streaming<GenerateChunk>,
     flight: Flight,
+    /// The gRPC call's client span, open while its stream is read.
+    span: tracing::Span,
 }
 
 /// A routing error as the client sees it.
@@ -603,6 +664,7 @@ impl Backend for ClusterBackend {
             text_only: false,
             usage,
             _session: session,
+            _call: started.span,
         };
         Ok(Generation {
             route,
@@ -617,118 +679,13 @@ impl Backend for ClusterBackend {
     fn ready(&self) -> bool {
         !self.shared.view.registry().decode.is_empty()
     }
-}
 
-/// A request's output as it streams: the current decode worker's stream and tracker entry,
-/// and what is needed to migrate it when that worker fails mid-stream.
-struct Run {
-    backend: ClusterBackend,
-    job: Job,
-    excluded: Vec<WorkerId>,
-    /// Tokens streamed so far (the prompt of a continuation).
-    generated: Vec<u32>,
-    migrations_left: u32,
-    /// The first chunk of the current worker, not yet yielded.
-    pending: Option<GenerateChunk>,
-    rest: tonic::Streaming<GenerateChunk>,
-    flight: Flight,
-    /// Where the edge reads what the engine reported.
-    engine: EngineReport,
-    migrated: bool,
-    /// The engine answers text, not token ids: no migration (nothing to continue from).
-    text_only: bool,
-    usage: TenantUse,
-    /// Its place under the session's cap, held until the stream ends.
-    _session: Option<SessionPermit>,
-}
-
-impl Run {
-    /// Chunks up to the one with a finish reason; the run (and its tracker entry) lives as
-    /// long as the stream.
-    fn into_stream(self) -> futures::stream::BoxStream<'static, Result<TokenChunk, ServeError>> {
-        stream::unfold(Some(self), |run| async move {
-            let mut run = run?;
-            match run.next_chunk().await {
-                Ok(c) => {
-                    let last = c.finish != grpc::FinishReason::Unspecified as i32;
-                    run.generated.extend_from_slice(&c.tokens);
-                    let n = if c.tokens.is_empty() {
-                        c.completion_tokens
-                    } else {
-                        c.tokens.len() as u32
-                    };
-                    run.usage.output(u64::from(n));
-                    // An engine's text without ids cannot be continued elsewhere.
-                    run.text_only |= c.text.is_some();
-                    // What the engine counted of the prompt (a continuation's is longer).
-                    if !run.migrated {
-                        run.engine.set_prompt_tokens(c.prompt_tokens);
-                    }
-                    Some((Ok(token_chunk(&c)), (!last).then_some(run)))
-                }
-                Err(e) => Some((Err(e), None)),
-            }
-        })
-        .boxed()
-    }
-
-    async fn next_chunk(&mut self) -> Result<GenerateChunk, ServeError> {
-        loop {
-            if let Some(c) = self.pending.take() {
-                return Ok(c);
-            }
-            let next = tokio::time::timeout_at(self.job.deadline, self.rest.message());
-            let Ok(next) = next.await else {
-                return Err(ServeError::deadline_exceeded(
-                    "the request's deadline passed while it was generating",
-                ));
-            };
-            let failure = match next {
-                Ok(Some(c)) => return Ok(c),
-                Ok(None) => "the decode worker ended the stream early".to_string(),
-                Err(status) => format!("the decode worker failed mid-stream: {}", status.message()),
-            };
-            self.migrate(failure).await?;
-        }
-    }
-
-    /// Continues the request on another decode worker: prompt + the tokens generated so
-    /// far, for the rest of the token budget.
-    async fn migrate(&mut self, failure: String) -> Result<(), ServeError> {
-        let done = self.generated.len() as u32;
-        if self.migrations_left == 0 || done >= self.job.max_tokens || self.text_only {
-            return Err(ServeError::unavailable(failure));
-        }
-        self.migrations_left -= 1;
-        self.migrated = true;
-        {
-            let now = self.backend.shared.view.now_ms();
-            let mut replica = self.backend.shared.view.replica().write();
-            if replica.worker_failed(self.flight.worker, now) {
-                tracing::warn!(worker = self.flight.worker.0, "circuit breaker opened");
-            }
-        }
-        self.backend.shared.counters.migration();
-        self.excluded.push(self.flight.worker);
-        tracing::warn!(
-            worker = self.flight.worker.0,
-            generated = done,
-            %failure,
-            "migrating the request to another decode worker"
-        );
-        let mut job = self.job.clone();
-        job.prompt.extend_from_slice(&self.generated);
-        job.max_tokens -= done;
-        let started = self
-            .backend
-            .start_job(&job, &mut self.excluded, None)
-            .await
-            .map_err(|e| {
-                ServeError::unavailable(format!("{failure}; migration failed: {}", e.message()))
-            })?;
-        self.pending = Some(started.first);
-        self.rest = started.rest;
-        self.flight = started.flight;
-        Ok(())
+    fn status(&self) -> Option<serde_json::Value> {
+        let s = &self.shared;
+        serde_json::to_value(super::status::cluster_status(
+            &s.view,
+            &s.counters.flow.recent,
+        ))
+        .ok()
     }
 }

@@ -295,10 +295,14 @@ impl EngineApi {
         req: &EngineGenerate,
         stream: bool,
     ) -> Result<reqwest::Response, EngineError> {
+        // The engine's spans (vLLM's `--otlp-traces-endpoint`) join the request's trace.
+        let mut trace = reqwest::header::HeaderMap::new();
+        tandem_runtime::telemetry::inject_headers(&tracing::Span::current(), &mut trace);
         let resp = self
             .http
             .post(self.generate_url())
             .header("x-request-id", &req.request_id)
+            .headers(trace)
             .json(&self.body(req, stream))
             .send()
             .await

@@ -92,9 +92,50 @@ pub struct SidecarConfig {
     /// engine reports in `/get_server_info`.
     pub bootstrap_host: Option<String>,
     pub bootstrap_port: Option<u16>,
+    /// Where a gateway reaches the engine's HTTP API, `host:port`, registered for the
+    /// endpoint picker (`tandem epp`); None: the engine URL's host and port, with a loopback
+    /// host replaced by `advertise_host` (an engine beside its sidecar in one pod).
+    pub engine_advertise: Option<String>,
 }
 
 impl SidecarConfig {
+    /// The engine's HTTP endpoint as others reach it ([`Self::engine_advertise`]); None when
+    /// the engine URL names no host.
+    pub fn http_endpoint(&self) -> Option<String> {
+        if let Some(a) = &self.engine_advertise {
+            return Some(a.clone());
+        }
+        let rest = self
+            .engine_url
+            .split_once("://")
+            .map_or(&*self.engine_url, |(_, r)| r);
+        let authority = rest.split(['/', '?']).next().unwrap_or_default();
+        // `host:port`, `[v6]:port`, or a host alone.
+        let (host, port) = match authority.strip_prefix('[') {
+            Some(v6) => match v6.split_once(']') {
+                Some((h, p)) => (&authority[..h.len() + 2], p.strip_prefix(':')),
+                None => return None,
+            },
+            None => match authority.rsplit_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (authority, None),
+            },
+        };
+        if host.is_empty() {
+            return None;
+        }
+        let port =
+            port.filter(|p| !p.is_empty())
+                .unwrap_or(if self.engine_url.starts_with("https:") {
+                    "443"
+                } else {
+                    "80"
+                });
+        let loopback = matches!(host, "localhost" | "127.0.0.1" | "[::1]" | "0.0.0.0");
+        let host = if loopback { &self.advertise_host } else { host };
+        Some(format!("{host}:{port}"))
+    }
+
     pub fn new(worker_id: WorkerId, role: WorkerRole, engine: EngineKind, url: &str) -> Self {
         SidecarConfig {
             worker_id,
@@ -122,6 +163,7 @@ impl SidecarConfig {
             event_ring: 65_536,
             bootstrap_host: None,
             bootstrap_port: None,
+            engine_advertise: None,
         }
     }
 }
@@ -290,6 +332,8 @@ impl Sidecar {
             addresses: WorkerAddresses {
                 grpc: format!("{}:{}", c.advertise_host, addr.port()),
                 kv_transfer: None,
+                metrics: None,
+                http: c.http_endpoint(),
             },
             kv_events: self.inner.relay.is_some(),
             placement: tandem_protocol::Placement::here(&c.advertise_host, &c.rack),

@@ -15,6 +15,7 @@ use tandem_protocol::grpc::{
 use tandem_protocol::{ErrorClass, HashSeed, TokenBlockHasher};
 use tandem_runtime::discovery::role_name;
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use super::super::engine::{EngineError, EngineFinish, EngineGenerate, EngineKind};
 use super::Sidecar;
@@ -281,6 +282,75 @@ impl worker_server::Worker for Sidecar {
         &self,
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let span = crate::trace::server_span(crate::trace::Method::Generate, request.metadata());
+        self.generate_traced(request).instrument(span).await
+    }
+
+    async fn prefill(
+        &self,
+        request: Request<PrefillRequest>,
+    ) -> Result<Response<Self::PrefillStream>, Status> {
+        let span = crate::trace::server_span(crate::trace::Method::Prefill, request.metadata());
+        self.prefill_traced(request).instrument(span).await
+    }
+
+    async fn abort_prefill(
+        &self,
+        _request: Request<AbortPrefillRequest>,
+    ) -> Result<Response<AbortPrefillReply>, Status> {
+        // Nothing of a connector prefill reaches tandem's regions: nothing to fence.
+        Ok(Response::new(AbortPrefillReply { was_running: false }))
+    }
+
+    async fn kv_events(
+        &self,
+        request: Request<KvEventsRequest>,
+    ) -> Result<Response<KvEventsReply>, Status> {
+        let req = request.into_inner();
+        let worker_id = self.inner.config.worker_id;
+        let reply = match &self.inner.relay {
+            // No events relayed: an empty cache, as far as anyone can tell.
+            None => crate::context::kv_events_reply(
+                &req,
+                0,
+                |_| None,
+                || tandem_protocol::KvDump {
+                    worker_id,
+                    last_event_id: 0,
+                    events: Vec::new(),
+                },
+            ),
+            Some(relay) => crate::context::kv_events_reply(
+                &req,
+                relay.last_event_id(),
+                |after| relay.events_since(after),
+                || relay.dump(),
+            ),
+        };
+        reply.map(Response::new)
+    }
+
+    async fn health(
+        &self,
+        _request: Request<HealthRequest>,
+    ) -> Result<Response<HealthReply>, Status> {
+        let draining = self.inner.draining.load(Ordering::Acquire);
+        let down = self.inner.down.load(Ordering::Acquire);
+        Ok(Response::new(HealthReply {
+            worker_id: self.inner.config.worker_id.0,
+            role: role_name(self.inner.config.role).to_string(),
+            serving: !draining && !down,
+            draining,
+        }))
+    }
+}
+
+/// The calls' bodies, each run under its server span.
+impl Sidecar {
+    async fn generate_traced(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<BoxStream<GenerateChunk>>, Status> {
         self.accepting()?;
         let req = request.into_inner();
         let mut engine_req = self.engine_request(&req)?;
@@ -428,10 +498,10 @@ impl worker_server::Worker for Sidecar {
         Ok(Response::new(stream))
     }
 
-    async fn prefill(
+    async fn prefill_traced(
         &self,
         request: Request<PrefillRequest>,
-    ) -> Result<Response<Self::PrefillStream>, Status> {
+    ) -> Result<Response<BoxStream<PrefillChunk>>, Status> {
         self.accepting()?;
         let req = request.into_inner();
         if !req.engine_handshake {
@@ -502,55 +572,5 @@ impl worker_server::Worker for Sidecar {
         Ok(Response::new(Box::pin(futures::stream::once(async move {
             Ok(chunk)
         }))))
-    }
-
-    async fn abort_prefill(
-        &self,
-        _request: Request<AbortPrefillRequest>,
-    ) -> Result<Response<AbortPrefillReply>, Status> {
-        // Nothing of a connector prefill reaches tandem's regions: nothing to fence.
-        Ok(Response::new(AbortPrefillReply { was_running: false }))
-    }
-
-    async fn kv_events(
-        &self,
-        request: Request<KvEventsRequest>,
-    ) -> Result<Response<KvEventsReply>, Status> {
-        let req = request.into_inner();
-        let worker_id = self.inner.config.worker_id;
-        let reply = match &self.inner.relay {
-            // No events relayed: an empty cache, as far as anyone can tell.
-            None => crate::context::kv_events_reply(
-                &req,
-                0,
-                |_| None,
-                || tandem_protocol::KvDump {
-                    worker_id,
-                    last_event_id: 0,
-                    events: Vec::new(),
-                },
-            ),
-            Some(relay) => crate::context::kv_events_reply(
-                &req,
-                relay.last_event_id(),
-                |after| relay.events_since(after),
-                || relay.dump(),
-            ),
-        };
-        reply.map(Response::new)
-    }
-
-    async fn health(
-        &self,
-        _request: Request<HealthRequest>,
-    ) -> Result<Response<HealthReply>, Status> {
-        let draining = self.inner.draining.load(Ordering::Acquire);
-        let down = self.inner.down.load(Ordering::Acquire);
-        Ok(Response::new(HealthReply {
-            worker_id: self.inner.config.worker_id.0,
-            role: role_name(self.inner.config.role).to_string(),
-            serving: !draining && !down,
-            draining,
-        }))
     }
 }
