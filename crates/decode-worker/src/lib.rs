@@ -368,14 +368,7 @@ impl worker_server::Worker for DecodeService {
         let _entered = span.enter();
         self.ctx.check_accepting()?;
         let req = request.into_inner();
-        span.record(
-            "tandem.request_id",
-            tandem_runtime::telemetry::int(req.request_id),
-        );
-        span.record(
-            "tandem.prompt_tokens",
-            tandem_runtime::telemetry::int(req.prompt.len() as u64),
-        );
+        tandem_worker::trace::record_request(&span, req.request_id, req.prompt.len());
         let engine_req = engine_request(&req)?;
         let cancel = self.ctx.stopping().child_token();
         let (handle, outcome) = match req.remote_prefill {

@@ -317,14 +317,7 @@ impl worker_server::Worker for PrefillService {
         );
         self.ctx.check_accepting()?;
         let req = request.into_inner();
-        span.record(
-            "tandem.request_id",
-            tandem_runtime::telemetry::int(req.request_id),
-        );
-        span.record(
-            "tandem.prompt_tokens",
-            tandem_runtime::telemetry::int(req.prompt.len() as u64),
-        );
+        tandem_worker::trace::record_request(&span, req.request_id, req.prompt.len());
         if req.engine_handshake {
             return Err(WorkerError::InvalidRequest(
                 "this prefill worker runs tandem's own engine: an external engine's decode \

@@ -42,3 +42,15 @@ pub fn server_span(method: Method, metadata: &MetadataMap) -> tracing::Span {
     tandem_runtime::telemetry::extract_metadata(&span, metadata);
     span
 }
+
+/// The request a call's server span is about: its id and prompt length.
+pub fn record_request(span: &tracing::Span, request_id: u64, prompt_tokens: usize) {
+    span.record(
+        "tandem.request_id",
+        tandem_runtime::telemetry::int(request_id),
+    );
+    span.record(
+        "tandem.prompt_tokens",
+        tandem_runtime::telemetry::int(prompt_tokens as u64),
+    );
+}

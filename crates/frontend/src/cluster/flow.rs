@@ -220,6 +220,24 @@ pub(crate) struct Admission {
     pub deadline_ms: u64,
 }
 
+impl Admission {
+    /// `req`'s admission at `now_ms`: its tenant (anonymous without one), band, prompt, the
+    /// tokens it may use (prompt + `max_tokens`) and its deadline on the view's clock.
+    pub(crate) fn of(req: &crate::http::ValidRequest, now_ms: u64) -> Self {
+        let left = req
+            .deadline
+            .saturating_duration_since(std::time::Instant::now());
+        let prompt_tokens = req.prompt_tokens.len() as u64;
+        Admission {
+            tenant: req.tenant.clone().unwrap_or_else(|| ANONYMOUS.into()),
+            priority: req.priority,
+            prompt_tokens,
+            charged: prompt_tokens + u64::from(req.max_tokens),
+            deadline_ms: now_ms.saturating_add(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)),
+        }
+    }
+}
+
 impl<J, P> Gate<J, P> {
     pub(crate) fn new(queue: FlowQueue<Waiter<J, P>>, metrics: Arc<FlowMetrics>) -> Self {
         Gate {

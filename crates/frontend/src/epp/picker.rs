@@ -161,17 +161,7 @@ impl Picker {
             adapter: req.adapter.as_deref().map(AdapterId::of),
             ..self.routing.route_request(&req.prompt_tokens, bs, seed)
         };
-        let prompt_tokens = req.prompt_tokens.len() as u64;
-        let left = req
-            .deadline
-            .saturating_duration_since(std::time::Instant::now());
-        let admission = Admission {
-            tenant: req.tenant.clone().unwrap_or_else(|| ANONYMOUS.into()),
-            priority: req.priority,
-            prompt_tokens,
-            charged: prompt_tokens + u64::from(req.max_tokens),
-            deadline_ms: now.saturating_add(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)),
-        };
+        let admission = Admission::of(&req, now);
         let prepared = Prepared {
             route,
             hashes,

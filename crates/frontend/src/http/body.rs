@@ -107,13 +107,7 @@ impl BodyCheck {
         let (checked, tokens) = self.tokenize(checked).await?;
         let mut req =
             checked.into_valid(tokens, config, (id, String::new()), (unix_now(), arrived))?;
-        validate::apply_scheduling_headers(&mut req, headers, config, arrived)?;
-        if req.routing.session.is_none() && custom_session.is_some() {
-            req.routing.session = custom_session;
-        }
-        hints::apply_session_header(&mut req.routing, headers)?;
-        req.cache_salt = auth::cache_salt(tenant.as_ref(), req.cache_salt.take());
-        req.tenant = tenant.map(|t| t.name);
+        finish(&mut req, headers, config, arrived, custom_session, tenant)?;
         Ok(req)
     }
 
@@ -133,6 +127,27 @@ impl BodyCheck {
         .await
         .map_err(|e| ServeError::internal(format!("tokenizer task failed: {e}")))?
     }
+}
+
+/// What follows validation and tokenization, for the HTTP edge and the endpoint picker
+/// alike: the scheduling headers, the session (the configured body field, else the header),
+/// the tenant's cache salt and the tenant.
+pub(crate) fn finish(
+    req: &mut ValidRequest,
+    headers: &HeaderMap,
+    config: &HttpConfig,
+    arrived: std::time::Instant,
+    custom_session: Option<String>,
+    tenant: Option<auth::Tenant>,
+) -> Result<(), ServeError> {
+    validate::apply_scheduling_headers(req, headers, config, arrived)?;
+    if req.routing.session.is_none() && custom_session.is_some() {
+        req.routing.session = custom_session;
+    }
+    hints::apply_session_header(&mut req.routing, headers)?;
+    req.cache_salt = auth::cache_salt(tenant.as_ref(), req.cache_salt.take());
+    req.tenant = tenant.map(|t| t.name);
+    Ok(())
 }
 
 #[cfg(test)]

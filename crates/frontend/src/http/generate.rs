@@ -26,7 +26,6 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use tracing::Instrument as _;
 
-use super::auth;
 use super::backend::{Endpoint, FinishReason, RouteInfo, TokenChunk, ValidRequest};
 use super::error::ServeError;
 use super::format::{End, Format};
@@ -168,13 +167,7 @@ async fn admit(
     let ids = state.ids().next(endpoint);
     // The deadline counts from arrival, tokenization included.
     let mut req = checked.into_valid(tokens, config, ids, (unix_now(), arrived))?;
-    validate::apply_scheduling_headers(&mut req, headers, config, arrived)?;
-    if req.routing.session.is_none() && custom_session.is_some() {
-        req.routing.session = custom_session;
-    }
-    hints::apply_session_header(&mut req.routing, headers)?;
-    req.cache_salt = auth::cache_salt(tenant.as_ref(), req.cache_salt.take());
-    req.tenant = tenant.map(|t| t.name);
+    super::body::finish(&mut req, headers, config, arrived, custom_session, tenant)?;
     let format: Box<dyn Format> = match (endpoint, context) {
         (Endpoint::Responses, Some(ctx)) => Box::new(responses::ResponsesFormat::new(
             &req,

@@ -39,7 +39,7 @@ use tonic::Status;
 use tonic::transport::Channel;
 use tracing::Instrument as _;
 
-use super::flow::{ANONYMOUS, Admission, Gate, PUMP_TICK};
+use super::flow::{Admission, Gate, PUMP_TICK};
 use super::metrics::{Overhead, RouteCounters};
 use super::sessions::{SessionLimiter, SessionPermit};
 use super::view::{ClusterView, WorkerEntry};
@@ -594,14 +594,8 @@ impl Backend for ClusterBackend {
         let left = req
             .deadline
             .saturating_duration_since(std::time::Instant::now());
-        let prompt_tokens = req.prompt_tokens.len() as u64;
-        let admission = Admission {
-            tenant: req.tenant.clone().unwrap_or_else(|| ANONYMOUS.into()),
-            priority: req.priority,
-            prompt_tokens,
-            charged: prompt_tokens + u64::from(req.max_tokens),
-            deadline_ms: now.saturating_add(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)),
-        };
+        let admission = Admission::of(&req, now);
+        let prompt_tokens = admission.prompt_tokens;
         s.gate.check_limits(&admission, now)?;
         let mut usage = TenantUse {
             backend: self.clone(),
