@@ -347,11 +347,17 @@ fn a_dead_worker_that_discovery_still_lists_is_not_chosen_even_for_its_cache() {
     }
     // Two failures opened its breaker; after that the cache no longer drew requests to it.
     assert_eq!(counter(&c, "tandem_reroutes_total"), 2.0);
+    // The per-worker breaker gauges are refreshed from the view every 250 ms
+    // (cluster/metrics.rs): wait for the refresh that follows the opening, then check both.
     let state = format!("tandem_worker_breaker_state{{worker=\"{cached_on}\",role=\"decode\"}}");
-    assert_eq!(gauge(&c, &state), 2.0, "open");
     let opened =
         format!("tandem_worker_breaker_openings{{worker=\"{cached_on}\",role=\"decode\"}}");
-    assert_eq!(gauge(&c, &opened), 1.0);
+    let m = c.wait_metrics(
+        "the breaker gauge to show it open",
+        Duration::from_secs(5),
+        |m| m.0.get(&state) == Some(&2.0),
+    );
+    assert_eq!(m.0.get(&opened), Some(&1.0));
 }
 
 #[test]
