@@ -20,16 +20,34 @@ APT_PACKAGES=(protobuf-compiler libprotobuf-dev etcd-server nats-server libucx-d
 . scripts/lib/apt.sh
 ensure_apt "${APT_PACKAGES[@]}"
 
-# Python packages the interop tests use as independent implementations: msgspec and pyzmq
-# encode KV event batches the way vLLM and SGLang do (their publishers are built on them); the
-# official `openai` and `anthropic` clients talk to the frontend's Responses and Messages APIs;
-# kubernetes-validate checks deploy/'s rendered manifests offline against the Kubernetes
-# schemas it bundles (tests/deploy).
-# grpcio and xds-protos (the grpc project's generated Envoy protos) speak ext_proc to `tandem epp` (tests/epp.rs);
-# grpcio with opentelemetry-proto (the OpenTelemetry project's OTLP protos) is the trace
-# receiver the processes export to (tests/otlp_receiver.py, tests/tracing.rs).
-PIP_PACKAGES=(msgspec pyzmq openai anthropic kubernetes-validate grpcio xds-protos opentelemetry-proto)
-python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${PIP_PACKAGES[@]}"
+# Python packages the interop tests use as independent implementations, one venv per tool under
+# target/python/<tool> (the tests run that venv's python3). One venv each, because two tools'
+# packages can overwrite each other's files: xds-protos ships an old
+# opentelemetry/proto/trace/v1/trace_pb2.py that replaces opentelemetry-proto's when both go
+# into one site-packages, and the trace receiver then decodes no spans.
+# - zmq: msgspec and pyzmq encode KV event batches the way vLLM and SGLang do (their
+#   publishers are built on them; crates/worker/tests/zmq_events.rs);
+# - sdk: the official `openai` and `anthropic` clients talk to the frontend's Responses and
+#   Messages APIs (crates/frontend/tests/sdk_clients.rs);
+# - kubernetes: kubernetes-validate checks deploy/'s rendered manifests offline against the
+#   Kubernetes schemas it bundles (tests/deploy);
+# - epp: grpcio and xds-protos (the grpc project's generated Envoy protos) speak ext_proc to
+#   `tandem epp` (tests/epp.rs);
+# - otlp: grpcio with opentelemetry-proto (the OpenTelemetry project's OTLP protos) is the
+#   trace receiver the processes export to (tests/otlp_receiver.py, tests/tracing.rs).
+declare -A PY_TOOLS=(
+  [zmq]="msgspec pyzmq"
+  [sdk]="openai anthropic"
+  [kubernetes]="kubernetes-validate"
+  [epp]="grpcio xds-protos"
+  [otlp]="grpcio opentelemetry-proto"
+)
+for tool in "${!PY_TOOLS[@]}"; do
+  venv="target/python/$tool"
+  [ -x "$venv/bin/python3" ] || python3 -m venv "$venv"
+  # shellcheck disable=SC2086 # the package list splits on spaces
+  "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check ${PY_TOOLS[$tool]}
+done
 
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy

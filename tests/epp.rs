@@ -28,11 +28,11 @@ const CLIENT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/epp_client.py")
 
 /// Runs the client's `args`; its JSON report.
 fn client(args: &[&str]) -> Value {
-    let out = Command::new("python3")
+    let out = Command::new(common::python("epp"))
         .arg(CLIENT)
         .args(args)
         .output()
-        .expect("running python3 (grpcio and xds-protos: scripts/test.sh installs them)");
+        .expect("the epp venv's python3 (scripts/test.sh makes it: grpcio, xds-protos)");
     assert!(
         out.status.success(),
         "epp_client.py {args:?} failed:\n{}\n{}",

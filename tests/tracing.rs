@@ -36,14 +36,16 @@ impl Receiver {
         let port_file = dir.join("otlp.port");
         let spans = dir.join("spans.jsonl");
         let log_path = dir.join("otlp_receiver.log");
-        let child = Command::new("python3")
+        let child = Command::new(common::python("otlp"))
             .arg(&script)
             .arg(&port_file)
             .arg(&spans)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log_path).unwrap())
             .spawn()
-            .expect("python3 (scripts/test.sh installs grpcio and opentelemetry-proto)");
+            .expect(
+                "the otlp venv's python3 (scripts/test.sh makes it: grpcio, opentelemetry-proto)",
+            );
         let mut r = Receiver {
             child,
             port: 0,

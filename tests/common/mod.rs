@@ -25,6 +25,13 @@ pub fn trace(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The interpreter of one Python tool's venv, `target/python/<tool>` (scripts/test.sh makes one
+/// per tool: two tools' packages installed together can overwrite each other's files).
+pub fn python(tool: &str) -> PathBuf {
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/python");
+    venv.join(tool).join("bin/python3")
+}
+
 /// Runs a command and asserts it succeeded, showing its stderr when it did not.
 pub fn run_ok(cmd: &mut Command) -> Output {
     let out = cmd.output().unwrap();

@@ -60,7 +60,7 @@ pub(crate) fn output(cmd: &mut Command, what: &str) -> String {
 /// Multi-document YAML as JSON values (PyYAML, which kubernetes-validate installs), nulls
 /// (empty documents) dropped.
 pub(crate) fn yaml_docs(yaml: &str) -> Vec<Value> {
-    let mut child = Command::new("python3")
+    let mut child = Command::new(common::python("kubernetes"))
         .args([
             "-c",
             "import json, sys, yaml; json.dump([d for d in yaml.safe_load_all(sys.stdin) if d is not None], sys.stdout)",
@@ -69,7 +69,7 @@ pub(crate) fn yaml_docs(yaml: &str) -> Vec<Value> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("python3");
+        .expect("the kubernetes venv's python3 (scripts/test.sh makes it)");
     use std::io::Write;
     child
         .stdin

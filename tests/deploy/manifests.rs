@@ -14,11 +14,17 @@ fn validate(label: &str, docs: &[Value], dir: &Path) {
     // One JSON document per line is YAML too.
     let text: String = docs.iter().map(|d| format!("---\n{d}\n")).collect();
     std::fs::write(&file, text).unwrap();
-    let out = Command::new("kubernetes-validate")
-        .args(["--strict", "-k", KUBERNETES_VERSION])
+    let out = Command::new(crate::common::python("kubernetes"))
+        .args([
+            "-m",
+            "kubernetes_validate",
+            "--strict",
+            "-k",
+            KUBERNETES_VERSION,
+        ])
         .arg(&file)
         .output()
-        .expect("kubernetes-validate (pip install kubernetes-validate; scripts/test.sh does)");
+        .expect("the kubernetes venv's python3 (scripts/test.sh makes it: kubernetes-validate)");
     let report =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(

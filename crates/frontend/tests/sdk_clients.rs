@@ -7,8 +7,8 @@
 //! (CONVENTIONS 13: an independent implementation of the protocol). With API keys, both SDKs'
 //! own key headers are accepted and a wrong key raises each SDK's `AuthenticationError`.
 //!
-//! Needs `python3` with the `openai` and `anthropic` packages: without them the test fails
-//! (it never skips).
+//! Needs the `sdk` venv (`target/python/sdk`, which scripts/test.sh makes) with the `openai`
+//! and `anthropic` packages: without them the test fails (it never skips).
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -219,9 +219,16 @@ except anthropic.AuthenticationError as e:
 print(json.dumps(out))
 "#;
 
-/// Runs `script` with `python3`, the server's base URL as its argument; its stdout as JSON.
+/// The interpreter of the `sdk` venv, `target/python/sdk` (scripts/test.sh makes one venv per
+/// Python tool: two tools' packages installed together can overwrite each other's files).
+fn python() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/python/sdk/bin/python3")
+}
+
+/// Runs `script` with the `sdk` venv's Python, the server's base URL as its argument; its
+/// stdout as JSON.
 async fn run_python(script: &str, base_url: &str) -> Value {
-    let mut cmd = tokio::process::Command::new("python3");
+    let mut cmd = tokio::process::Command::new(python());
     cmd.arg("-c")
         .arg(script)
         .arg(base_url)
@@ -232,12 +239,12 @@ async fn run_python(script: &str, base_url: &str) -> Value {
         .stderr(Stdio::piped())
         .kill_on_drop(true);
     let child = cmd.spawn().unwrap_or_else(|e| {
-        panic!("this test needs python3 with the openai and anthropic packages: {e}")
+        panic!("this test needs the sdk venv with openai and anthropic (scripts/test.sh): {e}")
     });
     let output = tokio::time::timeout(Duration::from_secs(120), child.wait_with_output())
         .await
         .expect("the Python SDK script did not finish within 120 s")
-        .expect("waiting for python3");
+        .expect("waiting for the sdk venv's python3");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -251,15 +258,15 @@ async fn run_python(script: &str, base_url: &str) -> Value {
 
 /// Fails (never skips) when the SDKs are missing.
 async fn require_sdks() {
-    let out = tokio::process::Command::new("python3")
+    let out = tokio::process::Command::new(python())
         .args(["-c", "import openai, anthropic"])
         .output()
         .await
-        .unwrap_or_else(|e| panic!("this test needs python3 (not found: {e})"));
+        .unwrap_or_else(|e| panic!("this test needs the sdk venv (scripts/test.sh makes it): {e}"));
     assert!(
         out.status.success(),
-        "this test needs the Python packages openai and anthropic (pip install openai \
-         anthropic): {}",
+        "this test needs the Python packages openai and anthropic in the sdk venv \
+         (scripts/test.sh installs them): {}",
         String::from_utf8_lossy(&out.stderr)
     );
 }

@@ -3,8 +3,8 @@
 //! 1. Against an independent encoder (CONVENTIONS 13): a Python engine stand-in that defines
 //!    vLLM's and SGLang's msgspec structs as they are written upstream (array-like, map, map
 //!    events in a positional batch, SGLang's older schema), publishes them on a pyzmq PUB
-//!    socket and serves replay like vLLM's `ZmqEventPublisher._service_replay`. Needs python3
-//!    with msgspec and pyzmq (scripts/test.sh installs them); without them the tests fail.
+//!    socket and serves replay like vLLM's `ZmqEventPublisher._service_replay`. Needs the zmq
+//!    venv with msgspec and pyzmq (scripts/test.sh makes it); without them the tests fail.
 //! 2. Rust publisher to Rust relay: a PUB drop repaired from replay, and an engine restart.
 //!
 //! Expected tandem hashes are computed here with `tandem_protocol::hashing`, from the tokens.

@@ -213,6 +213,12 @@ pub(crate) struct PyEngine {
     script: std::path::PathBuf,
 }
 
+/// The interpreter of the `zmq` venv, `target/python/zmq` (scripts/test.sh makes one venv per
+/// Python tool: two tools' packages installed together can overwrite each other's files).
+fn python() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/python/zmq/bin/python3")
+}
+
 impl PyEngine {
     pub(crate) async fn start(
         shape: &str,
@@ -220,20 +226,20 @@ impl PyEngine {
         replay_port: Option<u16>,
         topic: &str,
     ) -> Self {
-        let check = Command::new("python3")
+        let check = Command::new(python())
             .args(["-c", "import msgspec, zmq"])
             .output()
             .await;
         match check {
             Ok(out) if out.status.success() => {}
             Ok(out) => panic!(
-                "these tests need python3 with msgspec and pyzmq, the independent encoder \
-                 (`python3 -m pip install msgspec pyzmq`; scripts/test.sh installs them): {}",
+                "these tests need the zmq venv with msgspec and pyzmq, the independent encoder \
+                 (scripts/test.sh makes it): {}",
                 String::from_utf8_lossy(&out.stderr)
             ),
             Err(e) => panic!(
-                "these tests need python3 with msgspec and pyzmq (scripts/test.sh installs \
-                 them); python3 did not start: {e}"
+                "these tests need the zmq venv with msgspec and pyzmq (scripts/test.sh makes \
+                 it); its python3 did not start: {e}"
             ),
         }
         let script = std::env::temp_dir().join(format!(
@@ -243,7 +249,7 @@ impl PyEngine {
         ));
         std::fs::write(&script, ENGINE_PY).expect("write the engine script");
         let replay = replay_port.map_or("-".to_string(), endpoint);
-        let mut child = Command::new("python3")
+        let mut child = Command::new(python())
             .arg(&script)
             .args([
                 endpoint(pub_port),
