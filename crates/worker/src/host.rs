@@ -1,7 +1,7 @@
 //! [`EngineHost`]: a mock engine driven in real time, shared by the request handlers.
 //!
-//! One driver task steps the engine: plan a step, sleep its modelled duration, finish it, hand
-//! every output to the request it belongs to. A second task publishes the engine's KV events
+//! One driver task steps the engine: plan a step, compute it, wait out the rest of its modelled
+//! duration, hand every output to the request it belongs to. A second task publishes the engine's KV events
 //! in id order after anything that may have produced some (steps, admissions, aborts, remote
 //! prefills): only that task reads `events_since`, so batches leave in order and coalesce
 //! under load. A third publishes a load report every interval.
@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use hashbrown::HashMap;
@@ -91,7 +91,9 @@ struct Inner {
     dirty: Notify,
     /// Requests tracked (submitted and not ended or dropped), for draining.
     idle: Notify,
-    started: Instant,
+    /// The engine's clock starts here. Tokio's instant, so that tests on paused time see the
+    /// engine's timestamps (TTFT) in that time.
+    started: tokio::time::Instant,
 }
 
 /// A mock engine stepped in real time. Cheap to clone.
@@ -132,7 +134,7 @@ impl EngineHost {
                 work: Notify::new(),
                 dirty: Notify::new(),
                 idle: Notify::new(),
-                started: Instant::now(),
+                started: tokio::time::Instant::now(),
             }),
         };
         tasks.spawn(host.clone().drive(cancel.clone()));
@@ -402,38 +404,52 @@ impl EngineHost {
     }
 
     async fn drive(self, cancel: CancellationToken) {
+        // The end of the previous step, while steps follow each other.
+        let mut prev_end: Option<tokio::time::Instant> = None;
         loop {
-            let planned = {
-                let now = self.now_us();
-                self.inner.state.lock().engine.begin_step(now)
-            };
+            let now = tokio::time::Instant::now();
+            // A step that follows another starts at that one's modelled end, not at the
+            // driver's wake-up: timers fire up to a millisecond late, and starting from the
+            // wake-up added that to every step. Later than the slack (the host's own work
+            // overran the step), it starts now.
+            let start = prev_end
+                .filter(|end| now.saturating_duration_since(*end) <= TIMER_SLACK)
+                .unwrap_or(now);
+            let start_us = start.duration_since(self.inner.started).as_micros() as u64;
+            let planned = self.inner.state.lock().engine.begin_step(start_us);
             let Some(step) = planned else {
+                prev_end = None;
                 tokio::select! {
                     _ = self.inner.work.notified() => continue,
                     _ = cancel.cancelled() => return,
                 }
             };
-            let sleep = tokio::time::sleep(Duration::from_micros(step.duration_us()));
+            // The step ends at its start plus its modelled duration, however long the host's
+            // own work took: the model's work (KV bytes, digests, copies for export) is done
+            // first, inside the modelled time, and its outputs are handed over at the end.
+            // (Done after the sleep, it made every step that much longer than modelled.)
+            let end = start + Duration::from_micros(step.duration_us());
+            let end_us = start_us + step.duration_us();
+            // CPU-bound, and long for big KV shapes: off the async workers' queue.
+            let done = cpu_bound(|| self.compute_step(end_us));
             tokio::select! {
-                _ = sleep => {}
+                _ = tokio::time::sleep_until(end) => {}
                 _ = cancel.cancelled() => return,
             }
-            let now = self.now_us();
-            // The model's work (KV bytes, digests, copies for export) is CPU-bound and can
-            // take long for big KV shapes: keep it off the async workers' queue.
-            let idle = cpu_bound(|| self.complete_step(now));
-            if idle {
+            prev_end = Some(end);
+            if self.hand_over(done) {
                 self.inner.idle.notify_waiters();
             }
             self.inner.dirty.notify_one();
         }
     }
 
-    /// Finishes the in-flight step: the model's work, exported blocks, then outputs to their
-    /// requests. True when no request is left.
-    fn complete_step(&self, now: u64) -> bool {
+    /// Finishes the in-flight step at `now` (its modelled end): the model's work, then what
+    /// it gives each request, in order (exported blocks before the token of the same step).
+    fn compute_step(&self, now: u64) -> Vec<(RequestId, HostOutput)> {
         let mut st = self.inner.state.lock();
         let outputs = st.engine.finish_step(now);
+        let mut done = Vec::with_capacity(outputs.len() + st.exporting.len());
         // Blocks first: a consumer sees a prompt's last blocks before its token.
         let exporting = std::mem::take(&mut st.exporting);
         let mut keep = Vec::with_capacity(exporting.len());
@@ -442,15 +458,28 @@ impl EngineHost {
                 continue;
             };
             if !blocks.is_empty() {
-                deliver(&mut st, id, HostOutput::Blocks(blocks));
+                done.push((id, HostOutput::Blocks(blocks)));
             }
             if !finished {
                 keep.push(id);
             }
         }
         st.exporting = keep;
-        for out in outputs {
-            route_output(&mut st, out);
+        done.extend(outputs.into_iter().map(|o| (o.id, HostOutput::Token(o))));
+        done
+    }
+
+    /// Hands a step's outputs to their requests (a request aborted since gets nothing). True
+    /// when no request is left.
+    fn hand_over(&self, done: Vec<(RequestId, HostOutput)>) -> bool {
+        let mut st = self.inner.state.lock();
+        for (id, out) in done {
+            match out {
+                HostOutput::Token(o) => route_output(&mut st, o),
+                blocks => {
+                    deliver(&mut st, id, blocks);
+                }
+            }
         }
         st.outputs.is_empty()
     }
@@ -515,6 +544,10 @@ impl EngineHost {
         }
     }
 }
+
+/// How late a timer may fire (tokio's resolution is a millisecond) for the next step to start
+/// at the previous one's modelled end.
+const TIMER_SLACK: Duration = Duration::from_millis(2);
 
 /// Runs CPU-heavy synchronous work from async code: on a multi-threaded runtime the worker
 /// thread hands its other tasks over first (`block_in_place`), so the work delays no one
@@ -650,6 +683,44 @@ mod tests {
         let mut r = EngineRequest::new(RequestId(id), (0..40).collect(), max_tokens);
         r.ignore_eos = true;
         r
+    }
+
+    /// Steps end at their start plus their modelled duration: a lone request's first token
+    /// comes after exactly its prefill step, each later one exactly one decode step after the
+    /// previous (on paused time the host's own work takes none, so any gap is the driver's).
+    #[tokio::test(start_paused = true)]
+    async fn steps_take_their_modelled_time_and_no_more() {
+        let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+        let host = host(64, &tasks, &stop);
+        let timing = host.with_engine(|e| e.config().timing);
+        let t0 = tokio::time::Instant::now();
+        let mut h = host.submit(request(1, 4)).expect("submitted");
+        let mut at = Vec::new();
+        let mut ttft = None;
+        while let Some(out) = h.next().await {
+            let Ok(HostOutput::Token(o)) = out else {
+                panic!("{out:?}")
+            };
+            ttft = ttft.or(o.time_to_first_token_us);
+            at.push(t0.elapsed().as_micros() as u64);
+        }
+        let us = |ms: f64| (ms * 1000.0).round() as u64;
+        let prefill = us(timing.prefill_ms(40));
+        assert_eq!(ttft, Some(prefill), "the engine's TTFT is the modelled one");
+        // Each step's outputs arrive when its timer fires: at its modelled end, rounded up to
+        // the timer's millisecond; the rounding never carries over to the next step.
+        let ms_up = |us: u64| us.div_ceil(1000) * 1000;
+        let mut end = prefill;
+        let mut expected = vec![ms_up(end)];
+        for i in 1..at.len() {
+            // A decode step attends over the prompt and the tokens so far.
+            end += us(timing.decode_ms((40 + i) as f64 / (64.0 * 16.0)));
+            expected.push(ms_up(end));
+        }
+        assert_eq!(at, expected);
+        stop.cancel();
+        tasks.close();
+        tasks.wait().await;
     }
 
     /// A consumer that stops reading holds at most `output_buffer` outputs: then its request

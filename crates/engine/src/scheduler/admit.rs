@@ -133,6 +133,7 @@ impl Scheduler {
         debug_assert!(freed.is_ok(), "running request {id} had no block table");
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.reset_for_recompute();
+            seq.preemptions += 1;
         }
         // Front of the queue: preempted last means admitted earliest, so repeated preemptions
         // in one step leave the queue in admission order.
@@ -202,13 +203,22 @@ impl Scheduler {
             seq.phase = RequestPhase::Prefilling;
             seq.computed = cached;
             seq.committed = hit.total();
-            seq.admissions += 1;
-            if seq.generated == 0 {
+            // What the prefix cache saved is counted at the admission before any preemption
+            // only. A preempted request re-admitted finds its own blocks, committed before the
+            // preemption: counting those as cached reported a hit rate several times the true
+            // one past capacity. vLLM keeps them apart the same way (`PrefixCacheStats`'s
+            // `preempted_*`). A remote prefill that fell back is no preemption: its local
+            // admission counts what this worker holds.
+            if seq.preemptions == 0 {
                 seq.cached_tokens = cached;
+                self.stats.cached_tokens += cached as u64;
+                self.stats.queried_tokens += total as u64;
+            } else {
+                self.stats.preempted_cached_tokens += cached as u64;
+                self.stats.preempted_queried_tokens += total as u64;
             }
+            seq.admissions += 1;
             self.stats.admissions += 1;
-            self.stats.cached_tokens += cached as u64;
-            self.stats.queried_tokens += total as u64;
             self.push_entry(id, cached, n);
             *budget -= n;
         }

@@ -335,11 +335,16 @@ pub struct SchedulerStats {
     /// Prefill tokens computed (recomputation included).
     pub prefill_tokens: u64,
     pub decode_tokens: u64,
-    /// Tokens served from the prefix cache on admission (every admission counted).
+    /// Tokens served from the prefix cache at requests' first admission (a remote prefill's
+    /// blocks held already included).
     pub cached_tokens: u64,
-    /// Tokens looked up in the prefix cache on admission (each admission's whole sequence;
+    /// Tokens looked up in the prefix cache at requests' first admission (the whole prompt;
     /// vLLM's `prefix_cache_queries`, of which `cached_tokens` are its hits).
     pub queried_tokens: u64,
+    /// The same two for re-admissions after a preemption, which mostly find the request's own
+    /// blocks again (vLLM's `PrefixCacheStats.preempted_hits` / `preempted_queries`).
+    pub preempted_cached_tokens: u64,
+    pub preempted_queried_tokens: u64,
     /// Admissions from the waiting queue (re-admissions after preemption included).
     pub admissions: u64,
     pub finished: u64,

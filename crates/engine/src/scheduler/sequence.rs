@@ -52,6 +52,8 @@ pub struct Sequence {
     /// Times admitted from the waiting queue or given blocks by a remote prefill: a model
     /// keeping per-request state resets it when this changes (the KV was dropped and rebuilt).
     pub(super) admissions: u32,
+    /// Times preempted by recompute.
+    pub(super) preemptions: u32,
     pub(super) arrival_us: u64,
 }
 
@@ -81,6 +83,7 @@ impl Sequence {
             generated: 0,
             cached_tokens: 0,
             admissions: 0,
+            preemptions: 0,
             arrival_us: now_us,
         }
     }

@@ -390,3 +390,37 @@ fn load_report_reflects_the_queue_and_the_pool() {
     );
     assert_eq!((r.kv_active_blocks, r.kv_total_blocks), (3, 32));
 }
+
+#[test]
+fn a_prompt_preempted_mid_prefill_does_not_count_its_own_blocks_as_cached() {
+    // 6 blocks of 4 tokens, prompts prefilled 4 tokens a step. Request 1 decodes and grows;
+    // request 2's 16-token prompt is committed block by block, until request 1's growth
+    // preempts it. Re-admitted, it finds its own committed blocks in the prefix cache: they
+    // are no cache hit, neither in its usage nor in the hit rate's counters.
+    let cfg = SchedulerConfig {
+        max_prefill_chunk: Some(4),
+        ..SchedulerConfig::default()
+    };
+    let mut s = sched(6, cfg);
+    s.add_request(req(1, 4, 12), 0).unwrap();
+    s.add_request(req(2, 16, 2), 0).unwrap();
+    let out = run_to_end(&mut s);
+    let stats = s.stats();
+    assert!(stats.preemptions >= 1, "the scenario preempts: {stats:?}");
+    assert!(
+        stats.preempted_cached_tokens > 0,
+        "the re-admission found the request's own blocks: {stats:?}"
+    );
+    let first = out
+        .iter()
+        .find(|o| o.id == RequestId(2) && o.first_token)
+        .expect("request 2 produced its first token");
+    assert_eq!(first.cached_tokens, 0, "a fresh prompt had nothing cached");
+    assert!(
+        out.iter()
+            .filter(|o| o.id == RequestId(2))
+            .all(|o| o.cached_tokens == 0)
+    );
+    assert_eq!(stats.cached_tokens, 0);
+    assert_eq!(stats.queried_tokens, 4 + 16, "each prompt queried once");
+}
