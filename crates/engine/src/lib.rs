@@ -9,9 +9,12 @@
 //!   memory pressure. It plans a step; a model computes it; the scheduler completes it. The
 //!   decode side of a remote prefill reserves destination blocks, then continues the request
 //!   as if prefilled locally, or falls back to a local prefill.
+//! - [`Model`] ([`model`]): what computes a step: the plan's rows in, K/V written into the
+//!   arena through the block tables, sampled tokens out. [`Engine`] ties pool, scheduler and a
+//!   model together (prefix cache, export, remote prefill and KV events are the engine's,
+//!   whatever the model); the simulator and the worker services drive it.
 //! - [`mocker`]: a model without a GPU: polynomial step timing, deterministic KV bytes, and
-//!   tokens derived from the KV read back from the arena. [`MockEngine`] ties pool, scheduler
-//!   and mocker together for the simulator and the worker services.
+//!   tokens derived from the KV read back from the arena. [`MockEngine`] is the engine with it.
 //!
 //! Nothing here does I/O, reads a clock or spawns: callers pass time in and drive the steps.
 //! Time is always `u64` microseconds (`now_us`); only the mocker's step durations are given
@@ -19,21 +22,25 @@
 //! deterministic: the same calls in the same order give the same tokens, events and stats.
 
 pub mod arena;
+mod engine;
 mod event_log;
 mod lru;
 pub mod mocker;
+pub mod model;
 pub mod pool;
 pub mod scheduler;
 
 pub use arena::{ArenaSizeMismatch, ArenaStorage, KvArena, KvShape};
-pub use event_log::EventsTooOld;
-pub use mocker::{
-    EngineError, ExportedBlock, MockEngine, MockEngineConfig, MockerConfig, PlannedStep,
-    TimingModel,
+pub use engine::{
+    DynEngine, Engine, EngineConfig, EngineError, ExportedBlock, MockEngine, MockEngineConfig,
+    PlannedStep,
 };
+pub use event_log::EventsTooOld;
+pub use mocker::{Mocker, MockerConfig, TimingModel};
+pub use model::Model;
 pub use pool::{BlockPool, BlockPoolConfig, PoolError, PoolStats, PrefixHit};
 pub use scheduler::{
     EngineRequest, ErrorClass, FinishReason, ModelView, RemotePrefill, RequestOutput, RequestPhase,
-    SampledToken, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError, SchedulerStats,
-    Sequence, StepKind, StepPlan,
+    SampledToken, SamplingParams, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError,
+    SchedulerStats, Sequence, StepKind, StepPlan,
 };

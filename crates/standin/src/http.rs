@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use hashbrown::HashMap;
 use serde_json::{Value, json};
-use tandem_engine::{EngineRequest, ExportedBlock, FinishReason};
+use tandem_engine::{EngineRequest, ExportedBlock, FinishReason, SamplingParams};
 use tandem_protocol::{HashSeed, RequestId};
 use tandem_worker::{HostOutput, RequestHandle};
 
@@ -335,6 +335,8 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
             c.lora.as_deref(),
         ),
         sampling_seed: c.seed,
+        // The stand-in's engine is the mocker, whose tokens ignore the sampling parameters.
+        sampling: SamplingParams::default(),
         stop_token: c.stop_token,
         ignore_eos: c.ignore_eos,
         adapter: c.lora.clone(),

@@ -171,7 +171,7 @@ pub async fn run(
         .map_err(|e| StandinError::Events(e.to_string()))?;
     let tasks = TaskTracker::new();
     let host = EngineHost::start(
-        engine,
+        engine.into_dyn(),
         HostPublishing {
             events: plane.clone(),
             kv_subject,

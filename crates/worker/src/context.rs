@@ -171,7 +171,7 @@ impl WorkerContext {
             metrics: metrics.clone(),
         };
         let host = EngineHost::start(
-            engine,
+            engine.into_dyn(),
             publishing,
             config.output_buffer,
             &tasks,

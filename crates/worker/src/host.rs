@@ -1,4 +1,5 @@
-//! [`EngineHost`]: a mock engine driven in real time, shared by the request handlers.
+//! [`EngineHost`]: an in-process engine (the mocker, or any [`tandem_engine::Model`]) driven in
+//! real time, shared by the request handlers.
 //!
 //! One driver task steps the engine: plan a step, compute it, wait out the rest of its modelled
 //! duration, hand every output to the request it belongs to. A second task publishes the engine's KV events
@@ -23,7 +24,7 @@ use bytes::Bytes;
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 use tandem_engine::{
-    EngineRequest, ErrorClass, ExportedBlock, MockEngine, RemotePrefill, RequestOutput,
+    DynEngine, EngineRequest, ErrorClass, ExportedBlock, RemotePrefill, RequestOutput,
     SchedulerError,
 };
 use tandem_protocol::{Envelope, KvDump, KvEvent, RequestId, WorkerId};
@@ -74,7 +75,7 @@ struct Output {
 }
 
 struct State {
-    engine: MockEngine,
+    engine: DynEngine,
     /// Per-request output channels, bounded by `output_buffer`.
     outputs: HashMap<RequestId, Output>,
     output_buffer: usize,
@@ -96,7 +97,7 @@ struct Inner {
     started: tokio::time::Instant,
 }
 
-/// A mock engine stepped in real time. Cheap to clone.
+/// An in-process engine stepped in real time. Cheap to clone.
 #[derive(Clone)]
 pub struct EngineHost {
     inner: Arc<Inner>,
@@ -115,7 +116,7 @@ impl EngineHost {
     /// when `cancel` fires. Each request's outputs wait in a channel of `output_buffer`
     /// (at least 1).
     pub fn start(
-        engine: MockEngine,
+        engine: DynEngine,
         publishing: HostPublishing,
         output_buffer: usize,
         tasks: &TaskTracker,
@@ -358,7 +359,7 @@ impl EngineHost {
     }
 
     /// Runs `f` on the engine, for tests and status pages.
-    pub fn with_engine<R>(&self, f: impl FnOnce(&MockEngine) -> R) -> R {
+    pub fn with_engine<R>(&self, f: impl FnOnce(&DynEngine) -> R) -> R {
         f(&self.inner.state.lock().engine)
     }
 
@@ -660,7 +661,7 @@ impl Drop for RequestHandle {
 
 #[cfg(test)]
 mod tests {
-    use tandem_engine::{BlockPoolConfig, MockEngineConfig};
+    use tandem_engine::{BlockPoolConfig, MockEngine, MockEngineConfig, MockerConfig};
     use tandem_runtime::events::MemoryEventPlane;
 
     use super::*;
@@ -676,7 +677,13 @@ mod tests {
             metrics: Arc::default(),
         };
         let engine = MockEngine::new(cfg).expect("engine");
-        EngineHost::start(engine, publishing, output_buffer, tasks, stop.clone())
+        EngineHost::start(
+            engine.into_dyn(),
+            publishing,
+            output_buffer,
+            tasks,
+            stop.clone(),
+        )
     }
 
     fn request(id: u64, max_tokens: u32) -> EngineRequest {
@@ -692,7 +699,7 @@ mod tests {
     async fn steps_take_their_modelled_time_and_no_more() {
         let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
         let host = host(64, &tasks, &stop);
-        let timing = host.with_engine(|e| e.config().timing);
+        let timing = MockerConfig::default().timing;
         let t0 = tokio::time::Instant::now();
         let mut h = host.submit(request(1, 4)).expect("submitted");
         let mut at = Vec::new();

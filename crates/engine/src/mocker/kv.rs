@@ -41,6 +41,10 @@ impl KvLayout {
         }
     }
 
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
     /// True when there are no bytes (timing-only).
     pub fn is_empty(&self) -> bool {
         self.layers == 0 || self.bytes_per_token_layer == 0

@@ -13,12 +13,12 @@
 //!   sequence folds the received blocks at its first decode step, so it continues the token
 //!   chain exactly as a locally prefilled one (`remote_tests.rs`).
 //!
-//! [`MockEngine`] ties the pool, the scheduler and this model together behind a two-call step
-//! (`begin_step` → duration, `finish_step` → tokens) that a virtual-time simulator and an
-//! async worker can both drive.
+//! [`Mocker`] is this model behind [`crate::Model`]; [`crate::MockEngine`] is the engine with
+//! it, behind a two-call step (`begin_step` → duration, `finish_step` → tokens) that a
+//! virtual-time simulator and an async worker can both drive.
 
-mod engine;
 pub mod kv;
+mod model;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]
@@ -26,7 +26,7 @@ mod remote_tests;
 #[cfg(test)]
 mod tests;
 
-pub use engine::{EngineError, ExportedBlock, MockEngine, MockEngineConfig, PlannedStep};
+pub use model::Mocker;
 
 use crate::arena::KvShape;
 

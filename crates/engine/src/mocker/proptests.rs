@@ -10,6 +10,7 @@ use tandem_protocol::{BlockSize, RequestId, WorkerId};
 use super::remote_tests::prefill_on;
 use super::tests::{drain, engine, request};
 use super::*;
+use crate::engine::{MockEngine, MockEngineConfig};
 use crate::pool::BlockPoolConfig;
 use crate::scheduler::{
     EngineRequest, RemotePrefill, RequestOutput, SchedulerConfig, SchedulerError,

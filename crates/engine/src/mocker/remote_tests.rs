@@ -6,6 +6,7 @@ use tandem_protocol::{RequestId, StorageTier, WorkerId};
 
 use super::tests::{drain, engine, prompt, request};
 use super::*;
+use crate::engine::{MockEngine, MockEngineConfig};
 use crate::pool::BlockPoolConfig;
 use crate::scheduler::{EngineRequest, RemotePrefill, SchedulerConfig, SchedulerError};
 

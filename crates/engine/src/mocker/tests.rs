@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use tandem_protocol::{BlockSize, HashSeed, RequestId, WorkerId};
 
 use super::*;
+use crate::engine::{EngineError, MockEngine, MockEngineConfig};
 use crate::pool::BlockPoolConfig;
 use crate::scheduler::{EngineRequest, FinishReason, RequestOutput, SchedulerConfig};
 

@@ -94,8 +94,42 @@ impl Default for SchedulerConfig {
     }
 }
 
+/// How a model picks each next token: OpenAI's and vLLM's parameters (a real model applies
+/// them; the mocker derives its tokens and ignores them).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0: greedy.
+    pub temperature: f32,
+    /// Keep the most likely tokens up to this much of the mass (1: all).
+    pub top_p: f32,
+    /// Keep this many most likely tokens (0: all).
+    pub top_k: u32,
+    /// Drop tokens less likely than this times the most likely one (0: none).
+    pub min_p: f32,
+}
+
+impl SamplingParams {
+    /// Always the most likely token.
+    pub const GREEDY: SamplingParams = SamplingParams {
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
+    };
+}
+
+impl Default for SamplingParams {
+    /// The OpenAI API's defaults: temperature 1, nothing cut.
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::GREEDY
+        }
+    }
+}
+
 /// One generation request as the engine sees it (already validated and tokenized upstream).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct EngineRequest {
     pub id: RequestId,
     pub prompt: Vec<u32>,
@@ -105,6 +139,7 @@ pub struct EngineRequest {
     pub hash_seed: HashSeed,
     /// Seed of the model's sampler.
     pub sampling_seed: u64,
+    pub sampling: SamplingParams,
     /// Generation stops after this token (it is emitted), unless `ignore_eos`.
     pub stop_token: Option<u32>,
     pub ignore_eos: bool,
@@ -122,6 +157,7 @@ impl EngineRequest {
             max_tokens,
             hash_seed: HashSeed::UNSALTED,
             sampling_seed: 0,
+            sampling: SamplingParams::default(),
             stop_token: None,
             ignore_eos: false,
             adapter: None,

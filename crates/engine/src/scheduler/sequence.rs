@@ -38,6 +38,7 @@ pub struct Sequence {
     stop_token: Option<u32>,
     hash_seed: HashSeed,
     sampling_seed: u64,
+    sampling: super::SamplingParams,
     adapter: Option<std::sync::Arc<str>>,
     /// Hashes of every full block of `tokens`, kept up to date by `hasher` as tokens arrive.
     hashes: Vec<BlockHashes>,
@@ -74,6 +75,7 @@ impl Sequence {
             stop_token: if req.ignore_eos { None } else { req.stop_token },
             hash_seed: req.hash_seed,
             sampling_seed: req.sampling_seed,
+            sampling: req.sampling,
             adapter: req.adapter.map(std::sync::Arc::from),
             hashes,
             hasher,
@@ -136,6 +138,10 @@ impl Sequence {
     /// The LoRA adapter it runs on.
     pub fn adapter(&self) -> Option<&std::sync::Arc<str>> {
         self.adapter.as_ref()
+    }
+
+    pub fn sampling(&self) -> &super::SamplingParams {
+        &self.sampling
     }
 
     pub fn sampling_seed(&self) -> u64 {

@@ -1,16 +1,23 @@
-//! [`MockEngine`]: pool + scheduler + mocker model behind a two-call step.
+//! [`Engine`]: pool + scheduler + a [`Model`] behind a two-call step; [`MockEngine`] is the
+//! engine with the mocker as its model.
 
 use hashbrown::HashMap;
 use tandem_protocol::{KvDump, KvEvent, LoadReport, RequestId};
 
-use super::MockerConfig;
-use super::kv::{self, KvLayout, SeqDigest};
 use crate::event_log::EventsTooOld;
+use crate::mocker::{Mocker, MockerConfig};
+use crate::model::Model;
 use crate::pool::{BlockPool, BlockPoolConfig, PoolError};
 use crate::scheduler::{
     EngineRequest, RemotePrefill, RequestOutput, SampledToken, Scheduler, SchedulerConfig,
     SchedulerError, SchedulerStats, StepPlan,
 };
+
+/// An engine whose model is the mocker: the simulator's and the mocker workers' engine.
+pub type MockEngine = Engine<Mocker>;
+
+/// An engine whose model is chosen at run time: what a worker hosts.
+pub type DynEngine = Engine<Box<dyn Model>>;
 
 /// Everything a mock engine is made from.
 #[derive(Clone, Debug)]
@@ -20,6 +27,15 @@ pub struct MockEngineConfig {
     pub pool: BlockPoolConfig,
     pub scheduler: SchedulerConfig,
     pub mocker: MockerConfig,
+}
+
+/// Everything an engine is made from besides its model.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Its `bytes_per_block` is derived from the model's KV shape and the block size; the
+    /// value given here is ignored.
+    pub pool: BlockPoolConfig,
+    pub scheduler: SchedulerConfig,
 }
 
 impl MockEngineConfig {
@@ -33,7 +49,7 @@ impl MockEngineConfig {
     }
 }
 
-/// Why a mock engine could not be made.
+/// Why an engine could not be made.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum EngineError {
     #[error("invalid mocker config: {0}")]
@@ -47,7 +63,8 @@ pub enum EngineError {
 /// Summary of a planned step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PlannedStep {
-    /// Simulated duration of the step, milliseconds.
+    /// Modelled duration of the step, milliseconds: the mocker's timing, or 0 for a model
+    /// whose steps take the time their compute takes.
     pub duration_ms: f64,
     pub step: u64,
     /// Requests computing in the step.
@@ -69,7 +86,7 @@ impl PlannedStep {
 
 /// One exported prompt block: `index` 0 is the block holding the export's first token;
 /// `block` is where it lives in the device arena. `bytes` is a copy of it, or empty for an
-/// export by reference ([`MockEngine::export_kv_by_reference`]).
+/// export by reference ([`Engine::export_kv_by_reference`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportedBlock {
     pub index: usize,
@@ -77,7 +94,7 @@ pub struct ExportedBlock {
     pub bytes: Vec<u8>,
 }
 
-/// Export progress of one request (see [`MockEngine::export_kv`]).
+/// Export progress of one request (see [`Engine::export_kv`]).
 #[derive(Debug)]
 struct KvExport {
     first_block: usize,
@@ -125,16 +142,15 @@ impl KvExport {
     }
 }
 
-/// A worker's engine with the mocker as its model. Drive it with `begin_step` and, after the
-/// step's duration, `finish_step`; `add_request` and `abort` may come at any time.
+/// A worker's engine: its block pool and scheduler, and the model that computes the steps.
+/// Drive it with `begin_step` and, after the step's duration, `finish_step`; `add_request` and
+/// `abort` may come at any time.
 #[derive(Debug)]
-pub struct MockEngine {
+pub struct Engine<M> {
     sched: Scheduler,
-    cfg: MockerConfig,
-    layout: KvLayout,
+    model: M,
     /// KV capacity in tokens, the denominator of the decode timing's KV usage.
     kv_capacity_tokens: usize,
-    digests: HashMap<RequestId, SeqDigest>,
     /// Requests whose prompt KV is copied out as it is computed (prefill workers).
     exports: HashMap<RequestId, KvExport>,
     // Reused from step to step.
@@ -146,7 +162,7 @@ pub struct MockEngine {
 
 impl MockEngine {
     pub fn new(cfg: MockEngineConfig) -> Result<Self, EngineError> {
-        Self::build(cfg, None)
+        Self::build_mock(cfg, None)
     }
 
     /// An engine whose device arena lives in `storage` (memory registered with a KV
@@ -155,7 +171,7 @@ impl MockEngine {
         cfg: MockEngineConfig,
         storage: Box<dyn crate::arena::ArenaStorage>,
     ) -> Result<Self, EngineError> {
-        Self::build(cfg, Some(storage))
+        Self::build_mock(cfg, Some(storage))
     }
 
     /// Bytes of one KV block for `cfg`: what a device arena must hold per block.
@@ -165,12 +181,12 @@ impl MockEngine {
             .bytes_per_block(cfg.pool.block_size.tokens())
     }
 
-    fn build(
+    fn build_mock(
         cfg: MockEngineConfig,
         storage: Option<Box<dyn crate::arena::ArenaStorage>>,
     ) -> Result<Self, EngineError> {
         let MockEngineConfig {
-            mut pool,
+            pool,
             scheduler,
             mocker,
         } = cfg;
@@ -187,20 +203,52 @@ impl MockEngine {
                 "adapter_load_ms must be finite and not negative",
             ));
         }
+        let model = Mocker::new(mocker, pool.block_size.tokens());
+        Engine::build(EngineConfig { pool, scheduler }, model, storage)
+    }
+
+    pub fn config(&self) -> &MockerConfig {
+        self.model.config()
+    }
+}
+
+impl<M: Model> Engine<M> {
+    /// An engine computing its steps with `model`.
+    pub fn new_with_model(cfg: EngineConfig, model: M) -> Result<Self, EngineError> {
+        Self::build(cfg, model, None)
+    }
+
+    /// An engine computing its steps with `model`, its device arena in `storage` (memory
+    /// registered with a KV transport) of exactly `device_blocks ×` the block's bytes.
+    pub fn with_model_and_storage(
+        cfg: EngineConfig,
+        model: M,
+        storage: Box<dyn crate::arena::ArenaStorage>,
+    ) -> Result<Self, EngineError> {
+        Self::build(cfg, model, Some(storage))
+    }
+
+    fn build(
+        cfg: EngineConfig,
+        model: M,
+        storage: Option<Box<dyn crate::arena::ArenaStorage>>,
+    ) -> Result<Self, EngineError> {
+        let EngineConfig {
+            mut pool,
+            scheduler,
+        } = cfg;
         let bs = pool.block_size.tokens();
-        pool.bytes_per_block = mocker.kv_shape.bytes_per_block(bs);
+        pool.bytes_per_block = model.kv_shape().bytes_per_block(bs);
         let kv_capacity_tokens = pool.device_blocks as usize * bs;
         let pool = match storage {
             Some(storage) => BlockPool::with_device_storage(pool, storage)?,
             None => BlockPool::new(pool)?,
         };
         let sched = Scheduler::new(scheduler, pool)?;
-        Ok(MockEngine {
+        Ok(Engine {
             sched,
-            layout: KvLayout::new(mocker.kv_shape, bs),
-            cfg: mocker,
+            model,
             kv_capacity_tokens,
-            digests: HashMap::new(),
             exports: HashMap::new(),
             sampled: Vec::new(),
             step_us: 0,
@@ -224,9 +272,9 @@ impl MockEngine {
     ) -> Result<RemotePrefill, SchedulerError> {
         let id = req.id;
         let rp = self.sched.begin_remote_prefill(req, now_us)?;
-        // A fresh KV state: the model folds the received blocks from the arena at its first
-        // decode step, exactly as it folds blocks it computed or reused from the cache.
-        self.digests.remove(&id);
+        // A fresh KV state: the model reads the received blocks from the arena at its first
+        // decode step, exactly as blocks it computed or reused from the cache.
+        self.model.forget(id);
         Ok(rp)
     }
 
@@ -240,7 +288,7 @@ impl MockEngine {
     ) -> Result<RequestOutput, SchedulerError> {
         let out = self.sched.finish_remote_prefill(id, first_token, now_us)?;
         if out.finish.is_some() {
-            self.digests.remove(&id);
+            self.model.forget(id);
         }
         Ok(out)
     }
@@ -253,13 +301,13 @@ impl MockEngine {
         now_us: u64,
     ) -> Result<(), SchedulerError> {
         self.sched.fail_remote_prefill(id, now_us)?;
-        self.digests.remove(&id);
+        self.model.forget(id);
         Ok(())
     }
 
     /// Drops a request wherever it is, freeing its blocks; false when unknown.
     pub fn abort(&mut self, id: RequestId) -> bool {
-        self.digests.remove(&id);
+        self.model.forget(id);
         self.exports.remove(&id);
         self.sched.abort(id)
     }
@@ -267,9 +315,6 @@ impl MockEngine {
     /// Plans the next step and says how long it takes; None when there is nothing to compute.
     /// While a step is in flight it describes that step again.
     pub fn begin_step(&mut self, now_us: u64) -> Option<PlannedStep> {
-        let capacity = self.kv_capacity_tokens;
-        let (timing, speedup) = (self.cfg.timing, self.cfg.speedup_ratio);
-        let load_ms = self.cfg.adapter_load_ms;
         let mut plan = self.sched.schedule(now_us);
         if plan.is_empty() && !plan.preempted.is_empty() {
             // Everything runnable was preempted: the freed blocks let the queue head in now.
@@ -278,13 +323,7 @@ impl MockEngine {
         if plan.is_empty() {
             return None;
         }
-        let kv_usage = plan.kv_tokens as f64 / capacity as f64;
-        let duration_ms = timing.step_ms(
-            plan.prefill_tokens,
-            plan.decode_tokens > 0,
-            kv_usage,
-            speedup,
-        ) + plan.adapter_loads as f64 * load_ms;
+        let duration_ms = self.model.step_duration_ms(plan, self.kv_capacity_tokens);
         self.step_us = (duration_ms * 1000.0).round() as u64;
         Some(PlannedStep {
             duration_ms,
@@ -297,8 +336,8 @@ impl MockEngine {
         })
     }
 
-    /// Runs the in-flight step's model work (KV bytes, digests, tokens) and completes it.
-    /// Empty when no step is in flight.
+    /// Runs the in-flight step's model work (KV, tokens) and completes it. Empty when no
+    /// step is in flight.
     pub fn finish_step(&mut self, now_us: u64) -> Vec<RequestOutput> {
         self.busy_us += std::mem::take(&mut self.step_us);
         let bs = self.sched.pool().block_size().tokens();
@@ -306,49 +345,28 @@ impl MockEngine {
             return Vec::new();
         };
         self.sampled.clear();
-        for (entry, table) in view.plan.iter() {
-            let Some(seq) = view.sequences.get(entry.id) else {
-                continue;
-            };
-            let state = self
-                .digests
-                .entry(entry.id)
-                .or_insert_with(|| SeqDigest::new(seq.admissions()));
-            if state.epoch() != seq.admissions() {
-                // Preempted since: its KV was dropped and is being rebuilt from scratch.
-                *state = SeqDigest::new(seq.admissions());
-            }
-            let range = entry.tokens();
-            let end = range.end;
-            kv::write_tokens(view.arena, &self.layout, table, seq, range, state);
-            kv::fold_complete_blocks(view.arena, table, seq.block_hashes(), end / bs, state);
-            if let Some(export) = self.exports.get_mut(&entry.id) {
+        self.model.compute(view, &mut self.sampled);
+        if !self.exports.is_empty()
+            && let Some(view) = self.sched.model_view()
+        {
+            for (entry, table) in view.plan.iter() {
+                let (Some(export), Some(seq)) = (
+                    self.exports.get_mut(&entry.id),
+                    view.sequences.get(entry.id),
+                ) else {
+                    continue;
+                };
                 // Before `complete_step`: a request that finishes now frees its blocks there.
-                export.copy_ready(view.arena, table, end, seq.prompt_len(), bs);
-            }
-            if entry.samples {
-                let token = kv::sample(
-                    view.arena,
-                    &self.layout,
-                    table,
-                    seq,
-                    end,
-                    state,
-                    self.cfg.vocab_size,
-                );
-                self.sampled.push(SampledToken {
-                    id: entry.id,
-                    token,
-                });
+                export.copy_ready(view.arena, table, entry.tokens().end, seq.prompt_len(), bs);
             }
         }
         let outputs = self
             .sched
             .complete_step(&self.sampled, now_us)
-            .expect("the mocker samples exactly the plan's sampling entries");
+            .expect("a model samples exactly the plan's sampling entries (Model::compute)");
         for o in &outputs {
             if o.finish.is_some() {
-                self.digests.remove(&o.id);
+                self.model.forget(o.id);
                 if let Some(export) = self.exports.get_mut(&o.id) {
                     export.finished = true;
                 }
@@ -432,8 +450,25 @@ impl MockEngine {
         self.sched.pool_mut()
     }
 
-    pub fn config(&self) -> &MockerConfig {
-        &self.cfg
+    /// The model computing the steps.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// The same engine, its model behind a `dyn Model`.
+    pub fn into_dyn(self) -> DynEngine
+    where
+        M: 'static,
+    {
+        Engine {
+            sched: self.sched,
+            model: Box::new(self.model),
+            kv_capacity_tokens: self.kv_capacity_tokens,
+            exports: self.exports,
+            sampled: self.sampled,
+            step_us: self.step_us,
+            busy_us: self.busy_us,
+        }
     }
 
     pub fn stats(&self) -> SchedulerStats {
