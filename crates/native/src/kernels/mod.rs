@@ -1,0 +1,133 @@
+//! The compute kernels: dot products of weight rows with activation rows, behind one small
+//! interface with run-time CPU-feature dispatch.
+//!
+//! Weights stay in their GGUF block formats (Q4_0, Q4_1, Q8_0 as ggml lays them out) or in
+//! f32. Activations are quantized per row into [`BlockQ8`] blocks (32 values, an f32 scale
+//! and the scaled sum) for the quantized weights, as llama.cpp does with its Q8 activation
+//! types; so a quantized dot product is integer work plus two multiplies per block.
+//!
+//! **Batch invariance.** Every kernel computes one (weight row, activation row) pair on its
+//! own, its blocks summed in block order: a result never depends on which other rows share
+//! the step, how many threads split the work, or which instruction set ran it (the SIMD paths
+//! compute each block's integer sum exactly and combine blocks in the same order and with the
+//! same f32 operations as the portable one). The tests hold every path to bitwise equality
+//! with the portable one.
+//!
+//! `unsafe` (the SIMD intrinsics) lives in [`simd`] only, each block with a `// SAFETY:`.
+
+mod portable;
+mod simd;
+
+/// Values per quantization block (every format here).
+pub const QK: usize = 32;
+
+/// One block of 32 activations quantized to 8 bits: `value[i] ≈ d · qs[i]`; `sum = Σ qs`,
+/// `s = d · sum`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockQ8 {
+    pub d: f32,
+    pub s: f32,
+    pub sum: i32,
+    pub qs: [i8; QK],
+}
+
+impl Default for BlockQ8 {
+    fn default() -> Self {
+        BlockQ8 {
+            d: 0.0,
+            s: 0.0,
+            sum: 0,
+            qs: [0; QK],
+        }
+    }
+}
+
+/// Bytes of one GGUF block of each format a kernel reads directly.
+pub const Q4_0_BYTES: usize = 18;
+pub const Q4_1_BYTES: usize = 20;
+pub const Q8_0_BYTES: usize = 34;
+
+/// The weight formats the kernels read directly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl WeightFormat {
+    /// Bytes of a row of `cols` values.
+    pub fn row_bytes(self, cols: usize) -> usize {
+        match self {
+            WeightFormat::F32 => cols * 4,
+            WeightFormat::Q4_0 => cols / QK * Q4_0_BYTES,
+            WeightFormat::Q4_1 => cols / QK * Q4_1_BYTES,
+            WeightFormat::Q8_0 => cols / QK * Q8_0_BYTES,
+        }
+    }
+}
+
+/// The instruction set the kernels run with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, on every target (the reference the SIMD paths are tested against).
+    Portable,
+    /// x86-64 AVX2 with FMA.
+    Avx2,
+}
+
+impl Isa {
+    /// The best the CPU supports.
+    pub fn detect() -> Isa {
+        if simd::avx2_available() {
+            Isa::Avx2
+        } else {
+            Isa::Portable
+        }
+    }
+}
+
+/// Kernels bound to one instruction set. Cheap to copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernels {
+    isa: Isa,
+}
+
+impl Kernels {
+    /// Kernels for `isa`, or the portable ones where the CPU lacks it.
+    pub fn new(isa: Isa) -> Kernels {
+        let isa = match isa {
+            Isa::Avx2 if simd::avx2_available() => Isa::Avx2,
+            _ => Isa::Portable,
+        };
+        Kernels { isa }
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Quantizes `x` (a multiple of [`QK`] long) into `out` (`x.len() / QK` blocks).
+    pub fn quantize_q8(&self, x: &[f32], out: &mut [BlockQ8]) {
+        portable::quantize_q8(x, out)
+    }
+
+    /// The dot product of one weight row (`format`, raw bytes) with one activation row: the
+    /// f32 row for [`WeightFormat::F32`], its [`BlockQ8`] quantization for the others.
+    pub fn dot(&self, format: WeightFormat, w: &[u8], x: &[f32], xq: &[BlockQ8]) -> f32 {
+        match (self.isa, format) {
+            (Isa::Avx2, WeightFormat::F32) => simd::dot_f32(w, x),
+            (Isa::Portable, WeightFormat::F32) => portable::dot_f32(w, x),
+            (Isa::Avx2, WeightFormat::Q4_0) => simd::dot_q4_0(w, xq),
+            (Isa::Avx2, WeightFormat::Q4_1) => simd::dot_q4_1(w, xq),
+            (Isa::Avx2, WeightFormat::Q8_0) => simd::dot_q8_0(w, xq),
+            (Isa::Portable, WeightFormat::Q4_0) => portable::dot_q4_0(w, xq),
+            (Isa::Portable, WeightFormat::Q4_1) => portable::dot_q4_1(w, xq),
+            (Isa::Portable, WeightFormat::Q8_0) => portable::dot_q8_0(w, xq),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

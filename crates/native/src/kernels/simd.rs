@@ -1,0 +1,184 @@
+//! The SIMD kernels (x86-64 AVX2): the one module of this crate with `unsafe`.
+//!
+//! Each function here computes exactly what its namesake in `portable` computes, bit for
+//! bit: the integer sum of a block is exact whatever adds it, and the f32 operations that
+//! follow are the same scalar ones, in the same order (`tests.rs` checks every path against
+//! the portable one on random data).
+//!
+//! Safety contract, shared by every block below: the `avx2` + `fma` target features are
+//! enabled only through [`avx2_available`] having returned true on this CPU (checked by the
+//! callers in `Kernels`), and every load reads a 16- or 32-byte range that the slice bounds
+//! checked just before it cover (`chunks_exact` of the block size).
+#![allow(unsafe_code)]
+
+use super::{BlockQ8, QK};
+#[cfg(target_arch = "x86_64")]
+use super::{Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES, portable};
+
+/// Whether the CPU runs the AVX2 kernels (AVX2 and FMA).
+pub(super) fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Sum of the 8 i32 lanes (exact in integers, whatever the order).
+    #[target_feature(enable = "avx2")]
+    pub(super) fn hsum_i32(v: __m256i) -> i32 {
+        let lo = _mm256_castsi256_si128(v);
+        let hi = _mm256_extracti128_si256(v, 1);
+        let s = _mm_add_epi32(lo, hi);
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// Σ u[i]·s[i] over 32 bytes, `u` unsigned (≤ 128), `s` signed: exact, as i32.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn dot_u8_i8(u: __m256i, s: __m256i) -> i32 {
+        // Pairs of products fit an i16 (2 · 128 · 127 < 32768): no saturation.
+        let pairs = _mm256_maddubs_epi16(u, s);
+        hsum_i32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    /// 16 bytes of packed nibbles as 32 bytes: the low nibbles, then the high ones (ggml's
+    /// element order within a 4-bit block).
+    #[target_feature(enable = "avx2")]
+    pub(super) fn nibbles(packed: &[u8]) -> __m256i {
+        debug_assert!(packed.len() >= 16);
+        // SAFETY: `packed` holds at least 16 bytes (asserted by the callers' block size);
+        // the load is unaligned.
+        let b = unsafe { _mm_loadu_si128(packed.as_ptr().cast()) };
+        let mask = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(b, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn load32(bytes: &[u8]) -> __m256i {
+        debug_assert!(bytes.len() >= 32);
+        // SAFETY: `bytes` holds at least 32 bytes (the callers pass whole blocks); unaligned.
+        unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn load32_i8(qs: &[i8; 32]) -> __m256i {
+        // SAFETY: an array of exactly 32 bytes; unaligned load.
+        unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (wb, xs) in w.chunks_exact(32).zip(x.chunks_exact(8)) {
+            // SAFETY: `wb` is 32 bytes (8 f32), `xs` 8 f32; unaligned loads.
+            let (wv, xv) = unsafe {
+                (
+                    _mm256_loadu_ps(wb.as_ptr().cast()),
+                    _mm256_loadu_ps(xs.as_ptr()),
+                )
+            };
+            acc = _mm256_fmadd_ps(wv, xv, acc);
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` is 8 f32; unaligned store.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        super::portable::reduce8(lanes)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { x86::dot_f32(w, x) }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) fn dot_q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { q4_0(w, xq) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    let mut acc = 0.0f32;
+    for (wb, a) in w.chunks_exact(Q4_0_BYTES).zip(xq) {
+        let d = portable::f16_at(wb, 0);
+        let sumi = x86::dot_u8_i8(x86::nibbles(&wb[2..]), x86::load32_i8(&a.qs));
+        acc += d * a.d * (sumi - 8 * a.sum) as f32;
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) fn dot_q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { q4_1(w, xq) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    let mut acc = 0.0f32;
+    for (wb, a) in w.chunks_exact(Q4_1_BYTES).zip(xq) {
+        let d = portable::f16_at(wb, 0);
+        let m = portable::f16_at(wb, 2);
+        let sumi = x86::dot_u8_i8(x86::nibbles(&wb[4..]), x86::load32_i8(&a.qs));
+        acc += d * a.d * sumi as f32 + m * a.s;
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) fn dot_q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { q8_0(w, xq) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = 0.0f32;
+    for (wb, a) in w.chunks_exact(Q8_0_BYTES).zip(xq) {
+        let d = portable::f16_at(wb, 0);
+        let wv = x86::load32(&wb[2..]);
+        let av = x86::load32_i8(&a.qs);
+        // Σ w·a as |w| · (a with w's sign): maddubs takes its first operand unsigned.
+        let sumi = x86::dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+        acc += d * a.d * sumi as f32;
+    }
+    acc
+}
+
+// Other targets have no SIMD path yet: `avx2_available` is false there, so these are never
+// reached; they exist so that `Kernels` compiles everywhere.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
+    super::portable::dot_f32(w, x)
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn dot_q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    super::portable::dot_q4_0(w, xq)
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn dot_q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    super::portable::dot_q4_1(w, xq)
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn dot_q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    super::portable::dot_q8_0(w, xq)
+}
+
+const _: () = assert!(QK == 32, "the SIMD kernels read 32-value blocks");

@@ -1,0 +1,172 @@
+//! Every kernel against a plain f64 computation over the dequantized values, and every SIMD
+//! path bit for bit against the portable one.
+
+use proptest::prelude::*;
+
+use super::*;
+
+/// A small deterministic generator (the tests need no entropy).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 11
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() % 2_000_001) as f32 / 1_000_000.0 - 1.0
+    }
+    fn byte(&mut self) -> u8 {
+        self.next() as u8
+    }
+}
+
+fn f16(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_le_bytes()
+}
+
+/// Random weight blocks of `format` for `cols` values, and their values as f64.
+fn weights(format: WeightFormat, cols: usize, rng: &mut Rng) -> (Vec<u8>, Vec<f64>) {
+    let mut bytes = Vec::new();
+    let mut values = Vec::new();
+    for _ in 0..cols / QK {
+        let d = rng.unit() * 0.05;
+        let dq = f64::from(half::f16::from_f32(d).to_f32());
+        match format {
+            WeightFormat::F32 => {
+                for _ in 0..QK {
+                    let v = rng.unit();
+                    bytes.extend_from_slice(&v.to_le_bytes());
+                    values.push(f64::from(v));
+                }
+            }
+            WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
+                bytes.extend_from_slice(&f16(d));
+                let m = rng.unit() * 0.1;
+                let mq = f64::from(half::f16::from_f32(m).to_f32());
+                if format == WeightFormat::Q4_1 {
+                    bytes.extend_from_slice(&f16(m));
+                }
+                let qs: Vec<u8> = (0..QK / 2).map(|_| rng.byte()).collect();
+                let mut block = vec![0.0; QK];
+                for (j, q) in qs.iter().enumerate() {
+                    let (lo, hi) = (f64::from(q & 0x0F), f64::from(q >> 4));
+                    if format == WeightFormat::Q4_1 {
+                        block[j] = dq * lo + mq;
+                        block[j + QK / 2] = dq * hi + mq;
+                    } else {
+                        block[j] = dq * (lo - 8.0);
+                        block[j + QK / 2] = dq * (hi - 8.0);
+                    }
+                }
+                bytes.extend_from_slice(&qs);
+                values.extend(block);
+            }
+            WeightFormat::Q8_0 => {
+                bytes.extend_from_slice(&f16(d));
+                for _ in 0..QK {
+                    let q = rng.byte() as i8;
+                    bytes.push(q as u8);
+                    values.push(dq * f64::from(q));
+                }
+            }
+        }
+    }
+    assert_eq!(bytes.len(), format.row_bytes(cols));
+    (bytes, values)
+}
+
+const FORMATS: [WeightFormat; 4] = [
+    WeightFormat::F32,
+    WeightFormat::Q4_0,
+    WeightFormat::Q4_1,
+    WeightFormat::Q8_0,
+];
+
+#[test]
+fn quantized_activations_round_trip_within_half_a_step() {
+    let mut rng = Rng(1);
+    let x: Vec<f32> = (0..256).map(|_| rng.unit() * 3.0).collect();
+    let mut q = vec![BlockQ8::default(); 8];
+    Kernels::new(Isa::Portable).quantize_q8(&x, &mut q);
+    for (b, xs) in q.iter().zip(x.chunks(QK)) {
+        let sum: i32 = b.qs.iter().map(|&v| i32::from(v)).sum();
+        assert_eq!(b.sum, sum);
+        assert_eq!(b.s, b.d * sum as f32);
+        for (&v, &qv) in xs.iter().zip(&b.qs) {
+            assert!((v - b.d * f32::from(qv)).abs() <= b.d / 2.0 + 1e-6);
+        }
+    }
+    // All zeros: a zero scale, no NaN.
+    let mut z = [BlockQ8::default()];
+    Kernels::new(Isa::Portable).quantize_q8(&[0.0; QK], &mut z);
+    assert_eq!((z[0].d, z[0].s, z[0].qs), (0.0, 0.0, [0; QK]));
+}
+
+#[test]
+fn every_format_computes_the_dot_product_of_its_values() {
+    let k = Kernels::new(Isa::Portable);
+    let mut rng = Rng(7);
+    let cols = 576;
+    for format in FORMATS {
+        let (w, wv) = weights(format, cols, &mut rng);
+        let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
+        let mut xq = vec![BlockQ8::default(); cols / QK];
+        k.quantize_q8(&x, &mut xq);
+        // What the kernel should compute: the weights' values times the activations it was
+        // given (f32 for F32 weights, their 8-bit quantization for the others), in f64.
+        let want: f64 = (0..cols)
+            .map(|i| {
+                let a = if format == WeightFormat::F32 {
+                    f64::from(x[i])
+                } else {
+                    let b = &xq[i / QK];
+                    f64::from(b.d) * f64::from(b.qs[i % QK])
+                };
+                wv[i] * a
+            })
+            .sum();
+        let got = f64::from(k.dot(format, &w, &x, &xq));
+        let scale: f64 = (0..cols).map(|i| (wv[i] * f64::from(x[i])).abs()).sum();
+        assert!(
+            (got - want).abs() <= 1e-5 * scale.max(1.0),
+            "{format:?}: {got} vs {want}"
+        );
+    }
+}
+
+proptest! {
+    #[test]
+    fn the_simd_kernels_equal_the_portable_ones_bit_for_bit(seed in any::<u64>(), blocks in 1usize..40) {
+        let simd = Kernels::new(Isa::Avx2);
+        prop_assume!(simd.isa() == Isa::Avx2);
+        let portable = Kernels::new(Isa::Portable);
+        let mut rng = Rng(seed);
+        let cols = blocks * QK;
+        for format in FORMATS {
+            let (w, _) = weights(format, cols, &mut rng);
+            let x: Vec<f32> = (0..cols).map(|_| rng.unit() * 4.0).collect();
+            let mut xq = vec![BlockQ8::default(); blocks];
+            portable.quantize_q8(&x, &mut xq);
+            let (a, b) = (portable.dot(format, &w, &x, &xq), simd.dot(format, &w, &x, &xq));
+            prop_assert_eq!(a.to_bits(), b.to_bits(), "{:?}: {} vs {}", format, a, b);
+        }
+    }
+}
+
+#[test]
+fn q8_0_weights_of_minus_128_are_exact_on_every_path() {
+    // A file may hold -128 (ggml's quantizer never writes it): |w| = 128 still fits.
+    let mut w = f16(1.0).to_vec();
+    w.extend([0x80u8; QK]);
+    let x = [1.0f32; QK];
+    let mut xq = [BlockQ8::default()];
+    Kernels::new(Isa::Portable).quantize_q8(&x, &mut xq);
+    for isa in [Isa::Portable, Isa::Avx2] {
+        let got = Kernels::new(isa).dot(WeightFormat::Q8_0, &w, &x, &xq);
+        assert_eq!(got, -128.0 * 32.0 * 127.0 * xq[0].d, "{isa:?}");
+    }
+}

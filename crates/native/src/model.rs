@@ -1,0 +1,123 @@
+//! [`NativeModel`]: the Llama forward pass as the engine's [`Model`].
+
+use std::sync::Arc;
+
+use tandem_engine::scheduler::ModelView;
+use tandem_engine::{KvShape, Model, SampledToken, StepPlan};
+use tandem_protocol::RequestId;
+
+use crate::kernels::Kernels;
+use crate::llama::{Compute, Llama, Scratch, StepRow};
+use crate::sampling::Sampler;
+
+/// A loaded model computing an engine's steps. The weights are shared (`Arc`): several
+/// engines in one process (`tandem up`) hold one copy.
+#[derive(Debug)]
+pub struct NativeModel {
+    llama: Arc<Llama>,
+    compute: Compute,
+    block_size: usize,
+    scratch: Scratch,
+    sampler: Sampler,
+    logits: Vec<f32>,
+}
+
+impl NativeModel {
+    /// A model for an engine whose blocks hold `block_size` tokens, computing each step on
+    /// `threads` threads.
+    pub fn new(
+        llama: Arc<Llama>,
+        kernels: Kernels,
+        block_size: usize,
+        threads: usize,
+    ) -> NativeModel {
+        NativeModel {
+            llama,
+            compute: Compute::new(kernels, threads),
+            block_size,
+            scratch: Scratch::default(),
+            sampler: Sampler::default(),
+            logits: Vec::new(),
+        }
+    }
+
+    pub fn llama(&self) -> &Llama {
+        &self.llama
+    }
+
+    /// The KV geometry of `llama` in f16, the shape an engine's arena needs for it.
+    pub fn kv_shape_of(llama: &Llama) -> KvShape {
+        KvShape {
+            num_layers: llama.cfg.n_layer as u32,
+            num_kv_heads: llama.cfg.n_head_kv as u32,
+            head_dim: llama.cfg.head_dim as u32,
+            dtype_bytes: 2,
+        }
+    }
+
+    /// The logits of the last step's sampling rows, in plan order (`n_vocab` each).
+    pub fn last_logits(&self) -> &[f32] {
+        &self.logits
+    }
+}
+
+impl Model for NativeModel {
+    fn kv_shape(&self) -> KvShape {
+        Self::kv_shape_of(&self.llama)
+    }
+
+    /// Real compute: a step takes what it takes.
+    fn step_duration_ms(&self, _: &StepPlan, _: usize) -> f64 {
+        0.0
+    }
+
+    fn compute(&mut self, view: ModelView<'_>, sampled: &mut Vec<SampledToken>) {
+        let mut rows = Vec::with_capacity(view.plan.prefill_tokens + view.plan.decode_tokens);
+        for (entry, table) in view.plan.iter() {
+            let Some(seq) = view.sequences.get(entry.id) else {
+                continue;
+            };
+            let range = entry.tokens();
+            let last = range.end - 1;
+            for pos in range {
+                rows.push(StepRow {
+                    token: seq.tokens()[pos],
+                    pos,
+                    table,
+                    logits: entry.samples && pos == last,
+                });
+            }
+        }
+        self.llama.forward(
+            &self.compute,
+            &rows,
+            view.arena,
+            self.block_size,
+            &mut self.scratch,
+            &mut self.logits,
+        );
+        let n_vocab = self.llama.cfg.n_vocab;
+        let mut i = 0;
+        for (entry, _) in view.plan.iter() {
+            if !entry.samples {
+                continue;
+            }
+            let Some(seq) = view.sequences.get(entry.id) else {
+                continue;
+            };
+            let logits = &self.logits[i * n_vocab..(i + 1) * n_vocab];
+            i += 1;
+            // The draw for the token at position `end` (the sequence's next one).
+            let pos = entry.tokens().end as u64;
+            let choice = self
+                .sampler
+                .sample(logits, seq.sampling(), seq.sampling_seed(), pos);
+            sampled.push(SampledToken {
+                id: entry.id,
+                token: choice.token,
+            });
+        }
+    }
+
+    fn forget(&mut self, _: RequestId) {}
+}
