@@ -16,6 +16,7 @@ mod backends;
 mod bench;
 mod epp;
 mod flow_args;
+mod model_file;
 mod plan;
 mod planner;
 mod routing_args;

@@ -165,13 +165,22 @@ pub struct EngineArgs {
     /// hold (with --max-loras; not divided by --speedup-ratio).
     #[arg(long, env = "TANDEM_ADAPTER_LOAD_MS", default_value_t = MockerConfig::default().adapter_load_ms)]
     pub adapter_load_ms: f64,
+    /// The native engine's threads per worker (default: the cores the worker may use; under
+    /// `tandem up`, those cores shared among its workers).
+    #[arg(long, env = "TANDEM_THREADS")]
+    pub threads: Option<usize>,
+    /// The native engine's KV memory per worker, MiB: its device blocks are as many as fit
+    /// (K and V in f16; --device-blocks applies to the mocker).
+    #[arg(long, env = "TANDEM_KV_MEMORY_MB", default_value_t = 512)]
+    pub kv_memory_mb: u64,
 }
 
 /// The engine behind a worker: the in-process mocker, or an external engine fronted by this
 /// worker as a sidecar.
 #[derive(Args, Debug, Clone)]
 pub struct ExternalEngineArgs {
-    /// mocker (in-process), vllm, sglang, or openai (an OpenAI-compatible server with vLLM's
+    /// mocker (in-process, a timing model), native (in-process, the GGUF file --model names:
+    /// real tokens), vllm, sglang, or openai (an OpenAI-compatible server with vLLM's
     /// `return_token_ids`); the last three are reached at --engine-url.
     #[arg(long, env = "TANDEM_ENGINE", default_value = "mocker")]
     pub engine: String,
@@ -384,6 +393,27 @@ impl EngineArgs {
         c.engine.mocker.adapter_load_ms = self.adapter_load_ms;
         Ok(c)
     }
+
+    /// `c` computing `model` with the native engine on `threads` threads (the flag's, when
+    /// given): its device blocks are what --kv-memory-mb holds, its name the model's.
+    pub fn native(
+        &self,
+        c: &mut WorkerConfig,
+        model: &crate::model_file::ModelFile,
+        threads: usize,
+    ) -> anyhow::Result<()> {
+        c.model = model.name.clone();
+        c.native = Some(model.engine(self.threads.unwrap_or(threads)));
+        let per_block = c.bytes_per_block() as u64;
+        let blocks = (self.kv_memory_mb << 20) / per_block.max(1);
+        anyhow::ensure!(
+            blocks >= 2,
+            "--kv-memory-mb {} holds {blocks} KV blocks of {per_block} bytes: at least 2 are needed",
+            self.kv_memory_mb
+        );
+        c.engine.pool.device_blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
+        Ok(())
+    }
 }
 
 /// The HTTP side of a frontend.
@@ -397,8 +427,9 @@ pub struct HttpArgs {
     /// from the base model and routed to workers that hold it. `GET /v1/models` lists them.
     #[arg(long, env = "TANDEM_LORA_ADAPTERS", value_delimiter = ',')]
     pub lora_adapters: Vec<String>,
-    /// cl100k_base, o200k_base, or a path to a tokenizer.json.
-    #[arg(long, env = "TANDEM_TOKENIZER", default_value = "cl100k_base")]
+    /// cl100k_base, o200k_base, a path to a tokenizer.json, or a GGUF model file (its own
+    /// tokenizer and chat template).
+    #[arg(long, env = "TANDEM_TOKENIZER", default_value = HttpArgs::DEFAULT_TOKENIZER)]
     pub tokenizer: String,
     /// Most prompt + completion tokens per request.
     #[arg(long, env = "TANDEM_CONTEXT_LENGTH", default_value_t = 32_768)]
@@ -431,6 +462,11 @@ pub struct HttpArgs {
     /// top-level field's name, or `none`.
     #[arg(long, env = "TANDEM_SESSION_FIELD", default_value = "user")]
     pub session_field: String,
+}
+
+impl HttpArgs {
+    /// `--tokenizer`'s default; `tandem up --model PATH.gguf` replaces it with the file's own.
+    pub const DEFAULT_TOKENIZER: &'static str = "cl100k_base";
 }
 
 /// `tandem frontend`.
@@ -520,6 +556,10 @@ fn chat_template(http: &HttpArgs, tokenizer: &TokenizerSpec) -> ChatTemplateSpec
     let beside = match tokenizer {
         TokenizerSpec::HuggingFace(path) => ChatTemplateSpec::tokenizer_config_beside(path),
         TokenizerSpec::Tiktoken(_) => None,
+        TokenizerSpec::Gguf(path) if http.chat_template.is_none() => {
+            return ChatTemplateSpec::Gguf { path: path.clone() };
+        }
+        TokenizerSpec::Gguf(_) => None,
     };
     ChatTemplateSpec::from_flags(
         http.chat_template.as_deref(),
@@ -558,7 +598,7 @@ impl WorkerArgs {
     /// The sidecar's config, when the engine is external.
     pub fn sidecar_config(&self, role: WorkerRole) -> anyhow::Result<Option<SidecarConfig>> {
         let x = &self.external;
-        if x.engine == "mocker" {
+        if x.engine == "mocker" || x.engine == "native" {
             if x.engine_url.is_some() || x.engine_kv_events.is_some() {
                 anyhow::bail!(
                     "--engine-url and --engine-kv-events need --engine vllm|sglang|openai"
@@ -627,7 +667,18 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
         .await?;
         return Ok(());
     }
-    let cfg = args.config(role)?;
+    let mut cfg = args.config(role)?;
+    if args.external.engine == "native" {
+        let model = crate::model_file::ModelFile::from_flag(&args.model)?.with_context(|| {
+            format!(
+                "--engine native computes a GGUF model: --model must be a path to a .gguf file, \
+                 got {:?}",
+                args.model
+            )
+        })?;
+        args.engine
+            .native(&mut cfg, &model, crate::model_file::available_cores())?;
+    }
     let listener = bind(&args.listen).await?;
     let deps = args
         .plane

@@ -20,6 +20,7 @@ use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::WorkerDeps;
 use tokio::net::TcpListener;
 
+use crate::model_file::{ModelFile, available_cores};
 use crate::routing_args::RoutingArgs;
 use crate::serve::{EngineArgs, HttpArgs, frontend_config};
 
@@ -85,7 +86,24 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn run_embedded(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
+/// With `--model PATH.gguf`: the model, loaded once, and the frontend's flags pointed at the
+/// same file (served name, tokenizer and chat template, context length).
+fn model_file(args: &mut UpArgs) -> anyhow::Result<Option<ModelFile>> {
+    let Some(model) = ModelFile::from_flag(&args.http.model)? else {
+        return Ok(None);
+    };
+    args.http.model = model.name.clone();
+    if args.http.tokenizer == HttpArgs::DEFAULT_TOKENIZER {
+        args.http.tokenizer = model.path.display().to_string();
+    }
+    args.http.context_length = args.http.context_length.min(model.context_length);
+    Ok(Some(model))
+}
+
+async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
+    let model = model_file(&mut args)?;
+    // The workers share the machine's cores.
+    let threads = (available_cores() / (args.prefill + args.decode) as usize).max(1);
     let discovery = Arc::new(MemoryDiscovery::new());
     let events = Arc::new(MemoryEventPlane::new());
     // One process: KV moves by an in-process copy into the decode worker's region.
@@ -106,9 +124,12 @@ async fn run_embedded(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         .map(|_| WorkerRole::Prefill)
         .chain((0..args.decode).map(|_| WorkerRole::Decode));
     for (i, role) in roles.enumerate() {
-        let cfg = args
-            .engine
-            .config(role, WorkerId(i as u64 + 1), &args.http.model, "default")?;
+        let mut cfg =
+            args.engine
+                .config(role, WorkerId(i as u64 + 1), &args.http.model, "default")?;
+        if let Some(model) = &model {
+            args.engine.native(&mut cfg, model, threads)?;
+        }
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let (deps, stop) = (deps.clone(), workers_stop.clone());
         workers.spawn(async move {
@@ -147,7 +168,22 @@ async fn run_embedded(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run_processes(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
+async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
+    // With a GGUF model, the workers compute it (each loads the file) and the frontend takes
+    // the served name, tokenizer and context length from it.
+    let gguf = args.http.model.clone();
+    let model = model_file(&mut args)?;
+    let threads = (available_cores() / (args.prefill + args.decode) as usize).max(1);
+    let worker_model = match &model {
+        Some(_) => vec![
+            "--engine=native".to_string(),
+            format!("--model={gguf}"),
+            format!("--threads={}", args.engine.threads.unwrap_or(threads)),
+            format!("--kv-memory-mb={}", args.engine.kv_memory_mb),
+        ],
+        None => vec![format!("--model={}", args.http.model)],
+    };
+    drop(model);
     let etcd = EtcdServer::start(EtcdOptions::default()).await?;
     let nats = NatsServer::start(NatsOptions::default()).await?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
@@ -175,8 +211,10 @@ async fn run_processes(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         format!("--speedup-ratio={}", args.engine.speedup_ratio),
         format!("--max-loras={}", args.engine.max_loras),
         format!("--adapter-load-ms={}", args.engine.adapter_load_ms),
-        format!("--model={}", args.http.model),
-    ];
+    ]
+    .into_iter()
+    .chain(worker_model)
+    .collect::<Vec<_>>();
     let mut roles = ProcessGroup::new();
     for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
         for i in 0..n {
@@ -192,6 +230,7 @@ async fn run_processes(args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         format!("--block-size={}", args.engine.block_size),
         format!("--model={}", args.http.model),
         format!("--tokenizer={}", args.http.tokenizer),
+        format!("--context-length={}", args.http.context_length),
     ];
     let adapters = (!args.http.lora_adapters.is_empty())
         .then(|| format!("--lora-adapters={}", args.http.lora_adapters.join(",")));

@@ -127,6 +127,8 @@ impl DecodeService {
             prompt: req.prompt,
             hash_seed: req.hash_seed.0,
             sampling_seed: req.sampling_seed,
+            temperature: req.sampling.temperature,
+            top_p: Some(req.sampling.top_p),
             from_token: rp.cached_tokens as u32,
             block_size: self.ctx.config.engine.pool.block_size.get(),
             bytes_per_block: host.bytes_per_block() as u64,
@@ -280,6 +282,7 @@ fn engine_request(req: &GenerateRequest) -> Result<EngineRequest, WorkerError> {
     );
     r.hash_seed = HashSeed(req.hash_seed);
     r.sampling_seed = sampling.seed;
+    r.sampling = tandem_worker::sampling_params(sampling.temperature, sampling.top_p)?;
     r.stop_token = sampling.stop_token;
     r.ignore_eos = sampling.ignore_eos;
     // Empty: the base model (proto3's default).
@@ -369,7 +372,11 @@ impl worker_server::Worker for DecodeService {
         self.ctx.check_accepting()?;
         let req = request.into_inner();
         tandem_worker::trace::record_request(&span, req.request_id, req.prompt.len());
-        let engine_req = engine_request(&req)?;
+        let mut engine_req = engine_request(&req)?;
+        if engine_req.stop_token.is_none() {
+            // A real model ends its answer with its end-of-sequence token.
+            engine_req.stop_token = self.ctx.config.native.as_ref().and_then(|n| n.eos_token);
+        }
         let cancel = self.ctx.stopping().child_token();
         let (handle, outcome) = match req.remote_prefill {
             None => (

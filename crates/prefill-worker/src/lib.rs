@@ -131,6 +131,8 @@ impl PrefillService {
         let mut r = EngineRequest::new(RequestId(req.request_id), req.prompt.clone(), 1);
         r.hash_seed = HashSeed(req.hash_seed);
         r.sampling_seed = req.sampling_seed;
+        // The first token is drawn here, as the decode worker would draw it.
+        r.sampling = tandem_worker::sampling_params(req.temperature, req.top_p)?;
         r.ignore_eos = true;
         r.adapter = Some(req.lora_adapter.clone()).filter(|a| !a.is_empty());
         Ok(r)

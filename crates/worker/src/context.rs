@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tandem_engine::{MockEngine, MockEngineConfig};
+use tandem_engine::{ArenaStorage, DynEngine, Engine, EngineConfig, MockEngine, MockEngineConfig};
 use tandem_kv_transfer::{MemoryKind, Region, RegionDescriptor, Transport};
 use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
@@ -37,8 +37,11 @@ pub struct WorkerConfig {
     pub model: String,
     /// Discovery and event-plane namespace.
     pub namespace: String,
-    /// The engine; its pool's `worker_id` is overwritten with `worker_id`.
+    /// The engine; its pool's `worker_id` is overwritten with `worker_id`. With `native`
+    /// set, its `mocker` part is unused: the model computes the steps and sizes the KV.
     pub engine: MockEngineConfig,
+    /// The native engine's model, computing real tokens; None: the mocker.
+    pub native: Option<NativeEngine>,
     /// Host name other processes reach this worker at (the listener's port is appended).
     pub advertise_host: String,
     /// Its topology label (rack, NVLink domain, zone; empty: unknown), registered with its
@@ -74,6 +77,7 @@ impl WorkerConfig {
             model: "mocker".to_string(),
             namespace: "default".to_string(),
             engine: MockEngineConfig::new(pool),
+            native: None,
             advertise_host: "127.0.0.1".to_string(),
             rack: String::new(),
             load_interval: Duration::from_millis(500),
@@ -85,6 +89,60 @@ impl WorkerConfig {
             output_buffer: 1024,
             metrics_listen: None,
         }
+    }
+}
+
+/// A worker's native engine: a loaded GGUF model (shared by every engine of the process) and
+/// the kernels and threads it computes with.
+#[derive(Clone, Debug)]
+pub struct NativeEngine {
+    pub model: Arc<tandem_native::Llama>,
+    pub kernels: tandem_native::Kernels,
+    /// Threads of one step's compute (at least 1).
+    pub threads: usize,
+    /// The model's end-of-sequence token: generation stops there unless a request asks to
+    /// ignore it (`tokenizer.ggml.eos_token_id`; ChatML models end a turn with it).
+    pub eos_token: Option<u32>,
+}
+
+impl WorkerConfig {
+    /// Bytes of one KV block: the model's K and V per token (f16) for the native engine, the
+    /// mocker's shape otherwise.
+    pub fn bytes_per_block(&self) -> usize {
+        match &self.native {
+            Some(n) => tandem_native::NativeModel::kv_shape_of(&n.model)
+                .bytes_per_block(self.engine.pool.block_size.tokens()),
+            None => MockEngine::bytes_per_block(&self.engine),
+        }
+    }
+
+    /// Builds the engine, its device arena in `storage` when given.
+    fn build_engine(
+        &self,
+        storage: Option<Box<dyn ArenaStorage>>,
+    ) -> Result<DynEngine, tandem_engine::EngineError> {
+        let Some(n) = &self.native else {
+            return match storage {
+                Some(s) => MockEngine::with_device_storage(self.engine.clone(), s),
+                None => MockEngine::new(self.engine.clone()),
+            }
+            .map(Engine::into_dyn);
+        };
+        let cfg = EngineConfig {
+            pool: self.engine.pool.clone(),
+            scheduler: self.engine.scheduler.clone(),
+        };
+        let model = tandem_native::NativeModel::new(
+            n.model.clone(),
+            n.kernels,
+            self.engine.pool.block_size.tokens(),
+            n.threads,
+        );
+        match storage {
+            Some(s) => Engine::with_model_and_storage(cfg, model, s),
+            None => Engine::new_with_model(cfg, model),
+        }
+        .map(Engine::into_dyn)
     }
 }
 
@@ -152,14 +210,12 @@ impl WorkerContext {
         let events = deps.events.clone();
         config.engine.pool.worker_id = config.worker_id;
         let (region, exposed) = arena_region(&config, deps.transport.as_deref()).await?;
-        let engine = match region.clone() {
-            Some(region) => MockEngine::with_device_storage(
-                config.engine.clone(),
-                Box::new(RegionStorage::new(region)),
-            ),
-            None => MockEngine::new(config.engine.clone()),
-        }
-        .map_err(|e| WorkerError::InvalidRequest(format!("engine config: {e}")))?;
+        let storage = region
+            .clone()
+            .map(|r| Box::new(RegionStorage::new(r)) as Box<dyn ArenaStorage>);
+        let engine = config
+            .build_engine(storage)
+            .map_err(|e| WorkerError::InvalidRequest(format!("engine config: {e}")))?;
         let tasks = TaskTracker::new();
         let stop = shutdown.stop_token().child_token();
         let metrics = Arc::new(WorkerMetrics::default());
@@ -171,7 +227,7 @@ impl WorkerContext {
             metrics: metrics.clone(),
         };
         let host = EngineHost::start(
-            engine.into_dyn(),
+            engine,
             publishing,
             config.output_buffer,
             &tasks,
@@ -355,7 +411,7 @@ async fn arena_region(
     transport: Option<&dyn Transport>,
 ) -> Result<(Option<Arc<Region>>, Option<ExposedArena>), WorkerError> {
     let blocks = config.engine.pool.device_blocks;
-    let bytes = MockEngine::bytes_per_block(&config.engine);
+    let bytes = config.bytes_per_block();
     if bytes == 0 {
         // Timing only: no KV bytes to keep or move.
         return Ok((None, None));

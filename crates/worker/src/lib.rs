@@ -22,12 +22,14 @@ pub mod error;
 pub mod external;
 pub mod host;
 pub mod metrics;
+pub mod sampling;
 pub mod scrape;
 pub mod trace;
 
 pub use arena::{KvMemory, RegionStorage, digest_block, region_digest};
-pub use context::{ExposedArena, WorkerConfig, WorkerContext, WorkerDeps};
+pub use context::{ExposedArena, NativeEngine, WorkerConfig, WorkerContext, WorkerDeps};
 pub use digest::KvDigest;
 pub use error::WorkerError;
 pub use host::{EngineHost, HostOutput, HostPublishing, RequestHandle, cpu_bound};
 pub use metrics::WorkerMetrics;
+pub use sampling::sampling_params;

@@ -55,6 +55,8 @@ pub enum ChatTemplateSpec {
     /// template}`; `name` picks one of the list, else `default` / `tool_use` as transformers
     /// does). Without a `chat_template` key, a `chat_template.jinja` beside it is used.
     TokenizerConfig { path: PathBuf, name: Option<String> },
+    /// The `tokenizer.chat_template` of a GGUF model file, with its BOS and EOS token strings.
+    Gguf { path: PathBuf },
 }
 
 impl FromStr for ChatTemplateSpec {
@@ -234,6 +236,38 @@ impl ChatTemplate {
                     Some(config) => special_tokens(&parse_config(config)?),
                     None => Vec::new(),
                 };
+                Self::compile(
+                    vec![("default".to_string(), source)],
+                    None,
+                    special,
+                    path.display().to_string(),
+                    clock,
+                )
+            }
+            ChatTemplateSpec::Gguf { path } => {
+                let invalid = |message: String| ChatTemplateError::Config {
+                    path: path.clone(),
+                    message,
+                };
+                let file =
+                    tandem_native::GgufFile::read(path).map_err(|e| invalid(e.to_string()))?;
+                let info =
+                    tandem_native::tokenizer::info(&file).map_err(|e| invalid(e.to_string()))?;
+                let source = info
+                    .chat_template
+                    .clone()
+                    .ok_or_else(|| ChatTemplateError::NoTemplate { path: path.clone() })?;
+                let tokens = file
+                    .get_str_array("tokenizer.ggml.tokens")
+                    .unwrap_or_default();
+                let name_of = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
+                let special = [
+                    ("bos_token", name_of(info.bos)),
+                    ("eos_token", name_of(info.eos)),
+                ]
+                .into_iter()
+                .filter_map(|(k, v)| Some((k.to_string(), Value::from(v?))))
+                .collect();
                 Self::compile(
                     vec![("default".to_string(), source)],
                     None,

@@ -19,6 +19,9 @@ pub enum TokenizerSpec {
     Tiktoken(String),
     /// A Hugging Face `tokenizer.json` file.
     HuggingFace(PathBuf),
+    /// The tokenizer a GGUF model file describes (`tokenizer.ggml.*`): the same one the
+    /// native engine's workers use, so frontend and engine tokenize alike.
+    Gguf(PathBuf),
 }
 
 impl Default for TokenizerSpec {
@@ -30,14 +33,18 @@ impl Default for TokenizerSpec {
 impl FromStr for TokenizerSpec {
     type Err = TokenizerError;
 
-    /// `cl100k_base` / `o200k_base` (or `tiktoken:<name>`) name a tiktoken encoding; anything
-    /// else is a path to a `tokenizer.json` (an optional `hf:` prefix is stripped).
+    /// `cl100k_base` / `o200k_base` (or `tiktoken:<name>`) name a tiktoken encoding; a path
+    /// ending in `.gguf` is a GGUF model's tokenizer; anything else is a path to a
+    /// `tokenizer.json` (an optional `hf:` prefix is stripped).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         if let Some(name) = s.strip_prefix("tiktoken:") {
             return Ok(TokenizerSpec::Tiktoken(name.to_string()));
         }
         if TIKTOKEN_NAMES.contains(&s) {
             return Ok(TokenizerSpec::Tiktoken(s.to_string()));
+        }
+        if s.ends_with(".gguf") {
+            return Ok(TokenizerSpec::Gguf(PathBuf::from(s)));
         }
         let path = s.strip_prefix("hf:").unwrap_or(s);
         if path.is_empty() {
@@ -106,21 +113,34 @@ impl Tokenizer {
                 })
             }
             TokenizerSpec::HuggingFace(path) => {
-                let mut tok =
+                let tok =
                     tokenizers::Tokenizer::from_file(path).map_err(|e| TokenizerError::Load {
                         path: path.clone(),
                         message: e.to_string(),
                     })?;
-                // Special-token strings in user text stay plain text.
-                tok.set_encode_special_tokens(true);
-                Ok(Tokenizer {
-                    name: path.display().to_string(),
-                    inner: Inner::HuggingFace {
-                        plain: Box::new(tok),
-                        specials: OnceLock::new(),
-                    },
-                })
+                Ok(Self::hugging_face(path, tok))
             }
+            TokenizerSpec::Gguf(path) => {
+                let load = |e: tandem_native::Error| TokenizerError::Load {
+                    path: path.clone(),
+                    message: e.to_string(),
+                };
+                let file = tandem_native::GgufFile::read(path).map_err(load)?;
+                let tok = tandem_native::tokenizer::from_gguf(&file).map_err(load)?;
+                Ok(Self::hugging_face(path, tok))
+            }
+        }
+    }
+
+    fn hugging_face(path: &std::path::Path, mut tok: tokenizers::Tokenizer) -> Tokenizer {
+        // Special-token strings in user text stay plain text.
+        tok.set_encode_special_tokens(true);
+        Tokenizer {
+            name: path.display().to_string(),
+            inner: Inner::HuggingFace {
+                plain: Box::new(tok),
+                specials: OnceLock::new(),
+            },
         }
     }
 

@@ -61,6 +61,8 @@ impl Sidecar {
             prompt: req.prompt.clone(),
             hash_seed: req.hash_seed,
             sampling_seed: req.sampling.as_ref().map_or(0, |s| s.seed),
+            temperature: req.sampling.as_ref().map_or(0.0, |s| s.temperature),
+            top_p: req.sampling.as_ref().and_then(|s| s.top_p),
             from_token: 0,
             block_size: self.inner.shape.block_size.get(),
             bytes_per_block: 0,

@@ -1,0 +1,71 @@
+//! `--model PATH.gguf`: a GGUF model the native engine computes (real tokens), loaded once per
+//! process and shared by every engine in it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use tandem_native::{GgufFile, Isa, Kernels, Llama, Precision};
+use tandem_worker::NativeEngine;
+
+/// A loaded GGUF model and what the frontend takes from the same file.
+#[derive(Clone, Debug)]
+pub struct ModelFile {
+    pub path: PathBuf,
+    /// The name it is served under: the file's stem (`SmolLM2-135M-Instruct.Q4_1`).
+    pub name: String,
+    pub llama: Arc<Llama>,
+    /// The context it was trained for (`<arch>.context_length`).
+    pub context_length: u32,
+    pub eos_token: Option<u32>,
+}
+
+impl ModelFile {
+    /// `--model`'s value, when it names a GGUF file (a path ending in `.gguf`); loads it.
+    pub fn from_flag(model: &str) -> anyhow::Result<Option<ModelFile>> {
+        if !model.ends_with(".gguf") {
+            return Ok(None);
+        }
+        let path = PathBuf::from(model);
+        let file = GgufFile::read(&path).with_context(|| format!("--model {model}"))?;
+        let llama = tandem_native::load(&file, Precision::Quantized)
+            .with_context(|| format!("--model {model}"))?;
+        let name = Path::new(model)
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| model.to_string());
+        let context_length = u32::try_from(llama.cfg.n_ctx).unwrap_or(u32::MAX);
+        let eos_token = tandem_native::tokenizer::info(&file)
+            .with_context(|| format!("--model {model}"))?
+            .eos;
+        tracing::info!(
+            model = %path.display(),
+            arch = llama.cfg.arch.name(),
+            layers = llama.cfg.n_layer,
+            context_length,
+            "model loaded"
+        );
+        Ok(Some(ModelFile {
+            path,
+            name,
+            llama: Arc::new(llama),
+            context_length,
+            eos_token,
+        }))
+    }
+
+    /// The native engine of a worker computing this model on `threads` threads.
+    pub fn engine(&self, threads: usize) -> NativeEngine {
+        NativeEngine {
+            model: self.llama.clone(),
+            kernels: Kernels::new(Isa::detect()),
+            threads: threads.max(1),
+            eos_token: self.eos_token,
+        }
+    }
+}
+
+/// The cores this process may use.
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
