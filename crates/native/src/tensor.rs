@@ -66,18 +66,26 @@ impl Matrix {
     ) {
         debug_assert_eq!(x.cols, self.cols);
         let n = range.len();
-        // Tiles of weight rows, all activation rows against each tile while it is in cache.
-        const TILE: usize = 16;
-        let mut o0 = range.start;
-        while o0 < range.end {
-            let o1 = (o0 + TILE).min(range.end);
-            for r in 0..x.rows {
-                let (xf, xq) = (x.row_f32(r), x.row_q8(r));
-                for o in o0..o1 {
-                    out[r * n + o - range.start] = k.dot(self.format, self.row(o), xf, xq);
+        let blocks = self.cols / QK;
+        // Tiles of activation rows that stay in cache while every weight row of the range
+        // meets them; each weight row is unpacked once per tile.
+        const TILE: usize = 32;
+        let mut sums = [0.0f32; TILE];
+        let mut r0 = 0;
+        while r0 < x.rows {
+            let r1 = (r0 + TILE).min(x.rows);
+            let (xf, xq) = (
+                &x.values[r0 * self.cols..r1 * self.cols],
+                &x.q8[r0 * blocks..r1 * blocks],
+            );
+            for o in range.clone() {
+                let sums = &mut sums[..r1 - r0];
+                k.dot_many(self.format, self.row(o), xf, xq, self.cols, sums);
+                for (i, s) in sums.iter().enumerate() {
+                    out[(r0 + i) * n + o - range.start] = *s;
                 }
             }
-            o0 = o1;
+            r0 = r1;
         }
     }
 

@@ -108,9 +108,68 @@ impl Kernels {
         self.isa
     }
 
+    /// `Σ a[i]·b[i]` of two f32 slices of a multiple of 8 values: 8 lanes of fused
+    /// multiply-adds, reduced in a fixed order (the same on every path; the portable one's
+    /// `mul_add` is a libm call where the build does not enable FMA: slow, but exact).
+    pub fn dot_f32s(&self, a: &[f32], b: &[f32]) -> f32 {
+        debug_assert!(a.len() == b.len() && a.len() % 8 == 0);
+        match self.isa {
+            Isa::Avx2 => simd::dot_f32s(a, b),
+            Isa::Portable => portable::dot_f32s(a, b),
+        }
+    }
+
+    /// `y[i] = w · x[i] + y[i]`, fused (the same on every path).
+    pub fn axpy(&self, w: f32, x: &[f32], y: &mut [f32]) {
+        debug_assert!(x.len() == y.len() && x.len() % 8 == 0);
+        match self.isa {
+            Isa::Avx2 => simd::axpy(w, x, y),
+            Isa::Portable => portable::axpy(w, x, y),
+        }
+    }
+
+    /// Little-endian f16 `src` (2 bytes a value) as f32 into `dst` (exact on every path).
+    pub fn f16_to_f32(&self, src: &[u8], dst: &mut [f32]) {
+        debug_assert_eq!(src.len(), dst.len() * 2);
+        match self.isa {
+            Isa::Avx2 => simd::f16_to_f32(src, dst),
+            Isa::Portable => portable::f16_to_f32(src, dst),
+        }
+    }
+
     /// Quantizes `x` (a multiple of [`QK`] long) into `out` (`x.len() / QK` blocks).
     pub fn quantize_q8(&self, x: &[f32], out: &mut [BlockQ8]) {
         portable::quantize_q8(x, out)
+    }
+
+    /// One weight row against `out.len()` activation rows at once: `out[r]` is
+    /// [`dot`](Self::dot) of `w` with row `r` (`x`: the f32 rows back to back, `cols` each;
+    /// `xq`: their quantized blocks back to back), bit for bit. The SIMD path unpacks each
+    /// weight block once for all the rows: weights are read once per step, not per row.
+    pub fn dot_many(
+        &self,
+        format: WeightFormat,
+        w: &[u8],
+        x: &[f32],
+        xq: &[BlockQ8],
+        cols: usize,
+        out: &mut [f32],
+    ) {
+        let blocks = cols / QK;
+        match (self.isa, format) {
+            (Isa::Avx2, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => {
+                simd::dot_many(format, w, xq, blocks, out)
+            }
+            _ => {
+                for (r, o) in out.iter_mut().enumerate() {
+                    let (xr, qr) = (
+                        &x[r * cols..(r + 1) * cols],
+                        &xq[r * blocks..(r + 1) * blocks],
+                    );
+                    *o = self.dot(format, w, xr, qr);
+                }
+            }
+        }
     }
 
     /// The dot product of one weight row (`format`, raw bytes) with one activation row: the

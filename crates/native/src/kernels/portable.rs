@@ -10,6 +10,28 @@ pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
     half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
+pub(super) fn dot_f32s(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] = ca[i].mul_add(cb[i], acc[i]);
+        }
+    }
+    reduce8(acc)
+}
+
+pub(super) fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y = w.mul_add(*x, *y);
+    }
+}
+
+pub(super) fn f16_to_f32(src: &[u8], dst: &mut [f32]) {
+    for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+        *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+    }
+}
+
 pub(super) fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
     debug_assert_eq!(x.len(), out.len() * QK);
     for (block, xs) in out.iter_mut().zip(x.chunks_exact(QK)) {

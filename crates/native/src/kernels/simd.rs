@@ -13,13 +13,15 @@
 
 use super::{BlockQ8, QK};
 #[cfg(target_arch = "x86_64")]
-use super::{Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES, portable};
+use super::{Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
 
-/// Whether the CPU runs the AVX2 kernels (AVX2 and FMA).
+/// Whether the CPU runs the AVX2 kernels (AVX2, FMA and F16C).
 pub(super) fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -93,7 +95,146 @@ mod x86 {
         let mut lanes = [0.0f32; 8];
         // SAFETY: `lanes` is 8 f32; unaligned store.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        super::portable::reduce8(lanes)
+        super::super::portable::reduce8(lanes)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) fn dot_f32s(a: &[f32], b: &[f32]) -> f32 {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { dots(a, b) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dots(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        // SAFETY: 8 f32 each; unaligned loads.
+        let (va, vb) = unsafe { (_mm256_loadu_ps(ca.as_ptr()), _mm256_loadu_ps(cb.as_ptr())) };
+        acc = _mm256_fmadd_ps(va, vb, acc);
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` is 8 f32; unaligned store.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    super::portable::reduce8(lanes)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { axpy8(w, x, y) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn axpy8(w: f32, x: &[f32], y: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let wv = _mm256_set1_ps(w);
+    for (cy, cx) in y.chunks_exact_mut(8).zip(x.chunks_exact(8)) {
+        // SAFETY: 8 f32 each; unaligned loads and store.
+        unsafe {
+            let v = _mm256_fmadd_ps(
+                wv,
+                _mm256_loadu_ps(cx.as_ptr()),
+                _mm256_loadu_ps(cy.as_ptr()),
+            );
+            _mm256_storeu_ps(cy.as_mut_ptr(), v);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) fn f16_to_f32(src: &[u8], dst: &mut [f32]) {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { halves(src, dst) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+fn halves(src: &[u8], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let whole = dst.len() / 8 * 8;
+    for (d, s) in dst[..whole].chunks_exact_mut(8).zip(src.chunks_exact(16)) {
+        // SAFETY: `s` is 16 bytes (8 halves) and `d` 8 f32; unaligned load and store.
+        unsafe {
+            let h = _mm_loadu_si128(s.as_ptr().cast());
+            _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+    }
+    super::portable::f16_to_f32(&src[whole * 2..], &mut dst[whole..]);
+}
+
+/// The two f16 values at the start of `b` as f32 (exact, as `half`'s conversion).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+fn f16_pair(b: &[u8]) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)))
+}
+
+/// One weight row against several activation rows (see `Kernels::dot_many`): each weight
+/// block is unpacked and its scales converted once, then met with every row's block; each
+/// row's sum still runs over the blocks in order, with the portable path's f32 operations.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn dot_many(
+    format: super::WeightFormat,
+    w: &[u8],
+    xq: &[BlockQ8],
+    blocks: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { many(format, w, xq, blocks, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn many(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], blocks: usize, out: &mut [f32]) {
+    use super::WeightFormat;
+    use std::arch::x86_64::*;
+    out.fill(0.0);
+    let rows = out.len();
+    let at = |r: usize, b: usize| &xq[r * blocks + b];
+    match format {
+        WeightFormat::Q4_1 => {
+            for (b, wb) in w.chunks_exact(Q4_1_BYTES).enumerate() {
+                let (d, m) = f16_pair(wb);
+                let wv = x86::nibbles(&wb[4..]);
+                for (r, acc) in out.iter_mut().enumerate().take(rows) {
+                    let a = at(r, b);
+                    let sumi = x86::dot_u8_i8(wv, x86::load32_i8(&a.qs));
+                    *acc += d * a.d * sumi as f32 + m * a.s;
+                }
+            }
+        }
+        WeightFormat::Q4_0 => {
+            for (b, wb) in w.chunks_exact(Q4_0_BYTES).enumerate() {
+                let d = f16_pair(wb).0;
+                let wv = x86::nibbles(&wb[2..]);
+                for (r, acc) in out.iter_mut().enumerate().take(rows) {
+                    let a = at(r, b);
+                    let sumi = x86::dot_u8_i8(wv, x86::load32_i8(&a.qs));
+                    *acc += d * a.d * (sumi - 8 * a.sum) as f32;
+                }
+            }
+        }
+        WeightFormat::Q8_0 => {
+            for (b, wb) in w.chunks_exact(Q8_0_BYTES).enumerate() {
+                let d = f16_pair(wb).0;
+                let wv = x86::load32(&wb[2..]);
+                let abs = _mm256_sign_epi8(wv, wv);
+                for (r, acc) in out.iter_mut().enumerate().take(rows) {
+                    let a = at(r, b);
+                    let sumi = x86::dot_u8_i8(abs, _mm256_sign_epi8(x86::load32_i8(&a.qs), wv));
+                    *acc += d * a.d * sumi as f32;
+                }
+            }
+        }
+        WeightFormat::F32 => unreachable!("f32 weights take the row-by-row path"),
     }
 }
 
@@ -110,11 +251,11 @@ pub(super) fn dot_q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,f16c")]
 fn q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
     let mut acc = 0.0f32;
     for (wb, a) in w.chunks_exact(Q4_0_BYTES).zip(xq) {
-        let d = portable::f16_at(wb, 0);
+        let d = f16_pair(wb).0;
         let sumi = x86::dot_u8_i8(x86::nibbles(&wb[2..]), x86::load32_i8(&a.qs));
         acc += d * a.d * (sumi - 8 * a.sum) as f32;
     }
@@ -128,12 +269,11 @@ pub(super) fn dot_q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,f16c")]
 fn q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
     let mut acc = 0.0f32;
     for (wb, a) in w.chunks_exact(Q4_1_BYTES).zip(xq) {
-        let d = portable::f16_at(wb, 0);
-        let m = portable::f16_at(wb, 2);
+        let (d, m) = f16_pair(wb);
         let sumi = x86::dot_u8_i8(x86::nibbles(&wb[4..]), x86::load32_i8(&a.qs));
         acc += d * a.d * sumi as f32 + m * a.s;
     }
@@ -147,12 +287,12 @@ pub(super) fn dot_q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,f16c")]
 fn q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
     use std::arch::x86_64::*;
     let mut acc = 0.0f32;
     for (wb, a) in w.chunks_exact(Q8_0_BYTES).zip(xq) {
-        let d = portable::f16_at(wb, 0);
+        let d = f16_pair(wb).0;
         let wv = x86::load32(&wb[2..]);
         let av = x86::load32_i8(&a.qs);
         // Σ w·a as |w| · (a with w's sign): maddubs takes its first operand unsigned.
@@ -164,6 +304,22 @@ fn q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
 
 // Other targets have no SIMD path yet: `avx2_available` is false there, so these are never
 // reached; they exist so that `Kernels` compiles everywhere.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn dot_many(_: super::WeightFormat, _: &[u8], _: &[BlockQ8], _: usize, _: &mut [f32]) {
+    unreachable!("no SIMD kernels on this target: avx2_available is false")
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn dot_f32s(a: &[f32], b: &[f32]) -> f32 {
+    super::portable::dot_f32s(a, b)
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+    super::portable::axpy(w, x, y)
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn f16_to_f32(src: &[u8], dst: &mut [f32]) {
+    super::portable::f16_to_f32(src, dst)
+}
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
     super::portable::dot_f32(w, x)

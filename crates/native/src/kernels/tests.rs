@@ -153,8 +153,54 @@ proptest! {
             portable.quantize_q8(&x, &mut xq);
             let (a, b) = (portable.dot(format, &w, &x, &xq), simd.dot(format, &w, &x, &xq));
             prop_assert_eq!(a.to_bits(), b.to_bits(), "{:?}: {} vs {}", format, a, b);
+            // Several rows at once: each row's result is its own single-row one.
+            let rows = 1 + (seed % 5) as usize;
+            let xs: Vec<f32> = (0..rows * cols).map(|_| rng.unit() * 4.0).collect();
+            let mut xqs = vec![BlockQ8::default(); rows * blocks];
+            portable.quantize_q8(&xs, &mut xqs);
+            for k in [&portable, &simd] {
+                let mut out = vec![0.0f32; rows];
+                k.dot_many(format, &w, &xs, &xqs, cols, &mut out);
+                for r in 0..rows {
+                    let one = portable.dot(
+                        format,
+                        &w,
+                        &xs[r * cols..(r + 1) * cols],
+                        &xqs[r * blocks..(r + 1) * blocks],
+                    );
+                    prop_assert_eq!(out[r].to_bits(), one.to_bits(), "{:?} row {}", format, r);
+                }
+            }
         }
     }
+}
+
+#[test]
+fn the_attention_kernels_are_the_same_on_every_path() {
+    let mut rng = Rng(3);
+    let a: Vec<f32> = (0..64).map(|_| rng.unit()).collect();
+    let b: Vec<f32> = (0..64).map(|_| rng.unit()).collect();
+    let (p, s) = (Kernels::new(Isa::Portable), Kernels::new(Isa::detect()));
+    assert_eq!(p.dot_f32s(&a, &b).to_bits(), s.dot_f32s(&a, &b).to_bits());
+    let want: f64 = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| f64::from(*x) * f64::from(*y))
+        .sum();
+    assert!((f64::from(p.dot_f32s(&a, &b)) - want).abs() < 1e-5);
+    let (mut y1, mut y2) = (b.clone(), b.clone());
+    p.axpy(0.37, &a, &mut y1);
+    s.axpy(0.37, &a, &mut y2);
+    assert_eq!(y1, y2);
+    let halves: Vec<u8> = a
+        .iter()
+        .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+        .collect();
+    let (mut h1, mut h2) = (vec![0.0; 64], vec![0.0; 64]);
+    p.f16_to_f32(&halves, &mut h1);
+    s.f16_to_f32(&halves[..], &mut h2);
+    assert_eq!(h1, h2);
+    assert!(h1.iter().zip(&a).all(|(h, x)| (h - x).abs() < 1e-3));
 }
 
 #[test]

@@ -140,8 +140,8 @@ pub struct Scratch {
     cos: Vec<f32>,
     sin: Vec<f32>,
     scores: Vec<f32>,
+    /// One row's context, K and V of every position in f32.
     kv_row: Vec<f32>,
-    f16_row: Vec<half::f16>,
 }
 
 impl Llama {
@@ -247,7 +247,7 @@ impl Llama {
         }
         s.att.resize(n * qd, 0.0);
         for (r, row) in rows.iter().enumerate() {
-            self.attend(l, row, arena, bs, r, s);
+            self.attend(k, l, row, arena, bs, r, s);
         }
         s.acts.set(k, n, qd, &s.att);
         s.h.resize(n * d, 0.0);
@@ -258,9 +258,12 @@ impl Llama {
     }
 
     /// Row `r`'s attention output (all heads) into `s.att`, over positions `0..=row.pos` read
-    /// from the arena in position order, one arena access per block.
+    /// from the arena in position order: the layer's K and V of every position converted to
+    /// f32 first, one arena access and one conversion per block.
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
+        k: &Kernels,
         l: usize,
         row: &StepRow<'_>,
         arena: &KvArena,
@@ -278,48 +281,40 @@ impl Llama {
         );
         let len = row.pos + 1;
         let kv_token = self.kv_bytes_per_token_layer();
+        // [position][K then V][kvd]: a layer's slots are consecutive within a block.
+        let per_pos = 2 * kvd;
+        s.kv_row.resize(len * per_pos, 0.0);
+        for (b, &block) in row.table[..len.div_ceil(bs)].iter().enumerate() {
+            let slots = (len - b * bs).min(bs);
+            let at = l * bs * kv_token;
+            let dst = &mut s.kv_row[b * bs * per_pos..(b * bs + slots) * per_pos];
+            arena.with_block(block, |bytes| {
+                k.f16_to_f32(&bytes[at..at + slots * kv_token], dst);
+            });
+        }
         let scale = 1.0 / (hd as f32).sqrt();
         let q = &s.q[r * qd..(r + 1) * qd];
         // Scores of every head against every position: [head][position].
         s.scores.resize(n_head * len, 0.0);
-        s.kv_row.resize(kvd, 0.0);
-        s.f16_row.resize(kvd, half::f16::ZERO);
-        let (scores, kv_row, tmp) = (&mut s.scores, &mut s.kv_row, &mut s.f16_row);
-        for (b, &block) in row.table[..len.div_ceil(bs)].iter().enumerate() {
-            let slots = (len - b * bs).min(bs);
-            arena.with_block(block, |bytes| {
-                for slot in 0..slots {
-                    let at = (l * bs + slot) * kv_token;
-                    read_f16(&bytes[at..at + kvd * 2], tmp, kv_row);
-                    let t = b * bs + slot;
-                    for h in 0..n_head {
-                        let kh = &kv_row[(h / group) * hd..(h / group + 1) * hd];
-                        scores[h * len + t] = dot(&q[h * hd..(h + 1) * hd], kh) * scale;
-                    }
-                }
-            });
+        for t in 0..len {
+            let kt = &s.kv_row[t * per_pos..t * per_pos + kvd];
+            for h in 0..n_head {
+                let kh = &kt[(h / group) * hd..(h / group + 1) * hd];
+                s.scores[h * len + t] = k.dot_f32s(&q[h * hd..(h + 1) * hd], kh) * scale;
+            }
         }
         for h in 0..n_head {
-            softmax(&mut scores[h * len..(h + 1) * len]);
+            softmax(&mut s.scores[h * len..(h + 1) * len]);
         }
         let out = &mut s.att[r * qd..(r + 1) * qd];
         out.fill(0.0);
-        for (b, &block) in row.table[..len.div_ceil(bs)].iter().enumerate() {
-            let slots = (len - b * bs).min(bs);
-            arena.with_block(block, |bytes| {
-                for slot in 0..slots {
-                    let at = (l * bs + slot) * kv_token + kvd * 2;
-                    read_f16(&bytes[at..at + kvd * 2], tmp, kv_row);
-                    let t = b * bs + slot;
-                    for h in 0..n_head {
-                        let w = scores[h * len + t];
-                        let vh = &kv_row[(h / group) * hd..(h / group + 1) * hd];
-                        for (o, v) in out[h * hd..(h + 1) * hd].iter_mut().zip(vh) {
-                            *o = w.mul_add(*v, *o);
-                        }
-                    }
-                }
-            });
+        for t in 0..len {
+            let vt = &s.kv_row[t * per_pos + kvd..(t + 1) * per_pos];
+            for h in 0..n_head {
+                let w = s.scores[h * len + t];
+                let vh = &vt[(h / group) * hd..(h / group + 1) * hd];
+                k.axpy(w, vh, &mut out[h * hd..(h + 1) * hd]);
+            }
         }
     }
 
@@ -384,33 +379,8 @@ fn softmax(x: &mut [f32]) {
     }
 }
 
-/// A dot product in 8 lanes, reduced in a fixed order.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] = ca[i].mul_add(cb[i], acc[i]);
-        }
-    }
-    let mut tail = 0.0;
-    let rem = a.len() / 8 * 8;
-    for i in rem..a.len() {
-        tail += a[i] * b[i];
-    }
-    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail
-}
-
 fn write_f16(dst: &mut [u8], src: &[f32]) {
     for (d, &v) in dst.chunks_exact_mut(2).zip(src) {
         d.copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
     }
-}
-
-/// Little-endian f16 `bytes` as f32 into `out` (`tmp` holds the halves).
-fn read_f16(bytes: &[u8], tmp: &mut [half::f16], out: &mut [f32]) {
-    use half::slice::HalfFloatSliceExt;
-    for (t, c) in tmp.iter_mut().zip(bytes.chunks_exact(2)) {
-        *t = half::f16::from_le_bytes([c[0], c[1]]);
-    }
-    tmp.convert_to_f32_slice(out);
 }
