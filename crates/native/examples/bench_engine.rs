@@ -75,10 +75,7 @@ fn main() {
     while e.has_work() {
         short += step(&mut e, &mut t);
     }
-    eprintln!(
-        "decode b1 ctx16: {:.1} tok/s",
-        short as f64 / start.elapsed().as_secs_f64()
-    );
+    let short_s = start.elapsed().as_secs_f64();
 
     // 16 streams: 128-token prompts prefilled first, then 64 tokens each, every step
     // computing all 16 rows.

@@ -236,13 +236,7 @@ impl ChatTemplate {
                     Some(config) => special_tokens(&parse_config(config)?),
                     None => Vec::new(),
                 };
-                Self::compile(
-                    vec![("default".to_string(), source)],
-                    None,
-                    special,
-                    path.display().to_string(),
-                    clock,
-                )
+                Self::single(source, special, path, clock)
             }
             ChatTemplateSpec::Gguf { path } => {
                 let invalid = |message: String| ChatTemplateError::Config {
@@ -268,13 +262,7 @@ impl ChatTemplate {
                 .into_iter()
                 .filter_map(|(k, v)| Some((k.to_string(), Value::from(v?))))
                 .collect();
-                Self::compile(
-                    vec![("default".to_string(), source)],
-                    None,
-                    special,
-                    path.display().to_string(),
-                    clock,
-                )
+                Self::single(source, special, path, clock)
             }
             ChatTemplateSpec::TokenizerConfig { path, name } => {
                 let config = parse_config(path)?;
@@ -305,6 +293,22 @@ impl ChatTemplate {
             None,
             special,
             "a template string".to_string(),
+            clock,
+        )
+    }
+
+    /// One template, `default`, from the file at `path`.
+    fn single(
+        source: String,
+        special: Vec<(String, Value)>,
+        path: &Path,
+        clock: Clock,
+    ) -> Result<ChatTemplate, ChatTemplateError> {
+        Self::compile(
+            vec![("default".to_string(), source)],
+            None,
+            special,
+            path.display().to_string(),
             clock,
         )
     }

@@ -39,20 +39,14 @@ const MAGIC: [u8; 4] = *b"GGUF";
 /// A GGUF file, read whole into memory and checked.
 pub struct GgufFile {
     bytes: Vec<u8>,
-    version: u32,
-    alignment: usize,
-    /// Where the data section starts in `bytes` (may equal `bytes.len()`).
-    data_offset: usize,
-    metadata: Vec<(String, Value)>,
-    key_index: HashMap<String, usize>,
-    tensors: Vec<TensorInfo>,
-    tensor_index: HashMap<String, usize>,
+    layout: Layout,
 }
 
 /// Everything [`parse_layout`] learns; the bytes join it in [`GgufFile::parse`].
 struct Layout {
     version: u32,
     alignment: usize,
+    /// Where the data section starts in the bytes (may equal their length).
     data_offset: usize,
     metadata: Vec<(String, Value)>,
     key_index: HashMap<String, usize>,
@@ -74,30 +68,21 @@ impl GgufFile {
     /// Parses a whole GGUF file held in `bytes`.
     pub fn parse(bytes: Vec<u8>) -> Result<GgufFile, Error> {
         let layout = parse_layout(&bytes)?;
-        Ok(GgufFile {
-            bytes,
-            version: layout.version,
-            alignment: layout.alignment,
-            data_offset: layout.data_offset,
-            metadata: layout.metadata,
-            key_index: layout.key_index,
-            tensors: layout.tensors,
-            tensor_index: layout.tensor_index,
-        })
+        Ok(GgufFile { bytes, layout })
     }
 
     pub fn version(&self) -> u32 {
-        self.version
+        self.layout.version
     }
 
     /// The alignment of the data section and its tensors.
     pub fn alignment(&self) -> usize {
-        self.alignment
+        self.layout.alignment
     }
 
     /// Where the data section starts in the file.
     pub fn data_offset(&self) -> usize {
-        self.data_offset
+        self.layout.data_offset
     }
 
     /// The whole file.
@@ -107,12 +92,12 @@ impl GgufFile {
 
     /// Every metadata entry, in file order.
     pub fn metadata_entries(&self) -> impl ExactSizeIterator<Item = (&str, &Value)> {
-        self.metadata.iter().map(|(k, v)| (k.as_str(), v))
+        self.layout.metadata.iter().map(|(k, v)| (k.as_str(), v))
     }
 
     pub fn metadata(&self, key: &str) -> Option<&Value> {
-        let &i = self.key_index.get(key)?;
-        self.metadata.get(i).map(|(_, v)| v)
+        let &i = self.layout.key_index.get(key)?;
+        self.layout.metadata.get(i).map(|(_, v)| v)
     }
 
     /// The value at `key` as a `T`: an error names the key when it is missing or holds
@@ -183,23 +168,23 @@ impl GgufFile {
 
     /// Every tensor info, in file order.
     pub fn tensor_infos(&self) -> &[TensorInfo] {
-        &self.tensors
+        &self.layout.tensors
     }
 
     /// Every tensor, in file order.
     pub fn tensors(&self) -> impl ExactSizeIterator<Item = Tensor<'_>> {
-        self.tensors.iter().map(|info| self.view(info))
+        self.layout.tensors.iter().map(|info| self.view(info))
     }
 
     pub fn tensor(&self, name: &str) -> Option<Tensor<'_>> {
-        let &i = self.tensor_index.get(name)?;
-        self.tensors.get(i).map(|info| self.view(info))
+        let &i = self.layout.tensor_index.get(name)?;
+        self.layout.tensors.get(i).map(|info| self.view(info))
     }
 
     fn view<'a>(&'a self, info: &'a TensorInfo) -> Tensor<'a> {
         // In bounds: `parse_layout` checked every tensor's extent against the data section,
         // and neither the bytes nor the infos change afterwards.
-        let start = self.data_offset + info.offset;
+        let start = self.layout.data_offset + info.offset;
         Tensor {
             info,
             data: &self.bytes[start..start + info.n_bytes],
@@ -211,12 +196,12 @@ impl fmt::Debug for GgufFile {
     /// A summary: the bytes and the metadata can be hundreds of megabytes.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GgufFile")
-            .field("version", &self.version)
+            .field("version", &self.layout.version)
             .field("bytes", &self.bytes.len())
-            .field("metadata", &self.metadata.len())
-            .field("tensors", &self.tensors.len())
-            .field("alignment", &self.alignment)
-            .field("data_offset", &self.data_offset)
+            .field("metadata", &self.layout.metadata.len())
+            .field("tensors", &self.layout.tensors.len())
+            .field("alignment", &self.layout.alignment)
+            .field("data_offset", &self.layout.data_offset)
             .finish()
     }
 }

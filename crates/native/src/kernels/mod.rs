@@ -112,7 +112,7 @@ impl Kernels {
     /// multiply-adds, reduced in a fixed order (the same on every path; the portable one's
     /// `mul_add` is a libm call where the build does not enable FMA: slow, but exact).
     pub fn dot_f32s(&self, a: &[f32], b: &[f32]) -> f32 {
-        debug_assert!(a.len() == b.len() && a.len() % 8 == 0);
+        debug_assert!(a.len() == b.len() && a.len().is_multiple_of(8));
         match self.isa {
             Isa::Avx2 => simd::dot_f32s(a, b),
             Isa::Portable => portable::dot_f32s(a, b),
@@ -121,7 +121,7 @@ impl Kernels {
 
     /// `y[i] = w · x[i] + y[i]`, fused (the same on every path).
     pub fn axpy(&self, w: f32, x: &[f32], y: &mut [f32]) {
-        debug_assert!(x.len() == y.len() && x.len() % 8 == 0);
+        debug_assert!(x.len() == y.len() && x.len().is_multiple_of(8));
         match self.isa {
             Isa::Avx2 => simd::axpy(w, x, y),
             Isa::Portable => portable::axpy(w, x, y),

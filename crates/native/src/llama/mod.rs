@@ -212,12 +212,7 @@ impl Llama {
             cfg.kv_dim(),
             cfg.head_dim,
         );
-        s.h.clear();
-        s.h.extend_from_slice(&s.x);
-        for r in 0..n {
-            rms_norm(&mut s.h[r * d..(r + 1) * d], &layer.attn_norm, cfg.rms_eps);
-        }
-        s.acts.set(k, n, d, &s.h);
+        self.normed(k, &layer.attn_norm, n, s);
         s.q.resize(n * qd, 0.0);
         s.k.resize(n * kvd, 0.0);
         s.v.resize(n * kvd, 0.0);
@@ -318,15 +313,22 @@ impl Llama {
         }
     }
 
-    fn ffn_block(&self, c: &Compute, layer: &Layer, n: usize, s: &mut Scratch) {
-        let (cfg, k) = (&self.cfg, &c.kernels);
-        let (d, ff) = (cfg.n_embd, cfg.n_ff);
+    /// Every row of the residual stream `s.x` RMS-normed by `norm`, as the next product's
+    /// activations.
+    fn normed(&self, k: &Kernels, norm: &[f32], n: usize, s: &mut Scratch) {
+        let d = self.cfg.n_embd;
         s.h.clear();
         s.h.extend_from_slice(&s.x);
         for r in 0..n {
-            rms_norm(&mut s.h[r * d..(r + 1) * d], &layer.ffn_norm, cfg.rms_eps);
+            rms_norm(&mut s.h[r * d..(r + 1) * d], norm, self.cfg.rms_eps);
         }
         s.acts.set(k, n, d, &s.h);
+    }
+
+    fn ffn_block(&self, c: &Compute, layer: &Layer, n: usize, s: &mut Scratch) {
+        let (cfg, k) = (&self.cfg, &c.kernels);
+        let (d, ff) = (cfg.n_embd, cfg.n_ff);
+        self.normed(k, &layer.ffn_norm, n, s);
         s.gate.resize(n * ff, 0.0);
         s.up.resize(n * ff, 0.0);
         c.matmul(&layer.w_gate, &s.acts, &mut s.gate);
