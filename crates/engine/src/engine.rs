@@ -155,6 +155,8 @@ pub struct Engine<M> {
     exports: HashMap<RequestId, KvExport>,
     // Reused from step to step.
     sampled: Vec<SampledToken>,
+    /// The in-flight step's model work is done (`sampled` holds its tokens).
+    computed: bool,
     /// The in-flight step's duration, µs (0: none), and the steps' total so far.
     step_us: u64,
     busy_us: u64,
@@ -251,6 +253,7 @@ impl<M: Model> Engine<M> {
             kv_capacity_tokens,
             exports: HashMap::new(),
             sampled: Vec::new(),
+            computed: false,
             step_us: 0,
             busy_us: 0,
         })
@@ -336,14 +339,20 @@ impl<M: Model> Engine<M> {
         })
     }
 
-    /// Runs the in-flight step's model work (KV, tokens) and completes it. Empty when no
-    /// step is in flight.
-    pub fn finish_step(&mut self, now_us: u64) -> Vec<RequestOutput> {
-        self.busy_us += std::mem::take(&mut self.step_us);
+    /// Runs the in-flight step's model work — K/V into the arena, the sampled tokens, the
+    /// export copies — without completing the step: who runs and which blocks are held
+    /// change at [`finish_step`](Self::finish_step) only. A real-time host computes at the
+    /// step's start and completes it at its modelled end, so that its load reports and KV
+    /// events follow the modelled time. Once per step; `finish_step` runs it if nobody did.
+    pub fn compute_step(&mut self) {
+        if self.computed {
+            return;
+        }
         let bs = self.sched.pool().block_size().tokens();
         let Some(view) = self.sched.model_view() else {
-            return Vec::new();
+            return;
         };
+        self.computed = true;
         self.sampled.clear();
         self.model.compute(view, &mut self.sampled);
         if !self.exports.is_empty()
@@ -360,6 +369,17 @@ impl<M: Model> Engine<M> {
                 export.copy_ready(view.arena, table, entry.tokens().end, seq.prompt_len(), bs);
             }
         }
+    }
+
+    /// Runs the in-flight step's model work (unless [`compute_step`](Self::compute_step) did)
+    /// and completes it. Empty when no step is in flight.
+    pub fn finish_step(&mut self, now_us: u64) -> Vec<RequestOutput> {
+        self.busy_us += std::mem::take(&mut self.step_us);
+        if !self.sched.in_flight() {
+            return Vec::new();
+        }
+        self.compute_step();
+        self.computed = false;
         let outputs = self
             .sched
             .complete_step(&self.sampled, now_us)
@@ -466,6 +486,7 @@ impl<M: Model> Engine<M> {
             kv_capacity_tokens: self.kv_capacity_tokens,
             exports: self.exports,
             sampled: self.sampled,
+            computed: self.computed,
             step_us: self.step_us,
             busy_us: self.busy_us,
         }

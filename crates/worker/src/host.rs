@@ -427,30 +427,30 @@ impl EngineHost {
             };
             // The step ends at its start plus its modelled duration, however long the host's
             // own work took: the model's work (KV bytes, digests, copies for export) is done
-            // first, inside the modelled time, and its outputs are handed over at the end.
-            // (Done after the sleep, it made every step that much longer than modelled.)
+            // first, inside the modelled time, and the step completes at its end, when its
+            // outputs are handed over (and the load reports and KV events see it). Done after
+            // the sleep, the work made every step that much longer than modelled.
             let end = start + Duration::from_micros(step.duration_us());
             let end_us = start_us + step.duration_us();
             // CPU-bound, and long for big KV shapes: off the async workers' queue.
-            let done = cpu_bound(|| self.compute_step(end_us));
+            cpu_bound(|| self.inner.state.lock().engine.compute_step());
             tokio::select! {
                 _ = tokio::time::sleep_until(end) => {}
                 _ = cancel.cancelled() => return,
             }
             prev_end = Some(end);
-            if self.hand_over(done) {
+            if self.complete_step(end_us) {
                 self.inner.idle.notify_waiters();
             }
             self.inner.dirty.notify_one();
         }
     }
 
-    /// Finishes the in-flight step at `now` (its modelled end): the model's work, then what
-    /// it gives each request, in order (exported blocks before the token of the same step).
-    fn compute_step(&self, now: u64) -> Vec<(RequestId, HostOutput)> {
+    /// Completes the in-flight step at `now` (its modelled end): exported blocks, then
+    /// outputs to their requests. True when no request is left.
+    fn complete_step(&self, now: u64) -> bool {
         let mut st = self.inner.state.lock();
         let outputs = st.engine.finish_step(now);
-        let mut done = Vec::with_capacity(outputs.len() + st.exporting.len());
         // Blocks first: a consumer sees a prompt's last blocks before its token.
         let exporting = std::mem::take(&mut st.exporting);
         let mut keep = Vec::with_capacity(exporting.len());
@@ -459,28 +459,15 @@ impl EngineHost {
                 continue;
             };
             if !blocks.is_empty() {
-                done.push((id, HostOutput::Blocks(blocks)));
+                deliver(&mut st, id, HostOutput::Blocks(blocks));
             }
             if !finished {
                 keep.push(id);
             }
         }
         st.exporting = keep;
-        done.extend(outputs.into_iter().map(|o| (o.id, HostOutput::Token(o))));
-        done
-    }
-
-    /// Hands a step's outputs to their requests (a request aborted since gets nothing). True
-    /// when no request is left.
-    fn hand_over(&self, done: Vec<(RequestId, HostOutput)>) -> bool {
-        let mut st = self.inner.state.lock();
-        for (id, out) in done {
-            match out {
-                HostOutput::Token(o) => route_output(&mut st, o),
-                blocks => {
-                    deliver(&mut st, id, blocks);
-                }
-            }
+        for out in outputs {
+            route_output(&mut st, out);
         }
         st.outputs.is_empty()
     }
