@@ -51,12 +51,22 @@ fn up(tag: &str, extra: &[&str]) -> Up {
     args.extend(extra.iter().map(|s| s.to_string()));
     let mut proc = Proc::spawn(tag, "up", &args, &dir.join("up.log"));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    wait_for("tandem up to serve", Duration::from_secs(120), || {
-        assert!(proc.is_running(), "tandem up exited:\n{}", proc.log());
-        http::get(addr, "/health")
-            .is_ok_and(|r| r.status == 200)
-            .then_some(())
-    });
+    // Both workers in the frontend's view: a request sent before the prefill worker
+    // registers is prefilled on the decode worker whatever --disagg says.
+    wait_for(
+        "tandem up's frontend to see both workers",
+        Duration::from_secs(120),
+        || {
+            assert!(proc.is_running(), "tandem up exited:\n{}", proc.log());
+            let m = http::get(addr, "/metrics")
+                .ok()
+                .filter(|r| r.status == 200)?;
+            let m = common::metrics::Metrics::parse(&m.text());
+            let seen =
+                |role: &str| m.0.get(&format!("tandem_workers{{role=\"{role}\"}}")) == Some(&1.0);
+            (seen("decode") && seen("prefill")).then_some(())
+        },
+    );
     Up { proc, addr }
 }
 
