@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use tandem_native::{GgufFile, Isa, Kernels, Llama, Precision};
-use tandem_worker::NativeEngine;
+use tandem_worker::{NativeEngine, WorkerConfig};
 
 /// A loaded GGUF model and what the frontend takes from the same file.
 #[derive(Clone, Debug)]
@@ -62,6 +62,29 @@ impl ModelFile {
             threads: threads.max(1),
             eos_token: self.eos_token,
         }
+    }
+}
+
+impl crate::serve::EngineArgs {
+    /// `c` computing `model` with the native engine on `threads` threads (the flag's, when
+    /// given): its device blocks are what --kv-memory-mb holds, its name the model's.
+    pub fn native(
+        &self,
+        c: &mut WorkerConfig,
+        model: &ModelFile,
+        threads: usize,
+    ) -> anyhow::Result<()> {
+        c.model = model.name.clone();
+        c.native = Some(model.engine(self.threads.unwrap_or(threads)));
+        let per_block = c.bytes_per_block() as u64;
+        let blocks = (self.kv_memory_mb << 20) / per_block.max(1);
+        anyhow::ensure!(
+            blocks >= 2,
+            "--kv-memory-mb {} holds {blocks} KV blocks of {per_block} bytes: at least 2 are needed",
+            self.kv_memory_mb
+        );
+        c.engine.pool.device_blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
+        Ok(())
     }
 }
 

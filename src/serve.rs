@@ -393,27 +393,6 @@ impl EngineArgs {
         c.engine.mocker.adapter_load_ms = self.adapter_load_ms;
         Ok(c)
     }
-
-    /// `c` computing `model` with the native engine on `threads` threads (the flag's, when
-    /// given): its device blocks are what --kv-memory-mb holds, its name the model's.
-    pub fn native(
-        &self,
-        c: &mut WorkerConfig,
-        model: &crate::model_file::ModelFile,
-        threads: usize,
-    ) -> anyhow::Result<()> {
-        c.model = model.name.clone();
-        c.native = Some(model.engine(self.threads.unwrap_or(threads)));
-        let per_block = c.bytes_per_block() as u64;
-        let blocks = (self.kv_memory_mb << 20) / per_block.max(1);
-        anyhow::ensure!(
-            blocks >= 2,
-            "--kv-memory-mb {} holds {blocks} KV blocks of {per_block} bytes: at least 2 are needed",
-            self.kv_memory_mb
-        );
-        c.engine.pool.device_blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
-        Ok(())
-    }
 }
 
 /// The HTTP side of a frontend.
