@@ -38,11 +38,16 @@ mkdir -p "$dir"
 rm -f "$dir/frontends" "$dir/pids"
 
 names=() pids=() taken=" "
-# A loopback port nothing listens on (and that this script has not handed out yet).
+# A loopback port nothing listens on (and that this script has not handed out yet), below the
+# kernel's ephemeral range: the workers listen on port 0 and every process connects out, and
+# either can be handed a port in that range after we checked it (a frontend then fails to bind).
+ephemeral_low=32768
+read -r ephemeral_low _ </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || true
+[ "$ephemeral_low" -gt 12000 ] 2>/dev/null || ephemeral_low=32768
 free_port() {
   local p
   while :; do
-    p=$((20000 + RANDOM % 40000))
+    p=$((10000 + RANDOM % (ephemeral_low - 10000)))
     case "$taken" in *" $p "*) continue ;; esac
     if ! (: </dev/tcp/127.0.0.1/$p) 2>/dev/null; then
       taken="$taken$p "
