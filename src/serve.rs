@@ -243,6 +243,8 @@ pub struct WorkerArgs {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub external: ExternalEngineArgs,
+    #[command(flatten)]
+    pub model_cache: crate::models::ModelCacheArgs,
     /// gRPC listen address.
     #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: String,
@@ -398,8 +400,10 @@ impl EngineArgs {
 /// The HTTP side of a frontend.
 #[derive(Args, Debug, Clone)]
 pub struct HttpArgs {
-    /// Served model name; workers must register the same.
-    #[arg(long, env = "TANDEM_MODEL", default_value = "mocker")]
+    /// Served model name; workers must register the same. `tandem up`: the model its engine
+    /// computes, a GGUF path or a named model (smollm2-135m-instruct by default, fetched on
+    /// first use); with `--engine mocker`, the name served.
+    #[arg(long, env = "TANDEM_MODEL", default_value = HttpArgs::DEFAULT_MODEL)]
     pub model: String,
     /// LoRA adapters served on top of --model, comma-separated: a request whose `model` names
     /// one runs on it (the workers' engines must serve it under that name), is cached apart
@@ -446,6 +450,8 @@ pub struct HttpArgs {
 impl HttpArgs {
     /// `--tokenizer`'s default; `tandem up --model PATH.gguf` replaces it with the file's own.
     pub const DEFAULT_TOKENIZER: &'static str = "cl100k_base";
+    /// `--model`'s default: a served name for the mocker.
+    pub const DEFAULT_MODEL: &'static str = "mocker";
 }
 
 /// `tandem frontend`.
@@ -648,13 +654,16 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
     }
     let mut cfg = args.config(role)?;
     if args.external.engine == "native" {
-        let model = crate::model_file::ModelFile::from_flag(&args.model)?.with_context(|| {
-            format!(
-                "--engine native computes a GGUF model: --model must be a path to a .gguf file, \
-                 got {:?}",
-                args.model
-            )
-        })?;
+        let model = crate::model_file::ModelFile::from_flag(&args.model, &args.model_cache)
+            .await?
+            .with_context(|| {
+                format!(
+                    "--engine native computes a GGUF model: --model must be a path to a .gguf \
+                     file or a named model ({}), got {:?}",
+                    crate::models::names(),
+                    args.model
+                )
+            })?;
         args.engine
             .native(&mut cfg, &model, crate::model_file::available_cores())?;
     }

@@ -41,6 +41,14 @@ pub struct UpArgs {
     /// Each role as its own process, on etcd and nats-server started from PATH.
     #[arg(long, default_value_t = false)]
     pub processes: bool,
+    /// What computes the tokens: `native`, tandem's engine on the GGUF model `--model` names
+    /// (a path, or a named model fetched on first use; smollm2-135m-instruct unless --model
+    /// says otherwise), or `mocker`, modelled timing and random words (timing studies, the
+    /// simulator's twin), serving `--model` as a name.
+    #[arg(long = "engine", env = "TANDEM_ENGINE", default_value = "native", value_parser = ["native", "mocker"])]
+    pub engine_kind: String,
+    #[command(flatten)]
+    pub model_cache: crate::models::ModelCacheArgs,
     #[command(flatten)]
     pub routing: RoutingArgs,
     #[command(flatten)]
@@ -86,12 +94,30 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     }
 }
 
-/// With `--model PATH.gguf`: the model, loaded once, and the frontend's flags pointed at the
-/// same file (served name, tokenizer and chat template, context length).
-fn model_file(args: &mut UpArgs) -> anyhow::Result<Option<ModelFile>> {
-    let Some(model) = ModelFile::from_flag(&args.http.model)? else {
+/// With `--engine native`: the model `--model` names, loaded once, and the frontend's flags
+/// pointed at the same file (served name, tokenizer and chat template, context length).
+async fn model_file(args: &mut UpArgs) -> anyhow::Result<Option<ModelFile>> {
+    if args.engine_kind == "mocker" {
         return Ok(None);
-    };
+    }
+    anyhow::ensure!(
+        args.http.lora_adapters.is_empty(),
+        "--lora-adapters: the native engine computes no LoRA adapters (the mocker models them: \
+         --engine mocker; behind vLLM, the sidecar serves the engine's)"
+    );
+    if args.http.model == HttpArgs::DEFAULT_MODEL {
+        args.http.model = crate::models::DEFAULT_MODEL.to_string();
+    }
+    let model = ModelFile::from_flag(&args.http.model, &args.model_cache)
+        .await?
+        .with_context(|| {
+            format!(
+                "--engine native computes a GGUF model: --model must be a path to a .gguf file or \
+             a named model ({}), got {:?} (--engine mocker serves any name)",
+                crate::models::names(),
+                args.http.model
+            )
+        })?;
     args.http.model = model.name.clone();
     if args.http.tokenizer == HttpArgs::DEFAULT_TOKENIZER {
         args.http.tokenizer = model.path.display().to_string();
@@ -101,7 +127,7 @@ fn model_file(args: &mut UpArgs) -> anyhow::Result<Option<ModelFile>> {
 }
 
 async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
-    let model = model_file(&mut args)?;
+    let model = model_file(&mut args).await?;
     // The workers share the machine's cores.
     let threads = (available_cores() / (args.prefill + args.decode) as usize).max(1);
     let discovery = Arc::new(MemoryDiscovery::new());
@@ -169,18 +195,22 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
 }
 
 async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
-    // With a GGUF model, the workers compute it (each loads the file) and the frontend takes
-    // the served name, tokenizer and context length from it.
-    let gguf = args.http.model.clone();
-    let model = model_file(&mut args)?;
+    // With a GGUF model, the workers compute it (each loads the file: a named model is in the
+    // cache by now) and the frontend takes the served name, tokenizer and context length from
+    // it.
+    let model = model_file(&mut args).await?;
+    let gguf = model.as_ref().map(|m| m.flag.clone());
     let threads = (available_cores() / (args.prefill + args.decode) as usize).max(1);
-    let worker_model = match &model {
-        Some(_) => vec![
+    let worker_model = match gguf {
+        Some(gguf) => [
             "--engine=native".to_string(),
             format!("--model={gguf}"),
             format!("--threads={}", args.engine.threads.unwrap_or(threads)),
             format!("--kv-memory-mb={}", args.engine.kv_memory_mb),
-        ],
+        ]
+        .into_iter()
+        .chain(args.model_cache.to_args())
+        .collect(),
         None => vec![format!("--model={}", args.http.model)],
     };
     drop(model);

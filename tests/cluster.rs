@@ -400,6 +400,8 @@ fn tandem_up_processes_serves_and_stops_everything() {
     let args: Vec<String> = [
         "up",
         "--processes",
+        "--engine",
+        "mocker",
         "--port",
         &port.to_string(),
         "--prefill",

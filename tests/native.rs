@@ -6,7 +6,7 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::cluster::{Proc, wait_for};
@@ -21,13 +21,13 @@ struct Up {
 impl Drop for Up {
     fn drop(&mut self) {
         self.proc.signal("INT");
-        if self.proc.wait_exit(Duration::from_secs(20)).is_none() {
+        if self.proc.wait_exit(Duration::from_secs(60)).is_none() {
             self.proc.kill9();
         }
     }
 }
 
-fn up(tag: &str, extra: &[&str]) -> Up {
+fn model_path() -> PathBuf {
     let model =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
@@ -35,6 +35,12 @@ fn up(tag: &str, extra: &[&str]) -> Up {
         "{} is missing: scripts/test.sh fetches it",
         model.display()
     );
+    model
+}
+
+/// `tandem up --model MODEL` with one prefill and one decode worker, once the frontend sees
+/// both.
+fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
     let dir = common::temp_dir(tag);
     let port = tandem_runtime::external::free_port().unwrap();
     let mut args: Vec<String> = vec![
@@ -42,7 +48,7 @@ fn up(tag: &str, extra: &[&str]) -> Up {
         "--port".into(),
         port.to_string(),
         "--model".into(),
-        model.display().to_string(),
+        model.to_string(),
         "--prefill".into(),
         "1".into(),
         "--decode".into(),
@@ -104,7 +110,11 @@ fn mismatches(up: &Up) -> f64 {
 fn tandem_up_serves_real_text_and_disaggregation_changes_no_token() {
     let _serial = common::chat::serial();
     // Aggregated: every prompt prefilled on the decode worker.
-    let agg = up("native-agg", &["--disagg", "never"]);
+    let agg = up(
+        "native-agg",
+        &model_path().display().to_string(),
+        &["--disagg", "never"],
+    );
     let (models, _) = {
         let r = http::get(agg.addr, "/v1/models").unwrap();
         (serde_json::from_str::<Value>(&r.text()).unwrap(), r)
@@ -136,9 +146,32 @@ fn tandem_up_serves_real_text_and_disaggregation_changes_no_token() {
     assert_eq!(mismatches(&agg), 0.0, "frontend and engine tokenize alike");
     drop(agg);
 
-    // Disaggregated: every prompt prefilled on the prefill worker, its KV moved to the
-    // decode worker: the same tokens.
-    let disagg = up("native-disagg", &["--disagg", "always"]);
+    // Disaggregated, each role its own process on real etcd and NATS: every prompt prefilled
+    // on the prefill worker, its KV moved to the decode worker's process: the same tokens.
+    // The model by name, from a cache that holds it, with the package index unreachable: the
+    // processes find it there and fetch nothing.
+    let cache = common::temp_dir("native-cache");
+    std::fs::create_dir_all(cache.join("models")).unwrap();
+    std::os::unix::fs::symlink(
+        model_path(),
+        cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    )
+    .unwrap();
+    let cache_flag = format!("--cache-dir={}", cache.display());
+    let disagg = up(
+        "native-disagg",
+        "smollm2-135m-instruct",
+        &[
+            "--processes",
+            "--disagg",
+            "always",
+            &cache_flag,
+            "--model-index=http://127.0.0.1:9/simple/",
+        ],
+    );
+    let models: Value =
+        serde_json::from_str(&http::get(disagg.addr, "/v1/models").unwrap().text()).unwrap();
+    assert_eq!(models["data"][0]["id"], "smollm2-135m-instruct");
     let (d_colors, r) = chat(&disagg, &greedy("Name three colors.", 40));
     assert!(
         r.header("x-tandem-prefill-worker").is_some(),

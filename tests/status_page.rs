@@ -217,6 +217,8 @@ fn the_status_page_shows_the_cluster_and_follows_traffic() {
     let port = tandem_runtime::external::free_port().unwrap();
     let args: Vec<String> = [
         "up",
+        "--engine",
+        "mocker",
         "--port",
         &port.to_string(),
         "--prefill",
