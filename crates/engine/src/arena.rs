@@ -52,8 +52,9 @@ impl KvShape {
 /// remote prefill), possibly in GPU memory. Access is per block and scoped: the storage may
 /// lock the block for the duration of the call (a transport writing other blocks of the same
 /// region concurrently never overlaps it), or stage device memory through a host buffer.
-/// Its size is fixed for its life.
-pub trait ArenaStorage: Send {
+/// Its size is fixed for its life. Reads may come from several threads at once (an engine's
+/// attention reads blocks in parallel), writes only through `&mut`.
+pub trait ArenaStorage: Send + Sync {
     /// Total bytes.
     fn len(&self) -> usize;
 

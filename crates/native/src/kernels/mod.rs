@@ -128,6 +128,27 @@ impl Kernels {
         }
     }
 
+    /// [`dot_f32s`](Self::dot_f32s) of `a` with the little-endian f16 values `b` (2 bytes
+    /// each, converted exactly): bit for bit the dot of `a` with `b` converted to f32 first,
+    /// without writing the conversion anywhere (attention reads K from the arena this way).
+    pub fn dot_f32_f16(&self, a: &[f32], b: &[u8]) -> f32 {
+        debug_assert!(b.len() == a.len() * 2 && a.len().is_multiple_of(8));
+        match self.isa {
+            Isa::Avx2 => simd::dot_f32_f16(a, b),
+            Isa::Portable => portable::dot_f32_f16(a, b),
+        }
+    }
+
+    /// [`axpy`](Self::axpy) of the little-endian f16 values `x`, converted exactly (V, read
+    /// from the arena).
+    pub fn axpy_f16(&self, w: f32, x: &[u8], y: &mut [f32]) {
+        debug_assert!(x.len() == y.len() * 2 && y.len().is_multiple_of(8));
+        match self.isa {
+            Isa::Avx2 => simd::axpy_f16(w, x, y),
+            Isa::Portable => portable::axpy_f16(w, x, y),
+        }
+    }
+
     /// Little-endian f16 `src` (2 bytes a value) as f32 into `dst` (exact on every path).
     pub fn f16_to_f32(&self, src: &[u8], dst: &mut [f32]) {
         debug_assert_eq!(src.len(), dst.len() * 2);

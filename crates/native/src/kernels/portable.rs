@@ -20,6 +20,24 @@ pub(super) fn dot_f32s(a: &[f32], b: &[f32]) -> f32 {
     reduce8(acc)
 }
 
+/// [`dot_f32s`] of `a` with the little-endian f16 values `b` (each converted exactly).
+pub(super) fn dot_f32_f16(a: &[f32], b: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(16)) {
+        for i in 0..8 {
+            acc[i] = ca[i].mul_add(f16_at(cb, 2 * i), acc[i]);
+        }
+    }
+    reduce8(acc)
+}
+
+/// [`axpy`] of the little-endian f16 values `x` (each converted exactly).
+pub(super) fn axpy_f16(w: f32, x: &[u8], y: &mut [f32]) {
+    for (y, c) in y.iter_mut().zip(x.chunks_exact(2)) {
+        *y = w.mul_add(f16_at(c, 0), *y);
+    }
+}
+
 pub(super) fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y = w.mul_add(*x, *y);

@@ -122,6 +122,56 @@ fn dots(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(super) fn dot_f32_f16(a: &[f32], b: &[u8]) -> f32 {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { dots_f16(a, b) }
+}
+
+/// [`dots`] with `b` read as f16 and converted in registers (exact), 8 at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dots_f16(a: &[f32], b: &[u8]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(16)) {
+        // SAFETY: 8 f32 and 16 bytes (8 halves); unaligned loads.
+        let (va, vb) = unsafe {
+            (
+                _mm256_loadu_ps(ca.as_ptr()),
+                _mm256_cvtph_ps(_mm_loadu_si128(cb.as_ptr().cast())),
+            )
+        };
+        acc = _mm256_fmadd_ps(va, vb, acc);
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` is 8 f32; unaligned store.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    super::portable::reduce8(lanes)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) fn axpy_f16(w: f32, x: &[u8], y: &mut [f32]) {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { axpy8_f16(w, x, y) }
+}
+
+/// [`axpy8`] with `x` read as f16 and converted in registers (exact), 8 at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy8_f16(w: f32, x: &[u8], y: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let wv = _mm256_set1_ps(w);
+    for (cy, cx) in y.chunks_exact_mut(8).zip(x.chunks_exact(16)) {
+        // SAFETY: 8 f32 and 16 bytes (8 halves); unaligned loads and store.
+        unsafe {
+            let xv = _mm256_cvtph_ps(_mm_loadu_si128(cx.as_ptr().cast()));
+            let v = _mm256_fmadd_ps(wv, xv, _mm256_loadu_ps(cy.as_ptr()));
+            _mm256_storeu_ps(cy.as_mut_ptr(), v);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 pub(super) fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
     // SAFETY: see the module's contract (callers checked `avx2_available`).
     unsafe { axpy8(w, x, y) }
@@ -194,18 +244,45 @@ pub(super) fn dot_many(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn many(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], blocks: usize, out: &mut [f32]) {
+    // Rows in groups whose running sums stay in registers: a sum kept in memory makes every
+    // block wait for the store of the one before (store-to-load forwarding, ~2× the add).
+    let mut r0 = 0;
+    while r0 + GROUP <= out.len() {
+        out[r0..r0 + GROUP].copy_from_slice(&rows::<GROUP>(format, w, xq, blocks, r0));
+        r0 += GROUP;
+    }
+    while r0 < out.len() {
+        out[r0] = rows::<1>(format, w, xq, blocks, r0)[0];
+        r0 += 1;
+    }
+}
+
+/// Activation rows a weight block is unpacked for at once.
+#[cfg(target_arch = "x86_64")]
+const GROUP: usize = 4;
+
+/// Rows `r0..r0 + R` of [`many`]: each row's sum over the blocks in order, as the portable
+/// path adds them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows<const R: usize>(
+    format: super::WeightFormat,
+    w: &[u8],
+    xq: &[BlockQ8],
+    blocks: usize,
+    r0: usize,
+) -> [f32; R] {
     use super::WeightFormat;
     use std::arch::x86_64::*;
-    out.fill(0.0);
-    let rows = out.len();
-    let at = |r: usize, b: usize| &xq[r * blocks + b];
+    let mut acc = [0.0f32; R];
+    let at = |i: usize, b: usize| &xq[(r0 + i) * blocks + b];
     match format {
         WeightFormat::Q4_1 => {
             for (b, wb) in w.chunks_exact(Q4_1_BYTES).enumerate() {
                 let (d, m) = f16_pair(wb);
                 let wv = x86::nibbles(&wb[4..]);
-                for (r, acc) in out.iter_mut().enumerate().take(rows) {
-                    let a = at(r, b);
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let a = at(i, b);
                     let sumi = x86::dot_u8_i8(wv, x86::load32_i8(&a.qs));
                     *acc += d * a.d * sumi as f32 + m * a.s;
                 }
@@ -215,8 +292,8 @@ fn many(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], blocks: usize, ou
             for (b, wb) in w.chunks_exact(Q4_0_BYTES).enumerate() {
                 let d = f16_pair(wb).0;
                 let wv = x86::nibbles(&wb[2..]);
-                for (r, acc) in out.iter_mut().enumerate().take(rows) {
-                    let a = at(r, b);
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let a = at(i, b);
                     let sumi = x86::dot_u8_i8(wv, x86::load32_i8(&a.qs));
                     *acc += d * a.d * (sumi - 8 * a.sum) as f32;
                 }
@@ -227,8 +304,8 @@ fn many(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], blocks: usize, ou
                 let d = f16_pair(wb).0;
                 let wv = x86::load32(&wb[2..]);
                 let abs = _mm256_sign_epi8(wv, wv);
-                for (r, acc) in out.iter_mut().enumerate().take(rows) {
-                    let a = at(r, b);
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let a = at(i, b);
                     let sumi = x86::dot_u8_i8(abs, _mm256_sign_epi8(x86::load32_i8(&a.qs), wv));
                     *acc += d * a.d * sumi as f32;
                 }
@@ -236,6 +313,7 @@ fn many(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], blocks: usize, ou
         }
         WeightFormat::F32 => unreachable!("f32 weights take the row-by-row path"),
     }
+    acc
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -315,6 +393,14 @@ pub(super) fn dot_f32s(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
     super::portable::axpy(w, x, y)
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn dot_f32_f16(a: &[f32], b: &[u8]) -> f32 {
+    super::portable::dot_f32_f16(a, b)
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn axpy_f16(w: f32, x: &[u8], y: &mut [f32]) {
+    super::portable::axpy_f16(w, x, y)
 }
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn f16_to_f32(src: &[u8], dst: &mut [f32]) {

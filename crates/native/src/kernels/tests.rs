@@ -201,6 +201,17 @@ fn the_attention_kernels_are_the_same_on_every_path() {
     s.f16_to_f32(&halves[..], &mut h2);
     assert_eq!(h1, h2);
     assert!(h1.iter().zip(&a).all(|(h, x)| (h - x).abs() < 1e-3));
+    // Straight from f16: the same bits as converting first, on every path.
+    for k in [p, s] {
+        assert_eq!(
+            k.dot_f32_f16(&b, &halves).to_bits(),
+            p.dot_f32s(&b, &h1).to_bits()
+        );
+        let (mut y3, mut y4) = (b.clone(), b.clone());
+        k.axpy_f16(-0.61, &halves, &mut y3);
+        p.axpy(-0.61, &h1, &mut y4);
+        assert_eq!(y3, y4);
+    }
 }
 
 #[test]

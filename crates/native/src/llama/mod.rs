@@ -55,36 +55,80 @@ impl Compute {
 
     /// `out = m · x` (`x.rows() × m.rows()`), split by output rows over the threads.
     pub fn matmul(&self, m: &Matrix, x: &Activations, out: &mut [f32]) {
+        self.matmuls(&mut [(m, out)], x)
+    }
+
+    /// Every `out = m · x` of `jobs` (each `x.rows() × m.rows()`), in one parallel region:
+    /// the output rows of all the matrices are split over the threads together, so products
+    /// of the same activations (Q, K and V; gate and up) wake the pool once. Each output is
+    /// one kernel call on its own, so the split changes no result.
+    pub fn matmuls(&self, jobs: &mut [(&Matrix, &mut [f32])], x: &Activations) {
         let k = &self.kernels;
-        let Some(pool) = &self.pool else {
-            return m.matmul(k, x, out);
+        let total: usize = jobs.iter().map(|(m, _)| m.rows()).sum();
+        let pool = match &self.pool {
+            Some(pool) if total >= 2 * 16 => pool,
+            _ => {
+                for (m, out) in jobs.iter_mut() {
+                    m.matmul(k, x, out);
+                }
+                return;
+            }
         };
-        let parts = pool.current_num_threads();
-        // Whole tiles of 16 rows per part.
-        let per = m.rows().div_ceil(parts).div_ceil(16) * 16;
-        if m.rows() < 2 * 16 {
-            return m.matmul(k, x, out);
-        }
+        // Whole tiles of 16 rows per part, a part never spanning two matrices.
+        let per = total.div_ceil(pool.current_num_threads()).div_ceil(16) * 16;
+        let tasks: Vec<(usize, std::ops::Range<usize>)> = jobs
+            .iter()
+            .enumerate()
+            .flat_map(|(j, (m, _))| {
+                (0..m.rows().div_ceil(per))
+                    .map(move |i| (j, i * per..((i + 1) * per).min(m.rows())))
+            })
+            .collect();
         use rayon::prelude::*;
-        let chunks: Vec<(std::ops::Range<usize>, Vec<f32>)> = pool.install(|| {
-            (0..m.rows().div_ceil(per))
+        let matrices: Vec<&Matrix> = jobs.iter().map(|(m, _)| *m).collect();
+        let chunks: Vec<(usize, std::ops::Range<usize>, Vec<f32>)> = pool.install(|| {
+            tasks
                 .into_par_iter()
-                .map(|i| {
-                    let range = i * per..((i + 1) * per).min(m.rows());
+                .map(|(j, range)| {
                     let mut buf = vec![0.0; x.rows() * range.len()];
-                    m.matmul_range(k, x, range.clone(), &mut buf);
-                    (range, buf)
+                    matrices[j].matmul_range(k, x, range.clone(), &mut buf);
+                    (j, range, buf)
                 })
                 .collect()
         });
-        for (range, buf) in chunks {
+        for (j, range, buf) in chunks {
+            let (m, out) = &mut jobs[j];
             for r in 0..x.rows() {
                 out[r * m.rows() + range.start..r * m.rows() + range.end]
                     .copy_from_slice(&buf[r * range.len()..(r + 1) * range.len()]);
             }
         }
     }
+
+    /// `f(i, chunk)` for every `span`-long chunk of `out`, over the threads when there are
+    /// several and `work` (the caller's measure of the whole) makes waking them worth it.
+    fn for_each_chunk(
+        &self,
+        out: &mut [f32],
+        span: usize,
+        work: usize,
+        f: impl Fn(usize, &mut [f32]) + Sync,
+    ) {
+        use rayon::prelude::*;
+        match &self.pool {
+            Some(pool) if work >= PARALLEL_WORK => pool.install(|| {
+                out.par_chunks_mut(span)
+                    .enumerate()
+                    .for_each(|(i, c)| f(i, c))
+            }),
+            _ => out.chunks_mut(span).enumerate().for_each(|(i, c)| f(i, c)),
+        }
+    }
 }
+
+/// Attention work (positions × KV heads over a step's rows) below which one thread does it
+/// all: waking the pool costs more than it saves.
+const PARALLEL_WORK: usize = 1024;
 
 /// One transformer block's weights.
 #[derive(Clone, Debug)]
@@ -139,9 +183,6 @@ pub struct Scratch {
     acts: Activations,
     cos: Vec<f32>,
     sin: Vec<f32>,
-    scores: Vec<f32>,
-    /// One row's context, K and V of every position in f32.
-    kv_row: Vec<f32>,
 }
 
 impl Llama {
@@ -216,9 +257,14 @@ impl Llama {
         s.q.resize(n * qd, 0.0);
         s.k.resize(n * kvd, 0.0);
         s.v.resize(n * kvd, 0.0);
-        c.matmul(&layer.wq, &s.acts, &mut s.q);
-        c.matmul(&layer.wk, &s.acts, &mut s.k);
-        c.matmul(&layer.wv, &s.acts, &mut s.v);
+        c.matmuls(
+            &mut [
+                (&layer.wq, &mut s.q[..]),
+                (&layer.wk, &mut s.k[..]),
+                (&layer.wv, &mut s.v[..]),
+            ],
+            &s.acts,
+        );
         if let Some([bq, bk, bv]) = &layer.bias {
             add_rows(&mut s.q, bq);
             add_rows(&mut s.k, bk);
@@ -240,10 +286,16 @@ impl Llama {
                 write_f16(&mut block[at + kvd * 2..at + kv_token], vr);
             });
         }
+        // Every (row, KV head) on its own: the heads that share a KV head, over the row's
+        // positions, straight from the arena's f16.
         s.att.resize(n * qd, 0.0);
-        for (r, row) in rows.iter().enumerate() {
-            self.attend(k, l, row, arena, bs, r, s);
-        }
+        let (groups, span) = (cfg.n_head_kv, cfg.group() * hd);
+        let work = rows.iter().map(|r| r.pos + 1).sum::<usize>() * groups;
+        let (q, arena) = (&s.q, &*arena);
+        c.for_each_chunk(&mut s.att, span, work, |i, out| {
+            let (r, g) = (i / groups, i % groups);
+            self.attend(k, l, &rows[r], arena, bs, &q[r * qd..(r + 1) * qd], g, out);
+        });
         s.acts.set(k, n, qd, &s.att);
         s.h.resize(n * d, 0.0);
         c.matmul(&layer.wo, &s.acts, &mut s.h);
@@ -252,9 +304,10 @@ impl Llama {
         }
     }
 
-    /// Row `r`'s attention output (all heads) into `s.att`, over positions `0..=row.pos` read
-    /// from the arena in position order: the layer's K and V of every position converted to
-    /// f32 first, one arena access and one conversion per block.
+    /// The attention output of the query heads that share KV head `g` (`out`: theirs, back
+    /// to back) for one row (`q`: all its query heads), over positions `0..=row.pos` read
+    /// from the arena in position order, K and V as the f16 they are stored in (the kernels
+    /// convert them exactly, in registers).
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
@@ -263,53 +316,49 @@ impl Llama {
         row: &StepRow<'_>,
         arena: &KvArena,
         bs: usize,
-        r: usize,
-        s: &mut Scratch,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
     ) {
         let cfg = &self.cfg;
-        let (qd, kvd, hd, group, n_head) = (
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.head_dim,
-            cfg.group(),
-            cfg.n_head,
-        );
+        let (kvd, hd, group) = (cfg.kv_dim(), cfg.head_dim, cfg.group());
         let len = row.pos + 1;
         let kv_token = self.kv_bytes_per_token_layer();
-        // [position][K then V][kvd]: a layer's slots are consecutive within a block.
-        let per_pos = 2 * kvd;
-        s.kv_row.resize(len * per_pos, 0.0);
-        for (b, &block) in row.table[..len.div_ceil(bs)].iter().enumerate() {
+        let blocks = &row.table[..len.div_ceil(bs)];
+        // Where, in a block, position slot `j`'s K (V: `v` = 1) of KV head `g` starts: a
+        // layer's slots are consecutive, `[token][K then V][head][dim]`.
+        let at = |j: usize, v: usize| (l * bs + j) * kv_token + v * kvd * 2 + g * hd * 2;
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Scores of each of the group's heads against every position: [head][position].
+        let mut scores = vec![0.0f32; group * len];
+        for (b, &block) in blocks.iter().enumerate() {
             let slots = (len - b * bs).min(bs);
-            let at = l * bs * kv_token;
-            let dst = &mut s.kv_row[b * bs * per_pos..(b * bs + slots) * per_pos];
             arena.with_block(block, |bytes| {
-                k.f16_to_f32(&bytes[at..at + slots * kv_token], dst);
+                for j in 0..slots {
+                    let kh = &bytes[at(j, 0)..at(j, 0) + hd * 2];
+                    for i in 0..group {
+                        let h = g * group + i;
+                        scores[i * len + b * bs + j] =
+                            k.dot_f32_f16(&q[h * hd..(h + 1) * hd], kh) * scale;
+                    }
+                }
             });
         }
-        let scale = 1.0 / (hd as f32).sqrt();
-        let q = &s.q[r * qd..(r + 1) * qd];
-        // Scores of every head against every position: [head][position].
-        s.scores.resize(n_head * len, 0.0);
-        for t in 0..len {
-            let kt = &s.kv_row[t * per_pos..t * per_pos + kvd];
-            for h in 0..n_head {
-                let kh = &kt[(h / group) * hd..(h / group + 1) * hd];
-                s.scores[h * len + t] = k.dot_f32s(&q[h * hd..(h + 1) * hd], kh) * scale;
-            }
+        for i in 0..group {
+            softmax(&mut scores[i * len..(i + 1) * len]);
         }
-        for h in 0..n_head {
-            softmax(&mut s.scores[h * len..(h + 1) * len]);
-        }
-        let out = &mut s.att[r * qd..(r + 1) * qd];
         out.fill(0.0);
-        for t in 0..len {
-            let vt = &s.kv_row[t * per_pos + kvd..(t + 1) * per_pos];
-            for h in 0..n_head {
-                let w = s.scores[h * len + t];
-                let vh = &vt[(h / group) * hd..(h / group + 1) * hd];
-                k.axpy(w, vh, &mut out[h * hd..(h + 1) * hd]);
-            }
+        for (b, &block) in blocks.iter().enumerate() {
+            let slots = (len - b * bs).min(bs);
+            arena.with_block(block, |bytes| {
+                for j in 0..slots {
+                    let vh = &bytes[at(j, 1)..at(j, 1) + hd * 2];
+                    for i in 0..group {
+                        let w = scores[i * len + b * bs + j];
+                        k.axpy_f16(w, vh, &mut out[i * hd..(i + 1) * hd]);
+                    }
+                }
+            });
         }
     }
 
@@ -331,8 +380,13 @@ impl Llama {
         self.normed(k, &layer.ffn_norm, n, s);
         s.gate.resize(n * ff, 0.0);
         s.up.resize(n * ff, 0.0);
-        c.matmul(&layer.w_gate, &s.acts, &mut s.gate);
-        c.matmul(&layer.w_up, &s.acts, &mut s.up);
+        c.matmuls(
+            &mut [
+                (&layer.w_gate, &mut s.gate[..]),
+                (&layer.w_up, &mut s.up[..]),
+            ],
+            &s.acts,
+        );
         for (g, u) in s.gate.iter_mut().zip(&s.up) {
             *g = silu(*g) * u;
         }
