@@ -8,10 +8,12 @@
 //!
 //! **Batch invariance.** Every kernel computes one (weight row, activation row) pair on its
 //! own, its blocks summed in block order: a result never depends on which other rows share
-//! the step, how many threads split the work, or which instruction set ran it (the SIMD paths
-//! compute each block's integer sum exactly and combine blocks in the same order and with the
-//! same f32 operations as the portable one). The tests hold every path to bitwise equality
-//! with the portable one.
+//! the step, how many threads split the work, or which instruction set ran it. A quantized
+//! dot keeps 8 f32 lanes, as a 256-bit register holds them: each block's integer products
+//! are summed exactly into 8 lanes, scaled and added lane by lane, and the lanes are reduced
+//! once per row in a fixed order (no horizontal sum per block, the cost that dominated); the
+//! portable path computes the same lanes in plain Rust. The tests hold every path to bitwise
+//! equality with the portable one.
 //!
 //! `unsafe` (the SIMD intrinsics) lives in [`simd`] only, each block with a `// SAFETY:`.
 

@@ -1,8 +1,8 @@
 //! The portable kernels: plain Rust, the reference for the SIMD ones.
 //!
-//! Each quantized dot product sums every block's integer products exactly (i32), turns the
-//! block into f32 with the same two or three operations the SIMD paths use, and adds the
-//! blocks up in order.
+//! Each quantized dot product sums every block's integer products exactly (i32) in 8 lanes,
+//! scales them into 8 f32 lanes with the same operations the SIMD paths use, adds the blocks
+//! up in order, and reduces the lanes once at the end ([`Lanes`]).
 
 use super::{BlockQ8, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES, QK};
 
@@ -88,49 +88,77 @@ pub(super) fn reduce8(a: [f32; 8]) -> f32 {
     t[0] + t[1]
 }
 
-pub(super) fn dot_q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    let mut acc = 0.0f32;
-    for (wb, a) in w.chunks_exact(Q4_0_BYTES).zip(xq) {
-        let d = f16_at(wb, 0);
-        let qs = &wb[2..];
-        // Σ (q - 8)·a = Σ q·a - 8·Σ a, exactly, in integers.
-        let sumi = nibble_dot(&qs[..QK / 2], &a.qs);
-        acc += d * a.d * (sumi - 8 * a.sum) as f32;
+/// A quantized row's running sum: 8 f32 lanes, each taking its share of every block's
+/// integer products times the product of the block's two scales (a fused multiply-add), plus one f32
+/// term outside the lanes (Q4_1's minimum, Q4_0's offset), in block order. The SIMD paths
+/// keep the same lanes in a register: no horizontal sum per block.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Lanes {
+    acc: [f32; 8],
+    extra: f32,
+}
+
+impl Lanes {
+    /// Adds a block: `dd` (the product of its scales) times each lane's integer sum, fused
+    /// (as the SIMD paths' FMA; a libm call where the build does not enable FMA: slow, but
+    /// exact).
+    fn add(&mut self, dd: f32, lanes: [i32; 8]) {
+        for (a, l) in self.acc.iter_mut().zip(lanes) {
+            *a = dd.mul_add(l as f32, *a);
+        }
     }
-    acc
+
+    fn sum(self) -> f32 {
+        reduce8(self.acc) + self.extra
+    }
+}
+
+/// Lane `j` of a block: `Σ w[e]·a[e]` over its elements `4j..4j + 4` (what a 32-byte
+/// multiply-add of bytes, then of pairs, leaves in 32-bit lane `j`).
+fn lane_sums(w: impl Fn(usize) -> i32, a: &[i8; QK]) -> [i32; 8] {
+    let mut lanes = [0i32; 8];
+    for (e, &x) in a.iter().enumerate() {
+        lanes[e / 4] += w(e) * i32::from(x);
+    }
+    lanes
+}
+
+/// Element `e` of a 4-bit block, unsigned: the low nibble of byte `e`, or for `e` ≥ 16 the
+/// high nibble of byte `e - 16` (ggml's order).
+fn nibble(qs: &[u8], e: usize) -> i32 {
+    i32::from(if e < QK / 2 {
+        qs[e] & 0x0F
+    } else {
+        qs[e - QK / 2] >> 4
+    })
+}
+
+pub(super) fn dot_q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
+    let mut acc = Lanes::default();
+    for (wb, a) in w.chunks_exact(Q4_0_BYTES).zip(xq) {
+        let dd = f16_at(wb, 0) * a.d;
+        // Σ (q - 8)·a = Σ q·a - 8·Σ a: the lanes take the first, the extra term the second.
+        acc.add(dd, lane_sums(|e| nibble(&wb[2..], e), &a.qs));
+        acc.extra += dd * (-8 * a.sum) as f32;
+    }
+    acc.sum()
 }
 
 pub(super) fn dot_q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    let mut acc = 0.0f32;
+    let mut acc = Lanes::default();
     for (wb, a) in w.chunks_exact(Q4_1_BYTES).zip(xq) {
-        let d = f16_at(wb, 0);
-        let m = f16_at(wb, 2);
-        let qs = &wb[4..];
-        let sumi = nibble_dot(&qs[..QK / 2], &a.qs);
-        acc += d * a.d * sumi as f32 + m * a.s;
+        let (d, m) = (f16_at(wb, 0), f16_at(wb, 2));
+        acc.add(d * a.d, lane_sums(|e| nibble(&wb[4..], e), &a.qs));
+        acc.extra += m * a.s;
     }
-    acc
-}
-
-/// Σ q·a over a 4-bit block: element j is the low nibble of byte j, element j + 16 its high
-/// nibble (ggml's order), each unsigned.
-fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
-    let (lo_a, hi_a) = a.split_at(QK / 2);
-    qs.iter()
-        .zip(lo_a.iter().zip(hi_a))
-        .map(|(&q, (&l, &h))| i32::from(q & 0x0F) * i32::from(l) + i32::from(q >> 4) * i32::from(h))
-        .sum()
+    acc.sum()
 }
 
 pub(super) fn dot_q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    let mut acc = 0.0f32;
+    let mut acc = Lanes::default();
     for (wb, a) in w.chunks_exact(Q8_0_BYTES).zip(xq) {
-        let d = f16_at(wb, 0);
-        let mut sumi = 0i32;
-        for j in 0..QK {
-            sumi += i32::from(wb[2 + j] as i8) * i32::from(a.qs[j]);
-        }
-        acc += d * a.d * sumi as f32;
+        let dd = f16_at(wb, 0) * a.d;
+        acc.add(dd, lane_sums(|e| i32::from(wb[2 + e] as i8), &a.qs));
     }
-    acc
+    acc.sum()
 }

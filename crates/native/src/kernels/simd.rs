@@ -1,9 +1,9 @@
 //! The SIMD kernels (x86-64 AVX2): the one module of this crate with `unsafe`.
 //!
 //! Each function here computes exactly what its namesake in `portable` computes, bit for
-//! bit: the integer sum of a block is exact whatever adds it, and the f32 operations that
-//! follow are the same scalar ones, in the same order (`tests.rs` checks every path against
-//! the portable one on random data).
+//! bit: a block's 8 integer lane sums are exact whatever adds them, and the f32 operations
+//! that follow are the same ones lane by lane, in the same order (`tests.rs` checks every
+//! path against the portable one on random data).
 //!
 //! Safety contract, shared by every block below: the `avx2` + `fma` target features are
 //! enabled only through [`avx2_available`] having returned true on this CPU (checked by the
@@ -33,23 +33,11 @@ pub(super) fn avx2_available() -> bool {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// Sum of the 8 i32 lanes (exact in integers, whatever the order).
+    /// The 8 lanes of Σ u[i]·s[i] over 32 bytes (lane `j`: bytes `4j..4j + 4`), exact.
     #[target_feature(enable = "avx2")]
-    pub(super) fn hsum_i32(v: __m256i) -> i32 {
-        let lo = _mm256_castsi256_si128(v);
-        let hi = _mm256_extracti128_si256(v, 1);
-        let s = _mm_add_epi32(lo, hi);
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        _mm_cvtsi128_si32(s)
-    }
-
-    /// Σ u[i]·s[i] over 32 bytes, `u` unsigned (≤ 128), `s` signed: exact, as i32.
-    #[target_feature(enable = "avx2")]
-    pub(super) fn dot_u8_i8(u: __m256i, s: __m256i) -> i32 {
+    pub(super) fn lanes_u8_i8(u: __m256i, s: __m256i) -> __m256i {
         // Pairs of products fit an i16 (2 · 128 · 127 < 32768): no saturation.
-        let pairs = _mm256_maddubs_epi16(u, s);
-        hsum_i32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
     }
 
     /// 16 bytes of packed nibbles as 32 bytes: the low nibbles, then the high ones (ggml's
@@ -261,8 +249,8 @@ fn many(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], blocks: usize, ou
 #[cfg(target_arch = "x86_64")]
 const GROUP: usize = 4;
 
-/// Rows `r0..r0 + R` of [`many`]: each row's sum over the blocks in order, as the portable
-/// path adds them.
+/// Rows `r0..r0 + R` of [`many`]: each row's 8 f32 lanes in a register and its extra term,
+/// over the blocks in order, with the portable path's operations (`portable::Lanes`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn rows<const R: usize>(
@@ -274,17 +262,23 @@ fn rows<const R: usize>(
 ) -> [f32; R] {
     use super::WeightFormat;
     use std::arch::x86_64::*;
-    let mut acc = [0.0f32; R];
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut extra = [0.0f32; R];
     let at = |i: usize, b: usize| &xq[(r0 + i) * blocks + b];
+    // acc += dd · lanes, fused (as the portable path).
+    let scaled = |acc: __m256, dd: f32, lanes: __m256i| {
+        _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(lanes), acc)
+    };
     match format {
         WeightFormat::Q4_1 => {
             for (b, wb) in w.chunks_exact(Q4_1_BYTES).enumerate() {
                 let (d, m) = f16_pair(wb);
                 let wv = x86::nibbles(&wb[4..]);
-                for (i, acc) in acc.iter_mut().enumerate() {
+                for i in 0..R {
                     let a = at(i, b);
-                    let sumi = x86::dot_u8_i8(wv, x86::load32_i8(&a.qs));
-                    *acc += d * a.d * sumi as f32 + m * a.s;
+                    let lanes = x86::lanes_u8_i8(wv, x86::load32_i8(&a.qs));
+                    acc[i] = scaled(acc[i], d * a.d, lanes);
+                    extra[i] += m * a.s;
                 }
             }
         }
@@ -292,10 +286,12 @@ fn rows<const R: usize>(
             for (b, wb) in w.chunks_exact(Q4_0_BYTES).enumerate() {
                 let d = f16_pair(wb).0;
                 let wv = x86::nibbles(&wb[2..]);
-                for (i, acc) in acc.iter_mut().enumerate() {
+                for i in 0..R {
                     let a = at(i, b);
-                    let sumi = x86::dot_u8_i8(wv, x86::load32_i8(&a.qs));
-                    *acc += d * a.d * (sumi - 8 * a.sum) as f32;
+                    let dd = d * a.d;
+                    let lanes = x86::lanes_u8_i8(wv, x86::load32_i8(&a.qs));
+                    acc[i] = scaled(acc[i], dd, lanes);
+                    extra[i] += dd * (-8 * a.sum) as f32;
                 }
             }
         }
@@ -306,14 +302,23 @@ fn rows<const R: usize>(
                 let abs = _mm256_sign_epi8(wv, wv);
                 for (i, acc) in acc.iter_mut().enumerate() {
                     let a = at(i, b);
-                    let sumi = x86::dot_u8_i8(abs, _mm256_sign_epi8(x86::load32_i8(&a.qs), wv));
-                    *acc += d * a.d * sumi as f32;
+                    // Σ w·a as |w| · (a with w's sign): maddubs takes its first operand
+                    // unsigned.
+                    let lanes = x86::lanes_u8_i8(abs, _mm256_sign_epi8(x86::load32_i8(&a.qs), wv));
+                    *acc = scaled(*acc, d * a.d, lanes);
                 }
             }
         }
         WeightFormat::F32 => unreachable!("f32 weights take the row-by-row path"),
     }
-    acc
+    let mut out = [0.0f32; R];
+    for i in 0..R {
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` is 8 f32; unaligned store.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]) };
+        out[i] = super::portable::reduce8(lanes) + extra[i];
+    }
+    out
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -324,60 +329,24 @@ pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) fn dot_q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    // SAFETY: see the module's contract (callers checked `avx2_available`).
-    unsafe { q4_0(w, xq) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-fn q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    let mut acc = 0.0f32;
-    for (wb, a) in w.chunks_exact(Q4_0_BYTES).zip(xq) {
-        let d = f16_pair(wb).0;
-        let sumi = x86::dot_u8_i8(x86::nibbles(&wb[2..]), x86::load32_i8(&a.qs));
-        acc += d * a.d * (sumi - 8 * a.sum) as f32;
-    }
-    acc
+    dot_one(super::WeightFormat::Q4_0, w, xq)
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(super) fn dot_q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    // SAFETY: see the module's contract (callers checked `avx2_available`).
-    unsafe { q4_1(w, xq) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-fn q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    let mut acc = 0.0f32;
-    for (wb, a) in w.chunks_exact(Q4_1_BYTES).zip(xq) {
-        let (d, m) = f16_pair(wb);
-        let sumi = x86::dot_u8_i8(x86::nibbles(&wb[4..]), x86::load32_i8(&a.qs));
-        acc += d * a.d * sumi as f32 + m * a.s;
-    }
-    acc
+    dot_one(super::WeightFormat::Q4_1, w, xq)
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(super) fn dot_q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    // SAFETY: see the module's contract (callers checked `avx2_available`).
-    unsafe { q8_0(w, xq) }
+    dot_one(super::WeightFormat::Q8_0, w, xq)
 }
 
+/// One weight row with one activation row.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-fn q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    use std::arch::x86_64::*;
-    let mut acc = 0.0f32;
-    for (wb, a) in w.chunks_exact(Q8_0_BYTES).zip(xq) {
-        let d = f16_pair(wb).0;
-        let wv = x86::load32(&wb[2..]);
-        let av = x86::load32_i8(&a.qs);
-        // Σ w·a as |w| · (a with w's sign): maddubs takes its first operand unsigned.
-        let sumi = x86::dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
-        acc += d * a.d * sumi as f32;
-    }
-    acc
+fn dot_one(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8]) -> f32 {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { rows::<1>(format, w, xq, xq.len(), 0)[0] }
 }
 
 // Other targets have no SIMD path yet: `avx2_available` is false there, so these are never
