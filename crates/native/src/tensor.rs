@@ -108,6 +108,20 @@ pub struct Activations {
 impl Activations {
     /// Takes `rows × cols` values (reusing the buffers) and quantizes them per row.
     pub fn set(&mut self, k: &Kernels, rows: usize, cols: usize, values: &[f32]) {
+        self.set_on(k, rows, cols, values, None)
+    }
+
+    /// [`set`](Self::set), the rows quantized over `pool`'s threads when there are enough
+    /// of them to be worth waking it (each row on its own: the same blocks either way).
+    pub fn set_on(
+        &mut self,
+        k: &Kernels,
+        rows: usize,
+        cols: usize,
+        values: &[f32],
+        pool: Option<&rayon::ThreadPool>,
+    ) {
+        use rayon::prelude::*;
         debug_assert_eq!(values.len(), rows * cols);
         debug_assert_eq!(cols % QK, 0);
         self.rows = rows;
@@ -115,12 +129,21 @@ impl Activations {
         self.values.clear();
         self.values.extend_from_slice(values);
         self.q8.resize(rows * cols / QK, BlockQ8::default());
-        for r in 0..rows {
-            let b = cols / QK;
-            k.quantize_q8(
-                &self.values[r * cols..(r + 1) * cols],
-                &mut self.q8[r * b..(r + 1) * b],
-            );
+        let b = cols / QK;
+        if b == 0 {
+            return;
+        }
+        let (values, q8) = (&self.values, &mut self.q8);
+        match pool {
+            Some(pool) if rows >= 16 => pool.install(|| {
+                q8.par_chunks_mut(b)
+                    .zip(values.par_chunks(cols))
+                    .for_each(|(q, v)| k.quantize_q8(v, q))
+            }),
+            _ => q8
+                .chunks_mut(b)
+                .zip(values.chunks(cols))
+                .for_each(|(q, v)| k.quantize_q8(v, q)),
         }
     }
 

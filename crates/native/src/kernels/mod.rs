@@ -162,7 +162,10 @@ impl Kernels {
 
     /// Quantizes `x` (a multiple of [`QK`] long) into `out` (`x.len() / QK` blocks).
     pub fn quantize_q8(&self, x: &[f32], out: &mut [BlockQ8]) {
-        portable::quantize_q8(x, out)
+        match self.isa {
+            Isa::Avx2 => simd::quantize_q8(x, out),
+            Isa::Portable => portable::quantize_q8(x, out),
+        }
     }
 
     /// One weight row against `out.len()` activation rows at once: `out[r]` is

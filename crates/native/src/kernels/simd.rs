@@ -204,6 +204,67 @@ fn halves(src: &[u8], dst: &mut [f32]) {
     super::portable::f16_to_f32(&src[whole * 2..], &mut dst[whole..]);
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(super) fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    // SAFETY: see the module's contract (callers checked `avx2_available`).
+    unsafe { quantize(x, out) }
+}
+
+/// `portable::quantize_q8`, 32 values at a time: the same maximum, scale and products, and
+/// `round` (half away from zero) as truncation plus one where the dropped fraction is at least
+/// a half, which is exact; NaN products become 0 as `as i32` makes them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn quantize(x: &[f32], out: &mut [BlockQ8]) {
+    use std::arch::x86_64::*;
+    let sign = _mm256_set1_ps(-0.0);
+    let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+    for (block, xs) in out.iter_mut().zip(x.chunks_exact(QK)) {
+        // SAFETY: `xs` is 32 f32; four unaligned 8-value loads.
+        let v: [__m256; 4] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(xs.as_ptr().add(8 * i)) });
+        let abs = v.map(|v| _mm256_andnot_ps(sign, v));
+        // max(NaN, m) is m: a NaN is skipped, as `f32::max` skips it.
+        let m = abs
+            .iter()
+            .fold(_mm256_setzero_ps(), |m, &a| _mm256_max_ps(a, m));
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` is 8 f32; unaligned store.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+        let amax = lanes.iter().fold(0.0f32, |m, v| m.max(*v));
+        let d = amax / 127.0;
+        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        let q = v.map(|v| {
+            let p = _mm256_mul_ps(v, _mm256_set1_ps(id));
+            let t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(p, t));
+            let up = _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), one);
+            let r = _mm256_add_ps(t, _mm256_or_ps(up, _mm256_and_ps(p, sign)));
+            let ok = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_ORD_Q));
+            let i = _mm256_and_si256(_mm256_cvttps_epi32(r), ok);
+            _mm256_min_epi32(_mm256_max_epi32(i, lo), hi)
+        });
+        let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let mut sums = [0i32; 8];
+        // SAFETY: `sums` is 8 i32; unaligned store.
+        unsafe { _mm256_storeu_si256(sums.as_mut_ptr().cast(), total) };
+        let sum: i32 = sums.iter().sum();
+        // Four i32 vectors to 32 i8 (exact: every value is within ±127), back in order.
+        let packed = _mm256_packs_epi16(
+            _mm256_packs_epi32(q[0], q[1]),
+            _mm256_packs_epi32(q[2], q[3]),
+        );
+        let ordered =
+            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: `qs` is 32 bytes; unaligned store.
+        unsafe { _mm256_storeu_si256(block.qs.as_mut_ptr().cast(), ordered) };
+        block.d = d;
+        block.sum = sum;
+        block.s = d * sum as f32;
+    }
+}
+
 /// The two f16 values at the start of `b` as f32 (exact, as `half`'s conversion).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
@@ -362,6 +423,10 @@ pub(super) fn dot_f32s(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
     super::portable::axpy(w, x, y)
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    super::portable::quantize_q8(x, out)
 }
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn dot_f32_f16(a: &[f32], b: &[u8]) -> f32 {

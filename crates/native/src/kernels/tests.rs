@@ -138,6 +138,39 @@ fn every_format_computes_the_dot_product_of_its_values() {
     }
 }
 
+#[test]
+fn the_simd_quantizer_equals_the_portable_one_bit_for_bit() {
+    let simd = Kernels::new(Isa::detect());
+    let portable = Kernels::new(Isa::Portable);
+    let mut rng = Rng(7);
+    // Random rows; rows whose products land on halves (ties round away from zero) and just
+    // below them; zeros, negative zeros and a NaN.
+    let mut x: Vec<f32> = (0..QK * 64).map(|_| rng.unit() * 5.0).collect();
+    let ties: Vec<f32> = (0..QK).map(|i| (i as f32 - 15.5) * 127.0 / 16.0).collect();
+    x.extend(&ties);
+    x.extend(ties.iter().map(|v| f32::from_bits(v.to_bits() - 1)));
+    x.extend([0.0f32; QK]);
+    x.extend((0..QK).map(|i| if i % 2 == 0 { -0.0 } else { 1e-30 }));
+    for nan in [3, 9, 20, 31] {
+        x.extend((0..QK).map(|i| if i == nan { f32::NAN } else { i as f32 - 9.0 }));
+    }
+    let blocks = x.len() / QK;
+    let (mut a, mut b) = (
+        vec![BlockQ8::default(); blocks],
+        vec![BlockQ8::default(); blocks],
+    );
+    portable.quantize_q8(&x, &mut a);
+    simd.quantize_q8(&x, &mut b);
+    for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(a.qs, b.qs, "block {i}");
+        assert_eq!(
+            (a.d.to_bits(), a.s.to_bits(), a.sum),
+            (b.d.to_bits(), b.s.to_bits(), b.sum),
+            "block {i}"
+        );
+    }
+}
+
 proptest! {
     #[test]
     fn the_simd_kernels_equal_the_portable_ones_bit_for_bit(seed in any::<u64>(), blocks in 1usize..40) {

@@ -49,6 +49,11 @@ impl Compute {
         Compute { kernels, pool }
     }
 
+    /// `acts` set to `rows × cols` values, quantized over the threads when the step is big.
+    pub fn activations(&self, acts: &mut Activations, rows: usize, cols: usize, values: &[f32]) {
+        acts.set_on(&self.kernels, rows, cols, values, self.pool.as_ref())
+    }
+
     pub fn threads(&self) -> usize {
         self.pool.as_ref().map_or(1, |p| p.current_num_threads())
     }
@@ -202,7 +207,6 @@ impl Llama {
         s: &mut Scratch,
         logits: &mut Vec<f32>,
     ) {
-        let k = &c.kernels;
         let cfg = &self.cfg;
         let (n, d) = (rows.len(), cfg.n_embd);
         logits.clear();
@@ -228,7 +232,7 @@ impl Llama {
             s.h.extend_from_slice(&s.x[r * d..(r + 1) * d]);
             rms_norm(&mut s.h[start..], &self.output_norm, cfg.rms_eps);
         }
-        s.acts.set(k, out_rows.len(), d, &s.h);
+        c.activations(&mut s.acts, out_rows.len(), d, &s.h);
         let out = self.output.as_ref().unwrap_or(&self.embed);
         logits.resize(out_rows.len() * out.rows(), 0.0);
         c.matmul(out, &s.acts, logits);
@@ -253,7 +257,7 @@ impl Llama {
             cfg.kv_dim(),
             cfg.head_dim,
         );
-        self.normed(k, &layer.attn_norm, n, s);
+        self.normed(c, &layer.attn_norm, n, s);
         s.q.resize(n * qd, 0.0);
         s.k.resize(n * kvd, 0.0);
         s.v.resize(n * kvd, 0.0);
@@ -296,7 +300,7 @@ impl Llama {
             let (r, g) = (i / groups, i % groups);
             self.attend(k, l, &rows[r], arena, bs, &q[r * qd..(r + 1) * qd], g, out);
         });
-        s.acts.set(k, n, qd, &s.att);
+        c.activations(&mut s.acts, n, qd, &s.att);
         s.h.resize(n * d, 0.0);
         c.matmul(&layer.wo, &s.acts, &mut s.h);
         for (x, o) in s.x.iter_mut().zip(&s.h) {
@@ -364,20 +368,20 @@ impl Llama {
 
     /// Every row of the residual stream `s.x` RMS-normed by `norm`, as the next product's
     /// activations.
-    fn normed(&self, k: &Kernels, norm: &[f32], n: usize, s: &mut Scratch) {
+    fn normed(&self, c: &Compute, norm: &[f32], n: usize, s: &mut Scratch) {
         let d = self.cfg.n_embd;
         s.h.clear();
         s.h.extend_from_slice(&s.x);
         for r in 0..n {
             rms_norm(&mut s.h[r * d..(r + 1) * d], norm, self.cfg.rms_eps);
         }
-        s.acts.set(k, n, d, &s.h);
+        c.activations(&mut s.acts, n, d, &s.h);
     }
 
     fn ffn_block(&self, c: &Compute, layer: &Layer, n: usize, s: &mut Scratch) {
-        let (cfg, k) = (&self.cfg, &c.kernels);
+        let cfg = &self.cfg;
         let (d, ff) = (cfg.n_embd, cfg.n_ff);
-        self.normed(k, &layer.ffn_norm, n, s);
+        self.normed(c, &layer.ffn_norm, n, s);
         s.gate.resize(n * ff, 0.0);
         s.up.resize(n * ff, 0.0);
         c.matmuls(
@@ -390,7 +394,7 @@ impl Llama {
         for (g, u) in s.gate.iter_mut().zip(&s.up) {
             *g = silu(*g) * u;
         }
-        s.acts.set(k, n, ff, &s.gate);
+        c.activations(&mut s.acts, n, ff, &s.gate);
         s.h.resize(n * d, 0.0);
         c.matmul(&layer.w_down, &s.acts, &mut s.h);
         for (x, o) in s.x.iter_mut().zip(&s.h) {
