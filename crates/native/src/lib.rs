@@ -53,6 +53,7 @@ pub mod load;
 pub mod model;
 pub mod quant;
 pub mod sampling;
+pub mod team;
 pub mod tensor;
 pub mod tokenizer;
 

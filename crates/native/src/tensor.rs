@@ -111,7 +111,7 @@ impl Activations {
         self.set_on(k, rows, cols, values, None)
     }
 
-    /// [`set`](Self::set), the rows quantized over `pool`'s threads when there are enough
+    /// [`set`](Self::set), the rows quantized over `team`'s threads when there are enough
     /// of them to be worth waking it (each row on its own: the same blocks either way).
     pub fn set_on(
         &mut self,
@@ -119,9 +119,8 @@ impl Activations {
         rows: usize,
         cols: usize,
         values: &[f32],
-        pool: Option<&rayon::ThreadPool>,
+        team: Option<&crate::team::Team>,
     ) {
-        use rayon::prelude::*;
         debug_assert_eq!(values.len(), rows * cols);
         debug_assert_eq!(cols % QK, 0);
         self.rows = rows;
@@ -134,16 +133,12 @@ impl Activations {
             return;
         }
         let (values, q8) = (&self.values, &mut self.q8);
-        match pool {
-            Some(pool) if rows >= 16 => pool.install(|| {
-                q8.par_chunks_mut(b)
-                    .zip(values.par_chunks(cols))
-                    .for_each(|(q, v)| k.quantize_q8(v, q))
-            }),
-            _ => q8
-                .chunks_mut(b)
-                .zip(values.chunks(cols))
-                .for_each(|(q, v)| k.quantize_q8(v, q)),
+        let mut rows_q: Vec<&mut [BlockQ8]> = q8.chunks_mut(b).collect();
+        let one =
+            |r: usize, q: &mut &mut [BlockQ8]| k.quantize_q8(&values[r * cols..(r + 1) * cols], q);
+        match team {
+            Some(team) if rows >= 16 => team.for_each(&mut rows_q, one),
+            _ => rows_q.iter_mut().enumerate().for_each(|(r, q)| one(r, q)),
         }
     }
 

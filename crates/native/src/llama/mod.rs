@@ -23,39 +23,33 @@ pub use config::{Arch, LlamaConfig, RopeScaling};
 pub use rope::Rope;
 
 use crate::kernels::Kernels;
+use crate::team::Team;
 use crate::tensor::{Activations, Matrix};
 
 /// What a forward pass computes with: the kernels, and the threads that split each matrix
-/// product by output rows (none: the calling thread alone).
+/// product by output rows and attention by (row, KV head) (none: the calling thread alone).
 #[derive(Debug)]
 pub struct Compute {
     pub kernels: Kernels,
-    pool: Option<rayon::ThreadPool>,
+    team: Option<Team>,
 }
 
 impl Compute {
-    /// `threads` threads (1: the caller's own). A rayon pool's idle threads sleep: workers
-    /// sharing cores do not steal each other's time between steps.
+    /// `threads` threads (1: the caller's own). The team's threads spin only briefly between
+    /// a step's regions, then sleep (`crate::team`): workers sharing cores do not steal each
+    /// other's time between steps.
     pub fn new(kernels: Kernels, threads: usize) -> Compute {
-        let pool = (threads > 1)
-            .then(|| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .thread_name(|i| format!("tandem-native-{i}"))
-                    .build()
-                    .ok()
-            })
-            .flatten();
-        Compute { kernels, pool }
+        let team = (threads > 1).then(|| Team::new(threads)).flatten();
+        Compute { kernels, team }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.team.as_ref().map_or(1, Team::threads)
     }
 
     /// `acts` set to `rows × cols` values, quantized over the threads when the step is big.
     pub fn activations(&self, acts: &mut Activations, rows: usize, cols: usize, values: &[f32]) {
-        acts.set_on(&self.kernels, rows, cols, values, self.pool.as_ref())
-    }
-
-    pub fn threads(&self) -> usize {
-        self.pool.as_ref().map_or(1, |p| p.current_num_threads())
+        acts.set_on(&self.kernels, rows, cols, values, self.team.as_ref())
     }
 
     /// `out = m · x` (`x.rows() × m.rows()`), split by output rows over the threads.
@@ -65,13 +59,13 @@ impl Compute {
 
     /// Every `out = m · x` of `jobs` (each `x.rows() × m.rows()`), in one parallel region:
     /// the output rows of all the matrices are split over the threads together, so products
-    /// of the same activations (Q, K and V; gate and up) wake the pool once. Each output is
+    /// of the same activations (Q, K and V; gate and up) wake the team once. Each output is
     /// one kernel call on its own, so the split changes no result.
     pub fn matmuls(&self, jobs: &mut [(&Matrix, &mut [f32])], x: &Activations) {
         let k = &self.kernels;
         let total: usize = jobs.iter().map(|(m, _)| m.rows()).sum();
-        let pool = match &self.pool {
-            Some(pool) if total >= 2 * 16 => pool,
+        let team = match &self.team {
+            Some(team) if total >= 2 * 16 => team,
             _ => {
                 for (m, out) in jobs.iter_mut() {
                     m.matmul(k, x, out);
@@ -79,29 +73,23 @@ impl Compute {
                 return;
             }
         };
-        // Whole tiles of 16 rows per part, a part never spanning two matrices.
-        let per = total.div_ceil(pool.current_num_threads()).div_ceil(16) * 16;
-        let tasks: Vec<(usize, std::ops::Range<usize>)> = jobs
+        // Whole tiles of 16 rows, a few per thread (whichever thread is free takes the next),
+        // a part never spanning two matrices.
+        let per = total.div_ceil(4 * team.threads()).div_ceil(16) * 16;
+        let mut tasks: Vec<(usize, std::ops::Range<usize>, Vec<f32>)> = jobs
             .iter()
             .enumerate()
             .flat_map(|(j, (m, _))| {
                 (0..m.rows().div_ceil(per))
-                    .map(move |i| (j, i * per..((i + 1) * per).min(m.rows())))
+                    .map(move |i| (j, i * per..((i + 1) * per).min(m.rows()), Vec::new()))
             })
             .collect();
-        use rayon::prelude::*;
         let matrices: Vec<&Matrix> = jobs.iter().map(|(m, _)| *m).collect();
-        let chunks: Vec<(usize, std::ops::Range<usize>, Vec<f32>)> = pool.install(|| {
-            tasks
-                .into_par_iter()
-                .map(|(j, range)| {
-                    let mut buf = vec![0.0; x.rows() * range.len()];
-                    matrices[j].matmul_range(k, x, range.clone(), &mut buf);
-                    (j, range, buf)
-                })
-                .collect()
+        team.for_each(&mut tasks, |_, (j, range, buf)| {
+            buf.resize(x.rows() * range.len(), 0.0);
+            matrices[*j].matmul_range(k, x, range.clone(), buf);
         });
-        for (j, range, buf) in chunks {
+        for (j, range, buf) in tasks {
             let (m, out) = &mut jobs[j];
             for r in 0..x.rows() {
                 out[r * m.rows() + range.start..r * m.rows() + range.end]
@@ -119,13 +107,11 @@ impl Compute {
         work: usize,
         f: impl Fn(usize, &mut [f32]) + Sync,
     ) {
-        use rayon::prelude::*;
-        match &self.pool {
-            Some(pool) if work >= PARALLEL_WORK => pool.install(|| {
-                out.par_chunks_mut(span)
-                    .enumerate()
-                    .for_each(|(i, c)| f(i, c))
-            }),
+        match &self.team {
+            Some(team) if work >= PARALLEL_WORK => {
+                let mut chunks: Vec<&mut [f32]> = out.chunks_mut(span).collect();
+                team.for_each(&mut chunks, |i, c| f(i, c));
+            }
             _ => out.chunks_mut(span).enumerate().for_each(|(i, c)| f(i, c)),
         }
     }
