@@ -21,11 +21,15 @@
 //! - [`model`]: [`NativeModel`], the forward pass and the sampler as the engine's model.
 //! - [`sampling`]: greedy and seeded temperature / top-k / top-p / min-p draws.
 //! - [`tokenizer`]: the file's byte-level BPE tokenizer and its special tokens.
+//! - [`team`]: the worker's threads, which spin briefly between a step's parallel regions and
+//!   sleep between steps.
 //! - `error`: [`Error`], classified by [`Error::class`].
 //!
 //! **Invariants.**
-//! - `unsafe` lives in one audited module, `kernels/simd.rs` (the AVX2 intrinsics), each
-//!   block with a `// SAFETY:`. The file is read into a `Vec<u8>` (no memory mapping).
+//! - `unsafe` lives in two audited modules, each block with a `// SAFETY:`: `kernels/simd.rs`
+//!   (the AVX2 intrinsics) and [`team`] (a parallel region's closure called through a
+//!   pointer by the worker's threads, which `Team::run` outlives). The file is read into a
+//!   `Vec<u8>` (no memory mapping).
 //! - Bounds are checked at parse time, once: every length and count against the bytes left
 //!   (a hostile count never sizes an allocation beyond what the remaining bytes could hold),
 //!   every tensor's type, shape and extent against the data section. Bad input is an
