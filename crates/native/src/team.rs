@@ -43,6 +43,8 @@ struct Shared {
     job: Mutex<Option<JobPtr>>,
     /// Members still running the current region's job.
     remaining: AtomicUsize,
+    /// Members asleep on `wake` (the tests wait on it).
+    asleep: AtomicUsize,
     /// A member's job panicked.
     panicked: AtomicBool,
     stop: AtomicBool,
@@ -72,6 +74,7 @@ impl Team {
             epoch: AtomicU64::new(0),
             job: Mutex::new(None),
             remaining: AtomicUsize::new(0),
+            asleep: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             sleeping: Mutex::new(()),
@@ -180,7 +183,9 @@ fn member(s: &Shared, i: usize) {
                 if epoch != seen || s.stop.load(Ordering::SeqCst) {
                     break;
                 }
+                s.asleep.fetch_add(1, Ordering::SeqCst);
                 s.wake.wait(&mut guard);
+                s.asleep.fetch_sub(1, Ordering::SeqCst);
             }
         }
         if s.stop.load(Ordering::SeqCst) {
@@ -214,9 +219,13 @@ mod tests {
                 calls[i].fetch_add(1, Ordering::Relaxed);
             });
         }
-        // Regions far apart: the members have gone to sleep in between.
+        // Regions far apart: every member has gone to sleep in between.
         for _ in 0..3 {
-            std::thread::sleep(SPIN * 5);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while team.shared.asleep.load(Ordering::SeqCst) < 2 {
+                assert!(Instant::now() < deadline, "the members never went to sleep");
+                std::thread::yield_now();
+            }
             team.run(&|i| {
                 calls[i].fetch_add(1, Ordering::Relaxed);
             });
