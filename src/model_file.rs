@@ -66,6 +66,27 @@ impl ModelFile {
         }))
     }
 
+    /// `c` computing this model with the native engine on `threads` threads: its device
+    /// blocks are what `kv_memory_mb` (--kv-memory-mb) holds, its name the model's.
+    pub fn configure(
+        &self,
+        c: &mut WorkerConfig,
+        threads: usize,
+        kv_memory_mb: u64,
+    ) -> anyhow::Result<()> {
+        c.model = self.name.clone();
+        c.native = Some(self.engine(threads));
+        let per_block = c.bytes_per_block() as u64;
+        let blocks = (kv_memory_mb << 20) / per_block.max(1);
+        anyhow::ensure!(
+            blocks >= 2,
+            "--kv-memory-mb {kv_memory_mb} holds {blocks} KV blocks of {per_block} bytes: at \
+             least 2 are needed"
+        );
+        c.engine.pool.device_blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
+        Ok(())
+    }
+
     /// The native engine of a worker computing this model on `threads` threads.
     pub fn engine(&self, threads: usize) -> NativeEngine {
         NativeEngine {
@@ -74,29 +95,6 @@ impl ModelFile {
             threads: threads.max(1),
             eos_token: self.eos_token,
         }
-    }
-}
-
-impl crate::serve::EngineArgs {
-    /// `c` computing `model` with the native engine on `threads` threads (the flag's, when
-    /// given): its device blocks are what --kv-memory-mb holds, its name the model's.
-    pub fn native(
-        &self,
-        c: &mut WorkerConfig,
-        model: &ModelFile,
-        threads: usize,
-    ) -> anyhow::Result<()> {
-        c.model = model.name.clone();
-        c.native = Some(model.engine(self.threads.unwrap_or(threads)));
-        let per_block = c.bytes_per_block() as u64;
-        let blocks = (self.kv_memory_mb << 20) / per_block.max(1);
-        anyhow::ensure!(
-            blocks >= 2,
-            "--kv-memory-mb {} holds {blocks} KV blocks of {per_block} bytes: at least 2 are needed",
-            self.kv_memory_mb
-        );
-        c.engine.pool.device_blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
-        Ok(())
     }
 }
 

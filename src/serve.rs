@@ -664,8 +664,13 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
                     args.model
                 )
             })?;
-        args.engine
-            .native(&mut cfg, &model, crate::model_file::available_cores())?;
+        model.configure(
+            &mut cfg,
+            args.engine
+                .threads
+                .unwrap_or_else(crate::model_file::available_cores),
+            args.engine.kv_memory_mb,
+        )?;
     }
     let listener = bind(&args.listen).await?;
     let deps = args

@@ -154,7 +154,11 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
             args.engine
                 .config(role, WorkerId(i as u64 + 1), &args.http.model, "default")?;
         if let Some(model) = &model {
-            args.engine.native(&mut cfg, model, threads)?;
+            model.configure(
+                &mut cfg,
+                args.engine.threads.unwrap_or(threads),
+                args.engine.kv_memory_mb,
+            )?;
         }
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let (deps, stop) = (deps.clone(), workers_stop.clone());
