@@ -19,31 +19,27 @@
 
 pub mod remote;
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
-use futures::{Stream, stream};
+use futures::stream;
 use tandem_engine::{EngineRequest, FinishReason};
 use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
-    self, AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
-    HealthRequest, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillOutcome, PrefillRequest,
-    worker_server,
+    self, AbortPrefillRequest, GenerateChunk, GenerateRequest, PrefillOutcome, PrefillRequest,
 };
 use tandem_protocol::{HashSeed, RequestId, WorkerRole};
 use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::{
-    EngineHost, HostOutput, RequestHandle, WorkerConfig, WorkerContext, WorkerDeps, WorkerError,
+    ChunkStream, EngineHost, HostOutput, RequestHandle, ServedEngine, WorkerCalls, WorkerConfig,
+    WorkerContext, WorkerDeps, WorkerError,
 };
 use tokio::net::TcpListener;
 use tokio_util::sync::{CancellationToken, DropGuard};
-use tonic::{Request, Response, Status};
+use tonic::Status;
 use tracing::Instrument as _;
 
 use crate::remote::{PrefillClients, TransferHold};
-
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// Runs a decode (or aggregated) worker on `listener` until `shutdown`, then drains.
 pub async fn run(
@@ -58,7 +54,7 @@ pub async fn run(
         ));
     }
     let ctx = WorkerContext::start(config, &deps, &shutdown).await?;
-    let service = DecodeService::new(ctx.clone());
+    let service = Arc::new(DecodeService::new(ctx.clone()));
     ctx.serve(listener, service, deps, shutdown).await
 }
 
@@ -297,7 +293,7 @@ fn generate_stream(
     outcome: Arc<AtomicI32>,
     guard: DropGuard,
     span: tracing::Span,
-) -> BoxStream<GenerateChunk> {
+) -> ChunkStream<GenerateChunk> {
     // `decode`: from the first token to the last, under the call's server span (which ends
     // with the stream).
     let decode = tracing::info_span!(parent: &span, "decode", tandem.output_tokens = 0i64);
@@ -356,22 +352,16 @@ fn generate_stream(
 }
 
 #[tonic::async_trait]
-impl worker_server::Worker for DecodeService {
-    type GenerateStream = BoxStream<GenerateChunk>;
-    type PrefillStream = BoxStream<PrefillChunk>;
+impl WorkerCalls for DecodeService {
+    fn engine(&self) -> &dyn ServedEngine {
+        &self.ctx
+    }
 
     async fn generate(
         &self,
-        request: Request<GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
-        let span = tandem_worker::trace::server_span(
-            tandem_worker::trace::Method::Generate,
-            request.metadata(),
-        );
-        let _entered = span.enter();
-        self.ctx.check_accepting()?;
-        let req = request.into_inner();
-        tandem_worker::trace::record_request(&span, req.request_id, req.prompt.len());
+        req: GenerateRequest,
+        span: tracing::Span,
+    ) -> Result<ChunkStream<GenerateChunk>, Status> {
         let mut engine_req = engine_request(&req)?;
         if engine_req.stop_token.is_none() {
             // A real model ends its answer with its end-of-sequence token.
@@ -385,45 +375,7 @@ impl worker_server::Worker for DecodeService {
             ),
             Some(target) => self.start_remote(engine_req, target, cancel.clone())?,
         };
-        drop(_entered);
-        Ok(Response::new(generate_stream(
-            handle,
-            outcome,
-            cancel.drop_guard(),
-            span,
-        )))
-    }
-
-    async fn prefill(
-        &self,
-        _request: Request<PrefillRequest>,
-    ) -> Result<Response<Self::PrefillStream>, Status> {
-        Err(Status::unimplemented(
-            "a decode worker does not serve remote prefills: send Prefill to a prefill worker",
-        ))
-    }
-
-    async fn abort_prefill(
-        &self,
-        _request: Request<AbortPrefillRequest>,
-    ) -> Result<Response<AbortPrefillReply>, Status> {
-        Err(Status::unimplemented(
-            "a decode worker runs no remote prefills: send AbortPrefill to a prefill worker",
-        ))
-    }
-
-    async fn kv_events(
-        &self,
-        request: Request<KvEventsRequest>,
-    ) -> Result<Response<KvEventsReply>, Status> {
-        self.ctx.kv_events(request.into_inner()).map(Response::new)
-    }
-
-    async fn health(
-        &self,
-        _request: Request<HealthRequest>,
-    ) -> Result<Response<HealthReply>, Status> {
-        Ok(Response::new(self.ctx.health()))
+        Ok(generate_stream(handle, outcome, cancel.drop_guard(), span))
     }
 }
 

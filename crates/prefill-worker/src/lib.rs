@@ -14,36 +14,32 @@
 
 pub mod transfers;
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{Stream, StreamExt, stream};
+use futures::{StreamExt, stream};
 use tandem_engine::{EngineRequest, ExportedBlock};
 use tandem_kv_transfer::{Region, RegionDescriptor};
 use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
-    AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
-    HealthRequest, KvBlock, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillDone,
-    PrefillRequest, prefill_chunk, worker_server,
+    AbortPrefillReply, AbortPrefillRequest, KvBlock, PrefillChunk, PrefillDone, PrefillRequest,
+    prefill_chunk,
 };
 use tandem_protocol::{HashSeed, RequestId, WorkerRole};
 use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::{
-    HostOutput, KvDigest, RequestHandle, WorkerConfig, WorkerContext, WorkerDeps, WorkerError,
-    WorkerMetrics, digest_block,
+    ChunkStream, HostOutput, KvDigest, RequestHandle, ServedEngine, WorkerCalls, WorkerConfig,
+    WorkerContext, WorkerDeps, WorkerError, WorkerMetrics, digest_block,
 };
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 use crate::transfers::{TransferTicket, Transfers};
 
 /// Longest `AbortPrefill` waits for a transfer's writer to close; past it the caller asks
 /// again.
 const ABORT_WAIT: Duration = Duration::from_secs(5);
-
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// Runs a prefill worker on `listener` until `shutdown`, then drains (see
 /// [`WorkerContext::serve`]).
@@ -55,7 +51,7 @@ pub async fn run(
 ) -> Result<(), WorkerError> {
     config.role = WorkerRole::Prefill;
     let ctx = WorkerContext::start(config, &deps, &shutdown).await?;
-    let service = PrefillService::new(ctx.clone());
+    let service = Arc::new(PrefillService::new(ctx.clone()));
     ctx.serve(listener, service, deps, shutdown).await
 }
 
@@ -274,7 +270,7 @@ impl Prefill {
 
 /// The `Prefill` stream of one request. Dropping it (the decode worker went away) drops the
 /// request handle, which aborts the request and frees its blocks here.
-fn prefill_stream(prefill: Prefill) -> BoxStream<PrefillChunk> {
+fn prefill_stream(prefill: Prefill) -> ChunkStream<PrefillChunk> {
     let chunks = stream::unfold(Some(prefill), |state| async move {
         let mut p = state?;
         match p.step().await {
@@ -296,30 +292,16 @@ fn prefill_stream(prefill: Prefill) -> BoxStream<PrefillChunk> {
 }
 
 #[tonic::async_trait]
-impl worker_server::Worker for PrefillService {
-    type GenerateStream = BoxStream<GenerateChunk>;
-    type PrefillStream = BoxStream<PrefillChunk>;
-
-    async fn generate(
-        &self,
-        _request: Request<GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
-        Err(Status::unimplemented(
-            "a prefill worker does not decode: send Generate to a decode worker",
-        ))
+impl WorkerCalls for PrefillService {
+    fn engine(&self) -> &dyn ServedEngine {
+        &self.ctx
     }
 
     async fn prefill(
         &self,
-        request: Request<PrefillRequest>,
-    ) -> Result<Response<Self::PrefillStream>, Status> {
-        let span = tandem_worker::trace::server_span(
-            tandem_worker::trace::Method::Prefill,
-            request.metadata(),
-        );
-        self.ctx.check_accepting()?;
-        let req = request.into_inner();
-        tandem_worker::trace::record_request(&span, req.request_id, req.prompt.len());
+        req: PrefillRequest,
+        span: tracing::Span,
+    ) -> Result<ChunkStream<PrefillChunk>, Status> {
         if req.engine_handshake {
             return Err(WorkerError::InvalidRequest(
                 "this prefill worker runs tandem's own engine: an external engine's decode \
@@ -357,7 +339,7 @@ impl worker_server::Worker for PrefillService {
             Sink::Transport { .. } => "transport",
             Sink::Inline => "inline",
         };
-        Ok(Response::new(prefill_stream(Prefill {
+        Ok(prefill_stream(Prefill {
             handle,
             digest: KvDigest::default(),
             sink,
@@ -375,36 +357,18 @@ impl worker_server::Worker for PrefillService {
             ),
             _span: span,
             sent: (0, 0),
-        })))
+        }))
     }
 
-    async fn abort_prefill(
-        &self,
-        request: Request<AbortPrefillRequest>,
-    ) -> Result<Response<AbortPrefillReply>, Status> {
-        let req = request.into_inner();
+    async fn abort_prefill(&self, req: AbortPrefillRequest) -> Result<AbortPrefillReply, Status> {
         let Some(mut closed) = self.transfers.abort((req.request_id, req.destination)) else {
-            return Ok(Response::new(AbortPrefillReply { was_running: false }));
+            return Ok(AbortPrefillReply { was_running: false });
         };
         match tokio::time::timeout(ABORT_WAIT, closed.wait_for(|c| *c)).await {
-            Ok(_) => Ok(Response::new(AbortPrefillReply { was_running: true })),
+            Ok(_) => Ok(AbortPrefillReply { was_running: true }),
             Err(_) => Err(ErrorClass::Unavailable.status(format!(
                 "the transfer's writer is still closing after {ABORT_WAIT:?}: ask again"
             ))),
         }
-    }
-
-    async fn kv_events(
-        &self,
-        request: Request<KvEventsRequest>,
-    ) -> Result<Response<KvEventsReply>, Status> {
-        self.ctx.kv_events(request.into_inner()).map(Response::new)
-    }
-
-    async fn health(
-        &self,
-        _request: Request<HealthRequest>,
-    ) -> Result<Response<HealthReply>, Status> {
-        Ok(Response::new(self.ctx.health()))
     }
 }

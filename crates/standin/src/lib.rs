@@ -175,8 +175,6 @@ pub async fn run(
         HostPublishing {
             events: plane.clone(),
             kv_subject,
-            load_subject: "standin.load".into(),
-            load_interval: Duration::from_secs(3600),
             metrics: Arc::default(),
         },
         4096,

@@ -1,21 +1,18 @@
-//! What every worker role shares: its configuration, the engine host, the `KvEvents` and
-//! `Health` handlers, and the serve-register-drain lifecycle.
+//! What every in-process worker role shares: its configuration, the engine host, and the
+//! engine's side of the one lifecycle ([`crate::served`]: record, `KvEvents`, load, drain).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tandem_engine::{ArenaStorage, DynEngine, Engine, EngineConfig, MockEngine, MockEngineConfig};
 use tandem_kv_transfer::{MemoryKind, Region, RegionDescriptor, Transport};
 use tandem_protocol::ErrorClass;
-use tandem_protocol::grpc::{
-    HealthReply, KvEventsReply, KvEventsRequest, kv_events_reply, worker_server,
-};
+use tandem_protocol::grpc::{KvEventsReply, KvEventsRequest, kv_events_reply};
 use tandem_protocol::{
-    Envelope, TierCapacity, WorkerAddresses, WorkerId, WorkerRecord, WorkerRole,
+    Envelope, LoadReport, TierCapacity, WorkerAddresses, WorkerId, WorkerRecord, WorkerRole,
 };
-use tandem_runtime::discovery::{Discovery, role_name};
+use tandem_runtime::discovery::Discovery;
 use tandem_runtime::events::{EventPlane, subjects};
 use tandem_runtime::shutdown::Shutdown;
 use tokio::net::TcpListener;
@@ -27,6 +24,7 @@ use crate::arena::{KvMemory, RegionStorage};
 use crate::error::WorkerError;
 use crate::host::{EngineHost, HostPublishing};
 use crate::metrics::WorkerMetrics;
+use crate::served::{Availability, Lifecycle, ServedEngine, WorkerCalls};
 
 /// A worker's settings (the binary fills them from flags).
 #[derive(Clone, Debug)]
@@ -190,7 +188,7 @@ pub struct WorkerContext {
     pub arena: Option<Arc<Region>>,
     /// Its counters, served on `/metrics` with the engine's state.
     pub metrics: Arc<WorkerMetrics>,
-    draining: Arc<AtomicBool>,
+    availability: Arc<Availability>,
     /// Cancelled when the worker stops for good (after draining): ends its tasks.
     stop: CancellationToken,
     tasks: TaskTracker,
@@ -222,8 +220,6 @@ impl WorkerContext {
         let publishing = HostPublishing {
             events,
             kv_subject: subjects::kv_events(&config.namespace),
-            load_subject: subjects::load_reports(&config.namespace),
-            load_interval: config.load_interval,
             metrics: metrics.clone(),
         };
         let host = EngineHost::start(
@@ -240,23 +236,10 @@ impl WorkerContext {
             exposed,
             arena: region,
             metrics,
-            draining: Arc::new(AtomicBool::new(false)),
+            availability: Arc::default(),
             stop,
             tasks,
         })
-    }
-
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Acquire)
-    }
-
-    /// Refuses new work once draining (the frontend routes elsewhere on `Unavailable`).
-    pub fn check_accepting(&self) -> Result<(), WorkerError> {
-        if self.is_draining() {
-            Err(WorkerError::Draining)
-        } else {
-            Ok(())
-        }
     }
 
     /// Cancelled when the worker stops for good: background work (transfer fences) ends.
@@ -280,15 +263,6 @@ impl WorkerContext {
             |after| self.host.events_since(after),
             || self.host.dump(),
         )
-    }
-
-    pub fn health(&self) -> HealthReply {
-        HealthReply {
-            worker_id: self.config.worker_id.0,
-            role: role_name(self.config.role).to_string(),
-            serving: !self.is_draining(),
-            draining: self.is_draining(),
-        }
     }
 
     /// The record registered in discovery: gRPC on `addr`, metrics on `metrics` if served.
@@ -315,89 +289,95 @@ impl WorkerContext {
         }
     }
 
-    /// Serves `service` on `listener`, registered in discovery, until `shutdown`; then
-    /// drains: deregisters, refuses new requests, lets in-flight ones finish (up to the
-    /// drain timeout), stops serving and ends the engine's tasks.
-    pub async fn serve<S>(
+    /// Serves `calls` (the role's request handlers over this context) on `listener`,
+    /// registered in discovery, until `shutdown`; then drains (the one lifecycle,
+    /// [`crate::served::serve`]) and ends the engine's tasks.
+    pub async fn serve<C: WorkerCalls>(
         self,
         listener: TcpListener,
-        service: S,
+        calls: Arc<C>,
         deps: WorkerDeps,
         shutdown: Shutdown,
-    ) -> Result<(), WorkerError>
-    where
-        S: worker_server::Worker,
-    {
-        let addr = listener
-            .local_addr()
-            .map_err(|e| WorkerError::Internal(format!("listener address: {e}")))?;
-        // Metrics stay up while the worker drains (the drain is worth watching).
-        let metrics_addr = match &self.config.metrics_listen {
-            Some(listen) => {
-                let (listener, local) = crate::scrape::bind(listen).await?;
-                let registry = crate::scrape::registry(
-                    &self.metrics,
-                    self.host.clone(),
-                    &self.config.model,
-                    self.draining.clone(),
-                );
-                let stop = self.stop.clone();
-                self.tasks.spawn(async move {
-                    if let Err(e) = crate::scrape::serve(listener, registry, stop).await {
-                        tracing::error!(error = %e, "metrics server failed");
-                    }
-                });
-                Some(local)
-            }
-            None => None,
+    ) -> Result<(), WorkerError> {
+        let lifecycle = Lifecycle {
+            namespace: self.config.namespace.clone(),
+            load_interval: self.config.load_interval,
+            drain_timeout: self.config.drain_timeout,
+            health: None,
         };
-        let record = self.record(addr, metrics_addr);
-        let server_stop = self.stop.child_token();
-        let router = tonic::transport::Server::builder()
-            .add_service(worker_server::WorkerServer::new(service));
-        let server = tokio::spawn(tandem_runtime::grpc::serve_tonic(
-            router,
+        let served = crate::served::serve(
+            calls,
+            lifecycle,
             listener,
-            server_stop.clone(),
-        ));
-        let registration = match deps.discovery.register(record).await {
-            Ok(r) => r,
-            Err(e) => {
-                server_stop.cancel();
-                self.stop.cancel();
-                return Err(e.into());
-            }
-        };
-        tracing::info!(
-            worker = self.config.worker_id.0,
-            role = role_name(self.config.role),
-            %addr,
-            "worker serving"
-        );
-        shutdown.draining().await;
-
-        tracing::info!(in_flight = self.host.in_flight(), "draining");
-        self.draining.store(true, Ordering::Release);
-        registration.deregister().await;
-        let drained = tokio::select! {
-            idle = self.host.wait_idle(self.config.drain_timeout) => idle,
-            () = shutdown.stopped() => false,
-        };
-        if !drained {
-            tracing::warn!(
-                in_flight = self.host.in_flight(),
-                "drain timeout: stopping with requests in flight"
-            );
-        }
-        server_stop.cancel();
-        let served = server.await;
+            deps.discovery,
+            deps.events,
+            shutdown,
+            &self.tasks,
+            self.stop.clone(),
+        )
+        .await;
         self.stop.cancel();
         self.tasks.close();
         self.tasks.wait().await;
-        match served {
-            Ok(r) => r.map_err(WorkerError::from),
-            Err(e) => Err(WorkerError::Internal(format!("server task: {e}"))),
-        }
+        served
+    }
+}
+
+#[tonic::async_trait]
+impl ServedEngine for WorkerContext {
+    fn worker_id(&self) -> WorkerId {
+        self.config.worker_id
+    }
+
+    fn role(&self) -> WorkerRole {
+        self.config.role
+    }
+
+    fn availability(&self) -> &Availability {
+        &self.availability
+    }
+
+    fn record(&self, grpc: SocketAddr, metrics: Option<SocketAddr>) -> WorkerRecord {
+        WorkerContext::record(self, grpc, metrics)
+    }
+
+    fn kv_events(&self, req: KvEventsRequest) -> Result<KvEventsReply, Status> {
+        WorkerContext::kv_events(self, req)
+    }
+
+    async fn load_report(&self) -> LoadReport {
+        self.host.load_report()
+    }
+
+    fn in_flight(&self) -> u64 {
+        self.host.in_flight() as u64
+    }
+
+    async fn wait_idle(&self, timeout: Duration) -> bool {
+        self.host.wait_idle(timeout).await
+    }
+
+    async fn serve_metrics(
+        &self,
+        tasks: &TaskTracker,
+        stop: CancellationToken,
+    ) -> Result<Option<SocketAddr>, WorkerError> {
+        let Some(listen) = &self.config.metrics_listen else {
+            return Ok(None);
+        };
+        let (listener, local) = crate::scrape::bind(listen).await?;
+        let registry = crate::scrape::registry(
+            &self.metrics,
+            self.host.clone(),
+            &self.config.model,
+            self.availability.draining_flag(),
+        );
+        tasks.spawn(async move {
+            if let Err(e) = crate::scrape::serve(listener, registry, stop).await {
+                tracing::error!(error = %e, "metrics server failed");
+            }
+        });
+        Ok(Some(local))
     }
 }
 

@@ -5,7 +5,8 @@
 //! duration, hand every output to the request it belongs to. A second task publishes the engine's KV events
 //! in id order after anything that may have produced some (steps, admissions, aborts, remote
 //! prefills): only that task reads `events_since`, so batches leave in order and coalesce
-//! under load. A third publishes a load report every interval.
+//! under load. Its load report ([`EngineHost::load_report`]) is published by the worker's
+//! lifecycle ([`crate::served`]).
 //!
 //! Requests are submitted through [`EngineHost::submit`] and friends and answered through a
 //! [`RequestHandle`]; dropping the handle before the request ends aborts it, which frees its
@@ -50,9 +51,6 @@ pub struct HostPublishing {
     pub events: Arc<dyn EventPlane>,
     /// Subject of KV events (`tandem.<ns>.kv-events`).
     pub kv_subject: String,
-    /// Subject of load reports (`tandem.<ns>.load`).
-    pub load_subject: String,
-    pub load_interval: Duration,
     /// The worker's counters (KV events published).
     pub metrics: Arc<crate::metrics::WorkerMetrics>,
 }
@@ -61,8 +59,6 @@ impl std::fmt::Debug for HostPublishing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostPublishing")
             .field("kv_subject", &self.kv_subject)
-            .field("load_subject", &self.load_subject)
-            .field("load_interval", &self.load_interval)
             .finish_non_exhaustive()
     }
 }
@@ -112,7 +108,7 @@ impl std::fmt::Debug for EngineHost {
 }
 
 impl EngineHost {
-    /// Starts the driver, the event publisher and the load reporter on `tasks`; they stop
+    /// Starts the driver and the event publisher on `tasks`; they stop
     /// when `cancel` fires. Each request's outputs wait in a channel of `output_buffer`
     /// (at least 1).
     pub fn start(
@@ -139,11 +135,7 @@ impl EngineHost {
             }),
         };
         tasks.spawn(host.clone().drive(cancel.clone()));
-        tasks.spawn(
-            host.clone()
-                .publish_events(publishing.clone(), cancel.clone()),
-        );
-        tasks.spawn(host.clone().report_load(publishing, cancel));
+        tasks.spawn(host.clone().publish_events(publishing, cancel));
         host
     }
 
@@ -344,6 +336,12 @@ impl EngineHost {
         self.inner.state.lock().outputs.len()
     }
 
+    /// The engine's load report now.
+    pub fn load_report(&self) -> tandem_protocol::LoadReport {
+        let now = self.now_us();
+        self.inner.state.lock().engine.load_report(now)
+    }
+
     /// Waits until no request is tracked, or `timeout` passes; true when idle.
     pub async fn wait_idle(&self, timeout: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
@@ -510,27 +508,6 @@ impl EngineHost {
             last = newest;
         }
     }
-
-    async fn report_load(self, p: HostPublishing, cancel: CancellationToken) {
-        let mut tick = tokio::time::interval(p.load_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = cancel.cancelled() => return,
-            }
-            let now = self.now_us();
-            let report = self.inner.state.lock().engine.load_report(now);
-            match report.encode() {
-                Ok(bytes) => {
-                    if let Err(e) = p.events.publish(&p.load_subject, Bytes::from(bytes)).await {
-                        tracing::debug!(error = %e, "publishing a load report failed");
-                    }
-                }
-                Err(e) => tracing::error!(error = %e, "encoding a load report failed"),
-            }
-        }
-    }
 }
 
 /// How late a timer may fire (tokio's resolution is a millisecond) for the next step to start
@@ -659,8 +636,6 @@ mod tests {
         let publishing = HostPublishing {
             events: Arc::new(MemoryEventPlane::new()),
             kv_subject: "kv".into(),
-            load_subject: "load".into(),
-            load_interval: Duration::from_secs(1),
             metrics: Arc::default(),
         };
         let engine = MockEngine::new(cfg).expect("engine");

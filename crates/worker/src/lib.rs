@@ -1,11 +1,13 @@
-//! What tandem's prefill and decode workers share: a mock engine stepped in real time
-//! ([`host::EngineHost`]), its KV events and load reports on the event plane, the worker
-//! record in discovery, the `KvEvents` and `Health` handlers, and the lifecycle (serve,
-//! register, drain on shutdown). The role crates (`tandem-prefill-worker`,
-//! `tandem-decode-worker`) add their request handlers on top.
+//! What every tandem worker shares, whatever computes its answers: one lifecycle and one
+//! `tandem.v1.Worker` service ([`served`]: register, serve, load reports, health, drain), for
+//! tandem's own engine in this process (the mocker or the native model, stepped in real time
+//! by [`host::EngineHost`], its KV events on the event plane) and for an external engine
+//! behind the sidecar ([`external`]). The role crates (`tandem-prefill-worker`,
+//! `tandem-decode-worker`) add their request handlers on top of [`WorkerContext`].
 //!
-//! Layout: `host.rs` (engine driver, event publisher, load reporter, request handles),
-//! `context.rs` (config, shared handlers, serve/drain), `metrics.rs` (the worker's own
+//! Layout: `served.rs` (the engine interfaces, the gRPC service, the lifecycle), `host.rs`
+//! (engine driver, event publisher, request handles), `context.rs` (config, the in-process
+//! engine's side of the lifecycle), `metrics.rs` (the worker's own
 //! `/metrics`, vLLM's names where the meaning is the same), `arena.rs` (the engine's arena in a
 //! transport region or GPU memory), `error.rs` (typed errors → gRPC
 //! status), `digest.rs` (the checksum of transferred KV).
@@ -24,6 +26,7 @@ pub mod host;
 pub mod metrics;
 pub mod sampling;
 pub mod scrape;
+pub mod served;
 pub mod trace;
 
 pub use arena::{KvMemory, RegionStorage, digest_block, region_digest};
@@ -33,3 +36,4 @@ pub use error::WorkerError;
 pub use host::{EngineHost, HostOutput, HostPublishing, RequestHandle, cpu_bound};
 pub use metrics::WorkerMetrics;
 pub use sampling::sampling_params;
+pub use served::{Availability, ChunkStream, ServedEngine, WorkerCalls, WorkerService};

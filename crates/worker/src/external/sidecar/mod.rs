@@ -5,7 +5,8 @@
 //! engine where it exposes them, else from flags), serves tandem's `Worker` gRPC to the
 //! frontend, relays the engine's ZMQ KV events onto the event plane as tandem events
 //! ([`super::events`]), and reports load from the engine's Prometheus endpoint merged with its
-//! own count of requests in flight. The frontend cannot tell it from a mocker worker.
+//! own count of requests in flight. The frontend cannot tell it from a mocker worker: it runs
+//! the same lifecycle and gRPC service ([`crate::served`]) as tandem's own engines.
 //!
 //! Health: the engine's `/health` is polled; after `health_failures` misses in a row the
 //! sidecar deregisters (the index purges the worker's blocks, the frontend stops routing to
@@ -22,16 +23,14 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use tandem_protocol::grpc::{self, worker_server};
+use tandem_protocol::grpc::{self, KvEventsReply, KvEventsRequest};
 use tandem_protocol::{
-    BlockSize, Envelope, ErrorClass, LoadReport, TierCapacity, WorkerAddresses, WorkerId,
-    WorkerRecord, WorkerRole,
+    BlockSize, LoadReport, TierCapacity, WorkerAddresses, WorkerId, WorkerRecord, WorkerRole,
 };
-use tandem_runtime::discovery::{Discovery, Registration, role_name};
+use tandem_runtime::discovery::Discovery;
 use tandem_runtime::events::{EventPlane, subjects};
 use tandem_runtime::shutdown::Shutdown;
 use tokio::net::TcpListener;
@@ -43,6 +42,7 @@ use super::engine::{EngineApi, EngineKind};
 use super::events::{KvRelay, RelayConfig};
 use super::prom;
 use crate::error::WorkerError;
+use crate::served::{Availability, HealthProbe, Lifecycle, ServedEngine};
 
 /// A sidecar's settings (the binary fills them from flags).
 #[derive(Clone, Debug)]
@@ -195,9 +195,7 @@ struct Inner {
     shape: EngineShape,
     relay: Option<KvRelay>,
     stats: SidecarStats,
-    draining: AtomicBool,
-    /// Set while the engine fails its health checks.
-    down: AtomicBool,
+    availability: Availability,
     /// Requests in flight here, and their prompt tokens not yet past their first token.
     in_flight: AtomicU64,
     pending_prefill_tokens: AtomicU64,
@@ -236,11 +234,27 @@ pub async fn run(
 ) -> Result<(), WorkerError> {
     let tasks = TaskTracker::new();
     let stop = shutdown.stop_token().child_token();
+    let lifecycle = Lifecycle {
+        namespace: config.namespace.clone(),
+        load_interval: config.load_interval,
+        drain_timeout: config.drain_timeout,
+        health: Some(HealthProbe {
+            interval: config.health_interval,
+            failures: config.health_failures,
+        }),
+    };
     let sidecar = Sidecar::start(config, events.clone(), &tasks, stop.clone(), &shutdown).await?;
-    let result = sidecar
-        .clone()
-        .serve(listener, discovery, events, shutdown, &tasks, stop.clone())
-        .await;
+    let result = crate::served::serve(
+        Arc::new(sidecar),
+        lifecycle,
+        listener,
+        discovery,
+        events,
+        shutdown,
+        &tasks,
+        stop.clone(),
+    )
+    .await;
     stop.cancel();
     tasks.close();
     tasks.wait().await;
@@ -292,8 +306,7 @@ impl Sidecar {
                 shape,
                 relay,
                 stats: SidecarStats::default(),
-                draining: AtomicBool::new(false),
-                down: AtomicBool::new(false),
+                availability: Availability::default(),
                 in_flight: AtomicU64::new(0),
                 pending_prefill_tokens: AtomicU64::new(0),
                 idle: tokio::sync::Notify::new(),
@@ -316,8 +329,28 @@ impl Sidecar {
         self.inner.relay.as_ref()
     }
 
-    /// The record registered in discovery.
-    pub fn record(&self, addr: SocketAddr) -> WorkerRecord {
+    fn now_ms(&self) -> u64 {
+        self.inner.started.elapsed().as_millis() as u64
+    }
+}
+
+#[tonic::async_trait]
+impl ServedEngine for Sidecar {
+    fn worker_id(&self) -> WorkerId {
+        self.inner.config.worker_id
+    }
+
+    fn role(&self) -> WorkerRole {
+        self.inner.config.role
+    }
+
+    fn availability(&self) -> &Availability {
+        &self.inner.availability
+    }
+
+    /// The record registered in discovery (the sidecar serves no `/metrics` of its own: the
+    /// engine's are scraped).
+    fn record(&self, addr: SocketAddr, _metrics: Option<SocketAddr>) -> WorkerRecord {
         let c = &self.inner.config;
         WorkerRecord {
             id: c.worker_id,
@@ -340,151 +373,33 @@ impl Sidecar {
         }
     }
 
-    fn accepting(&self) -> Result<(), Status> {
-        if self.inner.draining.load(Ordering::Acquire) {
-            return Err(WorkerError::Draining.into());
+    fn kv_events(&self, req: KvEventsRequest) -> Result<KvEventsReply, Status> {
+        let worker_id = self.inner.config.worker_id;
+        match &self.inner.relay {
+            // No events relayed: an empty cache, as far as anyone can tell.
+            None => crate::context::kv_events_reply(
+                &req,
+                0,
+                |_| None,
+                || tandem_protocol::KvDump {
+                    worker_id,
+                    last_event_id: 0,
+                    events: Vec::new(),
+                },
+            ),
+            Some(relay) => crate::context::kv_events_reply(
+                &req,
+                relay.last_event_id(),
+                |after| relay.events_since(after),
+                || relay.dump(),
+            ),
         }
-        if self.inner.down.load(Ordering::Acquire) {
-            return Err(ErrorClass::Unavailable.status("the engine behind this worker is down"));
-        }
-        Ok(())
-    }
-
-    async fn serve(
-        self,
-        listener: TcpListener,
-        discovery: Arc<dyn Discovery>,
-        events: Arc<dyn EventPlane>,
-        shutdown: Shutdown,
-        tasks: &TaskTracker,
-        stop: CancellationToken,
-    ) -> Result<(), WorkerError> {
-        let addr = listener
-            .local_addr()
-            .map_err(|e| WorkerError::Internal(format!("listener address: {e}")))?;
-        let record = self.record(addr);
-        let server_stop = stop.child_token();
-        let router = tonic::transport::Server::builder()
-            .add_service(worker_server::WorkerServer::new(self.clone()));
-        let server = tokio::spawn(tandem_runtime::grpc::serve_tonic(
-            router,
-            listener,
-            server_stop.clone(),
-        ));
-        tasks.spawn(self.clone().report_load(events, stop.clone()));
-        let mut registration =
-            Some(discovery.register(record.clone()).await.inspect_err(|_| {
-                server_stop.cancel();
-            })?);
-        tracing::info!(
-            worker = self.inner.config.worker_id.0,
-            role = role_name(self.inner.config.role),
-            engine = self.inner.config.engine.as_str(),
-            %addr,
-            "sidecar serving"
-        );
-        self.watch_health(&mut registration, &discovery, &record, &shutdown)
-            .await;
-
-        let in_flight = self.inner.in_flight.load(Ordering::Acquire);
-        tracing::info!(in_flight, "draining");
-        self.inner.draining.store(true, Ordering::Release);
-        if let Some(r) = registration.take() {
-            r.deregister().await;
-        }
-        let drained = tokio::select! {
-            idle = self.wait_idle(self.inner.config.drain_timeout) => idle,
-            () = shutdown.stopped() => false,
-        };
-        if !drained {
-            tracing::warn!(
-                in_flight = self.inner.in_flight.load(Ordering::Acquire),
-                "drain timeout: stopping with requests in flight"
-            );
-        }
-        server_stop.cancel();
-        match server.await {
-            Ok(r) => r.map_err(WorkerError::from),
-            Err(e) => Err(WorkerError::Internal(format!("server task: {e}"))),
-        }
-    }
-
-    /// Polls the engine's health until `shutdown` drains: out of discovery after
-    /// `health_failures` misses, back in when it answers again.
-    async fn watch_health(
-        &self,
-        registration: &mut Option<Registration>,
-        discovery: &Arc<dyn Discovery>,
-        record: &WorkerRecord,
-        shutdown: &Shutdown,
-    ) {
-        let c = &self.inner.config;
-        let mut tick = tokio::time::interval(c.health_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut misses = 0u32;
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                () = shutdown.draining() => return,
-            }
-            let timeout = c.health_interval.max(Duration::from_millis(200));
-            match self.inner.api.health(timeout).await {
-                Ok(()) => {
-                    misses = 0;
-                    if self.inner.down.swap(false, Ordering::AcqRel) {
-                        tracing::info!("engine answers again: registering");
-                        match discovery.register(record.clone()).await {
-                            Ok(r) => *registration = Some(r),
-                            Err(e) => {
-                                tracing::warn!(error = %e, "re-registering failed; retrying");
-                                self.inner.down.store(true, Ordering::Release);
-                            }
-                        }
-                    }
-                }
-                Err(e) => {
-                    misses += 1;
-                    if misses >= c.health_failures && !self.inner.down.swap(true, Ordering::AcqRel)
-                    {
-                        tracing::warn!(error = %e, misses, "engine down: leaving discovery");
-                        self.inner
-                            .stats
-                            .engine_outages
-                            .fetch_add(1, Ordering::Relaxed);
-                        if let Some(r) = registration.take() {
-                            r.deregister().await;
-                        }
-                        // A restarted engine's cache is empty; whatever it held is gone.
-                        if let Some(relay) = &self.inner.relay {
-                            relay.reset("engine down");
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    async fn wait_idle(&self, timeout: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let notified = self.inner.idle.notified();
-            if self.inner.in_flight.load(Ordering::Acquire) == 0 {
-                return true;
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return self.inner.in_flight.load(Ordering::Acquire) == 0;
-            }
-        }
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.inner.started.elapsed().as_millis() as u64
     }
 
     /// The load report: the engine's own figures when its metrics answer, with requests
     /// sent here but not yet visible there counted as waiting; its LoRA adapters where it
     /// reports them (vLLM's `vllm:lora_requests_info`, [`prom::adapters`]).
-    pub async fn load_report(&self) -> LoadReport {
+    async fn load_report(&self) -> LoadReport {
         let ours = self.inner.in_flight.load(Ordering::Acquire);
         let ours = u32::try_from(ours).unwrap_or(u32::MAX);
         let (engine, adapters) = match self.inner.api.metrics(Duration::from_secs(2)).await {
@@ -524,27 +439,39 @@ impl Sidecar {
         }
     }
 
-    async fn report_load(self, events: Arc<dyn EventPlane>, stop: CancellationToken) {
-        let subject = subjects::load_reports(&self.inner.config.namespace);
-        let mut tick = tokio::time::interval(self.inner.config.load_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    fn in_flight(&self) -> u64 {
+        self.inner.in_flight.load(Ordering::Acquire)
+    }
+
+    async fn wait_idle(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.cancelled() => return,
+            let notified = self.inner.idle.notified();
+            if self.inner.in_flight.load(Ordering::Acquire) == 0 {
+                return true;
             }
-            if self.inner.down.load(Ordering::Acquire) {
-                continue;
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.inner.in_flight.load(Ordering::Acquire) == 0;
             }
-            let report = self.load_report().await;
-            match report.encode() {
-                Ok(bytes) => {
-                    if let Err(e) = events.publish(&subject, Bytes::from(bytes)).await {
-                        tracing::debug!(error = %e, "publishing a load report failed");
-                    }
-                }
-                Err(e) => tracing::error!(error = %e, "encoding a load report failed"),
-            }
+        }
+    }
+
+    async fn probe(&self, timeout: Duration) -> Result<(), String> {
+        self.inner
+            .api
+            .health(timeout)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    fn on_down(&self) {
+        self.inner
+            .stats
+            .engine_outages
+            .fetch_add(1, Ordering::Relaxed);
+        // A restarted engine's cache is empty; whatever it held is gone.
+        if let Some(relay) = &self.inner.relay {
+            relay.reset("engine down");
         }
     }
 }

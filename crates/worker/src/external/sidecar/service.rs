@@ -1,25 +1,22 @@
-//! The sidecar's request side: tandem's `Worker` gRPC answered through the engine's API
-//! (generation, the connectors' prefill handshakes, KV events, health), and the sidecar's
-//! own count of the requests in flight.
+//! The sidecar's request side ([`WorkerCalls`]): generation and the connectors' prefill
+//! handshakes answered through the engine's API, and the sidecar's own count of the requests
+//! in flight.
 
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use tandem_protocol::grpc::{
-    self, AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
-    HealthRequest, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillDone, PrefillOutcome,
-    PrefillRequest, worker_server,
+    self, AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, PrefillChunk,
+    PrefillDone, PrefillOutcome, PrefillRequest,
 };
 use tandem_protocol::{ErrorClass, HashSeed, TokenBlockHasher};
-use tandem_runtime::discovery::role_name;
-use tonic::{Request, Response, Status};
-use tracing::Instrument as _;
+use tonic::Status;
 
 use super::super::engine::{EngineError, EngineFinish, EngineGenerate, EngineKind};
 use super::Sidecar;
 use crate::error::WorkerError;
+use crate::served::{ChunkStream, ServedEngine, WorkerCalls};
 
 impl Sidecar {
     fn engine_request(&self, req: &GenerateRequest) -> Result<EngineGenerate, Status> {
@@ -116,10 +113,7 @@ impl Sidecar {
     /// same time; the prefill engine waits in the room for the decode engine and sends it
     /// the KV. So the handshake is answered at once, and the prefill request runs on in the
     /// background (its own timeout bounds it).
-    fn prefill_sglang(
-        &self,
-        req: PrefillRequest,
-    ) -> Result<Response<BoxStream<PrefillChunk>>, Status> {
+    fn prefill_sglang(&self, req: PrefillRequest) -> Result<ChunkStream<PrefillChunk>, Status> {
         let c = &self.inner.config;
         let host = c
             .bootstrap_host
@@ -183,9 +177,7 @@ impl Sidecar {
         let chunk = PrefillChunk {
             item: Some(grpc::prefill_chunk::Item::Done(done)),
         };
-        Ok(Response::new(Box::pin(futures::stream::once(async move {
-            Ok(chunk)
-        }))))
+        Ok(Box::pin(futures::stream::once(async move { Ok(chunk) })))
     }
 
     /// A client of the prefill sidecar at `address`, made once per address (connections are
@@ -273,88 +265,40 @@ fn engine_status(e: &EngineError) -> Status {
     e.class().status(e.to_string())
 }
 
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
-
 #[tonic::async_trait]
-impl worker_server::Worker for Sidecar {
-    type GenerateStream = BoxStream<GenerateChunk>;
-    type PrefillStream = BoxStream<PrefillChunk>;
+impl WorkerCalls for Sidecar {
+    fn engine(&self) -> &dyn ServedEngine {
+        self
+    }
 
     async fn generate(
         &self,
-        request: Request<GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
-        let span = crate::trace::server_span(crate::trace::Method::Generate, request.metadata());
-        self.generate_traced(request).instrument(span).await
+        req: GenerateRequest,
+        _span: tracing::Span,
+    ) -> Result<ChunkStream<GenerateChunk>, Status> {
+        self.generate_inner(req).await
     }
 
     async fn prefill(
         &self,
-        request: Request<PrefillRequest>,
-    ) -> Result<Response<Self::PrefillStream>, Status> {
-        let span = crate::trace::server_span(crate::trace::Method::Prefill, request.metadata());
-        self.prefill_traced(request).instrument(span).await
+        req: PrefillRequest,
+        _span: tracing::Span,
+    ) -> Result<ChunkStream<PrefillChunk>, Status> {
+        self.prefill_inner(req).await
     }
 
-    async fn abort_prefill(
-        &self,
-        _request: Request<AbortPrefillRequest>,
-    ) -> Result<Response<AbortPrefillReply>, Status> {
+    async fn abort_prefill(&self, _req: AbortPrefillRequest) -> Result<AbortPrefillReply, Status> {
         // Nothing of a connector prefill reaches tandem's regions: nothing to fence.
-        Ok(Response::new(AbortPrefillReply { was_running: false }))
-    }
-
-    async fn kv_events(
-        &self,
-        request: Request<KvEventsRequest>,
-    ) -> Result<Response<KvEventsReply>, Status> {
-        let req = request.into_inner();
-        let worker_id = self.inner.config.worker_id;
-        let reply = match &self.inner.relay {
-            // No events relayed: an empty cache, as far as anyone can tell.
-            None => crate::context::kv_events_reply(
-                &req,
-                0,
-                |_| None,
-                || tandem_protocol::KvDump {
-                    worker_id,
-                    last_event_id: 0,
-                    events: Vec::new(),
-                },
-            ),
-            Some(relay) => crate::context::kv_events_reply(
-                &req,
-                relay.last_event_id(),
-                |after| relay.events_since(after),
-                || relay.dump(),
-            ),
-        };
-        reply.map(Response::new)
-    }
-
-    async fn health(
-        &self,
-        _request: Request<HealthRequest>,
-    ) -> Result<Response<HealthReply>, Status> {
-        let draining = self.inner.draining.load(Ordering::Acquire);
-        let down = self.inner.down.load(Ordering::Acquire);
-        Ok(Response::new(HealthReply {
-            worker_id: self.inner.config.worker_id.0,
-            role: role_name(self.inner.config.role).to_string(),
-            serving: !draining && !down,
-            draining,
-        }))
+        Ok(AbortPrefillReply { was_running: false })
     }
 }
 
-/// The calls' bodies, each run under its server span.
+/// The calls' bodies (run under their server spans by [`crate::served::WorkerService`]).
 impl Sidecar {
-    async fn generate_traced(
+    async fn generate_inner(
         &self,
-        request: Request<GenerateRequest>,
-    ) -> Result<Response<BoxStream<GenerateChunk>>, Status> {
-        self.accepting()?;
-        let req = request.into_inner();
+        req: GenerateRequest,
+    ) -> Result<ChunkStream<GenerateChunk>, Status> {
         let mut engine_req = self.engine_request(&req)?;
         let mut flight = self.begin(req.prompt.len() as u64);
         let mut outcome = PrefillOutcome::Local;
@@ -497,15 +441,13 @@ impl Sidecar {
             }
             drop(flight);
         });
-        Ok(Response::new(stream))
+        Ok(stream)
     }
 
-    async fn prefill_traced(
+    async fn prefill_inner(
         &self,
-        request: Request<PrefillRequest>,
-    ) -> Result<Response<BoxStream<PrefillChunk>>, Status> {
-        self.accepting()?;
-        let req = request.into_inner();
+        req: PrefillRequest,
+    ) -> Result<ChunkStream<PrefillChunk>, Status> {
         if !req.engine_handshake {
             return Err(WorkerError::InvalidRequest(
                 "this worker fronts an external engine: it prefills through the engine's KV \
@@ -571,8 +513,6 @@ impl Sidecar {
         let chunk = PrefillChunk {
             item: Some(grpc::prefill_chunk::Item::Done(done)),
         };
-        Ok(Response::new(Box::pin(futures::stream::once(async move {
-            Ok(chunk)
-        }))))
+        Ok(Box::pin(futures::stream::once(async move { Ok(chunk) })))
     }
 }
