@@ -67,6 +67,7 @@ async fn run(client: &mut WorkerClient<tonic::transport::Channel>, id: u64, toke
             stop_token: None,
             ignore_eos: true,
             top_p: None,
+            ..Default::default()
         }),
         hash_seed: HashSeed::UNSALTED.0,
         remote_prefill: None,

@@ -182,3 +182,44 @@ fn tandem_up_serves_real_text_and_disaggregation_changes_no_token() {
     assert_eq!(text(&d_seeded), text(&agg_seeded));
     assert_eq!(mismatches(&disagg), 0.0);
 }
+
+/// The official `openai` client (tests/native_openai.py, the `sdk` venv) against a
+/// disaggregated `tandem up --model`: a streamed chat with usage and logprobs (the first token's
+/// drawn on the prefill worker), top_k and min_p, completions logprobs, and a repeated long
+/// prompt reported cached.
+#[test]
+fn the_openai_client_gets_usage_logprobs_and_cached_tokens_from_the_real_model() {
+    let _serial = common::chat::serial();
+    let up = up(
+        "native-openai",
+        &model_path().display().to_string(),
+        &["--disagg", "always"],
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/native_openai.py");
+    let out = common::run_ok(
+        std::process::Command::new(common::python("sdk"))
+            .arg(&script)
+            .arg(format!("http://{}", up.addr)),
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("openai client: {v}");
+    let answer = v["text"].as_str().unwrap().to_lowercase();
+    assert!(answer.contains("red"), "{answer:?}");
+    let logprobs = v["logprobs"].as_array().unwrap();
+    assert!(
+        logprobs.iter().any(|l| l.as_f64().unwrap() < 0.0),
+        "a real model is not certain of every token: {logprobs:?}"
+    );
+    let prompt = v["long_prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 500, "{prompt}");
+    let cached: Vec<u64> = v["cached"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_u64().unwrap())
+        .collect();
+    assert!(cached[0] < prompt / 2, "the first time is cold: {cached:?}");
+    // Every full block but the last token's is served from the cache.
+    assert!(cached[1] + 16 >= prompt - 1, "{cached:?} of {prompt}");
+    assert_eq!(mismatches(&up), 0.0);
+}

@@ -69,6 +69,7 @@ async fn ttft(d: &Worker, p: &Worker, seed: u32, remote: bool) -> (f64, i32) {
             stop_token: None,
             ignore_eos: true,
             top_p: None,
+            ..Default::default()
         }),
         hash_seed: HashSeed::UNSALTED.0,
         remote_prefill: remote.then(|| RemotePrefillTarget {

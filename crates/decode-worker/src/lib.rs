@@ -118,13 +118,17 @@ impl DecodeService {
         };
         self.stats.remote_prefills.fetch_add(1, Ordering::Relaxed);
         let settled = outcome(PrefillOutcome::Unspecified);
+        let wire = tandem_worker::WireSampling::of(&req.sampling);
         let prefill = PrefillRequest {
             request_id: req.id.0,
             prompt: req.prompt,
             hash_seed: req.hash_seed.0,
             sampling_seed: req.sampling_seed,
-            temperature: req.sampling.temperature,
-            top_p: Some(req.sampling.top_p),
+            temperature: wire.temperature,
+            top_p: wire.top_p,
+            top_k: wire.top_k,
+            min_p: wire.min_p,
+            logprobs: wire.logprobs,
             from_token: rp.cached_tokens as u32,
             block_size: self.ctx.config.engine.pool.block_size.get(),
             bytes_per_block: host.bytes_per_block() as u64,
@@ -225,13 +229,13 @@ fn settle(
     stats: &DecodeStats,
     out: &AtomicI32,
     id: RequestId,
-    fetched: Result<Result<u32, WorkerError>, tokio::time::error::Elapsed>,
+    fetched: Result<Result<remote::FirstToken, WorkerError>, tokio::time::error::Elapsed>,
     timeout: std::time::Duration,
 ) -> bool {
     let result = match fetched {
-        Ok(Ok(first)) => {
+        Ok(Ok((first, logprobs))) => {
             out.store(PrefillOutcome::Remote as i32, Ordering::Release);
-            host.finish_remote(id, first)
+            host.finish_remote(id, first, logprobs)
         }
         Ok(Err(e)) => Err(e),
         Err(_) => Err(WorkerError::BadTransfer(format!(
@@ -278,7 +282,7 @@ fn engine_request(req: &GenerateRequest) -> Result<EngineRequest, WorkerError> {
     );
     r.hash_seed = HashSeed(req.hash_seed);
     r.sampling_seed = sampling.seed;
-    r.sampling = tandem_worker::sampling_params(sampling.temperature, sampling.top_p)?;
+    r.sampling = tandem_worker::sampling_params(sampling.into())?;
     r.stop_token = sampling.stop_token;
     r.ignore_eos = sampling.ignore_eos;
     // Empty: the base model (proto3's default).
@@ -320,6 +324,12 @@ fn generate_stream(
                         prompt_tokens: out.prompt_tokens as u32,
                         finish: finish as i32,
                         prefill,
+                        logprobs: out
+                            .logprobs
+                            .as_deref()
+                            .map(tandem_worker::logprobs_to_wire)
+                            .into_iter()
+                            .collect(),
                         ..Default::default()
                     };
                     let tokens = tokens + 1;

@@ -81,8 +81,11 @@ impl TransferHold {
     }
 }
 
+/// The first token a prefill worker drew, and its logprobs when asked for.
+pub type FirstToken = (u32, Option<Box<tandem_engine::TokenLogprobs>>);
+
 /// Fetches the KV of `rp` from `target` into this worker's reserved blocks; the first token
-/// on success. With an exposed arena the prefill worker writes the blocks straight into it
+/// (with its logprobs when the request asked for them) on success. With an exposed arena the prefill worker writes the blocks straight into it
 /// through the KV transport; `PrefillDone` means its writes are flushed, so the hold ends and
 /// the blocks are checked against the digest in place. Blocks sent inline are written as
 /// they come.
@@ -96,8 +99,9 @@ pub async fn fetch(
     request: PrefillRequest,
     rp: &RemotePrefill,
     connect_timeout: Duration,
-) -> Result<u32, WorkerError> {
+) -> Result<FirstToken, WorkerError> {
     let id = RequestId(request.request_id);
+    let wants_logprobs = request.logprobs.is_some();
     let mut client = clients.client(&target.address, connect_timeout)?;
     let mut call = tonic::Request::new(request);
     tandem_runtime::telemetry::inject_metadata(&tracing::Span::current(), call.metadata_mut());
@@ -160,7 +164,16 @@ pub async fn fetch(
                         "digest mismatch: the received KV differs from what was sent".into(),
                     ));
                 }
-                return Ok(done.first_token);
+                let logprobs = match (&done.first_token_logprobs, wants_logprobs) {
+                    (Some(l), true) => Some(tandem_worker::logprobs_from_wire(l)?),
+                    (None, true) => {
+                        return Err(WorkerError::BadTransfer(
+                            "the prefill worker sent no logprobs for the first token".into(),
+                        ));
+                    }
+                    (_, false) => None,
+                };
+                return Ok((done.first_token, logprobs));
             }
             None => return Err(WorkerError::BadTransfer("empty prefill chunk".into())),
         }

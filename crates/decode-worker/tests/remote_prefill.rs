@@ -97,6 +97,7 @@ fn request(id: u64, prompt: Vec<u32>, remote: Option<&Running>) -> GenerateReque
             stop_token: None,
             ignore_eos: true,
             top_p: None,
+            ..Default::default()
         }),
         hash_seed: tandem_protocol::HashSeed::UNSALTED.0,
         remote_prefill: remote.map(|p| RemotePrefillTarget {

@@ -10,7 +10,7 @@ use crate::model::Model;
 use crate::pool::{BlockPool, BlockPoolConfig, PoolError};
 use crate::scheduler::{
     EngineRequest, RemotePrefill, RequestOutput, SampledToken, Scheduler, SchedulerConfig,
-    SchedulerError, SchedulerStats, StepPlan,
+    SchedulerError, SchedulerStats, StepPlan, TokenLogprobs,
 };
 
 /// An engine whose model is the mocker: the simulator's and the mocker workers' engine.
@@ -287,9 +287,12 @@ impl<M: Model> Engine<M> {
         &mut self,
         id: RequestId,
         first_token: u32,
+        logprobs: Option<Box<TokenLogprobs>>,
         now_us: u64,
     ) -> Result<RequestOutput, SchedulerError> {
-        let out = self.sched.finish_remote_prefill(id, first_token, now_us)?;
+        let out = self
+            .sched
+            .finish_remote_prefill(id, first_token, logprobs, now_us)?;
         if out.finish.is_some() {
             self.model.forget(id);
         }

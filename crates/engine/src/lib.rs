@@ -42,5 +42,5 @@ pub use pool::{BlockPool, BlockPoolConfig, PoolError, PoolStats, PrefixHit};
 pub use scheduler::{
     EngineRequest, ErrorClass, FinishReason, ModelView, RemotePrefill, RequestOutput, RequestPhase,
     SampledToken, SamplingParams, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError,
-    SchedulerStats, Sequence, StepKind, StepPlan,
+    SchedulerStats, Sequence, StepKind, StepPlan, TokenLogprobs,
 };

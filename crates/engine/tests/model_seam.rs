@@ -68,6 +68,7 @@ impl Model for ReadBack {
                 sampled.push(SampledToken {
                     id: entry.id,
                     token: sum % 1000,
+                    logprobs: None,
                 });
             }
         }

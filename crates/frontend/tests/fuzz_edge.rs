@@ -125,6 +125,7 @@ impl Backend for FakeBackend {
                 TokenChunk {
                     text: Some(self_decode(&tokens)),
                     text_tokens: tokens.len() as u32,
+                    logprobs: Vec::new(),
                     tokens: Vec::new(),
                     finish,
                     cached_tokens: 3,
@@ -136,6 +137,7 @@ impl Backend for FakeBackend {
                     cached_tokens: 3,
                     text: None,
                     text_tokens: 0,
+                    logprobs: Vec::new(),
                 }
             })
         });

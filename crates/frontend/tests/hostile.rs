@@ -63,6 +63,7 @@ impl Backend for TextBackend {
                     cached_tokens: 0,
                     text: None,
                     text_tokens: 0,
+                    logprobs: Vec::new(),
                 })
             });
         Ok(Generation {

@@ -60,6 +60,7 @@ impl Backend for ScriptedBackend {
                 cached_tokens: 0,
                 text: None,
                 text_tokens: 0,
+                logprobs: Vec::new(),
             })
         });
         Ok(Generation {

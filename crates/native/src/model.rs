@@ -115,6 +115,7 @@ impl Model for NativeModel {
             sampled.push(SampledToken {
                 id: entry.id,
                 token: choice.token,
+                logprobs: choice.logprobs,
             });
         }
     }

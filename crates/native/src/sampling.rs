@@ -5,7 +5,7 @@
 //! so any worker that holds the same logits — after a migration, a remote prefill, a replay —
 //! draws the same token.
 
-use tandem_engine::SamplingParams;
+use tandem_engine::{SamplingParams, TokenLogprobs};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Reused buffers.
@@ -15,10 +15,12 @@ pub struct Sampler {
 }
 
 /// The token chosen and its log-probability under the model's raw distribution.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Choice {
     pub token: u32,
     pub logprob: f32,
+    /// When `params.logprobs` asked for them: `logprob` again and the most likely tokens'.
+    pub logprobs: Option<Box<TokenLogprobs>>,
 }
 
 impl Sampler {
@@ -35,9 +37,21 @@ impl Sampler {
         } else {
             self.draw(logits, params, uniform(seed, pos))
         };
+        let norm = log_normalizer(logits);
+        let logprob = (f64::from(logits[token as usize]) - norm) as f32;
+        let logprobs = params.logprobs.map(|n| {
+            Box::new(TokenLogprobs {
+                logprob,
+                top: top_n(logits, usize::from(n))
+                    .into_iter()
+                    .map(|(t, l)| (t, (f64::from(l) - norm) as f32))
+                    .collect(),
+            })
+        });
         Choice {
             token,
-            logprob: log_softmax_at(logits, token as usize),
+            logprob,
+            logprobs,
         }
     }
 
@@ -111,9 +125,33 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 /// `log softmax(logits)[i]`, summed in index order.
 pub fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
+    (f64::from(logits[i]) - log_normalizer(logits)) as f32
+}
+
+/// `log Σ exp(logits)`, in f64, summed in index order: `logit - this` is a log-probability.
+fn log_normalizer(logits: &[f32]) -> f64 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let sum: f64 = logits.iter().map(|&v| f64::from(v - max).exp()).sum();
-    (f64::from(logits[i] - max) - sum.ln()) as f32
+    f64::from(max) + sum.ln()
+}
+
+/// The `n` highest logits with their tokens, highest first, ties by lower id (one pass; `n`
+/// is small: OpenAI allows at most 20).
+fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n == 0 {
+        return top;
+    }
+    for (i, &v) in logits.iter().enumerate() {
+        if top.len() == n && top.last().is_some_and(|&(_, low)| v <= low) {
+            continue;
+        }
+        // After every equal one: ids ascend within a tie.
+        let at = top.partition_point(|&(_, l)| l >= v);
+        top.insert(at, (i as u32, v));
+        top.truncate(n);
+    }
+    top
 }
 
 /// A uniform draw in `[0, 1)` for (seed, position).
@@ -210,6 +248,47 @@ mod tests {
             ..params(1.0)
         };
         assert_eq!(seen(&mut s, m), [3].into());
+    }
+
+    #[test]
+    fn logprobs_are_the_raw_distribution_and_its_top_tokens() {
+        let logits = [0.5f32, 2.0, 2.0, -1.0, 1.0];
+        let mut s = Sampler::default();
+        let asked = SamplingParams {
+            logprobs: Some(3),
+            ..params(0.7)
+        };
+        let c = s.sample(&logits, &asked, 4, 9);
+        let lp = c.logprobs.clone().expect("asked for");
+        assert_eq!(lp.logprob, c.logprob);
+        assert_eq!(c.logprob, log_softmax_at(&logits, c.token as usize));
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 2, 4], "most likely first, ties by id");
+        for &(t, l) in &lp.top {
+            assert!((l - log_softmax_at(&logits, t as usize)).abs() < 1e-6);
+        }
+        // The same draw with or without logprobs; none when not asked; all of them at most.
+        assert_eq!(s.sample(&logits, &params(0.7), 4, 9).token, c.token);
+        assert_eq!(s.sample(&logits, &params(0.7), 4, 9).logprobs, None);
+        let all = SamplingParams {
+            logprobs: Some(20),
+            ..params(0.0)
+        };
+        let lp = s.sample(&logits, &all, 4, 9).logprobs.expect("asked for");
+        assert_eq!(lp.top.len(), logits.len());
+        let mass: f64 = lp.top.iter().map(|&(_, l)| f64::from(l).exp()).sum();
+        assert!((mass - 1.0).abs() < 1e-6, "{mass}");
+        let none = SamplingParams {
+            logprobs: Some(0),
+            ..params(0.0)
+        };
+        assert!(
+            s.sample(&logits, &none, 4, 9)
+                .logprobs
+                .unwrap()
+                .top
+                .is_empty()
+        );
     }
 
     #[test]

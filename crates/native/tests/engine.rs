@@ -188,7 +188,7 @@ fn kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks() {
     }
     let first_token = first.tokens[&1][0];
     decode
-        .finish_remote_prefill(RequestId(1), first_token, 2)
+        .finish_remote_prefill(RequestId(1), first_token, None, 2)
         .unwrap();
     let mut run = Run::default();
     drive(&mut decode, &mut run);

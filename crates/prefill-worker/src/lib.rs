@@ -128,7 +128,7 @@ impl PrefillService {
         r.hash_seed = HashSeed(req.hash_seed);
         r.sampling_seed = req.sampling_seed;
         // The first token is drawn here, as the decode worker would draw it.
-        r.sampling = tandem_worker::sampling_params(req.temperature, req.top_p)?;
+        r.sampling = tandem_worker::sampling_params(req.into())?;
         r.ignore_eos = true;
         r.adapter = Some(req.lora_adapter.clone()).filter(|a| !a.is_empty());
         Ok(r)
@@ -197,6 +197,10 @@ impl Prefill {
                     blocks: self.digest.blocks(),
                     cached_tokens: out.cached_tokens as u32,
                     kv_transfer_params: String::new(),
+                    first_token_logprobs: out
+                        .logprobs
+                        .as_deref()
+                        .map(tandem_worker::logprobs_to_wire),
                 };
                 Some(Ok(vec![PrefillChunk {
                     item: Some(prefill_chunk::Item::Done(done)),

@@ -669,7 +669,7 @@ impl<'a> Sim<'a> {
         let d = self.reqs[i as usize].worker;
         let out = self.workers[d as usize]
             .engine
-            .finish_remote_prefill(RequestId(u64::from(i)), first_token, now)
+            .finish_remote_prefill(RequestId(u64::from(i)), first_token, None, now)
             .map_err(|e| SimError::Internal(format!("request {i}: {e}")))?;
         self.on_output(d, &out, now)?;
         self.kick(d, now)

@@ -675,7 +675,7 @@ fn decode_from_remote(
         let pulled = pull(&shared, &url, id, rp.cached_tokens, &rp.blocks).await;
         let host = &shared.host;
         let result = match pulled {
-            Ok(first) => host.finish_remote(id, first),
+            Ok(first) => host.finish_remote(id, first, None),
             Err(why) => {
                 tracing::warn!(%why, "stand-in: KV pull failed, prefilling locally");
                 shared

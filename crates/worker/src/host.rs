@@ -26,7 +26,7 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 use tandem_engine::{
     DynEngine, EngineRequest, ErrorClass, ExportedBlock, RemotePrefill, RequestOutput,
-    SchedulerError,
+    SchedulerError, TokenLogprobs,
 };
 use tandem_protocol::{Envelope, KvDump, KvEvent, RequestId, WorkerId};
 use tandem_runtime::events::EventPlane;
@@ -288,14 +288,20 @@ impl EngineHost {
             .bytes_per_block()
     }
 
-    /// The KV of a remote prefill is in: the request continues with `first_token`.
-    pub fn finish_remote(&self, id: RequestId, first_token: u32) -> Result<(), WorkerError> {
+    /// The KV of a remote prefill is in: the request continues with `first_token` (and the
+    /// prefill worker's logprobs for it, when the request asked for them).
+    pub fn finish_remote(
+        &self,
+        id: RequestId,
+        first_token: u32,
+        logprobs: Option<Box<TokenLogprobs>>,
+    ) -> Result<(), WorkerError> {
         let now = self.now_us();
         let idle = {
             let mut st = self.inner.state.lock();
             let out = st
                 .engine
-                .finish_remote_prefill(id, first_token, now)
+                .finish_remote_prefill(id, first_token, logprobs, now)
                 .map_err(scheduler_error)?;
             route_output(&mut st, out);
             st.outputs.is_empty()

@@ -35,5 +35,5 @@ pub use digest::KvDigest;
 pub use error::WorkerError;
 pub use host::{EngineHost, HostOutput, HostPublishing, RequestHandle, cpu_bound};
 pub use metrics::WorkerMetrics;
-pub use sampling::sampling_params;
+pub use sampling::{WireSampling, logprobs_from_wire, logprobs_to_wire, sampling_params};
 pub use served::{Availability, ChunkStream, ServedEngine, WorkerCalls, WorkerService};

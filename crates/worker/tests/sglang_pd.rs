@@ -138,6 +138,7 @@ async fn sglang_engines_meet_in_one_bootstrap_room_and_run_concurrently() {
             stop_token: None,
             ignore_eos: true,
             top_p: None,
+            ..Default::default()
         }),
         hash_seed: HashSeed::UNSALTED.0,
         remote_prefill: Some(RemotePrefillTarget {

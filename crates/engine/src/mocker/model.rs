@@ -7,7 +7,7 @@ use super::MockerConfig;
 use super::kv::{self, KvLayout, SeqDigest};
 use crate::arena::KvShape;
 use crate::model::Model;
-use crate::scheduler::{ModelView, SampledToken, StepPlan};
+use crate::scheduler::{ModelView, SampledToken, StepPlan, TokenLogprobs};
 
 /// The mocker model: steps timed by [`super::TimingModel`], deterministic KV bytes, tokens
 /// derived from the KV read back from the arena (see the module docs).
@@ -79,6 +79,10 @@ impl Model for Mocker {
                 sampled.push(SampledToken {
                     id: entry.id,
                     token,
+                    logprobs: seq
+                        .sampling()
+                        .logprobs
+                        .map(|n| TokenLogprobs::certain(token, n)),
                 });
             }
         }

@@ -94,7 +94,7 @@ fn land(e: &mut MockEngine, t: Pending, now: u64) -> RequestOutput {
             .device_arena_mut()
             .write_block(dst, &t.blocks[first + k]);
     }
-    e.finish_remote_prefill(t.rp.id, t.first_token, now)
+    e.finish_remote_prefill(t.rp.id, t.first_token, None, now)
         .unwrap()
 }
 

@@ -60,7 +60,7 @@ fn transfer(p: &MockEngine, p_table: &[u32], d: &mut MockEngine, rp: &RemotePref
 
 /// Finishes the remote prefill on D with P's first token and decodes to the end.
 fn finish_and_decode(d: &mut MockEngine, id: RequestId, first: u32) -> Vec<u32> {
-    let out = d.finish_remote_prefill(id, first, 1_000).unwrap();
+    let out = d.finish_remote_prefill(id, first, None, 1_000).unwrap();
     assert!(out.first_token);
     d.pool().check_invariants().unwrap();
     let mut tokens = vec![out.token];

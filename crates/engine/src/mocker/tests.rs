@@ -7,7 +7,9 @@ use tandem_protocol::{BlockSize, HashSeed, RequestId, WorkerId};
 use super::*;
 use crate::engine::{EngineError, MockEngine, MockEngineConfig};
 use crate::pool::BlockPoolConfig;
-use crate::scheduler::{EngineRequest, FinishReason, RequestOutput, SchedulerConfig};
+use crate::scheduler::{
+    EngineRequest, FinishReason, RequestOutput, SchedulerConfig, TokenLogprobs,
+};
 
 pub(super) fn engine(
     device_blocks: u32,
@@ -403,4 +405,31 @@ fn a_step_that_loads_an_adapter_takes_the_load_time_longer() {
     );
     assert!((resident - base).abs() < 1e-9, "{resident} vs {base}");
     assert_eq!(e.load_report(30).adapters.resident, vec!["a".to_string()]);
+}
+
+/// The mocker knows its tokens: asked for logprobs, each token comes with log-probability 0
+/// and itself as the one alternative with mass; not asked, with none. The tokens are the same.
+#[test]
+fn logprobs_come_with_each_token_when_asked() {
+    let mut e = small(64);
+    let plain = request(1, prompt(3, 40), 5);
+    let mut asked = request(2, prompt(3, 40), 5);
+    asked.sampling.logprobs = Some(3);
+    let mut now = 0;
+    e.add_request(plain, now).unwrap();
+    e.add_request(asked, now).unwrap();
+    let mut outs: BTreeMap<RequestId, Vec<RequestOutput>> = BTreeMap::new();
+    while let Some(step) = e.begin_step(now) {
+        now += step.duration_us();
+        for o in e.finish_step(now) {
+            outs.entry(o.id).or_default().push(o);
+        }
+    }
+    let (plain, asked) = (&outs[&RequestId(1)], &outs[&RequestId(2)]);
+    assert_eq!(asked.len(), 5);
+    for (p, a) in plain.iter().zip(asked) {
+        assert_eq!(p.token, a.token);
+        assert_eq!(p.logprobs, None);
+        assert_eq!(a.logprobs, Some(TokenLogprobs::certain(a.token, 3)));
+    }
 }

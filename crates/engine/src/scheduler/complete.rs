@@ -3,6 +3,7 @@
 
 use super::{
     RequestOutput, RequestPhase, SampledToken, ScheduledRequest, Scheduler, SchedulerError,
+    TokenLogprobs,
 };
 
 impl Scheduler {
@@ -28,7 +29,7 @@ impl Scheduler {
             let token = match outputs.get(cursor) {
                 Some(o) if entry.samples && o.id == entry.id => {
                     cursor += 1;
-                    Some(o.token)
+                    Some((o.token, o.logprobs.clone()))
                 }
                 _ => None,
             };
@@ -84,7 +85,7 @@ impl Scheduler {
     fn advance(
         &mut self,
         entry: &ScheduledRequest,
-        token: Option<u32>,
+        token: Option<(u32, Option<Box<TokenLogprobs>>)>,
         now_us: u64,
         emitted: &mut Vec<RequestOutput>,
     ) -> Result<bool, SchedulerError> {
@@ -100,7 +101,7 @@ impl Scheduler {
             self.stats.decode_tokens += 1;
         }
         let mut finish = None;
-        if let Some(token) = token {
+        if let Some((token, logprobs)) = token {
             let first_token = seq.generated == 0;
             finish = seq.push_token(token);
             seq.phase = RequestPhase::Decoding;
@@ -113,6 +114,7 @@ impl Scheduler {
                 completion_tokens: seq.generated,
                 finish,
                 time_to_first_token_us: first_token.then(|| now_us.saturating_sub(seq.arrival_us)),
+                logprobs,
             });
         }
         // Commit before a finished request is freed, so its blocks stay reusable.

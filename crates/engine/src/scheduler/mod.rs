@@ -106,6 +106,9 @@ pub struct SamplingParams {
     pub top_k: u32,
     /// Drop tokens less likely than this times the most likely one (0: none).
     pub min_p: f32,
+    /// Report each sampled token's log-probability and this many of the most likely
+    /// alternatives with theirs (OpenAI's `logprobs` / `top_logprobs`); `None`: report none.
+    pub logprobs: Option<u8>,
 }
 
 impl SamplingParams {
@@ -115,6 +118,7 @@ impl SamplingParams {
         top_p: 1.0,
         top_k: 0,
         min_p: 0.0,
+        logprobs: None,
     };
 }
 
@@ -326,10 +330,39 @@ impl StepPlan {
 }
 
 /// The token the model sampled for one plan entry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SampledToken {
     pub id: RequestId,
     pub token: u32,
+    /// When the request asked for them ([`SamplingParams::logprobs`]).
+    pub logprobs: Option<Box<TokenLogprobs>>,
+}
+
+/// A sampled token's log-probability and the most likely alternatives', under the model's
+/// distribution before temperature and the top-k / top-p / min-p cuts (what vLLM reports by
+/// default, and OpenAI's `logprobs` mean).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// `log p(token)`.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, most likely first (ties: lower
+    /// id first); as many as the request asked for, fewer when fewer have any mass.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// What a model that puts all its mass on `token` reports (the mocker): log-probability 0,
+    /// and `token` as the one alternative with any mass when `top >= 1`.
+    pub fn certain(token: u32, top: u8) -> Box<TokenLogprobs> {
+        Box::new(TokenLogprobs {
+            logprob: 0.0,
+            top: if top > 0 {
+                vec![(token, 0.0)]
+            } else {
+                Vec::new()
+            },
+        })
+    }
 }
 
 /// Why a request ended.
@@ -342,7 +375,7 @@ pub enum FinishReason {
 }
 
 /// One generated token of one request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RequestOutput {
     pub id: RequestId,
     pub token: u32,
@@ -360,6 +393,8 @@ pub struct RequestOutput {
     /// On the first token: microseconds from `add_request` (or `begin_remote_prefill`) to the
     /// end of this step (or to `finish_remote_prefill`).
     pub time_to_first_token_us: Option<u64>,
+    /// When the request asked for them.
+    pub logprobs: Option<Box<TokenLogprobs>>,
 }
 
 /// Counters since the scheduler was made.

@@ -14,7 +14,8 @@ use std::ops::Range;
 use tandem_protocol::RequestId;
 
 use super::{
-    EngineRequest, RequestOutput, RequestPhase, Scheduler, SchedulerError, sequence::Sequence,
+    EngineRequest, RequestOutput, RequestPhase, Scheduler, SchedulerError, TokenLogprobs,
+    sequence::Sequence,
 };
 use crate::pool::PoolError;
 
@@ -108,6 +109,7 @@ impl Scheduler {
         &mut self,
         id: RequestId,
         first_token: u32,
+        logprobs: Option<Box<TokenLogprobs>>,
         now_us: u64,
     ) -> Result<RequestOutput, SchedulerError> {
         let bs = self.pool.block_size();
@@ -135,6 +137,7 @@ impl Scheduler {
             completion_tokens: seq.generated,
             finish,
             time_to_first_token_us: Some(now_us.saturating_sub(seq.arrival_us)),
+            logprobs,
         };
         if finish.is_some() {
             self.seqs.remove(&id);

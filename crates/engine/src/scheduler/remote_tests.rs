@@ -55,7 +55,11 @@ fn begin_reserves_the_uncached_prompt_and_finish_decodes_on() {
     );
     s.pool().check_invariants().unwrap();
 
-    let out = s.finish_remote_prefill(id, 777, 150).unwrap();
+    // The prefill worker's logprobs for the token it drew come out with it.
+    let logprobs = TokenLogprobs::certain(777, 1);
+    let out = s
+        .finish_remote_prefill(id, 777, Some(logprobs.clone()), 150)
+        .unwrap();
     assert_eq!(
         out,
         RequestOutput {
@@ -67,6 +71,7 @@ fn begin_reserves_the_uncached_prompt_and_finish_decodes_on() {
             completion_tokens: 1,
             finish: None,
             time_to_first_token_us: Some(50),
+            logprobs: Some(logprobs),
         }
     );
     // The one received full block is now cached and published; the partial one is not.
@@ -110,7 +115,7 @@ fn begin_reserves_the_uncached_prompt_and_finish_decodes_on() {
 fn a_first_token_that_ends_the_request_frees_it_at_once() {
     let mut s = sched(32, SchedulerConfig::default());
     s.begin_remote_prefill(req(1, 9, 1), 0).unwrap();
-    let out = s.finish_remote_prefill(RequestId(1), 5, 10).unwrap();
+    let out = s.finish_remote_prefill(RequestId(1), 5, None, 10).unwrap();
     assert_eq!(out.finish, Some(FinishReason::Length));
     assert!(!s.has_work());
     assert_eq!(s.pool().active_blocks(), 0);
@@ -123,7 +128,7 @@ fn a_first_token_that_ends_the_request_frees_it_at_once() {
     let mut r = req(2, 9, 10);
     r.stop_token = Some(5);
     s.begin_remote_prefill(r, 20).unwrap();
-    let out = s.finish_remote_prefill(RequestId(2), 5, 30).unwrap();
+    let out = s.finish_remote_prefill(RequestId(2), 5, None, 30).unwrap();
     assert_eq!(out.finish, Some(FinishReason::Stop));
     assert!(!s.has_work());
     assert_eq!(s.stats().finished, 2);
@@ -182,7 +187,7 @@ fn abort_while_awaiting_kv_or_queued_frees_the_blocks() {
     assert_eq!((s.num_awaiting_kv(), s.has_work()), (0, false));
     s.pool().check_invariants().unwrap();
     assert_eq!(
-        s.finish_remote_prefill(RequestId(1), 3, 1),
+        s.finish_remote_prefill(RequestId(1), 3, None, 1),
         Err(SchedulerError::NotAwaitingKv(RequestId(1)))
     );
     assert_eq!(
@@ -193,7 +198,7 @@ fn abort_while_awaiting_kv_or_queued_frees_the_blocks() {
     s.add_request(req(2, 4, 10), 0).unwrap();
     step(&mut s, 1);
     s.begin_remote_prefill(req(3, 6, 4), 2).unwrap();
-    s.finish_remote_prefill(RequestId(3), 1, 3).unwrap();
+    s.finish_remote_prefill(RequestId(3), 1, None, 3).unwrap();
     assert_eq!(s.num_prefilled_queued(), 1);
     assert_eq!(
         s.fail_remote_prefill(RequestId(3), 4),
@@ -268,7 +273,7 @@ fn prefilled_requests_wait_for_a_seat_and_go_before_waiting_ones() {
     let mut outs = step(&mut s, 0);
     s.add_request(req(3, 4, 2), 1).unwrap();
     s.begin_remote_prefill(req(2, 4, 3), 1).unwrap();
-    s.finish_remote_prefill(RequestId(2), 9, 2).unwrap();
+    s.finish_remote_prefill(RequestId(2), 9, None, 2).unwrap();
     assert_eq!((s.num_running(), s.num_prefilled_queued()), (1, 1));
     let r = s.load_report(WorkerId(7), 2);
     assert_eq!((r.running_requests, r.waiting_requests), (2, 1));
@@ -286,7 +291,7 @@ fn remote_prefills_may_come_and_go_while_a_step_is_in_flight() {
     s.schedule(0);
     let toks = fake_tokens(&s);
     s.begin_remote_prefill(req(2, 6, 3), 1).unwrap();
-    s.finish_remote_prefill(RequestId(2), 9, 2).unwrap();
+    s.finish_remote_prefill(RequestId(2), 9, None, 2).unwrap();
     // An id aborted during the step cannot come back before the step completes.
     assert!(s.abort(RequestId(4)));
     assert_eq!(

@@ -30,6 +30,7 @@ pub(super) fn fake_tokens(s: &Scheduler) -> Vec<SampledToken> {
         .map(|e| SampledToken {
             id: e.id,
             token: 500 + e.tokens().end as u32,
+            logprobs: None,
         })
         .collect()
 }
@@ -340,16 +341,19 @@ fn complete_step_checks_outputs_against_the_plan() {
     let wrong = [SampledToken {
         id: RequestId(9),
         token: 1,
+        logprobs: None,
     }];
     assert!(s.complete_step(&wrong, 1).is_err());
     let extra = [
         SampledToken {
             id: RequestId(1),
             token: 1,
+            logprobs: None,
         },
         SampledToken {
             id: RequestId(1),
             token: 2,
+            logprobs: None,
         },
     ];
     assert!(s.complete_step(&extra, 1).is_err());

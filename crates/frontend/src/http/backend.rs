@@ -80,6 +80,13 @@ pub struct ValidRequest {
     pub temperature: f32,
     /// Nucleus sampling in `[0, 1]` (1: off).
     pub top_p: f32,
+    /// Keep the `top_k` most likely tokens (0: all).
+    pub top_k: u32,
+    /// Drop tokens less likely than `min_p` times the most likely, in `[0, 1]` (0: none).
+    pub min_p: f32,
+    /// `Some(n)`: report each generated token's log-probability and the `n` (at most 20)
+    /// most likely alternatives' (chat `logprobs` / `top_logprobs`, completions `logprobs`).
+    pub logprobs: Option<u8>,
     pub seed: Option<u64>,
     /// Stop strings (non-empty ones only). The edge applies them to the text itself and drops
     /// the stream at a match; a worker may use them too but does not have to.
@@ -179,6 +186,17 @@ pub struct TokenChunk {
     pub text: Option<String>,
     /// With `text`: how many tokens it stands for (the engine's count; 0 when unknown).
     pub text_tokens: u32,
+    /// When the request asked for them ([`ValidRequest::logprobs`]): one per entry of
+    /// `tokens`; otherwise empty.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// A generated token's log-probability and the most likely alternatives', most likely
+/// first (the model's distribution before temperature and the sampling cuts).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Where a request went: reported in the `x-tandem-*` response headers.

@@ -5,6 +5,7 @@
 
 use super::backend::FinishReason;
 use super::error::ServeError;
+use super::logprobs::Rendered;
 use super::openai::Usage;
 use super::tool_calls::Piece;
 
@@ -23,13 +24,14 @@ pub(crate) struct End {
 pub(crate) trait Format: Send + 'static {
     /// Streaming: the events that open the stream (may be empty).
     fn open(&mut self) -> String;
-    /// Streaming: the events for what one backend chunk released; `end` is set on the last
-    /// call, whose events end the stream.
-    fn step(&mut self, pieces: Vec<Piece>, end: Option<&End>) -> String;
+    /// Streaming: the events for what one backend chunk released, and the logprobs of its
+    /// tokens (empty unless asked for; a format without logprobs ignores them); `end` is set
+    /// on the last call, whose events end the stream.
+    fn step(&mut self, pieces: Vec<Piece>, logprobs: &[Rendered], end: Option<&End>) -> String;
     /// Streaming: the events for a backend error after the head; they end the stream.
     fn stream_error(&mut self, e: &ServeError) -> String;
     /// The whole (non-streaming) response body.
-    fn whole(&mut self, pieces: Vec<Piece>, end: &End) -> String;
+    fn whole(&mut self, pieces: Vec<Piece>, logprobs: &[Rendered], end: &End) -> String;
 }
 
 pub(crate) fn to_json<T: serde::Serialize>(value: &T) -> String {

@@ -10,6 +10,7 @@
 use super::backend::{Endpoint, FinishReason, ValidRequest};
 use super::error::ServeError;
 use super::format::{End, Format, sse_data, to_json};
+use super::logprobs::{ChatLogprobs, CompletionLogprobs, Rendered};
 use super::openai::{
     AssistantMessage, ChatChoice, ChatChunkChoice, CompletionChoice, Delta, FunctionOut,
     ResponseObject, ToolCallDelta, ToolCallOut, Usage, UsageField,
@@ -28,6 +29,10 @@ pub(crate) struct ChatFormat {
     include_usage: bool,
     /// Tool calls sent so far in a stream (their `index`).
     calls: usize,
+    /// The request asked for logprobs.
+    logprobs: bool,
+    /// Completions: characters of text sent so far (the next token's `text_offset`).
+    offset: usize,
 }
 
 impl ChatFormat {
@@ -39,6 +44,8 @@ impl ChatFormat {
             model: req.model.clone(),
             include_usage: req.include_usage,
             calls: 0,
+            logprobs: req.logprobs.is_some(),
+            offset: 0,
         }
     }
 
@@ -70,24 +77,37 @@ impl ChatFormat {
         }
     }
 
-    fn chat_chunk(&self, delta: Delta<'_>, finish_reason: Option<&'static str>) -> String {
+    fn chat_chunk(
+        &self,
+        delta: Delta<'_>,
+        logprobs: &[Rendered],
+        finish_reason: Option<&'static str>,
+    ) -> String {
         let choice = ChatChunkChoice {
             index: 0,
             delta,
-            logprobs: None,
+            logprobs: (!logprobs.is_empty()).then(|| ChatLogprobs::of(logprobs)),
             finish_reason,
         };
         sse_data(&self.object(self.chunk_object(), [choice], self.chunk_usage()))
     }
 
-    /// A content chunk; an empty `text` with a finish is sent as an empty delta.
-    fn content_chunk(&self, text: &str, finish: Option<&'static str>) -> String {
+    /// A content chunk with the logprobs of the tokens it carries (if any); an empty `text`
+    /// is sent as an empty delta.
+    fn content_chunk(
+        &mut self,
+        text: &str,
+        logprobs: &[Rendered],
+        finish: Option<&'static str>,
+    ) -> String {
         match self.endpoint {
             Endpoint::Completion => {
+                let logprobs = (!logprobs.is_empty())
+                    .then(|| CompletionLogprobs::of(logprobs, &mut self.offset));
                 let choice = CompletionChoice {
                     text,
                     index: 0,
-                    logprobs: None,
+                    logprobs,
                     finish_reason: finish,
                 };
                 sse_data(&self.object(self.chunk_object(), [choice], self.chunk_usage()))
@@ -97,7 +117,7 @@ impl ChatFormat {
                     content: (!text.is_empty()).then_some(text),
                     ..Delta::default()
                 };
-                self.chat_chunk(delta, finish)
+                self.chat_chunk(delta, logprobs, finish)
             }
         }
     }
@@ -121,22 +141,28 @@ impl Format for ChatFormat {
             content: Some(""),
             ..Delta::default()
         };
-        self.chat_chunk(delta, None)
+        self.chat_chunk(delta, &[], None)
     }
 
-    fn step(&mut self, pieces: Vec<Piece>, end: Option<&End>) -> String {
+    fn step(&mut self, pieces: Vec<Piece>, logprobs: &[Rendered], end: Option<&End>) -> String {
         let mut out = String::new();
         let finish = end.map(|e| self.finish_reason(e));
         let n = pieces.len();
         let mut finish_sent = false;
+        // The step's logprobs go with its first text (or, with none, an empty delta).
+        let mut logprobs = Some(logprobs).filter(|l| !l.is_empty());
         for (i, piece) in pieces.iter().enumerate() {
             match piece {
                 // The last text of the stream carries the finish reason, as before tools.
                 Piece::Text(t) if i + 1 == n => {
-                    out.push_str(&self.content_chunk(t, finish));
+                    let l = logprobs.take().unwrap_or_default();
+                    out.push_str(&self.content_chunk(t, l, finish));
                     finish_sent = finish.is_some();
                 }
-                Piece::Text(t) => out.push_str(&self.content_chunk(t, None)),
+                Piece::Text(t) => {
+                    let l = logprobs.take().unwrap_or_default();
+                    out.push_str(&self.content_chunk(t, l, None));
+                }
                 Piece::Call(call) => {
                     let arguments = call.arguments_text();
                     let delta = Delta {
@@ -152,15 +178,19 @@ impl Format for ChatFormat {
                         ..Delta::default()
                     };
                     self.calls += 1;
-                    out.push_str(&self.chat_chunk(delta, None));
+                    out.push_str(&self.chat_chunk(delta, &[], None));
                 }
             }
         }
         let Some(end) = end else {
+            if let Some(l) = logprobs {
+                out.push_str(&self.content_chunk("", l, None));
+            }
             return out;
         };
         if !finish_sent {
-            out.push_str(&self.content_chunk("", finish));
+            let l = logprobs.unwrap_or_default();
+            out.push_str(&self.content_chunk("", l, finish));
         }
         if self.include_usage {
             let usage = self.object(self.chunk_object(), [(); 0], Some(Some(end.usage)));
@@ -176,7 +206,7 @@ impl Format for ChatFormat {
         format!("{}{SSE_DONE}", sse_data(&e.to_json()))
     }
 
-    fn whole(&mut self, pieces: Vec<Piece>, end: &End) -> String {
+    fn whole(&mut self, pieces: Vec<Piece>, logprobs: &[Rendered], end: &End) -> String {
         let mut text = String::new();
         let mut calls = Vec::new();
         for piece in pieces {
@@ -191,7 +221,9 @@ impl Format for ChatFormat {
                 let choice = CompletionChoice {
                     text: &text,
                     index: 0,
-                    logprobs: None,
+                    logprobs: self
+                        .logprobs
+                        .then(|| CompletionLogprobs::of(logprobs, &mut 0)),
                     finish_reason: Some(end.finish.as_str()),
                 };
                 self.object("text_completion", [choice], Some(Some(usage)))
@@ -221,7 +253,7 @@ impl Format for ChatFormat {
                         refusal: None,
                         tool_calls,
                     },
-                    logprobs: None,
+                    logprobs: self.logprobs.then(|| ChatLogprobs::of(logprobs)),
                     finish_reason: self.finish_reason(end),
                 };
                 self.object("chat.completion", [choice], usage)

@@ -32,6 +32,7 @@ use super::format::{End, Format};
 use super::format_chat::ChatFormat;
 use super::hints;
 use super::ids::unix_now;
+use super::logprobs::Rendered;
 use super::messages;
 use super::metrics::RequestRecord;
 use super::openai::Usage;
@@ -240,11 +241,15 @@ const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30
 struct Pipeline {
     output: Output,
     tools: Option<ToolCallStream>,
+    /// Logprobs of tokens whose text has not been released yet: they go out with it.
+    logprobs: Vec<Rendered>,
 }
 
 /// What one chunk released.
 struct Fed {
     pieces: Vec<Piece>,
+    /// The logprobs of the tokens behind `pieces` (and any held back before).
+    logprobs: Vec<Rendered>,
     /// Set when the output is over: the reason and the stop string that matched.
     finish: Option<(FinishReason, Option<String>)>,
 }
@@ -262,8 +267,15 @@ impl Pipeline {
         {
             pieces.extend(tools.finish());
         }
+        self.logprobs.extend(step.logprobs);
+        let release = !pieces.is_empty() || step.finish.is_some();
         Fed {
             pieces,
+            logprobs: if release {
+                std::mem::take(&mut self.logprobs)
+            } else {
+                Vec::new()
+            },
             finish: step.finish.map(|f| (f, step.stop_sequence)),
         }
     }
@@ -302,6 +314,7 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
     let mut pipeline = Pipeline {
         output: Output::new(state.tokenizer().clone(), req.stop.clone(), req.max_tokens),
         tools: parse_tool_calls.then(|| ToolCallStream::new(call_id_prefix(&id))),
+        logprobs: Vec::new(),
     };
     record.sent(req.id, req.prompt_tokens.len(), req.engine.clone());
 
@@ -364,6 +377,7 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
     }
 
     let mut pieces = Vec::new();
+    let mut logprobs = Vec::new();
     let usage_cached;
     let mut next = Some(first);
     let (finish, stop_sequence) = loop {
@@ -378,6 +392,7 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
         let fed = pipeline.feed(&chunk);
         record.completion_tokens(pipeline.completion_tokens());
         pieces.extend(fed.pieces);
+        logprobs.extend(fed.logprobs);
         if let Some(finish) = fed.finish {
             // An external engine's own count comes with its last chunk (its usage); the
             // first chunk's was the worker's estimate (the header keeps that one).
@@ -402,7 +417,7 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
         usage: Usage::new(prompt_tokens, completion_tokens, usage_cached),
         tool_calls: pipeline.tool_calls(),
     };
-    (headers, format.whole(pieces, &end)).into_response()
+    (headers, format.whole(pieces, &logprobs, &end)).into_response()
 }
 
 fn unfinished() -> ServeError {
@@ -503,7 +518,11 @@ impl Sse {
                 continue;
             }
             let Some((finish, stop_sequence)) = fed.finish else {
-                return Some(Bytes::from(self.format.step(fed.pieces, None)));
+                return Some(Bytes::from(self.format.step(
+                    fed.pieces,
+                    &fed.logprobs,
+                    None,
+                )));
             };
             self.chunks = None;
             self.record.finish_reason(finish.as_str());
@@ -514,7 +533,7 @@ impl Sse {
                 usage: Usage::new(self.prompt_tokens, completion_tokens, chunk.cached_tokens),
                 tool_calls: self.pipeline.tool_calls(),
             };
-            let out = self.format.step(fed.pieces, Some(&end));
+            let out = self.format.step(fed.pieces, &fed.logprobs, Some(&end));
             self.phase = Phase::Done;
             self.record.completed();
             return Some(Bytes::from(out));

@@ -6,10 +6,10 @@
 //! Served: `model`, `max_tokens` (required), `system` (a string or text blocks), `messages`
 //! (`user` / `assistant`, content a string or blocks: `text`, `tool_use` (assistant),
 //! `tool_result` (user; its content a string or text blocks); `thinking` blocks are
-//! skipped), `temperature` (0..=1, Anthropic's range), `top_p`, `stop_sequences`, `stream`,
+//! skipped), `temperature` (0..=1, Anthropic's range), `top_p`, `top_k`, `stop_sequences`, `stream`,
 //! `tools` (`{name, description, input_schema}`), `tool_choice` `auto` / `none`. Refused
 //! with 400: other blocks (images, documents), server tools, forcing a tool (`any`,
-//! `tool`), extended thinking. Ignored: `top_k`, `metadata`, `service_tier`, unknown fields.
+//! `tool`), extended thinking. Ignored: `metadata`, `service_tier`, unknown fields.
 //!
 //! Usage follows Anthropic's accounting: `input_tokens` are the prompt tokens not read from
 //! the prefix cache, `cache_read_input_tokens` those that were.
@@ -28,6 +28,7 @@ use super::backend::{Endpoint, FinishReason, ValidRequest};
 use super::conversation::{Content, Conversation, Message, ToolCall};
 use super::error::ServeError;
 use super::format::{End, Format, sse_event};
+use super::logprobs::Rendered;
 use super::openai::Stop;
 use super::pyjson::Json;
 use super::state::HttpConfig;
@@ -43,6 +44,7 @@ pub(crate) struct MessagesRequest {
     system: Option<BlocksOrText>,
     temperature: Option<f64>,
     top_p: Option<f64>,
+    top_k: Option<i64>,
     stop_sequences: Option<Vec<String>>,
     stream: Option<bool>,
     tools: Option<Vec<Json>>,
@@ -117,6 +119,7 @@ pub(crate) fn check(req: MessagesRequest, config: &HttpConfig) -> Result<Checked
     let mut common = Common::new(req.model, Some((max_tokens, "max_tokens")));
     common.temperature = req.temperature;
     common.top_p = req.top_p;
+    common.top_k = req.top_k;
     common.stream = req.stream;
     common.stop = req.stop_sequences.map(Stop::Many);
     // Anthropic's `service_tier` (`auto`, `standard_only`) names no band: not read.
@@ -397,7 +400,7 @@ impl Format for MessagesFormat {
         out
     }
 
-    fn step(&mut self, pieces: Vec<Piece>, end: Option<&End>) -> String {
+    fn step(&mut self, pieces: Vec<Piece>, _: &[Rendered], end: Option<&End>) -> String {
         let mut out = String::new();
         for piece in pieces {
             match piece {
@@ -444,7 +447,7 @@ impl Format for MessagesFormat {
         sse_event("error", &e.to_anthropic_json())
     }
 
-    fn whole(&mut self, pieces: Vec<Piece>, end: &End) -> String {
+    fn whole(&mut self, pieces: Vec<Piece>, _: &[Rendered], end: &End) -> String {
         let mut text = String::new();
         let mut content = Vec::new();
         let mut calls = Vec::new();

@@ -60,11 +60,15 @@
 //! (`{"type": "function", "function": {…}}`, passed to the template as given), `tool_choice`
 //! (`auto`, `none`: tools are shown, calls not parsed), `prompt` (string, token ids, or a
 //! one-element list of either), `max_tokens` / `max_completion_tokens` (the latter wins),
-//! `temperature` (0..=2, default 1), `top_p` (0..=1, default 1), `seed`, `stop` (string or
-//! list; text-level, see below), `ignore_eos`, `stream`, `stream_options.include_usage`,
-//! `cache_salt`, `n` (must be 1).
-//! Refused with 400 `unsupported_parameter`: `n` ≠ 1, `logprobs` / `top_logprobs`,
-//! `tool_choice` `required` or a named function, `response_format` other than text, `echo`,
+//! `temperature` (0..=2, default 1), `top_p` (0..=1, default 1), `top_k` (vLLM's: -1 or 0
+//! is off), `min_p` (0..=1), `seed`, `stop` (string or list; text-level, see below),
+//! `ignore_eos`, `stream`, `stream_options.include_usage`, `cache_salt`, `n` (must be 1),
+//! and logprobs in OpenAI's shapes: chat `logprobs: true` with `top_logprobs` 0..=20
+//! (`choices[].logprobs.content[]`: `token`, `logprob`, `bytes`, `top_logprobs`), completions
+//! `logprobs` 0..=5 (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`); streamed,
+//! each chunk carries its tokens' entries. The log-probabilities are the model's before
+//! temperature and the sampling cuts, as vLLM reports them.
+//! Refused with 400 `unsupported_parameter`: `n` ≠ 1, `tool_choice` `required` or a named function, `response_format` other than text, `echo`,
 //! `best_of` ≠ 1, `suffix`. Ignored: penalties, `user`, `logit_bias`, `parallel_tool_calls`,
 //! and any unknown field. `Content-Type` is not checked (the body is parsed as JSON whatever
 //! it says). Without `max_tokens`, a request gets [`HttpConfig::default_max_tokens`] lowered
@@ -84,8 +88,8 @@
 //! | unknown model                                               | 404    | `model_not_found`         |
 //! | empty/missing `messages` or `prompt`, bad role, part, tool  | 400    | `null`                    |
 //! | `x-tandem-tenant` not a valid tenant name (no keys configured) | 400 | `null` (`param` set)      |
-//! | `max_tokens` ≤ 0, `temperature` / `top_p` out of range, stop limits | 400 | `null` (`param` set) |
-//! | unsupported parameter (`n` = 2, `logprobs`, `tool_choice: required`, …) | 400 | `unsupported_parameter` |
+//! | `max_tokens` ≤ 0, a sampling value or `top_logprobs` out of range, stop limits | 400 | `null` (`param` set) |
+//! | unsupported parameter (`n` = 2, `echo`, `tool_choice: required`, …) | 400 | `unsupported_parameter` |
 //! | the chat template's `raise_exception`, or a template failure | 400   | `chat_template_error`     |
 //! | unknown `previous_response_id` (Responses)                  | 400    | `previous_response_not_found` |
 //! | prompt ≥ context, or prompt + `max_tokens` > context        | 400    | `context_length_exceeded` |
@@ -119,8 +123,8 @@
 //!   `pyjson.rs`: order-keeping JSON and Python's `json.dumps`; `strftime.rs`;
 //!   `prompt.rs`: [`Prompts`], rendering and special-token-safe tokenization.
 //! - `generate.rs`: the generation handlers, the output pipeline, SSE; `format_chat.rs`:
-//!   chat and completions output; `output.rs`: tokens → text with `max_tokens` and stop
-//!   strings; `stop.rs`: the stop-string matcher; `tool_calls.rs`: [`ToolCallParser`] and
+//!   chat and completions output; `logprobs.rs`: logprobs in OpenAI's shapes; `output.rs`:
+//!   tokens → text with `max_tokens` and stop strings; `stop.rs`: the stop-string matcher; `tool_calls.rs`: [`ToolCallParser`] and
 //!   the Hermes parser.
 //! - `tokenizer.rs`: [`Tokenizer`], [`Detokenizer`].
 //! - `models.rs`: what a request's `model` names (the base model or a LoRA adapter), the
@@ -150,6 +154,7 @@ mod format_chat;
 mod generate;
 mod hints;
 mod ids;
+mod logprobs;
 mod messages;
 mod metrics;
 mod models;
@@ -175,7 +180,8 @@ mod tests;
 
 pub use auth::{AccessConfig, AccessError};
 pub use backend::{
-    Backend, Endpoint, EngineReport, FinishReason, Generation, RouteInfo, TokenChunk, ValidRequest,
+    Backend, Endpoint, EngineReport, FinishReason, Generation, RouteInfo, TokenChunk, TokenLogprob,
+    ValidRequest,
 };
 pub use body::{BodyCheck, endpoint_of};
 pub use chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec, Clock};

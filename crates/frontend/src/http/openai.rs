@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::logprobs::{ChatLogprobs, CompletionLogprobs};
 use super::pyjson::Json;
 
 // ---------------------------------------------------------------------------------------
@@ -29,6 +30,8 @@ pub(crate) struct ChatCompletionRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
     /// Tool definitions, passed to the chat template as given (order kept).
     pub tools: Option<Vec<Json>>,
     /// `"auto"`, `"none"`, `"required"` or `{"type": "function", …}`.
@@ -103,6 +106,8 @@ pub(crate) struct CompletionRequest {
     pub max_tokens: Option<i64>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
     pub ignore_eos: Option<bool>,
@@ -205,7 +210,7 @@ impl UsageField for Option<Option<Usage>> {
 pub(crate) struct ChatChoice<'a> {
     pub index: u32,
     pub message: AssistantMessage<'a>,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs<'a>>,
     pub finish_reason: &'static str,
 }
 
@@ -249,7 +254,7 @@ pub(crate) struct ToolCallDelta<'a> {
 pub(crate) struct ChatChunkChoice<'a> {
     pub index: u32,
     pub delta: Delta<'a>,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs<'a>>,
     pub finish_reason: Option<&'static str>,
 }
 
@@ -267,7 +272,7 @@ pub(crate) struct Delta<'a> {
 pub(crate) struct CompletionChoice<'a> {
     pub text: &'a str,
     pub index: u32,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<CompletionLogprobs<'a>>,
     pub finish_reason: Option<&'static str>,
 }
 

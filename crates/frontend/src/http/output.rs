@@ -4,14 +4,19 @@
 use std::sync::Arc;
 
 use super::backend::{FinishReason, TokenChunk};
+use super::logprobs::Rendered;
 use super::stop::StopMatcher;
 use super::tokenizer::{Detokenizer, Tokenizer};
 
 /// What one chunk turned into.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub(crate) struct Step {
     /// Text to send now (maybe empty).
     pub text: String,
+    /// The logprobs of the chunk's tokens that count (those within `max_tokens`), when the
+    /// request asked for them; they may run ahead of `text` (a character split over tokens,
+    /// a possible stop string, waits).
+    pub logprobs: Vec<Rendered>,
     /// Set when the output is over; feed nothing after it.
     pub finish: Option<FinishReason>,
     /// The stop string that ended the output, if one did.
@@ -20,6 +25,7 @@ pub(crate) struct Step {
 
 #[derive(Debug)]
 pub(crate) struct Output {
+    tokenizer: Arc<Tokenizer>,
     detok: Detokenizer,
     stop: StopMatcher,
     max_tokens: u32,
@@ -29,7 +35,8 @@ pub(crate) struct Output {
 impl Output {
     pub(crate) fn new(tokenizer: Arc<Tokenizer>, stop: Vec<String>, max_tokens: u32) -> Self {
         Output {
-            detok: Detokenizer::new(tokenizer),
+            detok: Detokenizer::new(tokenizer.clone()),
+            tokenizer,
             stop: StopMatcher::new(stop),
             max_tokens,
             completion_tokens: 0,
@@ -56,7 +63,13 @@ impl Output {
         {
             finish = Some(FinishReason::Length);
         }
-        let mut text = self.detok.push(&chunk.tokens[..take]);
+        let taken = &chunk.tokens[..take];
+        let logprobs = taken
+            .iter()
+            .zip(&chunk.logprobs)
+            .map(|(&t, l)| Rendered::of(&self.tokenizer, t, l))
+            .collect();
+        let mut text = self.detok.push(taken);
         if finish.is_some() {
             text.push_str(&self.detok.finish());
         }
@@ -64,6 +77,7 @@ impl Output {
         if released.stopped {
             return Step {
                 text: released.text,
+                logprobs,
                 finish: Some(FinishReason::Stop),
                 stop_sequence: released.matched,
             };
@@ -74,6 +88,7 @@ impl Output {
         }
         Step {
             text,
+            logprobs,
             finish,
             stop_sequence: None,
         }
@@ -87,6 +102,7 @@ impl Output {
         if released.stopped {
             return Step {
                 text: released.text,
+                logprobs: Vec::new(),
                 finish: Some(FinishReason::Stop),
                 stop_sequence: released.matched,
             };
@@ -97,6 +113,7 @@ impl Output {
         }
         Step {
             text,
+            logprobs: Vec::new(),
             finish: chunk.finish,
             stop_sequence: None,
         }
@@ -115,6 +132,7 @@ mod tests {
             cached_tokens: 0,
             text: None,
             text_tokens: 0,
+            logprobs: Vec::new(),
         }
     }
 
@@ -145,5 +163,28 @@ mod tests {
         ));
         assert_eq!(s.text, "done");
         assert_eq!(s.finish, Some(FinishReason::Stop));
+    }
+
+    #[test]
+    fn logprobs_come_for_the_tokens_that_count() {
+        let tok = cl100k();
+        let ids = tok.encode("one two three").unwrap();
+        let mut c = chunk(ids.clone(), None);
+        c.logprobs = (0..ids.len())
+            .map(|i| crate::http::TokenLogprob {
+                logprob: -(i as f32),
+                top: vec![],
+            })
+            .collect();
+        let mut out = Output::new(tok.clone(), vec![], 2);
+        let step = out.feed(&c);
+        let shown: Vec<(&str, f32)> = step
+            .logprobs
+            .iter()
+            .map(|r| (r.chosen.token.as_str(), r.chosen.logprob))
+            .collect();
+        assert_eq!(shown, [("one", 0.0), (" two", -1.0)], "cut at max_tokens");
+        let plain = Output::new(tok.clone(), vec![], 9).feed(&chunk(ids, None));
+        assert!(plain.logprobs.is_empty());
     }
 }

@@ -36,6 +36,7 @@ use super::conversation::{Content, Conversation, Message, ToolCall};
 use super::error::ServeError;
 use super::format::{End, Format, sse_event};
 use super::hints::HintFields;
+use super::logprobs::Rendered;
 use super::pyjson::Json;
 use super::responses_store::{ResponseStore, StoredTurn};
 use super::state::HttpState;
@@ -617,7 +618,7 @@ impl Format for ResponsesFormat {
         buf
     }
 
-    fn step(&mut self, pieces: Vec<Piece>, end: Option<&End>) -> String {
+    fn step(&mut self, pieces: Vec<Piece>, _: &[Rendered], end: Option<&End>) -> String {
         let mut buf = String::new();
         let mut out = Some(&mut buf);
         self.pieces(&mut out, pieces);
@@ -647,7 +648,7 @@ impl Format for ResponsesFormat {
         buf
     }
 
-    fn whole(&mut self, pieces: Vec<Piece>, end: &End) -> String {
+    fn whole(&mut self, pieces: Vec<Piece>, _: &[Rendered], end: &End) -> String {
         let mut out = None;
         self.pieces(&mut out, pieces);
         self.end(&mut out, end).to_string()

@@ -230,6 +230,31 @@ impl Tokenizer {
         }
     }
 
+    /// The bytes token `id` stands for on its own (what OpenAI's logprobs call `bytes`):
+    /// tiktoken's bytes; for a byte-level BPE file the token's string mapped back through
+    /// GPT-2's byte-to-character table; otherwise its decoded text. An unknown id: U+FFFD.
+    pub fn bytes_of(&self, id: u32) -> Vec<u8> {
+        match &self.inner {
+            Inner::Tiktoken(bpe) => {
+                let mut out = Vec::new();
+                Tokenizer::token_bytes(bpe, id, &mut out);
+                out
+            }
+            Inner::HuggingFace { plain, .. } => {
+                let byte_level = matches!(
+                    plain.get_decoder(),
+                    Some(tokenizers::DecoderWrapper::ByteLevel(_))
+                );
+                let added = plain.get_added_tokens_decoder().contains_key(&id);
+                match plain.id_to_token(id) {
+                    Some(piece) if byte_level && !added => byte_level_bytes(&piece),
+                    Some(_) => Tokenizer::hf_decode(plain, &[id]).into_bytes(),
+                    None => REPLACEMENT.as_bytes().to_vec(),
+                }
+            }
+        }
+    }
+
     fn token_bytes(bpe: &tiktoken_rs::CoreBPE, id: u32, out: &mut Vec<u8>) {
         match bpe.decode_bytes(&[id]) {
             Ok(bytes) => out.extend_from_slice(&bytes),
@@ -244,6 +269,33 @@ impl Tokenizer {
 }
 
 const REPLACEMENT: &str = "\u{FFFD}";
+
+/// A byte-level BPE token's string → its bytes. GPT-2's table (`bytes_to_unicode` in its
+/// `encoder.py`) shows the printable bytes `!`..=`~`, `¡`..=`¬` and `®`..=`ÿ` as
+/// themselves and the other 68 bytes, in order, as U+0100 onwards; a character outside
+/// the table (none in a byte-level vocabulary) is kept as its UTF-8.
+fn byte_level_bytes(piece: &str) -> Vec<u8> {
+    let shown_as_itself = |b: u32| {
+        (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
+    let mut out = Vec::with_capacity(piece.len());
+    for c in piece.chars() {
+        let code = u32::from(c);
+        if code < 0x100 && shown_as_itself(code) {
+            out.push(code as u8);
+        } else if let Some(b) = code.checked_sub(0x100).and_then(|n| {
+            (0u32..=0xFF)
+                .filter(|&b| !shown_as_itself(b))
+                .nth(n as usize)
+        }) {
+            out.push(b as u8);
+        } else {
+            let mut buf = [0; 4];
+            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+        }
+    }
+    out
+}
 
 /// Turns a stream of token ids into text deltas that only ever contain complete UTF-8
 /// characters; what is incomplete waits for the next tokens, and [`Detokenizer::finish`]
@@ -463,6 +515,19 @@ mod tests {
         assert!(!total.is_empty());
         assert!(!tok.is_valid_token(4_000_000_000));
         assert!(tok.is_valid_token(31_999));
+    }
+
+    #[test]
+    fn byte_level_strings_map_back_to_their_bytes() {
+        // The hidden bytes are 0x00..=0x20 (33 of them), 0x7F..=0xA0 and 0xAD: space is
+        // U+0120 (Ġ), newline U+010A (Ċ), 0x7F U+0121.
+        assert_eq!(byte_level_bytes("Ġthe"), b" the");
+        assert_eq!(byte_level_bytes("ĊĊ"), b"\n\n");
+        assert_eq!(byte_level_bytes("\u{121}"), [0x7F]);
+        assert_eq!(byte_level_bytes("\u{100}"), [0x00]);
+        // "é" is C3 A9: both bytes are shown as themselves (Ã, ©).
+        assert_eq!(byte_level_bytes("Ã©"), "é".as_bytes());
+        assert_eq!(byte_level_bytes("<|im_end|>"), b"<|im_end|>");
     }
 
     #[test]

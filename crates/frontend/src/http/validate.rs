@@ -62,6 +62,9 @@ pub(crate) struct Checked {
     max_tokens: Option<(u32, &'static str)>,
     temperature: f32,
     top_p: f32,
+    top_k: u32,
+    min_p: f32,
+    logprobs: Option<u8>,
     seed: Option<u64>,
     pub stop: Vec<String>,
     ignore_eos: bool,
@@ -83,6 +86,10 @@ pub(crate) struct Common {
     pub max_tokens: Option<(i64, &'static str)>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    /// Logprobs asked for, checked by the endpoint: the alternatives per token.
+    pub logprobs: Option<u8>,
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
     pub ignore_eos: Option<bool>,
@@ -104,6 +111,9 @@ impl Common {
             max_tokens,
             temperature: None,
             top_p: None,
+            top_k: None,
+            min_p: None,
+            logprobs: None,
             seed: None,
             stop: None,
             ignore_eos: None,
@@ -134,6 +144,9 @@ pub(crate) fn check_chat(
         max_tokens,
         temperature: req.temperature,
         top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
+        logprobs: chat_logprobs(req.logprobs, req.top_logprobs)?,
         seed: req.seed,
         stop: req.stop,
         ignore_eos: req.ignore_eos,
@@ -151,12 +164,6 @@ pub(crate) fn check_chat(
         },
     };
     let model = resolve_model(common.model.as_deref(), config)?;
-    if req.logprobs == Some(true) {
-        return Err(unsupported("logprobs", "logprobs are not supported"));
-    }
-    if req.top_logprobs.is_some_and(|n| n > 0) {
-        return Err(unsupported("top_logprobs", "logprobs are not supported"));
-    }
     if let Some(format) = &req.response_format {
         let kind = format.get("type").and_then(|t| t.as_str());
         if kind != Some("text") {
@@ -189,6 +196,35 @@ pub(crate) fn check_chat(
     )?;
     checked.wants_tool_calls = wants_tool_calls;
     Ok(checked)
+}
+
+/// Most alternatives per token a chat request may ask for (OpenAI's limit).
+const MAX_TOP_LOGPROBS: i64 = 20;
+/// Most alternatives per token a completions request may ask for (OpenAI's limit).
+const MAX_COMPLETION_LOGPROBS: i64 = 5;
+
+/// Chat's `logprobs` (a flag) and `top_logprobs` (0..=20, only with the flag, as OpenAI
+/// requires) → the alternatives per token, `None` when not asked.
+fn chat_logprobs(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<u8>, ServeError> {
+    match (logprobs.unwrap_or(false), top) {
+        (false, None) => Ok(None),
+        (false, Some(_)) => Err(ServeError::invalid(
+            "top_logprobs requires logprobs to be set to true",
+        )
+        .with_param("top_logprobs")),
+        (true, top) => logprobs_count(top.unwrap_or(0), MAX_TOP_LOGPROBS, "top_logprobs").map(Some),
+    }
+}
+
+/// A number of alternatives per token in `0..=max`.
+fn logprobs_count(n: i64, max: i64, param: &'static str) -> Result<u8, ServeError> {
+    if !(0..=max).contains(&n) {
+        return Err(
+            ServeError::invalid(format!("{param} must be between 0 and {max}, got {n}"))
+                .with_param(param),
+        );
+    }
+    Ok(n as u8)
 }
 
 /// A chat message → a conversation message.
@@ -315,6 +351,12 @@ pub(crate) fn check_completion(
         max_tokens: req.max_tokens.map(|v| (v, "max_tokens")),
         temperature: req.temperature,
         top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
+        logprobs: req
+            .logprobs
+            .map(|n| logprobs_count(n, MAX_COMPLETION_LOGPROBS, "logprobs"))
+            .transpose()?,
         seed: req.seed,
         stop: req.stop,
         ignore_eos: req.ignore_eos,
@@ -332,9 +374,6 @@ pub(crate) fn check_completion(
         },
     };
     let model = resolve_model(common.model.as_deref(), config)?;
-    if req.logprobs.is_some_and(|n| n > 0) {
-        return Err(unsupported("logprobs", "logprobs are not supported"));
-    }
     if req.echo == Some(true) {
         return Err(unsupported("echo", "echo is not supported"));
     }
@@ -421,6 +460,24 @@ pub(crate) fn finish_common(
                 .with_param("top_p"),
         );
     }
+    // vLLM's convention: -1 (or 0) keeps every token.
+    let top_k = match c.top_k {
+        None | Some(-1 | 0) => 0,
+        Some(k) if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
+        Some(k) => {
+            return Err(ServeError::invalid(format!(
+                "top_k must be -1 (off) or at least 1, got {k}"
+            ))
+            .with_param("top_k"));
+        }
+    };
+    let min_p = c.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(
+            ServeError::invalid(format!("min_p must be between 0 and 1, got {min_p}"))
+                .with_param("min_p"),
+        );
+    }
     let stop: Vec<String> = match c.stop {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s],
@@ -485,6 +542,9 @@ pub(crate) fn finish_common(
         max_tokens,
         temperature: temperature as f32,
         top_p: top_p as f32,
+        top_k,
+        min_p: min_p as f32,
+        logprobs: c.logprobs,
         // Any 64-bit seed is accepted; negative ones are taken as their two's complement.
         seed: c.seed.map(|s| s as u64),
         stop,
@@ -593,6 +653,9 @@ impl Checked {
             max_tokens,
             temperature: self.temperature,
             top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            logprobs: self.logprobs,
             seed: self.seed,
             stop: self.stop,
             ignore_eos: self.ignore_eos,

@@ -45,7 +45,7 @@ use super::sessions::{SessionLimiter, SessionPermit};
 use super::view::{ClusterView, WorkerEntry};
 use crate::http::{
     Backend, EngineReport, FinishReason, Generation, RouteInfo, ServeError, TokenChunk,
-    ValidRequest,
+    TokenLogprob, ValidRequest,
 };
 use run::Run;
 use tandem_router::{
@@ -395,8 +395,12 @@ impl ClusterBackend {
                 temperature: job.temperature,
                 stop_token: None,
                 ignore_eos: job.ignore_eos,
-                // 1 is every engine's default: not sent, so the engine's own applies.
+                // 1 is every engine's default: not sent, so the engine's own applies (as
+                // top_k 0 and min_p 0: off).
                 top_p: (job.top_p < 1.0).then_some(job.top_p),
+                top_k: (job.top_k > 0).then_some(job.top_k),
+                min_p: (job.min_p > 0.0).then_some(job.min_p),
+                logprobs: job.logprobs.map(u32::from),
             }),
             hash_seed: job.seed.0,
             remote_prefill: plan.prefill.as_ref().map(|p| RemotePrefillTarget {
@@ -457,6 +461,9 @@ struct Job {
     /// The LoRA adapter it runs on (already part of `seed`).
     adapter: Option<String>,
     top_p: f32,
+    top_k: u32,
+    min_p: f32,
+    logprobs: Option<u8>,
     /// Past it the request is cancelled (continuations keep the original's).
     deadline: tokio::time::Instant,
     /// `kv` knob overrides of the request.
@@ -518,6 +525,19 @@ fn token_chunk(c: &GenerateChunk) -> TokenChunk {
         cached_tokens: c.cached_tokens,
         text: c.text.clone(),
         text_tokens: c.completion_tokens,
+        logprobs: c
+            .logprobs
+            .iter()
+            .map(|l| TokenLogprob {
+                logprob: l.logprob,
+                top: l
+                    .top_tokens
+                    .iter()
+                    .copied()
+                    .zip(l.top_logprobs.iter().copied())
+                    .collect(),
+            })
+            .collect(),
     }
 }
 
@@ -618,6 +638,9 @@ impl Backend for ClusterBackend {
             cache_salt: req.cache_salt.clone(),
             adapter: req.adapter.clone(),
             top_p: req.top_p,
+            top_k: req.top_k,
+            min_p: req.min_p,
+            logprobs: req.logprobs,
             deadline: tokio::time::Instant::now() + left,
             overrides: req.routing.overrides,
             priority: req.priority,

@@ -149,14 +149,17 @@ async fn malformed_inputs_get_4xx_json() {
         Some("n"),
     )
     .await;
-    chat_error(
-        &app,
-        chat(json!({"logprobs": true})),
-        bad,
-        Some("unsupported_parameter"),
-        Some("logprobs"),
-    )
-    .await;
+    // Logprobs: top_logprobs only with logprobs, and at most 20 (OpenAI's rules).
+    for body in [
+        json!({"top_logprobs": 2}),
+        json!({"logprobs": false, "top_logprobs": 0}),
+        json!({"logprobs": true, "top_logprobs": 21}),
+        json!({"logprobs": true, "top_logprobs": -1}),
+    ] {
+        chat_error(&app, chat(body), bad, None, Some("top_logprobs")).await;
+    }
+    chat_error(&app, chat(json!({"top_k": -2})), bad, None, Some("top_k")).await;
+    chat_error(&app, chat(json!({"min_p": 1.5})), bad, None, Some("min_p")).await;
     chat_error(
         &app,
         chat(json!({"tools": [{"type": "function"}]})),
@@ -223,6 +226,14 @@ async fn malformed_inputs_get_4xx_json() {
         bad,
         None,
         Some("prompt"),
+    )
+    .await;
+    // Completions' logprobs: at most 5 alternatives (OpenAI's limit).
+    assert_error(
+        send(&app, comp(json!({"prompt": "a", "logprobs": 6}))).await,
+        bad,
+        None,
+        Some("logprobs"),
     )
     .await;
     assert_error(
@@ -475,6 +486,7 @@ async fn a_stream_that_ends_without_finish_is_an_error_event() {
                 cached_tokens: 0,
                 text: None,
                 text_tokens: 0,
+                logprobs: Vec::new(),
             };
             Ok(Generation {
                 route: RouteInfo {

@@ -10,6 +10,7 @@ mod ops;
 mod responses;
 mod templates;
 
+use crate::http::TokenLogprob;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
 
@@ -180,6 +181,7 @@ fn chunks_of(text: &str, finish: Option<FinishReason>) -> Vec<Result<TokenChunk,
                 cached_tokens: CACHED,
                 text: None,
                 text_tokens: 0,
+                logprobs: Vec::new(),
             })
         })
         .collect()
@@ -192,6 +194,7 @@ impl Backend for FakeBackend {
             let n = req.prompt_tokens.len() as i64 + delta;
             req.engine.set_prompt_tokens(u32::try_from(n).unwrap_or(0));
         }
+        let asked = req.logprobs;
         self.seen.lock().push(req);
         self.dropped.store(false, Ordering::SeqCst);
         self.changed.notify_waiters();
@@ -210,6 +213,27 @@ impl Backend for FakeBackend {
             Script::Hang => (Vec::new(), true),
             Script::Empty => (Vec::new(), false),
         };
+        // Asked for logprobs: the i-th token of a chunk has -i/4, and the next id as the
+        // one other alternative.
+        let items = items.into_iter().map(|item| {
+            item.map(|mut c| {
+                if let Some(n) = asked {
+                    c.logprobs = c
+                        .tokens
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &t)| {
+                            let lp = -(i as f32) / 4.0;
+                            let mut top = vec![(t, lp), (t + 1, lp - 1.0)];
+                            top.truncate(n.into());
+                            TokenLogprob { logprob: lp, top }
+                        })
+                        .collect();
+                }
+                c
+            })
+        });
+        let items: Vec<_> = items.collect();
         let flag = DropFlag(self.dropped.clone(), self.changed.clone());
         let tail = if hang {
             futures::stream::pending().boxed()

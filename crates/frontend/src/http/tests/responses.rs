@@ -262,6 +262,139 @@ async fn streaming_completion_without_usage() {
     assert!(!backend.last_request().include_usage);
 }
 
+/// Chat logprobs, whole and streamed: one entry per token in OpenAI's shape, whose tokens
+/// spell the text and whose bytes are the token's own.
+#[tokio::test]
+async fn chat_logprobs_have_the_openai_shape_whole_and_streamed() {
+    let backend = FakeBackend::text(REPLY);
+    let (app, _) = setup(backend.clone(), config());
+    let n_reply = cl100k().encode(REPLY).unwrap().len();
+    let extra = json!({"logprobs": true, "top_logprobs": 2});
+    let resp = send(
+        &app,
+        post_json("/v1/chat/completions", &chat_body(false, extra.clone())),
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(backend.last_request().logprobs, Some(2));
+    let c: OaChatCompletion = serde_json::from_str(&body_text(resp).await).unwrap();
+    let content = c.choices[0].logprobs["content"].as_array().unwrap().clone();
+    assert_eq!(content.len(), n_reply);
+    let mut bytes = Vec::new();
+    for e in &content {
+        // Each token comes alone in its chunk: logprob 0; its top-2 are it and the next id.
+        assert_eq!(e["logprob"], json!(0.0));
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert_eq!(top[0]["token"], e["token"]);
+        assert_eq!(top[1]["logprob"], json!(-1.0));
+        bytes.extend(
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    assert_eq!(
+        String::from_utf8(bytes).unwrap(),
+        REPLY,
+        "the bytes spell the reply"
+    );
+
+    let resp = send(
+        &app,
+        post_json("/v1/chat/completions", &chat_body(true, extra)),
+    )
+    .await;
+    let events = sse_data(&body_text(resp).await);
+    let streamed: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(streamed, content, "the stream carries the same entries");
+
+    // Not asked: null, as before.
+    let resp = send(
+        &app,
+        post_json("/v1/chat/completions", &chat_body(false, json!({}))),
+    )
+    .await;
+    let c: OaChatCompletion = serde_json::from_str(&body_text(resp).await).unwrap();
+    assert_eq!(c.choices[0].logprobs, Value::Null);
+    assert_eq!(backend.last_request().logprobs, None);
+}
+
+/// Completions logprobs: tokens, token_logprobs, top_logprobs ({token: logprob}) and
+/// text_offset, which counts characters from the start of the completion across chunks.
+#[tokio::test]
+async fn completion_logprobs_have_offsets_that_index_the_text() {
+    let backend = FakeBackend::text(REPLY);
+    let (app, _) = setup(backend.clone(), config());
+    for stream in [false, true] {
+        let body = json!({"prompt": "Hi", "logprobs": 1, "stream": stream});
+        let resp = send(&app, post_json("/v1/completions", &body)).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        let text = body_text(resp).await;
+        let choices: Vec<Value> = if stream {
+            let events = sse_data(&text);
+            events[..events.len() - 1]
+                .iter()
+                .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0].clone())
+                .collect()
+        } else {
+            vec![serde_json::from_str::<Value>(&text).unwrap()["choices"][0].clone()]
+        };
+        let (mut tokens, mut offsets) = (Vec::new(), Vec::new());
+        for c in &choices {
+            let Some(l) = c["logprobs"].as_object() else {
+                continue;
+            };
+            let n = l["tokens"].as_array().unwrap().len();
+            assert_eq!(l["token_logprobs"].as_array().unwrap().len(), n);
+            assert_eq!(l["top_logprobs"].as_array().unwrap().len(), n);
+            for (t, top) in l["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .zip(l["top_logprobs"].as_array().unwrap())
+            {
+                assert_eq!(top.as_object().unwrap().len(), 1, "{top}");
+                assert!(
+                    top.get(t.as_str().unwrap()).is_some(),
+                    "the chosen token is in its top"
+                );
+            }
+            tokens.extend(
+                l["tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_str().unwrap().to_string()),
+            );
+            offsets.extend(
+                l["text_offset"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|o| o.as_u64().unwrap() as usize),
+            );
+        }
+        assert_eq!(
+            tokens.len(),
+            cl100k().encode(REPLY).unwrap().len(),
+            "stream {stream}"
+        );
+        let mut at = 0;
+        for (t, o) in tokens.iter().zip(&offsets) {
+            assert_eq!(*o, at, "stream {stream}");
+            at += t.chars().count();
+        }
+    }
+}
+
 #[tokio::test]
 async fn request_fields_reach_the_backend_validated() {
     let backend = FakeBackend::text("ok");
@@ -270,7 +403,8 @@ async fn request_fields_reach_the_backend_validated() {
         false,
         json!({"max_tokens": 3, "max_completion_tokens": 9, "temperature": 0.0, "seed": -1,
                "stop": ["", "END"], "ignore_eos": true, "cache_salt": "tenant-a", "n": 1,
-               "top_p": 0.5, "user": "u1", "stream_options": {"include_usage": true}}),
+               "top_p": 0.5, "top_k": 40, "min_p": 0.05, "user": "u1",
+               "stream_options": {"include_usage": true}}),
     );
     let resp = send(&app, post_json("/v1/chat/completions", &body)).await;
     assert_eq!(resp.status(), StatusCode::OK);
@@ -278,6 +412,7 @@ async fn request_fields_reach_the_backend_validated() {
     assert_eq!(r.max_tokens, 9, "max_completion_tokens wins");
     assert_eq!(r.temperature, 0.0);
     assert_eq!(r.seed, Some(u64::MAX));
+    assert_eq!((r.top_k, r.min_p), (40, 0.05));
     assert_eq!(r.stop, vec!["END".to_string()]);
     assert!(r.ignore_eos);
     assert_eq!(r.cache_salt.as_deref(), Some("tenant-a"));

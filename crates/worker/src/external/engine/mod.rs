@@ -8,16 +8,19 @@
 //!   with `prompt` as a list of token ids and `return_token_ids: true`; every streamed
 //!   choice then carries the ids it adds (`token_ids`). Fields follow vLLM's
 //!   `vllm/entrypoints/openai/protocol.py` (`CompletionRequest`: `stop_token_ids`,
-//!   `ignore_eos`, `seed`, `top_p`, `cache_salt`, `kv_transfer_params`, `return_token_ids`,
+//!   `ignore_eos`, `seed`, `top_p`, `top_k`, `min_p`, `cache_salt`, `kv_transfer_params`, `return_token_ids`,
 //!   `stream_options.include_usage`; `CompletionResponseStreamChoice.token_ids`; the final
 //!   usage chunk's `prompt_tokens_details.cached_tokens`, present when vLLM runs with
 //!   `--enable-prompt-tokens-details`; `kv_transfer_params` on the response).
 //! - **SGLang**: its native `POST /generate` (`python/sglang/srt/managers/io_struct.py`,
 //!   `GenerateReqInput`: `input_ids`, `sampling_params` with `max_new_tokens`, `temperature`,
-//!   `top_p`, `stop_token_ids`, `ignore_eos`; `bootstrap_host`, `bootstrap_port`,
+//!   `top_p`, `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`; `bootstrap_host`, `bootstrap_port`,
 //!   `bootstrap_room` for disaggregation). Each streamed object has `output_ids` — all ids so
 //!   far unless the server runs with `--incremental-streaming-output` — and `meta_info`
 //!   (`prompt_tokens`, `completion_tokens`, `cached_tokens`, `finish_reason.type`).
+//!
+//! Logprobs are not asked of either engine yet: the sidecar refuses a request that wants them
+//! (400) rather than answer without.
 //!
 //! Dropping the stream drops the HTTP response, which closes the connection: both engines
 //! abort a request whose client disconnected.
@@ -105,6 +108,11 @@ pub struct EngineGenerate {
     pub max_tokens: u32,
     pub temperature: f32,
     pub top_p: Option<f32>,
+    /// vLLM's and SGLang's `top_k` and `min_p` (vLLM takes them on its OpenAI endpoints as
+    /// extra sampling parameters, `vllm/entrypoints/openai/protocol.py`; SGLang in
+    /// `sampling_params`, `python/sglang/srt/sampling/sampling_params.py`).
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
     pub seed: Option<u64>,
     pub stop_token: Option<u32>,
     pub ignore_eos: bool,
@@ -235,6 +243,12 @@ impl EngineApi {
                 if let Some(p) = req.top_p {
                     b["top_p"] = json!(p);
                 }
+                if let Some(k) = req.top_k {
+                    b["top_k"] = json!(k);
+                }
+                if let Some(p) = req.min_p {
+                    b["min_p"] = json!(p);
+                }
                 if let Some(s) = req.seed {
                     b["seed"] = json!(s);
                 }
@@ -257,6 +271,12 @@ impl EngineApi {
                 });
                 if let Some(p) = req.top_p {
                     sp["top_p"] = json!(p);
+                }
+                if let Some(k) = req.top_k {
+                    sp["top_k"] = json!(k);
+                }
+                if let Some(p) = req.min_p {
+                    sp["min_p"] = json!(p);
                 }
                 if let Some(t) = req.stop_token {
                     sp["stop_token_ids"] = json!([t]);

@@ -120,6 +120,8 @@ fn request_bodies_follow_each_api() {
         max_tokens: 4,
         temperature: 0.5,
         top_p: Some(0.9),
+        top_k: Some(40),
+        min_p: Some(0.05),
         seed: Some(11),
         stop_token: Some(2),
         ignore_eos: true,
@@ -137,11 +139,14 @@ fn request_bodies_follow_each_api() {
     assert_eq!(b["cache_salt"], json!("tenant"));
     assert_eq!(b["stream_options"]["include_usage"], json!(true));
     assert_eq!(b["kv_transfer_params"]["do_remote_decode"], json!(true));
+    assert_eq!((&b["top_k"], &b["min_p"]), (&json!(40), &json!(0.05f32)));
     let s = EngineApi::new(EngineKind::Sglang, "http://h:2", "m").unwrap();
     let b = s.body(&req, false);
     assert_eq!(b["input_ids"], json!([1, 2, 3]));
     assert_eq!(b["sampling_params"]["max_new_tokens"], json!(4));
     assert_eq!(b["sampling_params"]["stop_token_ids"], json!([2]));
+    assert_eq!(b["sampling_params"]["top_k"], json!(40));
+    assert_eq!(b["sampling_params"]["min_p"], json!(0.05f32));
     assert!(b.get("prompt").is_none());
     assert!(b.get("lora_path").is_none());
     assert!(EngineApi::new(EngineKind::Vllm, "h:1", "m").is_err());

@@ -24,12 +24,21 @@ impl Sidecar {
             return Err(WorkerError::InvalidRequest("empty prompt".into()).into());
         }
         let s = req.sampling.unwrap_or_default();
+        if s.logprobs.is_some() {
+            // The engines' logprobs come in their own shapes; not mapped yet.
+            return Err(WorkerError::InvalidRequest(
+                "logprobs are not served by external engines behind a tandem sidecar".into(),
+            )
+            .into());
+        }
         Ok(EngineGenerate {
             request_id: format!("tandem-{}", req.request_id),
             prompt: req.prompt.clone(),
             max_tokens: s.max_tokens.max(1),
             temperature: s.temperature,
             top_p: s.top_p,
+            top_k: s.top_k.filter(|&k| k > 0),
+            min_p: s.min_p.filter(|&p| p > 0.0),
             seed: Some(s.seed),
             stop_token: s.stop_token,
             ignore_eos: s.ignore_eos,
@@ -60,6 +69,9 @@ impl Sidecar {
             sampling_seed: req.sampling.as_ref().map_or(0, |s| s.seed),
             temperature: req.sampling.as_ref().map_or(0.0, |s| s.temperature),
             top_p: req.sampling.as_ref().and_then(|s| s.top_p),
+            top_k: req.sampling.as_ref().and_then(|s| s.top_k),
+            min_p: req.sampling.as_ref().and_then(|s| s.min_p),
+            logprobs: None,
             from_token: 0,
             block_size: self.inner.shape.block_size.get(),
             bytes_per_block: 0,
@@ -143,6 +155,8 @@ impl Sidecar {
             max_tokens: 1,
             temperature: 0.0,
             top_p: None,
+            top_k: None,
+            min_p: None,
             seed: Some(req.sampling_seed),
             stop_token: None,
             ignore_eos: true,
@@ -173,6 +187,7 @@ impl Sidecar {
                 "bootstrap_room": room,
             })
             .to_string(),
+            first_token_logprobs: None,
         };
         let chunk = PrefillChunk {
             item: Some(grpc::prefill_chunk::Item::Done(done)),
@@ -428,6 +443,7 @@ impl Sidecar {
                     } else {
                         PrefillOutcome::Unspecified as i32
                     },
+                    logprobs: Vec::new(),
                 };
                 first = false;
                 if chunk.finish != grpc::FinishReason::Unspecified as i32 {
@@ -476,6 +492,8 @@ impl Sidecar {
             max_tokens: 1,
             temperature: 0.0,
             top_p: None,
+            top_k: None,
+            min_p: None,
             seed: Some(req.sampling_seed),
             stop_token: None,
             ignore_eos: true,
@@ -509,6 +527,7 @@ impl Sidecar {
             blocks: 0,
             cached_tokens: answer.cached_tokens.unwrap_or(0),
             kv_transfer_params: params.to_string(),
+            first_token_logprobs: None,
         };
         let chunk = PrefillChunk {
             item: Some(grpc::prefill_chunk::Item::Done(done)),
