@@ -265,7 +265,7 @@ fn prometheus_scrapes_the_cluster_and_every_deploy_expression_has_data() {
     // the KV and generated.
     traffic(&c, 1, 6);
     let model = "{model_name=\"mocker\"}";
-    let mut decode_sum = [0.0f64; 2];
+    let mut decode_sum = [0.0f64; 4];
     for (role, addr) in &workers {
         let addr: SocketAddr = addr.parse().unwrap();
         let m = Metrics::parse(&http::get(addr, "/metrics").unwrap().text());
@@ -278,14 +278,21 @@ fn prometheus_scrapes_the_cluster_and_every_deploy_expression_has_data() {
             assert!(m.get(&format!("vllm:prefix_cache_queries_total{model}")) > 0.0);
             assert!(m.get("tandem_worker_kv_events_published_total") > 0.0);
             assert!(m.get("tandem_worker_kv_transfer_bytes_total{direction=\"sent\"}") > 0.0);
+            // The traffic just ran: its prompts are within the last 10 s.
+            assert!(m.get("tandem_worker_tokens_per_second{kind=\"prompt\"}") > 0.0);
+            assert!(m.get("tandem_worker_step_tokens_count") > 0.0);
         } else {
             decode_sum[0] += m.get(&format!("vllm:generation_tokens_total{model}"));
             decode_sum[1] += m.get("tandem_worker_kv_transfer_bytes_total{direction=\"received\"}");
+            decode_sum[2] += m.get("tandem_worker_tokens_per_second{kind=\"generation\"}");
+            decode_sum[3] += m.get("tandem_worker_step_requests_count");
             assert_eq!(m.get("tandem_worker_kv_transfer_fallbacks_total"), 0.0);
         }
     }
     assert!(decode_sum[0] > 0.0, "the decode workers generated nothing");
     assert!(decode_sum[1] > 0.0, "no decode worker received KV");
+    assert!(decode_sum[2] > 0.0, "no recent generation rate");
+    assert!(decode_sum[3] > 0.0, "no decode steps counted");
     let front = c.metrics();
     assert!(front.get("tandem_router_overhead_seconds_count{phase=\"total\"}") >= 6.0);
     assert!(front.get("tandem_http_inter_token_latency_seconds_count") > 0.0);

@@ -189,7 +189,8 @@ return {
   workers: q('#workers tbody tr[data-worker-id]').map((r) => ({
     id: Number(r.dataset.workerId), pool: r.dataset.pool,
     state: r.cells[3].textContent, kv: r.cells[4].textContent,
-    last_seen: r.cells[11].textContent,
+    prompt_rate: r.cells[9].textContent, gen_rate: r.cells[10].textContent,
+    last_seen: r.cells[13].textContent,
   })),
   decisions: q('#decisions tbody tr.decision').map((r) => ({
     decode: r.cells[4].textContent, prefill: r.cells[5].textContent,
@@ -297,13 +298,24 @@ fn the_status_page_shows_the_cluster_and_follows_traffic() {
         .expect("the long prompt was prefilled remotely")
         .to_string();
 
+    // Each worker's token rates, once two of its load reports a second apart are in.
+    let rated = |v: &Value| {
+        v["workers"].as_array().is_some_and(|ws| {
+            ws.iter().all(|w| {
+                ["prompt_rate", "gen_rate"]
+                    .iter()
+                    .all(|k| w[*k].as_str().is_some_and(|s| s.parse::<f64>().is_ok()))
+            })
+        })
+    };
     let after = wait_for(
         "the page to show the traffic",
         Duration::from_secs(20),
         || {
             let v = browser.eval(PROBE);
-            let ready =
-                v["decisions"].as_array().map(Vec::len) == Some(5) && count(&v, "ttft_count") >= 5;
+            let ready = v["decisions"].as_array().map(Vec::len) == Some(5)
+                && count(&v, "ttft_count") >= 5
+                && rated(&v);
             ready.then_some(v)
         },
     );

@@ -134,7 +134,10 @@ impl EngineHost {
                 started: tokio::time::Instant::now(),
             }),
         };
-        tasks.spawn(host.clone().drive(cancel.clone()));
+        tasks.spawn(
+            host.clone()
+                .drive(publishing.metrics.clone(), cancel.clone()),
+        );
         tasks.spawn(host.clone().publish_events(publishing, cancel));
         host
     }
@@ -408,7 +411,7 @@ impl EngineHost {
         }
     }
 
-    async fn drive(self, cancel: CancellationToken) {
+    async fn drive(self, metrics: Arc<crate::metrics::WorkerMetrics>, cancel: CancellationToken) {
         // The end of the previous step, while steps follow each other.
         let mut prev_end: Option<tokio::time::Instant> = None;
         loop {
@@ -434,15 +437,40 @@ impl EngineHost {
             // first, inside the modelled time, and the step completes at its end, when its
             // outputs are handed over (and the load reports and KV events see it). Done after
             // the sleep, the work made every step that much longer than modelled.
-            let end = start + Duration::from_micros(step.duration_us());
-            let end_us = start_us + step.duration_us();
-            // CPU-bound, and long for big KV shapes: off the async workers' queue.
+            let modelled = step.duration_us();
+            // CPU-bound, and long for big KV shapes (or a real model's forward pass): off the
+            // async workers' queue.
             cpu_bound(|| self.inner.state.lock().engine.compute_step());
-            tokio::select! {
-                _ = tokio::time::sleep_until(end) => {}
-                _ = cancel.cancelled() => return,
+            // A model that does not time its steps (the native engine) ends one when its
+            // compute does.
+            let (end, end_us) = if modelled == 0 {
+                let now = tokio::time::Instant::now();
+                (
+                    now,
+                    now.duration_since(self.inner.started).as_micros() as u64,
+                )
+            } else {
+                (start + Duration::from_micros(modelled), start_us + modelled)
+            };
+            if modelled > 0 {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(end) => {}
+                    _ = cancel.cancelled() => return,
+                }
+            } else {
+                // No timer to wait on: yield, so the tasks that stream the outputs run.
+                tokio::task::yield_now().await;
+                if cancel.is_cancelled() {
+                    return;
+                }
             }
             prev_end = Some(end);
+            metrics.steps.step(
+                end_us,
+                step.prefill_tokens,
+                step.decode_tokens,
+                step.num_requests,
+            );
             if self.complete_step(end_us) {
                 self.inner.idle.notify_waiters();
             }

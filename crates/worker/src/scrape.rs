@@ -25,7 +25,7 @@ use crate::metrics::WorkerMetrics;
 
 /// The registry of a worker: its counters, and the engine read at every scrape.
 pub fn registry(
-    metrics: &WorkerMetrics,
+    metrics: &Arc<WorkerMetrics>,
     host: EngineHost,
     model: &str,
     draining: Arc<AtomicBool>,
@@ -57,8 +57,19 @@ pub fn registry(
         "Blocks of abandoned transfers released, by how the fence ended",
         metrics.fences.clone(),
     );
+    registry.register(
+        "tandem_worker_step_tokens",
+        "Tokens computed in each engine step (prompt and generated): the batch in tokens",
+        metrics.steps.tokens.clone(),
+    );
+    registry.register(
+        "tandem_worker_step_requests",
+        "Requests computed in each engine step: the batch in sequences",
+        metrics.steps.requests.clone(),
+    );
     registry.register_collector(Box::new(EngineSeries {
         host,
+        metrics: metrics.clone(),
         model: model.to_string(),
         draining,
     }));
@@ -75,10 +86,17 @@ struct TierLabel {
     tier: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
 /// The engine's state, read under its lock at scrape time.
 #[derive(Debug)]
 struct EngineSeries {
     host: EngineHost,
+    /// The step meter's token rates.
+    metrics: Arc<WorkerMetrics>,
     model: String,
     draining: Arc<AtomicBool>,
 }
@@ -192,6 +210,16 @@ impl Collector for EngineSeries {
         )?;
         for (tier, value) in [("device", r.device_usage), ("host", r.host_usage)] {
             ConstGauge::new(value).encode(usage.encode_family(&TierLabel { tier })?)?;
+        }
+        let rates = self.metrics.steps.rates(self.host.now_us());
+        let mut speed = encoder.encode_descriptor(
+            "tandem_worker_tokens_per_second",
+            "Prompt tokens computed and tokens generated per second, over the last 10 s",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (kind, value) in [("prompt", rates.prompt), ("generation", rates.generation)] {
+            ConstGauge::new(value).encode(speed.encode_family(&KindLabel { kind })?)?;
         }
         let draining = f64::from(u8::from(self.draining.load(Ordering::Acquire)));
         let d = encoder.encode_descriptor(

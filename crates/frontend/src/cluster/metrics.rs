@@ -1,5 +1,6 @@
 //! The cluster view's gauges on the frontend's `/metrics`: workers known per pool, each
-//! worker's load as it last reported it (requests, pending prefill, KV blocks in use), the KV
+//! worker's load as it last reported it (requests, pending prefill, KV blocks in use) and its
+//! token rates from those reports (`tandem_worker_{prompt,generation}_tokens_per_second`), the KV
 //! index's size, and the feed's counters (events applied, gaps, repairs, dumps, purges).
 //! Refreshed from the view every [`REFRESH`] by one task, so a scrape never takes the
 //! index lock.
@@ -272,6 +273,18 @@ pub fn register(
     ] {
         registry.register(name, help, family.clone());
     }
+    registry.register(
+        "tandem_worker_prompt_tokens_per_second",
+        "Prompt tokens a worker computed per second, from its load reports' counters over \
+         at least a second of its clock",
+        per_worker.prompt_rate.clone(),
+    );
+    registry.register(
+        "tandem_worker_generation_tokens_per_second",
+        "Tokens a worker generated per second, from its load reports' counters over at \
+         least a second of its clock",
+        per_worker.generation_rate.clone(),
+    );
     registry.register_collector(Box::new(TrackedLoads { view: view.clone() }));
     registry.register_collector(Box::new(AdapterLoads { view: view.clone() }));
     let gauges = ViewGauges {
@@ -316,6 +329,8 @@ struct PerWorker {
     kv_total: Family<WorkerLabel, Gauge>,
     breaker: Family<WorkerLabel, Gauge>,
     breaker_openings: Family<WorkerLabel, Gauge>,
+    prompt_rate: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    generation_rate: Family<WorkerLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 impl PerWorker {
@@ -363,6 +378,8 @@ impl ViewGauges {
             for family in self.per_worker.families() {
                 family.remove(gone);
             }
+            self.per_worker.prompt_rate.remove(gone);
+            self.per_worker.generation_rate.remove(gone);
         }
         shown.clear();
         let now = view.now_ms();
@@ -385,6 +402,16 @@ impl ViewGauges {
                 .set(openings as i64);
             if let Some(r) = view.report(id) {
                 self.per_worker.set(&label, &r);
+            }
+            if let Some(r) = view.token_rates(id) {
+                self.per_worker
+                    .prompt_rate
+                    .get_or_create(&label)
+                    .set(r.prefill);
+                self.per_worker
+                    .generation_rate
+                    .get_or_create(&label)
+                    .set(r.decode);
             }
             shown.push(label);
         }

@@ -1,6 +1,6 @@
 //! The cluster backend's part of the status page (`GET /status.json`, see
 //! `http/status.rs`): its pools and workers as the [`ClusterView`] knows them (registry,
-//! latest load reports and when they arrived, breakers, the tracker's own count), and what
+//! latest load reports and when they arrived, the token rates of those reports, breakers, the tracker's own count), and what
 //! the router did lately ([`RecentActivity`]).
 
 use serde::Serialize;
@@ -28,6 +28,10 @@ pub struct WorkerStatus {
     pub running: Option<u32>,
     pub waiting: Option<u32>,
     pub pending_prefill_tokens: Option<u64>,
+    /// Tokens per second it computed, prompt (prefill) and generated (decode), from its load
+    /// reports' counters (`None` before two reports a second apart).
+    pub prefill_tokens_per_s: Option<f64>,
+    pub decode_tokens_per_s: Option<f64>,
     /// Requests the router's tracker counts on it (this replica's and its peers').
     pub tracked_requests: u64,
     /// How long ago its latest load report arrived, in milliseconds.
@@ -46,6 +50,9 @@ pub struct PoolStatus {
     pub kv_active_blocks: u64,
     pub kv_total_blocks: u64,
     pub kv_usage: Option<f64>,
+    /// Sums of the workers' token rates (those that have one).
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
 }
 
 /// The cluster backend's status.
@@ -110,6 +117,8 @@ pub(crate) fn cluster_status(view: &ClusterView, activity: &RecentActivity) -> C
                     running: report.map(|r| r.running_requests),
                     waiting: report.map(|r| r.waiting_requests),
                     pending_prefill_tokens: report.map(|r| r.pending_prefill_tokens),
+                    prefill_tokens_per_s: None,
+                    decode_tokens_per_s: None,
                     tracked_requests: replica.tracker().load(id).active_requests,
                     last_seen_ms: None,
                 }
@@ -123,6 +132,9 @@ pub(crate) fn cluster_status(view: &ClusterView, activity: &RecentActivity) -> C
             w.last_seen_ms = view
                 .last_report_age(WorkerId(w.id))
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            let rates = view.token_rates(WorkerId(w.id));
+            w.prefill_tokens_per_s = rates.map(|r| r.prefill);
+            w.decode_tokens_per_s = rates.map(|r| r.decode);
             w
         })
         .collect();
@@ -142,6 +154,8 @@ pub(crate) fn cluster_status(view: &ClusterView, activity: &RecentActivity) -> C
                 p.waiting += u64::from(w.waiting.unwrap_or(0));
                 p.kv_active_blocks += w.kv_active_blocks.unwrap_or(0);
                 p.kv_total_blocks += w.kv_total_blocks.unwrap_or(0);
+                p.prefill_tokens_per_s += w.prefill_tokens_per_s.unwrap_or(0.0);
+                p.decode_tokens_per_s += w.decode_tokens_per_s.unwrap_or(0.0);
             }
             p.kv_usage = usage(p.kv_active_blocks, p.kv_total_blocks);
             p

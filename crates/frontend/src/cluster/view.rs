@@ -67,6 +67,65 @@ impl Registry {
     }
 }
 
+/// A worker's latest report's arrival, and its rates.
+#[derive(Debug)]
+struct Seen {
+    at: Instant,
+    rates: ReportRates,
+}
+
+/// Tokens per second a worker computed, from the counters of its load reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TokenRates {
+    pub prefill: f64,
+    pub decode: f64,
+}
+
+/// The worker's clock must move this far between the two reports a rate is taken from: at
+/// the load-report period the counters move in steps, and a rate over one period jitters.
+const RATE_SPAN_MS: u64 = 1000;
+
+/// Rates from successive load reports' token counters over the worker's own clock: each
+/// report at least [`RATE_SPAN_MS`] after the base gives a new rate and becomes the base.
+/// Counters or a clock that go back (a restarted worker under the same id) start again.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct ReportRates {
+    /// (timestamp_ms, prefill_tokens_total, decode_tokens_total) of the base report.
+    base: Option<(u64, u64, u64)>,
+    rates: Option<TokenRates>,
+}
+
+impl ReportRates {
+    pub(crate) fn update(&mut self, r: &LoadReport) {
+        let now = (
+            r.timestamp_ms,
+            r.prefill_tokens_total,
+            r.decode_tokens_total,
+        );
+        let Some((t0, p0, d0)) = self.base else {
+            self.base = Some(now);
+            return;
+        };
+        if now.0 < t0 || now.1 < p0 || now.2 < d0 {
+            *self = ReportRates {
+                base: Some(now),
+                rates: None,
+            };
+            return;
+        }
+        let span = now.0 - t0;
+        if span < RATE_SPAN_MS {
+            return;
+        }
+        let seconds = span as f64 / 1000.0;
+        self.rates = Some(TokenRates {
+            prefill: (now.1 - p0) as f64 / seconds,
+            decode: (now.2 - d0) as f64 / seconds,
+        });
+        self.base = Some(now);
+    }
+}
+
 /// The frontend's view of the cluster. Shared by `Arc`; its tasks stop on the cancel token.
 #[derive(Debug)]
 pub struct ClusterView {
@@ -74,8 +133,8 @@ pub struct ClusterView {
     registry: RwLock<Registry>,
     replica: RwLock<RoutingReplica>,
     /// When each registered worker's latest load report arrived (the status page's "last
-    /// seen"); entries leave with their worker.
-    reported: RwLock<BTreeMap<WorkerId, Instant>>,
+    /// seen") and its token rates from its reports; entries leave with their worker.
+    reported: RwLock<BTreeMap<WorkerId, Seen>>,
     started: Instant,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -132,7 +191,7 @@ impl ClusterView {
                     msg = loads.next() => match msg {
                         Some(bytes) => match LoadReport::decode(&bytes) {
                             Ok(r) => {
-                                v.reported_now(r.worker_id);
+                                v.reported_now(&r);
                                 v.feed(Input::LoadReport(&r));
                             }
                             Err(e) => tracing::debug!(error = %e, "undecodable load report"),
@@ -187,13 +246,26 @@ impl ClusterView {
 
     /// How long ago the worker's latest load report arrived (`None`: none yet).
     pub fn last_report_age(&self, id: WorkerId) -> Option<Duration> {
-        self.reported.read().get(&id).map(Instant::elapsed)
+        self.reported.read().get(&id).map(|s| s.at.elapsed())
     }
 
-    fn reported_now(&self, id: WorkerId) {
+    /// The worker's token rates from its load reports (`None` before two reports a second
+    /// apart).
+    pub fn token_rates(&self, id: WorkerId) -> Option<TokenRates> {
+        self.reported.read().get(&id).and_then(|s| s.rates.rates)
+    }
+
+    fn reported_now(&self, r: &LoadReport) {
+        let id = r.worker_id;
         // Only registered workers: a stray sender cannot grow the map.
         if self.registry.read().get(id).is_some() {
-            self.reported.write().insert(id, Instant::now());
+            let mut reported = self.reported.write();
+            let seen = reported.entry(id).or_insert_with(|| Seen {
+                at: Instant::now(),
+                rates: ReportRates::default(),
+            });
+            seen.at = Instant::now();
+            seen.rates.update(r);
         }
     }
 
@@ -368,5 +440,38 @@ fn decode_repair(body: Option<kv_events_reply::Body>) -> Result<RepairReply, Str
             .map(RepairReply::Dump)
             .map_err(|e| e.to_string()),
         None => Err("empty KvEvents reply".into()),
+    }
+}
+
+#[cfg(test)]
+mod rate_tests {
+    use super::*;
+
+    fn report(timestamp_ms: u64, prefill: u64, decode: u64) -> LoadReport {
+        LoadReport {
+            timestamp_ms,
+            prefill_tokens_total: prefill,
+            decode_tokens_total: decode,
+            ..LoadReport::default()
+        }
+    }
+
+    #[test]
+    fn rates_come_from_reports_a_second_apart_and_restart_with_the_counters() {
+        let mut r = ReportRates::default();
+        r.update(&report(10_000, 0, 0));
+        r.update(&report(10_250, 100, 10));
+        assert_eq!(r.rates, None, "a quarter second is too short a span");
+        r.update(&report(12_000, 600, 120));
+        let got = r.rates.unwrap();
+        assert_eq!((got.prefill, got.decode), (300.0, 60.0));
+        r.update(&report(13_000, 600, 170));
+        let got = r.rates.unwrap();
+        assert_eq!((got.prefill, got.decode), (0.0, 50.0));
+        // A restarted worker: its counters start again, and so do the rates.
+        r.update(&report(500, 5, 5));
+        assert_eq!(r.rates, None);
+        r.update(&report(1_500, 5, 45));
+        assert_eq!(r.rates.unwrap().decode, 40.0);
     }
 }
