@@ -3,7 +3,10 @@
 //! tandem's engine (scheduler, paged KV, sampling). scripts/bench-engine.sh runs it beside
 //! llama.cpp on the same file and threads.
 //!
-//!     cargo run --release -p tandem-native --example bench_engine -- MODEL.gguf THREADS
+//!     cargo run --release -p tandem-native --example bench_engine -- MODEL.gguf THREADS [ISA]
+//!
+//! `ISA` (`portable`, `avx2`, `avxvnni`; default: the best the CPU has) picks the kernels, to
+//! compare instruction sets on one machine.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,9 +21,16 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let path = args.next().expect("MODEL.gguf");
     let threads: usize = args.next().map_or(2, |t| t.parse().expect("THREADS"));
+    let isa = match args.next().as_deref() {
+        None => Isa::detect(),
+        Some("portable") => Isa::Portable,
+        Some("avx2") => Isa::Avx2,
+        Some("avxvnni") => Isa::AvxVnni,
+        Some(other) => panic!("unknown ISA {other}: portable, avx2 or avxvnni"),
+    };
     let file = GgufFile::read(&path).expect("read the model");
     let llama = Arc::new(tandem_native::load(&file, Precision::Quantized).expect("load"));
-    let kernels = Kernels::new(Isa::detect());
+    let kernels = Kernels::new(isa);
     let engine = || {
         let model = NativeModel::new(llama.clone(), kernels, 16, threads);
         let cfg = EngineConfig {

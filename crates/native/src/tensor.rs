@@ -1,6 +1,6 @@
 //! Weight matrices in their kernel formats, and the step's activation rows.
 
-use crate::kernels::{BlockQ8, Kernels, QK, WeightFormat};
+use crate::kernels::{BlockQ8, GROUP_ROWS, GroupScales, Kernels, QK, WeightFormat, group_scales};
 
 /// A weight matrix of `rows` output features × `cols` inputs, row-major, each row in
 /// `format` (ggml's `ne0` is `cols`: one row is one output feature's weights).
@@ -78,9 +78,12 @@ impl Matrix {
                 &x.values[r0 * self.cols..r1 * self.cols],
                 &x.q8[r0 * blocks..r1 * blocks],
             );
+            // The tile's whole groups (`r0` is a multiple of the group).
+            let groups = &x.scales[r0 / GROUP_ROWS * blocks
+                ..(r0 + (r1 - r0) / GROUP_ROWS * GROUP_ROWS) / GROUP_ROWS * blocks];
             for o in range.clone() {
                 let sums = &mut sums[..r1 - r0];
-                k.dot_many(self.format, self.row(o), xf, xq, self.cols, sums);
+                k.dot_many(self.format, self.row(o), xf, xq, groups, self.cols, sums);
                 for (i, s) in sums.iter().enumerate() {
                     out[(r0 + i) * n + o - range.start] = *s;
                 }
@@ -103,6 +106,8 @@ pub struct Activations {
     cols: usize,
     values: Vec<f32>,
     q8: Vec<BlockQ8>,
+    /// The quantized rows' scales, a group of rows side by side (`kernels::group_scales`).
+    scales: Vec<GroupScales>,
 }
 
 impl Activations {
@@ -140,6 +145,7 @@ impl Activations {
             Some(team) if rows >= 16 => team.for_each(&mut rows_q, one),
             _ => rows_q.iter_mut().enumerate().for_each(|(r, q)| one(r, q)),
         }
+        group_scales(&self.q8, b, &mut self.scales);
     }
 
     pub fn rows(&self) -> usize {

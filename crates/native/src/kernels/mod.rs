@@ -44,6 +44,36 @@ impl Default for BlockQ8 {
     }
 }
 
+/// Activation rows the SIMD kernels take at once (each weight block unpacked once for them).
+pub const GROUP_ROWS: usize = 4;
+
+/// The scales of one block of [`GROUP_ROWS`] activation rows side by side, `[d of each row,
+/// s of each row]`: one load gives the SIMD kernels every row's, where reading them out of
+/// each row's [`BlockQ8`] took scalar work per row and block (the profile's hottest
+/// instructions).
+pub type GroupScales = [f32; 2 * GROUP_ROWS];
+
+/// The [`GroupScales`] of every whole group of [`GROUP_ROWS`] rows of `xq` (`blocks` per
+/// row), group by group and block by block, into `out`.
+pub fn group_scales(xq: &[BlockQ8], blocks: usize, out: &mut Vec<GroupScales>) {
+    out.clear();
+    if blocks == 0 {
+        return;
+    }
+    let rows = xq.len() / blocks;
+    for g in 0..rows / GROUP_ROWS {
+        for b in 0..blocks {
+            let mut s = [0.0f32; 2 * GROUP_ROWS];
+            for i in 0..GROUP_ROWS {
+                let a = &xq[(g * GROUP_ROWS + i) * blocks + b];
+                s[i] = a.d;
+                s[GROUP_ROWS + i] = a.s;
+            }
+            out.push(s);
+        }
+    }
+}
+
 /// Bytes of one GGUF block of each format a kernel reads directly.
 pub const Q4_0_BYTES: usize = 18;
 pub const Q4_1_BYTES: usize = 20;
@@ -77,12 +107,17 @@ pub enum Isa {
     Portable,
     /// x86-64 AVX2 with FMA.
     Avx2,
+    /// AVX2 with AVX-VNNI's 8-bit dot-product instruction (`vpdpbusd`) in the quantized
+    /// kernels: the same integer sums in fewer instructions, so the same bits.
+    AvxVnni,
 }
 
 impl Isa {
     /// The best the CPU supports.
     pub fn detect() -> Isa {
-        if simd::avx2_available() {
+        if simd::vnni_available() {
+            Isa::AvxVnni
+        } else if simd::avx2_available() {
             Isa::Avx2
         } else {
             Isa::Portable
@@ -100,7 +135,8 @@ impl Kernels {
     /// Kernels for `isa`, or the portable ones where the CPU lacks it.
     pub fn new(isa: Isa) -> Kernels {
         let isa = match isa {
-            Isa::Avx2 if simd::avx2_available() => Isa::Avx2,
+            Isa::AvxVnni if simd::vnni_available() => Isa::AvxVnni,
+            Isa::Avx2 | Isa::AvxVnni if simd::avx2_available() => Isa::Avx2,
             _ => Isa::Portable,
         };
         Kernels { isa }
@@ -110,23 +146,30 @@ impl Kernels {
         self.isa
     }
 
+    /// Whether the SIMD kernels run (AVX2, with or without VNNI).
+    fn simd(&self) -> bool {
+        self.isa != Isa::Portable
+    }
+
     /// `Σ a[i]·b[i]` of two f32 slices of a multiple of 8 values: 8 lanes of fused
     /// multiply-adds, reduced in a fixed order (the same on every path; the portable one's
     /// `mul_add` is a libm call where the build does not enable FMA: slow, but exact).
     pub fn dot_f32s(&self, a: &[f32], b: &[f32]) -> f32 {
         debug_assert!(a.len() == b.len() && a.len().is_multiple_of(8));
-        match self.isa {
-            Isa::Avx2 => simd::dot_f32s(a, b),
-            Isa::Portable => portable::dot_f32s(a, b),
+        if self.simd() {
+            simd::dot_f32s(a, b)
+        } else {
+            portable::dot_f32s(a, b)
         }
     }
 
     /// `y[i] = w · x[i] + y[i]`, fused (the same on every path).
     pub fn axpy(&self, w: f32, x: &[f32], y: &mut [f32]) {
         debug_assert!(x.len() == y.len() && x.len().is_multiple_of(8));
-        match self.isa {
-            Isa::Avx2 => simd::axpy(w, x, y),
-            Isa::Portable => portable::axpy(w, x, y),
+        if self.simd() {
+            simd::axpy(w, x, y)
+        } else {
+            portable::axpy(w, x, y)
         }
     }
 
@@ -135,9 +178,10 @@ impl Kernels {
     /// without writing the conversion anywhere (attention reads K from the arena this way).
     pub fn dot_f32_f16(&self, a: &[f32], b: &[u8]) -> f32 {
         debug_assert!(b.len() == a.len() * 2 && a.len().is_multiple_of(8));
-        match self.isa {
-            Isa::Avx2 => simd::dot_f32_f16(a, b),
-            Isa::Portable => portable::dot_f32_f16(a, b),
+        if self.simd() {
+            simd::dot_f32_f16(a, b)
+        } else {
+            portable::dot_f32_f16(a, b)
         }
     }
 
@@ -145,46 +189,54 @@ impl Kernels {
     /// from the arena).
     pub fn axpy_f16(&self, w: f32, x: &[u8], y: &mut [f32]) {
         debug_assert!(x.len() == y.len() * 2 && y.len().is_multiple_of(8));
-        match self.isa {
-            Isa::Avx2 => simd::axpy_f16(w, x, y),
-            Isa::Portable => portable::axpy_f16(w, x, y),
+        if self.simd() {
+            simd::axpy_f16(w, x, y)
+        } else {
+            portable::axpy_f16(w, x, y)
         }
     }
 
     /// Little-endian f16 `src` (2 bytes a value) as f32 into `dst` (exact on every path).
     pub fn f16_to_f32(&self, src: &[u8], dst: &mut [f32]) {
         debug_assert_eq!(src.len(), dst.len() * 2);
-        match self.isa {
-            Isa::Avx2 => simd::f16_to_f32(src, dst),
-            Isa::Portable => portable::f16_to_f32(src, dst),
+        if self.simd() {
+            simd::f16_to_f32(src, dst)
+        } else {
+            portable::f16_to_f32(src, dst)
         }
     }
 
     /// Quantizes `x` (a multiple of [`QK`] long) into `out` (`x.len() / QK` blocks).
     pub fn quantize_q8(&self, x: &[f32], out: &mut [BlockQ8]) {
-        match self.isa {
-            Isa::Avx2 => simd::quantize_q8(x, out),
-            Isa::Portable => portable::quantize_q8(x, out),
+        if self.simd() {
+            simd::quantize_q8(x, out)
+        } else {
+            portable::quantize_q8(x, out)
         }
     }
 
     /// One weight row against `out.len()` activation rows at once: `out[r]` is
     /// [`dot`](Self::dot) of `w` with row `r` (`x`: the f32 rows back to back, `cols` each;
-    /// `xq`: their quantized blocks back to back), bit for bit. The SIMD path unpacks each
-    /// weight block once for all the rows: weights are read once per step, not per row.
+    /// `xq`: their quantized blocks back to back; `scales`: [`group_scales`] of `xq`), bit
+    /// for bit. The SIMD path unpacks each weight block once for a group of rows: weights
+    /// are read once per step, not per row.
+    #[allow(clippy::too_many_arguments)]
     pub fn dot_many(
         &self,
         format: WeightFormat,
         w: &[u8],
         x: &[f32],
         xq: &[BlockQ8],
+        scales: &[GroupScales],
         cols: usize,
         out: &mut [f32],
     ) {
         let blocks = cols / QK;
-        match (self.isa, format) {
-            (Isa::Avx2, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => {
-                simd::dot_many(format, w, xq, blocks, out)
+        match (self.simd(), format) {
+            (true, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => {
+                debug_assert_eq!(scales.len(), out.len() / GROUP_ROWS * blocks);
+                let vnni = self.isa == Isa::AvxVnni;
+                simd::dot_many(format, w, xq, scales, blocks, out, vnni)
             }
             _ => {
                 for (r, o) in out.iter_mut().enumerate() {
@@ -201,15 +253,13 @@ impl Kernels {
     /// The dot product of one weight row (`format`, raw bytes) with one activation row: the
     /// f32 row for [`WeightFormat::F32`], its [`BlockQ8`] quantization for the others.
     pub fn dot(&self, format: WeightFormat, w: &[u8], x: &[f32], xq: &[BlockQ8]) -> f32 {
-        match (self.isa, format) {
-            (Isa::Avx2, WeightFormat::F32) => simd::dot_f32(w, x),
-            (Isa::Portable, WeightFormat::F32) => portable::dot_f32(w, x),
-            (Isa::Avx2, WeightFormat::Q4_0) => simd::dot_q4_0(w, xq),
-            (Isa::Avx2, WeightFormat::Q4_1) => simd::dot_q4_1(w, xq),
-            (Isa::Avx2, WeightFormat::Q8_0) => simd::dot_q8_0(w, xq),
-            (Isa::Portable, WeightFormat::Q4_0) => portable::dot_q4_0(w, xq),
-            (Isa::Portable, WeightFormat::Q4_1) => portable::dot_q4_1(w, xq),
-            (Isa::Portable, WeightFormat::Q8_0) => portable::dot_q8_0(w, xq),
+        match (self.simd(), format) {
+            (true, WeightFormat::F32) => simd::dot_f32(w, x),
+            (false, WeightFormat::F32) => portable::dot_f32(w, x),
+            (true, _) => simd::dot_one(format, w, xq, self.isa == Isa::AvxVnni),
+            (false, WeightFormat::Q4_0) => portable::dot_q4_0(w, xq),
+            (false, WeightFormat::Q4_1) => portable::dot_q4_1(w, xq),
+            (false, WeightFormat::Q8_0) => portable::dot_q8_0(w, xq),
         }
     }
 }

@@ -6,14 +6,24 @@
 //! path against the portable one on random data).
 //!
 //! Safety contract, shared by every block below: the `avx2` + `fma` target features are
-//! enabled only through [`avx2_available`] having returned true on this CPU (checked by the
-//! callers in `Kernels`), and every load reads a 16- or 32-byte range that the slice bounds
+//! enabled only through [`avx2_available`] having returned true on this CPU, and `avxvnni`
+//! only through [`vnni_available`] (checked by the callers in `Kernels`), and every load reads a 16- or 32-byte range that the slice bounds
 //! checked just before it cover (`chunks_exact` of the block size).
 #![allow(unsafe_code)]
 
-use super::{BlockQ8, QK};
-#[cfg(target_arch = "x86_64")]
-use super::{Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
+use super::{BlockQ8, GroupScales, QK};
+
+/// Whether the CPU has AVX-VNNI's `vpdpbusd` (on top of [`avx2_available`]).
+pub(super) fn vnni_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2_available() && std::is_x86_feature_detected!("avxvnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
 
 /// Whether the CPU runs the AVX2 kernels (AVX2, FMA and F16C).
 pub(super) fn avx2_available() -> bool {
@@ -38,6 +48,13 @@ mod x86 {
     pub(super) fn lanes_u8_i8(u: __m256i, s: __m256i) -> __m256i {
         // Pairs of products fit an i16 (2 · 128 · 127 < 32768): no saturation.
         _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    }
+
+    /// [`lanes_u8_i8`] in one instruction (AVX-VNNI's `vpdpbusd`, which sums the four
+    /// products into the i32 lane without an i16 step): the same exact sums.
+    #[target_feature(enable = "avx2,avxvnni")]
+    pub(super) fn lanes_vnni(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
     }
 
     /// 16 bytes of packed nibbles as 32 bytes: the low nibbles, then the high ones (ggml's
@@ -278,109 +295,216 @@ fn f16_pair(b: &[u8]) -> (f32, f32) {
 /// One weight row against several activation rows (see `Kernels::dot_many`): each weight
 /// block is unpacked and its scales converted once, then met with every row's block; each
 /// row's sum still runs over the blocks in order, with the portable path's f32 operations.
+/// `vnni`: with AVX-VNNI's dot-product instruction (the same sums).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn dot_many(
     format: super::WeightFormat,
     w: &[u8],
     xq: &[BlockQ8],
+    scales: &[GroupScales],
     blocks: usize,
     out: &mut [f32],
+    vnni: bool,
 ) {
-    // SAFETY: see the module's contract (callers checked `avx2_available`).
-    unsafe { many(format, w, xq, blocks, out) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn many(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], blocks: usize, out: &mut [f32]) {
-    // Rows in groups whose running sums stay in registers: a sum kept in memory makes every
-    // block wait for the store of the one before (store-to-load forwarding, ~2× the add).
-    let mut r0 = 0;
-    while r0 + GROUP <= out.len() {
-        out[r0..r0 + GROUP].copy_from_slice(&rows::<GROUP>(format, w, xq, blocks, r0));
-        r0 += GROUP;
-    }
-    while r0 < out.len() {
-        out[r0] = rows::<1>(format, w, xq, blocks, r0)[0];
-        r0 += 1;
+    if vnni {
+        // SAFETY: see the module's contract (callers checked `vnni_available`).
+        unsafe { vnni::many(format, w, xq, scales, blocks, out) }
+    } else {
+        // SAFETY: see the module's contract (callers checked `avx2_available`).
+        unsafe { avx2::many(format, w, xq, scales, blocks, out) }
     }
 }
 
 /// Activation rows a weight block is unpacked for at once.
 #[cfg(target_arch = "x86_64")]
-const GROUP: usize = 4;
+const GROUP: usize = super::GROUP_ROWS;
 
-/// Rows `r0..r0 + R` of [`many`]: each row's 8 f32 lanes in a register and its extra term,
-/// over the blocks in order, with the portable path's operations (`portable::Lanes`).
+/// `many` and `rows` for one set of target features and one block-lanes instruction: the
+/// AVX2 pair (`maddubs` + `madd`) or AVX-VNNI's `vpdpbusd`. Generated twice so that each
+/// copy is compiled (and its lanes function inlined) with its own features.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows<const R: usize>(
-    format: super::WeightFormat,
-    w: &[u8],
-    xq: &[BlockQ8],
-    blocks: usize,
-    r0: usize,
-) -> [f32; R] {
-    use super::WeightFormat;
-    use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut extra = [0.0f32; R];
-    let at = |i: usize, b: usize| &xq[(r0 + i) * blocks + b];
-    // acc += dd · lanes, fused (as the portable path).
-    let scaled = |acc: __m256, dd: f32, lanes: __m256i| {
-        _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(lanes), acc)
+macro_rules! row_kernels {
+    ($module:ident, $features:literal, $lanes:path) => {
+        mod $module {
+            use super::super::{
+                BlockQ8, GroupScales, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES, WeightFormat,
+            };
+            use super::{GROUP, f16_pair, x86};
+            use std::arch::x86_64::*;
+
+            #[target_feature(enable = $features)]
+            pub(super) fn many(
+                format: WeightFormat,
+                w: &[u8],
+                xq: &[BlockQ8],
+                scales: &[GroupScales],
+                blocks: usize,
+                out: &mut [f32],
+            ) {
+                // Rows in groups whose running sums stay in registers: a sum kept in memory
+                // makes every block wait for the store of the one before (store-to-load
+                // forwarding, ~2× the add).
+                let mut r0 = 0;
+                while r0 + GROUP <= out.len() {
+                    let g = &scales[r0 / GROUP * blocks..(r0 / GROUP + 1) * blocks];
+                    out[r0..r0 + GROUP].copy_from_slice(&group(format, w, xq, g, blocks, r0));
+                    r0 += GROUP;
+                }
+                while r0 < out.len() {
+                    out[r0] = rows::<1>(format, w, xq, blocks, r0)[0];
+                    r0 += 1;
+                }
+            }
+
+            /// Rows `r0..r0 + GROUP` of [`many`], as [`rows`] computes them, with the rows'
+            /// scales of each block read in one load (`scales`: the group's, block by
+            /// block): one multiply gives every row's `d · a.d` (each then broadcast by a
+            /// permute) and, for Q4_1, one multiply and one add every row's extra term.
+            /// Lane by lane the same f32 operations as one row at a time.
+            #[target_feature(enable = $features)]
+            fn group(
+                format: WeightFormat,
+                w: &[u8],
+                xq: &[BlockQ8],
+                scales: &[GroupScales],
+                blocks: usize,
+                r0: usize,
+            ) -> [f32; GROUP] {
+                if format == WeightFormat::Q4_0 {
+                    return rows::<GROUP>(format, w, xq, blocks, r0);
+                }
+                let mut acc = [_mm256_setzero_ps(); GROUP];
+                let mut extra = _mm_setzero_ps();
+                let lane: [__m256i; GROUP] = std::array::from_fn(|i| _mm256_set1_epi32(i as i32));
+                let qs = |i: usize, b: usize| x86::load32_i8(&xq[(r0 + i) * blocks + b].qs);
+                let load = |s: &GroupScales| {
+                    // SAFETY: a `GroupScales` is 8 f32; unaligned load.
+                    unsafe { _mm256_loadu_ps(s.as_ptr()) }
+                };
+                match format {
+                    WeightFormat::Q4_1 => {
+                        for ((b, wb), s) in w.chunks_exact(Q4_1_BYTES).enumerate().zip(scales) {
+                            let (d, m) = f16_pair(wb);
+                            let wv = x86::nibbles(&wb[4..]);
+                            let ds = load(s);
+                            let dd = _mm256_mul_ps(_mm256_set1_ps(d), ds);
+                            let ms = _mm_mul_ps(_mm_set1_ps(m), _mm256_extractf128_ps(ds, 1));
+                            extra = _mm_add_ps(extra, ms);
+                            for i in 0..GROUP {
+                                let lanes = $lanes(wv, qs(i, b));
+                                let ddi = _mm256_permutevar8x32_ps(dd, lane[i]);
+                                acc[i] = _mm256_fmadd_ps(ddi, _mm256_cvtepi32_ps(lanes), acc[i]);
+                            }
+                        }
+                    }
+                    WeightFormat::Q8_0 => {
+                        for ((b, wb), s) in w.chunks_exact(Q8_0_BYTES).enumerate().zip(scales) {
+                            let d = f16_pair(wb).0;
+                            let wv = x86::load32(&wb[2..]);
+                            let abs = _mm256_sign_epi8(wv, wv);
+                            let dd = _mm256_mul_ps(_mm256_set1_ps(d), load(s));
+                            for i in 0..GROUP {
+                                let lanes = $lanes(abs, _mm256_sign_epi8(qs(i, b), wv));
+                                let ddi = _mm256_permutevar8x32_ps(dd, lane[i]);
+                                acc[i] = _mm256_fmadd_ps(ddi, _mm256_cvtepi32_ps(lanes), acc[i]);
+                            }
+                        }
+                    }
+                    WeightFormat::Q4_0 | WeightFormat::F32 => {
+                        unreachable!("Q4_0 takes `rows`, f32 the row-by-row path")
+                    }
+                }
+                let mut extras = [0.0f32; GROUP];
+                // SAFETY: `extras` is 4 f32; unaligned store.
+                unsafe { _mm_storeu_ps(extras.as_mut_ptr(), extra) };
+                let mut out = [0.0f32; GROUP];
+                for i in 0..GROUP {
+                    let mut lanes = [0.0f32; 8];
+                    // SAFETY: `lanes` is 8 f32; unaligned store.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]) };
+                    out[i] = super::super::portable::reduce8(lanes) + extras[i];
+                }
+                out
+            }
+
+            /// Rows `r0..r0 + R` of [`many`]: each row's 8 f32 lanes in a register and its
+            /// extra term, over the blocks in order, with the portable path's operations
+            /// (`portable::Lanes`).
+            #[target_feature(enable = $features)]
+            pub(super) fn rows<const R: usize>(
+                format: WeightFormat,
+                w: &[u8],
+                xq: &[BlockQ8],
+                blocks: usize,
+                r0: usize,
+            ) -> [f32; R] {
+                let mut acc = [_mm256_setzero_ps(); R];
+                let mut extra = [0.0f32; R];
+                let at = |i: usize, b: usize| &xq[(r0 + i) * blocks + b];
+                // acc += dd · lanes, fused (as the portable path).
+                let scaled = |acc: __m256, dd: f32, lanes: __m256i| {
+                    _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(lanes), acc)
+                };
+                match format {
+                    WeightFormat::Q4_1 => {
+                        for (b, wb) in w.chunks_exact(Q4_1_BYTES).enumerate() {
+                            let (d, m) = f16_pair(wb);
+                            let wv = x86::nibbles(&wb[4..]);
+                            for i in 0..R {
+                                let a = at(i, b);
+                                let lanes = $lanes(wv, x86::load32_i8(&a.qs));
+                                acc[i] = scaled(acc[i], d * a.d, lanes);
+                                extra[i] += m * a.s;
+                            }
+                        }
+                    }
+                    WeightFormat::Q4_0 => {
+                        for (b, wb) in w.chunks_exact(Q4_0_BYTES).enumerate() {
+                            let d = f16_pair(wb).0;
+                            let wv = x86::nibbles(&wb[2..]);
+                            for i in 0..R {
+                                let a = at(i, b);
+                                let dd = d * a.d;
+                                let lanes = $lanes(wv, x86::load32_i8(&a.qs));
+                                acc[i] = scaled(acc[i], dd, lanes);
+                                extra[i] += dd * (-8 * a.sum) as f32;
+                            }
+                        }
+                    }
+                    WeightFormat::Q8_0 => {
+                        for (b, wb) in w.chunks_exact(Q8_0_BYTES).enumerate() {
+                            let d = f16_pair(wb).0;
+                            let wv = x86::load32(&wb[2..]);
+                            let abs = _mm256_sign_epi8(wv, wv);
+                            for (i, acc) in acc.iter_mut().enumerate() {
+                                let a = at(i, b);
+                                // Σ w·a as |w| · (a with w's sign): the instruction takes
+                                // its first operand unsigned.
+                                let lanes =
+                                    $lanes(abs, _mm256_sign_epi8(x86::load32_i8(&a.qs), wv));
+                                *acc = scaled(*acc, d * a.d, lanes);
+                            }
+                        }
+                    }
+                    WeightFormat::F32 => unreachable!("f32 weights take the row-by-row path"),
+                }
+                let mut out = [0.0f32; R];
+                for i in 0..R {
+                    let mut lanes = [0.0f32; 8];
+                    // SAFETY: `lanes` is 8 f32; unaligned store.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]) };
+                    out[i] = super::super::portable::reduce8(lanes) + extra[i];
+                }
+                out
+            }
+        }
     };
-    match format {
-        WeightFormat::Q4_1 => {
-            for (b, wb) in w.chunks_exact(Q4_1_BYTES).enumerate() {
-                let (d, m) = f16_pair(wb);
-                let wv = x86::nibbles(&wb[4..]);
-                for i in 0..R {
-                    let a = at(i, b);
-                    let lanes = x86::lanes_u8_i8(wv, x86::load32_i8(&a.qs));
-                    acc[i] = scaled(acc[i], d * a.d, lanes);
-                    extra[i] += m * a.s;
-                }
-            }
-        }
-        WeightFormat::Q4_0 => {
-            for (b, wb) in w.chunks_exact(Q4_0_BYTES).enumerate() {
-                let d = f16_pair(wb).0;
-                let wv = x86::nibbles(&wb[2..]);
-                for i in 0..R {
-                    let a = at(i, b);
-                    let dd = d * a.d;
-                    let lanes = x86::lanes_u8_i8(wv, x86::load32_i8(&a.qs));
-                    acc[i] = scaled(acc[i], dd, lanes);
-                    extra[i] += dd * (-8 * a.sum) as f32;
-                }
-            }
-        }
-        WeightFormat::Q8_0 => {
-            for (b, wb) in w.chunks_exact(Q8_0_BYTES).enumerate() {
-                let d = f16_pair(wb).0;
-                let wv = x86::load32(&wb[2..]);
-                let abs = _mm256_sign_epi8(wv, wv);
-                for (i, acc) in acc.iter_mut().enumerate() {
-                    let a = at(i, b);
-                    // Σ w·a as |w| · (a with w's sign): maddubs takes its first operand
-                    // unsigned.
-                    let lanes = x86::lanes_u8_i8(abs, _mm256_sign_epi8(x86::load32_i8(&a.qs), wv));
-                    *acc = scaled(*acc, d * a.d, lanes);
-                }
-            }
-        }
-        WeightFormat::F32 => unreachable!("f32 weights take the row-by-row path"),
-    }
-    let mut out = [0.0f32; R];
-    for i in 0..R {
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: `lanes` is 8 f32; unaligned store.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]) };
-        out[i] = super::portable::reduce8(lanes) + extra[i];
-    }
-    out
 }
+
+#[cfg(target_arch = "x86_64")]
+row_kernels!(avx2, "avx2,fma,f16c", x86::lanes_u8_i8);
+#[cfg(target_arch = "x86_64")]
+row_kernels!(vnni, "avx2,fma,f16c,avxvnni", x86::lanes_vnni);
 
 #[cfg(target_arch = "x86_64")]
 pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
@@ -388,32 +512,30 @@ pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
     unsafe { x86::dot_f32(w, x) }
 }
 
+/// One weight row with one activation row (`vnni` as in [`dot_many`]).
 #[cfg(target_arch = "x86_64")]
-pub(super) fn dot_q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    dot_one(super::WeightFormat::Q4_0, w, xq)
-}
-
-#[cfg(target_arch = "x86_64")]
-pub(super) fn dot_q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    dot_one(super::WeightFormat::Q4_1, w, xq)
-}
-
-#[cfg(target_arch = "x86_64")]
-pub(super) fn dot_q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    dot_one(super::WeightFormat::Q8_0, w, xq)
-}
-
-/// One weight row with one activation row.
-#[cfg(target_arch = "x86_64")]
-fn dot_one(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8]) -> f32 {
-    // SAFETY: see the module's contract (callers checked `avx2_available`).
-    unsafe { rows::<1>(format, w, xq, xq.len(), 0)[0] }
+pub(super) fn dot_one(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], vnni: bool) -> f32 {
+    let mut out = [0.0f32];
+    dot_many(format, w, xq, &[], xq.len(), &mut out, vnni);
+    out[0]
 }
 
 // Other targets have no SIMD path yet: `avx2_available` is false there, so these are never
 // reached; they exist so that `Kernels` compiles everywhere.
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) fn dot_many(_: super::WeightFormat, _: &[u8], _: &[BlockQ8], _: usize, _: &mut [f32]) {
+pub(super) fn dot_many(
+    _: super::WeightFormat,
+    _: &[u8],
+    _: &[BlockQ8],
+    _: &[GroupScales],
+    _: usize,
+    _: &mut [f32],
+    _: bool,
+) {
+    unreachable!("no SIMD kernels on this target: avx2_available is false")
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn dot_one(_: super::WeightFormat, _: &[u8], _: &[BlockQ8], _: bool) -> f32 {
     unreachable!("no SIMD kernels on this target: avx2_available is false")
 }
 #[cfg(not(target_arch = "x86_64"))]
@@ -443,18 +565,6 @@ pub(super) fn f16_to_f32(src: &[u8], dst: &mut [f32]) {
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
     super::portable::dot_f32(w, x)
-}
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) fn dot_q4_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    super::portable::dot_q4_0(w, xq)
-}
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) fn dot_q4_1(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    super::portable::dot_q4_1(w, xq)
-}
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) fn dot_q8_0(w: &[u8], xq: &[BlockQ8]) -> f32 {
-    super::portable::dot_q8_0(w, xq)
 }
 
 const _: () = assert!(QK == 32, "the SIMD kernels read 32-value blocks");
