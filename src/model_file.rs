@@ -67,14 +67,18 @@ impl ModelFile {
     }
 
     /// `c` computing this model with the native engine on `threads` threads: its device
-    /// blocks are what `kv_memory_mb` (--kv-memory-mb) holds, its name the model's.
+    /// blocks are what `kv_memory_mb` (--kv-memory-mb) holds, its name the model's, its
+    /// step at most `max_batched_tokens` tokens (unset: [`NATIVE_MAX_BATCHED_TOKENS`]).
     pub fn configure(
         &self,
         c: &mut WorkerConfig,
         threads: usize,
         kv_memory_mb: u64,
+        max_batched_tokens: Option<usize>,
     ) -> anyhow::Result<()> {
         c.model = self.name.clone();
+        c.engine.scheduler.max_num_batched_tokens =
+            max_batched_tokens.unwrap_or(NATIVE_MAX_BATCHED_TOKENS);
         c.native = Some(self.engine(threads));
         let per_block = c.bytes_per_block() as u64;
         let blocks = (kv_memory_mb << 20) / per_block.max(1);
@@ -97,6 +101,17 @@ impl ModelFile {
         }
     }
 }
+
+/// Tokens per step of the mocker unless `--max-batched-tokens` says: vLLM's on a GPU.
+pub const MOCKER_MAX_BATCHED_TOKENS: usize = 8192;
+
+/// Tokens per step of the native engine unless `--max-batched-tokens` says. Its step buffers
+/// (activations, the FFN's two `n_ff`-wide products, attention's) are sized by the step's
+/// rows: about 30 KB per row for SmolLM2-135M, so 8192 rows took 250 MB more than weights
+/// and KV, where 512 take 15 MB; and a CPU computes a prompt as fast per token in 512-token
+/// chunks (the matrix kernels work in 32-row tiles), while a step of decode rows between
+/// two chunks waits less.
+pub const NATIVE_MAX_BATCHED_TOKENS: usize = 512;
 
 /// The cores this process may use.
 pub fn available_cores() -> usize {

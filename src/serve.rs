@@ -142,9 +142,11 @@ pub struct EngineArgs {
     /// Host KV blocks (0: no host tier).
     #[arg(long, env = "TANDEM_HOST_BLOCKS", default_value_t = 0)]
     pub host_blocks: u32,
-    /// Tokens per engine step.
-    #[arg(long, env = "TANDEM_MAX_BATCHED_TOKENS", default_value_t = 8192)]
-    pub max_batched_tokens: usize,
+    /// Tokens per engine step (default: 8192 for the mocker, as vLLM's GPU default; 512 for
+    /// the native engine, whose step buffers grow with it: a CPU prefills as fast per token
+    /// in 512-token chunks, and the worker stays within weights + KV + 100 MB).
+    #[arg(long, env = "TANDEM_MAX_BATCHED_TOKENS")]
+    pub max_batched_tokens: Option<usize>,
     /// Running requests per engine at most.
     #[arg(long, env = "TANDEM_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: usize,
@@ -379,7 +381,9 @@ impl EngineArgs {
         c.engine.pool.device_blocks = self.device_blocks;
         c.engine.pool.host_blocks = self.host_blocks;
         c.engine.scheduler = SchedulerConfig {
-            max_num_batched_tokens: self.max_batched_tokens,
+            max_num_batched_tokens: self
+                .max_batched_tokens
+                .unwrap_or(crate::model_file::MOCKER_MAX_BATCHED_TOKENS),
             max_num_seqs: self.max_num_seqs,
             max_waiting: self.max_waiting,
             max_loras: self.max_loras,
@@ -670,6 +674,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
                 .threads
                 .unwrap_or_else(crate::model_file::available_cores),
             args.engine.kv_memory_mb,
+            args.engine.max_batched_tokens,
         )?;
     }
     let listener = bind(&args.listen).await?;

@@ -158,6 +158,7 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
                 &mut cfg,
                 args.engine.threads.unwrap_or(threads),
                 args.engine.kv_memory_mb,
+                args.engine.max_batched_tokens,
             )?;
         }
         let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -239,7 +240,6 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         format!("--block-size={}", args.engine.block_size),
         format!("--device-blocks={}", args.engine.device_blocks),
         format!("--host-blocks={}", args.engine.host_blocks),
-        format!("--max-batched-tokens={}", args.engine.max_batched_tokens),
         format!("--max-num-seqs={}", args.engine.max_num_seqs),
         format!("--max-waiting={}", args.engine.max_waiting),
         format!("--speedup-ratio={}", args.engine.speedup_ratio),
@@ -247,6 +247,12 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         format!("--adapter-load-ms={}", args.engine.adapter_load_ms),
     ]
     .into_iter()
+    // Unset, each worker picks its engine's default.
+    .chain(
+        args.engine
+            .max_batched_tokens
+            .map(|n| format!("--max-batched-tokens={n}")),
+    )
     .chain(worker_model)
     .collect::<Vec<_>>();
     let mut roles = ProcessGroup::new();
