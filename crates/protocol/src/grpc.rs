@@ -4,3 +4,17 @@
 #![allow(missing_debug_implementations, clippy::all, clippy::pedantic)]
 
 tonic::include_proto!("tandem.v1");
+
+impl TokenLogprobs {
+    /// The alternatives as (token, log-probability) pairs, most likely first; `None` when
+    /// the two lists differ in length (a peer's error).
+    pub fn top_pairs(&self) -> Option<Vec<(u32, f32)>> {
+        (self.top_tokens.len() == self.top_logprobs.len()).then(|| {
+            self.top_tokens
+                .iter()
+                .copied()
+                .zip(self.top_logprobs.iter().copied())
+                .collect()
+        })
+    }
+}

@@ -110,22 +110,20 @@ pub fn logprobs_to_wire(l: &TokenLogprobs) -> grpc::TokenLogprobs {
 /// A token's logprobs off the wire; lists of different lengths, or longer than
 /// [`MAX_TOP_LOGPROBS`], are a peer's error.
 pub fn logprobs_from_wire(l: &grpc::TokenLogprobs) -> Result<Box<TokenLogprobs>, WorkerError> {
-    if l.top_tokens.len() != l.top_logprobs.len() || l.top_tokens.len() > MAX_TOP_LOGPROBS as usize
-    {
-        return Err(WorkerError::BadTransfer(format!(
+    let malformed = || {
+        WorkerError::BadTransfer(format!(
             "malformed logprobs: {} top tokens, {} top logprobs",
             l.top_tokens.len(),
             l.top_logprobs.len()
-        )));
-    }
+        ))
+    };
+    let top = l
+        .top_pairs()
+        .filter(|t| t.len() <= MAX_TOP_LOGPROBS as usize)
+        .ok_or_else(malformed)?;
     Ok(Box::new(TokenLogprobs {
         logprob: l.logprob,
-        top: l
-            .top_tokens
-            .iter()
-            .copied()
-            .zip(l.top_logprobs.iter().copied())
-            .collect(),
+        top,
     }))
 }
 

@@ -63,11 +63,11 @@ pub(crate) struct ChatLogprobs<'a> {
     pub content: Vec<ChatToken<'a>>,
 }
 
+/// A generated token: its own fields, then its alternatives'.
 #[derive(Debug, Serialize)]
 pub(crate) struct ChatToken<'a> {
-    pub token: &'a str,
-    pub logprob: f32,
-    pub bytes: &'a [u8],
+    #[serde(flatten)]
+    pub chosen: ChatAlternative<'a>,
     pub top_logprobs: Vec<ChatAlternative<'a>>,
 }
 
@@ -89,9 +89,7 @@ impl<'a> ChatLogprobs<'a> {
             content: entries
                 .iter()
                 .map(|e| ChatToken {
-                    token: &e.chosen.token,
-                    logprob: e.chosen.logprob,
-                    bytes: &e.chosen.bytes,
+                    chosen: alt(&e.chosen),
                     top_logprobs: e.top.iter().map(alt).collect(),
                 })
                 .collect(),

@@ -530,12 +530,8 @@ fn token_chunk(c: &GenerateChunk) -> TokenChunk {
             .iter()
             .map(|l| TokenLogprob {
                 logprob: l.logprob,
-                top: l
-                    .top_tokens
-                    .iter()
-                    .copied()
-                    .zip(l.top_logprobs.iter().copied())
-                    .collect(),
+                // A worker's malformed alternatives are dropped; its token still counts.
+                top: l.top_pairs().unwrap_or_default(),
             })
             .collect(),
     }
