@@ -21,7 +21,7 @@ if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c 'import llama_cpp' 2
 fi
 
 cargo build --release --quiet -p tandem-native --example bench_engine
-target/release/examples/bench_engine "$model" "$threads"
+"${CARGO_TARGET_DIR:-target}/release/examples/bench_engine" "$model" "$threads"
 
 "$venv/bin/python3" - "$model" "$threads" <<'PY'
 import json, sys, time
