@@ -16,8 +16,17 @@ threads=${2:-2}
 venv=target/python/llama
 if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c 'import llama_cpp' 2>/dev/null; then
   python3 -m venv "$venv"
+  # A VM may show AMX in cpuinfo without enabling its tile state: llama.cpp's native build
+  # then uses AMX and crashes in its first forward pass. There, build for the same
+  # instruction sets by name, AMX off.
+  if grep -qw amx_int8 /proc/cpuinfo; then
+    export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+      -DGGML_F16C=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+      -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+      -DGGML_AMX_BF16=OFF"
+  fi
   CMAKE_BUILD_PARALLEL_LEVEL=$threads "$venv/bin/python3" -m pip install --quiet \
-    --disable-pip-version-check llama-cpp-python==0.3.36 numpy
+    --disable-pip-version-check --no-cache-dir llama-cpp-python==0.3.36 numpy
 fi
 
 cargo build --release --quiet -p tandem-native --example bench_engine
