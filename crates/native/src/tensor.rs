@@ -68,25 +68,41 @@ impl Matrix {
         let n = range.len();
         let blocks = self.cols / QK;
         // Tiles of activation rows that stay in cache while every weight row of the range
-        // meets them; each weight row is unpacked once per tile.
+        // meets them; each weight row is unpacked once per group of the tile's rows, and the
+        // rows after the last whole group (a batch-1 step's one row) meet the weight rows a
+        // few at a time (`Kernels::dot_rows`).
         const TILE: usize = 32;
         let mut sums = [0.0f32; TILE];
         let mut r0 = 0;
         while r0 < x.rows {
             let r1 = (r0 + TILE).min(x.rows);
-            let (xf, xq) = (
-                &x.values[r0 * self.cols..r1 * self.cols],
-                &x.q8[r0 * blocks..r1 * blocks],
-            );
-            // The tile's whole groups (`r0` is a multiple of the group).
-            let groups = &x.scales[r0 / GROUP_ROWS * blocks
-                ..(r0 + (r1 - r0) / GROUP_ROWS * GROUP_ROWS) / GROUP_ROWS * blocks];
-            for o in range.clone() {
-                let sums = &mut sums[..r1 - r0];
-                k.dot_many(self.format, self.row(o), xf, xq, groups, self.cols, sums);
-                for (i, s) in sums.iter().enumerate() {
-                    out[(r0 + i) * n + o - range.start] = *s;
+            let grouped = r0 + (r1 - r0) / GROUP_ROWS * GROUP_ROWS;
+            if grouped > r0 {
+                let (xf, xq) = (
+                    &x.values[r0 * self.cols..grouped * self.cols],
+                    &x.q8[r0 * blocks..grouped * blocks],
+                );
+                // The tile's whole groups (`r0` is a multiple of the group).
+                let groups = &x.scales[r0 / GROUP_ROWS * blocks..grouped / GROUP_ROWS * blocks];
+                for o in range.clone() {
+                    let sums = &mut sums[..grouped - r0];
+                    k.dot_many(self.format, self.row(o), xf, xq, groups, self.cols, sums);
+                    for (i, s) in sums.iter().enumerate() {
+                        out[(r0 + i) * n + o - range.start] = *s;
+                    }
                 }
+            }
+            let w = &self.data[range.start * self.row_bytes..range.end * self.row_bytes];
+            for r in grouped..r1 {
+                let (xf, xq) = (x.row_f32(r), x.row_q8(r));
+                k.dot_rows(
+                    self.format,
+                    w,
+                    xf,
+                    xq,
+                    self.cols,
+                    &mut out[r * n..(r + 1) * n],
+                );
             }
             r0 = r1;
         }

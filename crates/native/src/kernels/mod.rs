@@ -196,6 +196,71 @@ impl Kernels {
         }
     }
 
+    /// Attention scores of `heads` query heads (`q`: `hd` values each, back to back) against
+    /// `n` keys (key `p`: `hd` little-endian f16 at `k[p * stride..]`):
+    /// `out[h * out_stride + p] = dot_f32_f16(q_h, key_p) · scale`, bit for bit. The SIMD
+    /// path converts each key once for all the heads and keeps several sums in flight.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scores_f16(
+        &self,
+        q: &[f32],
+        hd: usize,
+        k: &[u8],
+        stride: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        out_stride: usize,
+    ) {
+        let heads = q.len() / hd;
+        debug_assert!(hd.is_multiple_of(8) && q.len() == heads * hd);
+        debug_assert!(n == 0 || k.len() >= (n - 1) * stride + hd * 2);
+        debug_assert!(heads == 0 || n == 0 || out.len() >= (heads - 1) * out_stride + n);
+        if self.simd() {
+            simd::scores_f16(q, hd, k, stride, n, scale, out, out_stride)
+        } else {
+            for h in 0..heads {
+                for p in 0..n {
+                    let key = &k[p * stride..p * stride + hd * 2];
+                    out[h * out_stride + p] =
+                        portable::dot_f32_f16(&q[h * hd..(h + 1) * hd], key) * scale;
+                }
+            }
+        }
+    }
+
+    /// The weighted sum of `n` values into `heads` outputs (`y`: `hd` each, back to back):
+    /// for `p` in order, `axpy_f16(w[h * w_stride + p], value_p, y_h)` for every head (value
+    /// `p`: `hd` little-endian f16 at `v[p * stride..]`), bit for bit. The SIMD path converts
+    /// each value once for all the heads and keeps the outputs in registers over the
+    /// positions.
+    #[allow(clippy::too_many_arguments)]
+    pub fn weighted_f16(
+        &self,
+        w: &[f32],
+        w_stride: usize,
+        v: &[u8],
+        stride: usize,
+        n: usize,
+        hd: usize,
+        y: &mut [f32],
+    ) {
+        let heads = y.len() / hd;
+        debug_assert!(hd.is_multiple_of(8) && y.len() == heads * hd);
+        debug_assert!(n == 0 || v.len() >= (n - 1) * stride + hd * 2);
+        debug_assert!(heads == 0 || n == 0 || w.len() >= (heads - 1) * w_stride + n);
+        if self.simd() {
+            simd::weighted_f16(w, w_stride, v, stride, n, hd, y)
+        } else {
+            for p in 0..n {
+                let value = &v[p * stride..p * stride + hd * 2];
+                for (h, yh) in y.chunks_exact_mut(hd).enumerate() {
+                    portable::axpy_f16(w[h * w_stride + p], value, yh);
+                }
+            }
+        }
+    }
+
     /// Little-endian f16 `src` (2 bytes a value) as f32 into `dst` (exact on every path).
     pub fn f16_to_f32(&self, src: &[u8], dst: &mut [f32]) {
         debug_assert_eq!(src.len(), dst.len() * 2);
@@ -245,6 +310,34 @@ impl Kernels {
                         &xq[r * blocks..(r + 1) * blocks],
                     );
                     *o = self.dot(format, w, xr, qr);
+                }
+            }
+        }
+    }
+
+    /// Consecutive weight rows (`w`: `out.len()` rows of `cols` values in `format`) against
+    /// one activation row: `out[o]` is [`dot`](Self::dot) of row `o` with it, bit for bit.
+    /// The SIMD path takes four weight rows at a time, the activation's blocks loaded once
+    /// for them (a step of one row: a decode at batch 1).
+    pub fn dot_rows(
+        &self,
+        format: WeightFormat,
+        w: &[u8],
+        x: &[f32],
+        xq: &[BlockQ8],
+        cols: usize,
+        out: &mut [f32],
+    ) {
+        let row_bytes = format.row_bytes(cols);
+        debug_assert_eq!(w.len(), out.len() * row_bytes);
+        match (self.simd(), format) {
+            (true, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => {
+                let vnni = self.isa == Isa::AvxVnni;
+                simd::dot_rows(format, w, row_bytes, xq, out, vnni)
+            }
+            _ => {
+                for (o, v) in out.iter_mut().enumerate() {
+                    *v = self.dot(format, &w[o * row_bytes..(o + 1) * row_bytes], x, xq);
                 }
             }
         }

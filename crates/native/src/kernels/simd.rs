@@ -154,6 +154,206 @@ fn dots_f16(a: &[f32], b: &[u8]) -> f32 {
     super::portable::reduce8(lanes)
 }
 
+/// Heads an attention kernel takes at once: their running sums stay in registers.
+#[cfg(target_arch = "x86_64")]
+const HEADS: usize = 4;
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn scores_f16(
+    q: &[f32],
+    hd: usize,
+    k: &[u8],
+    stride: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    let heads = q.len() / hd;
+    let mut h0 = 0;
+    while h0 < heads {
+        let q = &q[h0 * hd..];
+        let out = &mut out[h0 * out_stride..];
+        // SAFETY: see the module's contract (callers checked `avx2_available`).
+        let taken = unsafe {
+            match heads - h0 {
+                1 => attn::scores::<1>(q, hd, k, stride, n, scale, out, out_stride),
+                2 => attn::scores::<2>(q, hd, k, stride, n, scale, out, out_stride),
+                3 => attn::scores::<3>(q, hd, k, stride, n, scale, out, out_stride),
+                _ => attn::scores::<HEADS>(q, hd, k, stride, n, scale, out, out_stride),
+            }
+        };
+        h0 += taken;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) fn weighted_f16(
+    w: &[f32],
+    w_stride: usize,
+    v: &[u8],
+    stride: usize,
+    n: usize,
+    hd: usize,
+    y: &mut [f32],
+) {
+    let heads = y.len() / hd;
+    let mut h0 = 0;
+    while h0 < heads {
+        let w = &w[h0 * w_stride..];
+        let y = &mut y[h0 * hd..];
+        // SAFETY: see the module's contract (callers checked `avx2_available`).
+        let taken = unsafe {
+            match heads - h0 {
+                1 => attn::weighted::<1>(w, w_stride, v, stride, n, hd, y),
+                2 => attn::weighted::<2>(w, w_stride, v, stride, n, hd, y),
+                3 => attn::weighted::<3>(w, w_stride, v, stride, n, hd, y),
+                _ => attn::weighted::<HEADS>(w, w_stride, v, stride, n, hd, y),
+            }
+        };
+        h0 += taken;
+    }
+}
+
+/// Attention over f16 K and V for a few query heads at a time: the same operations as
+/// `dots_f16` and `axpy8_f16` per (head, position), each key or value converted once for
+/// all the heads.
+#[cfg(target_arch = "x86_64")]
+mod attn {
+    use std::arch::x86_64::*;
+
+    /// Eight f16 at `b[at..at + 16]` as f32 (exact).
+    #[target_feature(enable = "avx2,f16c")]
+    fn halves8(b: &[u8], at: usize) -> __m256 {
+        let c = &b[at..at + 16];
+        // SAFETY: `c` is 16 bytes; unaligned load.
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(c.as_ptr().cast()) })
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn load8(x: &[f32], at: usize) -> __m256 {
+        let c = &x[at..at + 8];
+        // SAFETY: `c` is 8 f32; unaligned load.
+        unsafe { _mm256_loadu_ps(c.as_ptr()) }
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn store8(x: &mut [f32], at: usize, v: __m256) {
+        let c = &mut x[at..at + 8];
+        // SAFETY: `c` is 8 f32; unaligned store.
+        unsafe { _mm256_storeu_ps(c.as_mut_ptr(), v) }
+    }
+
+    /// `portable::reduce8` in registers: ((0+4)+(2+6)) + ((1+5)+(3+7)), the same adds.
+    #[target_feature(enable = "avx2")]
+    fn reduce8(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)))
+    }
+
+    /// `H` heads' scores (see `Kernels::scores_f16`), two keys at a time; returns `H`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn scores<const H: usize>(
+        q: &[f32],
+        hd: usize,
+        k: &[u8],
+        stride: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        out_stride: usize,
+    ) -> usize {
+        let mut p = 0;
+        while p + 2 <= n {
+            let (k0, k1) = (p * stride, (p + 1) * stride);
+            let mut acc = [[_mm256_setzero_ps(); 2]; H];
+            for c in 0..hd / 8 {
+                let (a, b) = (halves8(k, k0 + 16 * c), halves8(k, k1 + 16 * c));
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let qv = load8(q, h * hd + 8 * c);
+                    acc[0] = _mm256_fmadd_ps(qv, a, acc[0]);
+                    acc[1] = _mm256_fmadd_ps(qv, b, acc[1]);
+                }
+            }
+            for (h, acc) in acc.iter().enumerate() {
+                out[h * out_stride + p] = reduce8(acc[0]) * scale;
+                out[h * out_stride + p + 1] = reduce8(acc[1]) * scale;
+            }
+            p += 2;
+        }
+        if p < n {
+            let k0 = p * stride;
+            let mut acc = [_mm256_setzero_ps(); H];
+            for c in 0..hd / 8 {
+                let a = halves8(k, k0 + 16 * c);
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(load8(q, h * hd + 8 * c), a, *acc);
+                }
+            }
+            for (h, acc) in acc.iter().enumerate() {
+                out[h * out_stride + p] = reduce8(*acc) * scale;
+            }
+        }
+        H
+    }
+
+    /// `H` heads' weighted sums (see `Kernels::weighted_f16`), 16 of the `hd` outputs at a
+    /// time in registers over all the positions (each output's adds stay in position
+    /// order); returns `H`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn weighted<const H: usize>(
+        w: &[f32],
+        w_stride: usize,
+        v: &[u8],
+        stride: usize,
+        n: usize,
+        hd: usize,
+        y: &mut [f32],
+    ) -> usize {
+        let mut c = 0;
+        while c < hd / 8 {
+            let two = c + 2 <= hd / 8;
+            let mut acc = [[_mm256_setzero_ps(); 2]; H];
+            for (h, acc) in acc.iter_mut().enumerate() {
+                acc[0] = load8(y, h * hd + 8 * c);
+                if two {
+                    acc[1] = load8(y, h * hd + 8 * c + 8);
+                }
+            }
+            if two {
+                for p in 0..n {
+                    let at = p * stride + 16 * c;
+                    let (a, b) = (halves8(v, at), halves8(v, at + 16));
+                    for (h, acc) in acc.iter_mut().enumerate() {
+                        let wv = _mm256_set1_ps(w[h * w_stride + p]);
+                        acc[0] = _mm256_fmadd_ps(wv, a, acc[0]);
+                        acc[1] = _mm256_fmadd_ps(wv, b, acc[1]);
+                    }
+                }
+            } else {
+                for p in 0..n {
+                    let a = halves8(v, p * stride + 16 * c);
+                    for (h, acc) in acc.iter_mut().enumerate() {
+                        let wv = _mm256_set1_ps(w[h * w_stride + p]);
+                        acc[0] = _mm256_fmadd_ps(wv, a, acc[0]);
+                    }
+                }
+            }
+            for (h, acc) in acc.iter().enumerate() {
+                store8(y, h * hd + 8 * c, acc[0]);
+                if two {
+                    store8(y, h * hd + 8 * c + 8, acc[1]);
+                }
+            }
+            c += if two { 2 } else { 1 };
+        }
+        H
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(super) fn axpy_f16(w: f32, x: &[u8], y: &mut [f32]) {
     // SAFETY: see the module's contract (callers checked `avx2_available`).
@@ -319,6 +519,10 @@ pub(super) fn dot_many(
 #[cfg(target_arch = "x86_64")]
 const GROUP: usize = super::GROUP_ROWS;
 
+/// Weight rows one activation row meets at once (`weight_rows`).
+#[cfg(target_arch = "x86_64")]
+const QUAD: usize = 4;
+
 /// `many` and `rows` for one set of target features and one block-lanes instruction: the
 /// AVX2 pair (`maddubs` + `madd`) or AVX-VNNI's `vpdpbusd`. Generated twice so that each
 /// copy is compiled (and its lanes function inlined) with its own features.
@@ -329,7 +533,7 @@ macro_rules! row_kernels {
             use super::super::{
                 BlockQ8, GroupScales, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES, WeightFormat,
             };
-            use super::{GROUP, f16_pair, x86};
+            use super::{GROUP, QUAD, f16_pair, x86};
             use std::arch::x86_64::*;
 
             #[target_feature(enable = $features)]
@@ -427,6 +631,148 @@ macro_rules! row_kernels {
                 out
             }
 
+            /// Weight rows `w` (`out.len()` of them, `row_bytes` apart) against one
+            /// activation row `xq`, four weight rows at a time ([`quad`]): what a step of
+            /// one row (a decode at batch 1) asks of every matrix.
+            #[target_feature(enable = $features)]
+            pub(super) fn weight_rows(
+                format: WeightFormat,
+                w: &[u8],
+                row_bytes: usize,
+                xq: &[BlockQ8],
+                out: &mut [f32],
+            ) {
+                let mut o = 0;
+                while o + QUAD <= out.len() {
+                    let rows = &w[o * row_bytes..(o + QUAD) * row_bytes];
+                    out[o..o + QUAD].copy_from_slice(&quad(format, rows, row_bytes, xq));
+                    o += QUAD;
+                }
+                while o < out.len() {
+                    let row = &w[o * row_bytes..(o + 1) * row_bytes];
+                    out[o] = rows::<1>(format, row, xq, xq.len(), 0)[0];
+                    o += 1;
+                }
+            }
+
+            /// Four weight rows (`w`, `row_bytes` apart) against one activation row, as
+            /// [`rows`] computes each pair: the activation block is loaded once for the
+            /// four, their four scale pairs converted in one instruction and multiplied by
+            /// the activation's scales in one more, and four running sums in registers keep
+            /// the multiply-adds from waiting on each other. Lane by lane the same f32
+            /// operations as one weight row at a time.
+            #[target_feature(enable = $features)]
+            fn quad(
+                format: WeightFormat,
+                w: &[u8],
+                row_bytes: usize,
+                xq: &[BlockQ8],
+            ) -> [f32; QUAD] {
+                let rows: [&[u8]; QUAD] =
+                    std::array::from_fn(|j| &w[j * row_bytes..(j + 1) * row_bytes]);
+                let mut acc = [_mm256_setzero_ps(); QUAD];
+                // Q4_1: every lane pair's second lane is a row's extra term; Q4_0: lanes
+                // 0..4 are the rows'.
+                let mut extra = _mm256_setzero_ps();
+                let lane = |i: usize| _mm256_set1_epi32(i as i32);
+                // The f16 at `at` of each row's block `b` (`size` bytes a block).
+                let half = |b: usize, size: usize, j: usize| {
+                    let at = b * size;
+                    u16::from_le_bytes([rows[j][at], rows[j][at + 1]])
+                };
+                match format {
+                    WeightFormat::Q4_1 => {
+                        let word = |b: usize, j: usize| {
+                            let at = b * Q4_1_BYTES;
+                            let r = &rows[j][at..at + 4];
+                            i32::from_le_bytes([r[0], r[1], r[2], r[3]])
+                        };
+                        for (b, a) in xq.iter().enumerate() {
+                            // [d0, m0, d1, m1, ...] times [a.d, a.s, a.d, a.s, ...]: every
+                            // row's `d · a.d` and `m · a.s` in one multiply.
+                            let pairs =
+                                _mm_setr_epi32(word(b, 0), word(b, 1), word(b, 2), word(b, 3));
+                            let dm = _mm256_cvtph_ps(pairs);
+                            let scales = _mm256_setr_ps(a.d, a.s, a.d, a.s, a.d, a.s, a.d, a.s);
+                            let prod = _mm256_mul_ps(dm, scales);
+                            extra = _mm256_add_ps(extra, prod);
+                            let aq = x86::load32_i8(&a.qs);
+                            let at = b * Q4_1_BYTES + 4;
+                            for j in 0..QUAD {
+                                let wv = x86::nibbles(&rows[j][at..at + 16]);
+                                let dd = _mm256_permutevar8x32_ps(prod, lane(2 * j));
+                                let lanes = $lanes(wv, aq);
+                                acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(lanes), acc[j]);
+                            }
+                        }
+                    }
+                    WeightFormat::Q4_0 | WeightFormat::Q8_0 => {
+                        let size = if format == WeightFormat::Q4_0 {
+                            Q4_0_BYTES
+                        } else {
+                            Q8_0_BYTES
+                        };
+                        for (b, a) in xq.iter().enumerate() {
+                            let ds = _mm_cvtph_ps(_mm_setr_epi16(
+                                half(b, size, 0) as i16,
+                                half(b, size, 1) as i16,
+                                half(b, size, 2) as i16,
+                                half(b, size, 3) as i16,
+                                0,
+                                0,
+                                0,
+                                0,
+                            ));
+                            let dd4 = _mm_mul_ps(ds, _mm_set1_ps(a.d));
+                            let dd = _mm256_castps128_ps256(dd4);
+                            let aq = x86::load32_i8(&a.qs);
+                            let at = b * size + 2;
+                            if format == WeightFormat::Q4_0 {
+                                let off = _mm_set1_ps((-8 * a.sum) as f32);
+                                let e = _mm_mul_ps(dd4, off);
+                                extra = _mm256_castps128_ps256(_mm_add_ps(
+                                    _mm256_castps256_ps128(extra),
+                                    e,
+                                ));
+                                for j in 0..QUAD {
+                                    let wv = x86::nibbles(&rows[j][at..at + 16]);
+                                    let ddj = _mm256_permutevar8x32_ps(dd, lane(j));
+                                    let lanes = $lanes(wv, aq);
+                                    acc[j] =
+                                        _mm256_fmadd_ps(ddj, _mm256_cvtepi32_ps(lanes), acc[j]);
+                                }
+                            } else {
+                                for j in 0..QUAD {
+                                    let wv = x86::load32(&rows[j][at..at + 32]);
+                                    let abs = _mm256_sign_epi8(wv, wv);
+                                    let ddj = _mm256_permutevar8x32_ps(dd, lane(j));
+                                    let lanes = $lanes(abs, _mm256_sign_epi8(aq, wv));
+                                    acc[j] =
+                                        _mm256_fmadd_ps(ddj, _mm256_cvtepi32_ps(lanes), acc[j]);
+                                }
+                            }
+                        }
+                    }
+                    WeightFormat::F32 => unreachable!("f32 weights take the row-by-row path"),
+                }
+                let mut extras = [0.0f32; 8];
+                // SAFETY: `extras` is 8 f32; unaligned store.
+                unsafe { _mm256_storeu_ps(extras.as_mut_ptr(), extra) };
+                let mut out = [0.0f32; QUAD];
+                for j in 0..QUAD {
+                    let mut lanes = [0.0f32; 8];
+                    // SAFETY: `lanes` is 8 f32; unaligned store.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[j]) };
+                    let e = match format {
+                        WeightFormat::Q4_1 => extras[2 * j + 1],
+                        WeightFormat::Q4_0 => extras[j],
+                        _ => 0.0,
+                    };
+                    out[j] = super::super::portable::reduce8(lanes) + e;
+                }
+                out
+            }
+
             /// Rows `r0..r0 + R` of [`many`]: each row's 8 f32 lanes in a register and its
             /// extra term, over the blocks in order, with the portable path's operations
             /// (`portable::Lanes`).
@@ -512,6 +858,26 @@ pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
     unsafe { x86::dot_f32(w, x) }
 }
 
+/// Weight rows `w` (`out.len()`, `row_bytes` apart) against one activation row (see
+/// `Kernels::dot_rows`; `vnni` as in [`dot_many`]).
+#[cfg(target_arch = "x86_64")]
+pub(super) fn dot_rows(
+    format: super::WeightFormat,
+    w: &[u8],
+    row_bytes: usize,
+    xq: &[BlockQ8],
+    out: &mut [f32],
+    vnni: bool,
+) {
+    if vnni {
+        // SAFETY: see the module's contract (callers checked `vnni_available`).
+        unsafe { vnni::weight_rows(format, w, row_bytes, xq, out) }
+    } else {
+        // SAFETY: see the module's contract (callers checked `avx2_available`).
+        unsafe { avx2::weight_rows(format, w, row_bytes, xq, out) }
+    }
+}
+
 /// One weight row with one activation row (`vnni` as in [`dot_many`]).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn dot_one(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], vnni: bool) -> f32 {
@@ -529,6 +895,17 @@ pub(super) fn dot_many(
     _: &[BlockQ8],
     _: &[GroupScales],
     _: usize,
+    _: &mut [f32],
+    _: bool,
+) {
+    unreachable!("no SIMD kernels on this target: avx2_available is false")
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn dot_rows(
+    _: super::WeightFormat,
+    _: &[u8],
+    _: usize,
+    _: &[BlockQ8],
     _: &mut [f32],
     _: bool,
 ) {
@@ -553,6 +930,32 @@ pub(super) fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn dot_f32_f16(a: &[f32], b: &[u8]) -> f32 {
     super::portable::dot_f32_f16(a, b)
+}
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn scores_f16(
+    _: &[f32],
+    _: usize,
+    _: &[u8],
+    _: usize,
+    _: usize,
+    _: f32,
+    _: &mut [f32],
+    _: usize,
+) {
+    unreachable!("no SIMD kernels on this target: avx2_available is false")
+}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn weighted_f16(
+    _: &[f32],
+    _: usize,
+    _: &[u8],
+    _: usize,
+    _: usize,
+    _: usize,
+    _: &mut [f32],
+) {
+    unreachable!("no SIMD kernels on this target: avx2_available is false")
 }
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) fn axpy_f16(w: f32, x: &[u8], y: &mut [f32]) {

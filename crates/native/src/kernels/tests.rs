@@ -211,6 +211,22 @@ proptest! {
                     prop_assert_eq!(out[r].to_bits(), one.to_bits(), "{:?} {:?} row {}", isa, format, r);
                 }
             }
+            // Several weight rows against one activation row (fours, then single rows):
+            // each the single dot of its row.
+            let wrows = 1 + (seed / 13 % 9) as usize;
+            let mut ws = w.clone();
+            for _ in 1..wrows {
+                ws.extend(weights(format, cols, &mut rng).0);
+            }
+            let rb = format.row_bytes(cols);
+            for k in [&portable, &simd] {
+                let mut out = vec![0.0f32; wrows];
+                k.dot_rows(format, &ws, &x, &xq, cols, &mut out);
+                for (o, got) in out.iter().enumerate() {
+                    let one = portable.dot(format, &ws[o * rb..(o + 1) * rb], &x, &xq);
+                    prop_assert_eq!(got.to_bits(), one.to_bits(), "{:?} {:?} weight row {}", isa, format, o);
+                }
+            }
         }
         }
     }
@@ -266,5 +282,60 @@ fn q8_0_weights_of_minus_128_are_exact_on_every_path() {
     for isa in [Isa::Portable, Isa::Avx2, Isa::AvxVnni] {
         let got = Kernels::new(isa).dot(WeightFormat::Q8_0, &w, &x, &xq);
         assert_eq!(got, -128.0 * 32.0 * 127.0 * xq[0].d, "{isa:?}");
+    }
+}
+
+#[test]
+fn attention_over_several_heads_is_each_heads_own_dots_and_axpys_bit_for_bit() {
+    let mut rng = Rng(11);
+    let p = Kernels::new(Isa::Portable);
+    for isa in [Isa::Portable, Isa::Avx2, Isa::AvxVnni] {
+        let k = Kernels::new(isa);
+        for (heads, hd, n) in [
+            (1, 8, 1),
+            (3, 64, 16),
+            (3, 64, 7),
+            (4, 24, 5),
+            (5, 128, 3),
+            (9, 40, 2),
+        ] {
+            // Keys and values `stride` bytes apart, with other bytes between them.
+            let stride = hd * 2 + 6;
+            let halves: Vec<u8> = (0..n * stride)
+                .flat_map(|_| half::f16::from_f32(rng.unit()).to_le_bytes())
+                .take(n * stride)
+                .collect();
+            let q: Vec<f32> = (0..heads * hd).map(|_| rng.unit()).collect();
+            let out_stride = n + 3;
+            let mut scores = vec![0.0f32; heads * out_stride];
+            k.scores_f16(&q, hd, &halves, stride, n, 0.125, &mut scores, out_stride);
+            for h in 0..heads {
+                for t in 0..n {
+                    let key = &halves[t * stride..t * stride + hd * 2];
+                    let want = p.dot_f32_f16(&q[h * hd..(h + 1) * hd], key) * 0.125;
+                    assert_eq!(
+                        scores[h * out_stride + t].to_bits(),
+                        want.to_bits(),
+                        "{isa:?} {heads} {hd} {n}"
+                    );
+                }
+            }
+            let start: Vec<f32> = (0..heads * hd).map(|_| rng.unit()).collect();
+            let mut y = start.clone();
+            k.weighted_f16(&scores, out_stride, &halves, stride, n, hd, &mut y);
+            let mut want = start.clone();
+            for t in 0..n {
+                let value = &halves[t * stride..t * stride + hd * 2];
+                for h in 0..heads {
+                    p.axpy_f16(
+                        scores[h * out_stride + t],
+                        value,
+                        &mut want[h * hd..(h + 1) * hd],
+                    );
+                }
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&y), bits(&want), "{isa:?} {heads} {hd} {n}");
+        }
     }
 }

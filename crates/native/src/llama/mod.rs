@@ -319,35 +319,38 @@ impl Llama {
         // layer's slots are consecutive, `[token][K then V][head][dim]`.
         let at = |j: usize, v: usize| (l * bs + j) * kv_token + v * kvd * 2 + g * hd * 2;
         let scale = 1.0 / (hd as f32).sqrt();
-        // Calls `f(t, bytes)` for every position `t` in order, `bytes` its K (`v` = 0) or V
-        // (`v` = 1) of KV head `g`, one arena access per block.
-        let positions = |v: usize, f: &mut dyn FnMut(usize, &[u8])| {
-            for (b, &block) in blocks.iter().enumerate() {
-                let slots = (len - b * bs).min(bs);
-                arena.with_block(block, |bytes| {
-                    for j in 0..slots {
-                        f(b * bs + j, &bytes[at(j, v)..at(j, v) + hd * 2]);
-                    }
-                });
-            }
-        };
+        // The group's query heads, back to back, meet the positions one block at a time:
+        // within a block a layer's slots are `kv_token` bytes apart.
+        let q = &q[g * group * hd..(g + 1) * group * hd];
         // Scores of each of the group's heads against every position: [head][position].
         let mut scores = vec![0.0f32; group * len];
-        positions(0, &mut |t, kh| {
-            for i in 0..group {
-                let h = g * group + i;
-                scores[i * len + t] = k.dot_f32_f16(&q[h * hd..(h + 1) * hd], kh) * scale;
-            }
-        });
+        for (b, &block) in blocks.iter().enumerate() {
+            let slots = (len - b * bs).min(bs);
+            arena.with_block(block, |bytes| {
+                let keys = &bytes[at(0, 0)..];
+                k.scores_f16(
+                    q,
+                    hd,
+                    keys,
+                    kv_token,
+                    slots,
+                    scale,
+                    &mut scores[b * bs..],
+                    len,
+                );
+            });
+        }
         for i in 0..group {
             softmax(&mut scores[i * len..(i + 1) * len]);
         }
         out.fill(0.0);
-        positions(1, &mut |t, vh| {
-            for i in 0..group {
-                k.axpy_f16(scores[i * len + t], vh, &mut out[i * hd..(i + 1) * hd]);
-            }
-        });
+        for (b, &block) in blocks.iter().enumerate() {
+            let slots = (len - b * bs).min(bs);
+            arena.with_block(block, |bytes| {
+                let values = &bytes[at(0, 1)..];
+                k.weighted_f16(&scores[b * bs..], len, values, kv_token, slots, hd, out);
+            });
+        }
     }
 
     /// Every row of the residual stream `s.x` RMS-normed by `norm`, as the next product's
