@@ -5,7 +5,7 @@
 //!
 //!     cargo run --release -p tandem-native --example bench_engine -- MODEL.gguf THREADS [ISA]
 //!
-//! `ISA` (`portable`, `avx2`, `avxvnni`; default: the best the CPU has) picks the kernels, to
+//! `ISA` (`portable`, `avx2`, `avxvnni`, `avx512vnni`; default: the best the CPU has) picks the kernels, to
 //! compare instruction sets on one machine.
 
 use std::sync::Arc;
@@ -26,7 +26,8 @@ fn main() {
         Some("portable") => Isa::Portable,
         Some("avx2") => Isa::Avx2,
         Some("avxvnni") => Isa::AvxVnni,
-        Some(other) => panic!("unknown ISA {other}: portable, avx2 or avxvnni"),
+        Some("avx512vnni") => Isa::Avx512Vnni,
+        Some(other) => panic!("unknown ISA {other}: portable, avx2, avxvnni or avx512vnni"),
     };
     let file = GgufFile::read(&path).expect("read the model");
     let llama = Arc::new(tandem_native::load(&file, Precision::Quantized).expect("load"));

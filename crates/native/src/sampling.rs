@@ -14,12 +14,13 @@ pub struct Sampler {
     candidates: Vec<(u32, f32)>,
 }
 
-/// The token chosen and its log-probability under the model's raw distribution.
+/// The token chosen and, when asked, log-probabilities under the model's raw distribution.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Choice {
     pub token: u32,
-    pub logprob: f32,
-    /// When `params.logprobs` asked for them: `logprob` again and the most likely tokens'.
+    /// When `params.logprobs` asked for them: the chosen token's and the most likely
+    /// tokens'. Not asked, they cost nothing (a normalizer is an exp per vocabulary entry:
+    /// a tenth of a small model's decode step).
     pub logprobs: Option<Box<TokenLogprobs>>,
 }
 
@@ -37,22 +38,17 @@ impl Sampler {
         } else {
             self.draw(logits, params, uniform(seed, pos))
         };
-        let norm = log_normalizer(logits);
-        let logprob = (f64::from(logits[token as usize]) - norm) as f32;
         let logprobs = params.logprobs.map(|n| {
+            let norm = log_normalizer(logits);
             Box::new(TokenLogprobs {
-                logprob,
+                logprob: (f64::from(logits[token as usize]) - norm) as f32,
                 top: top_n(logits, usize::from(n))
                     .into_iter()
                     .map(|(t, l)| (t, (f64::from(l) - norm) as f32))
                     .collect(),
             })
         });
-        Choice {
-            token,
-            logprob,
-            logprobs,
-        }
+        Choice { token, logprobs }
     }
 
     fn draw(&mut self, logits: &[f32], p: &SamplingParams, u: f64) -> u32 {
@@ -176,13 +172,17 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::default();
-        let c = s.sample(&[0.5, 2.0, 2.0, -1.0], &params(0.0), 1, 0);
+        let asked = SamplingParams {
+            logprobs: Some(0),
+            ..params(0.0)
+        };
+        let c = s.sample(&[0.5, 2.0, 2.0, -1.0], &asked, 1, 0);
         assert_eq!(c.token, 1);
         let p: f32 = [0.5f32, 2.0, 2.0, -1.0]
             .iter()
             .map(|v| (v - 2.0).exp())
             .sum();
-        assert!((c.logprob - (-p.ln())).abs() < 1e-6);
+        assert!((c.logprobs.expect("asked").logprob - (-p.ln())).abs() < 1e-6);
     }
 
     #[test]
@@ -260,8 +260,7 @@ mod tests {
         };
         let c = s.sample(&logits, &asked, 4, 9);
         let lp = c.logprobs.clone().expect("asked for");
-        assert_eq!(lp.logprob, c.logprob);
-        assert_eq!(c.logprob, log_softmax_at(&logits, c.token as usize));
+        assert_eq!(lp.logprob, log_softmax_at(&logits, c.token as usize));
         let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
         assert_eq!(ids, [1, 2, 4], "most likely first, ties by id");
         for &(t, l) in &lp.top {

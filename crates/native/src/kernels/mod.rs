@@ -110,12 +110,17 @@ pub enum Isa {
     /// AVX2 with AVX-VNNI's 8-bit dot-product instruction (`vpdpbusd`) in the quantized
     /// kernels: the same integer sums in fewer instructions, so the same bits.
     AvxVnni,
+    /// AVX-VNNI, and AVX-512 with its VNNI for Q4_1 and Q8_0 weights: two weight rows in one
+    /// 512-bit register, each half the 8 lanes the 256-bit kernels keep (the same bits).
+    Avx512Vnni,
 }
 
 impl Isa {
     /// The best the CPU supports.
     pub fn detect() -> Isa {
-        if simd::vnni_available() {
+        if simd::avx512_available() && simd::vnni_available() {
+            Isa::Avx512Vnni
+        } else if simd::vnni_available() {
             Isa::AvxVnni
         } else if simd::avx2_available() {
             Isa::Avx2
@@ -135,8 +140,11 @@ impl Kernels {
     /// Kernels for `isa`, or the portable ones where the CPU lacks it.
     pub fn new(isa: Isa) -> Kernels {
         let isa = match isa {
-            Isa::AvxVnni if simd::vnni_available() => Isa::AvxVnni,
-            Isa::Avx2 | Isa::AvxVnni if simd::avx2_available() => Isa::Avx2,
+            Isa::Avx512Vnni if simd::avx512_available() && simd::vnni_available() => {
+                Isa::Avx512Vnni
+            }
+            Isa::AvxVnni | Isa::Avx512Vnni if simd::vnni_available() => Isa::AvxVnni,
+            Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni if simd::avx2_available() => Isa::Avx2,
             _ => Isa::Portable,
         };
         Kernels { isa }
@@ -149,6 +157,11 @@ impl Kernels {
     /// Whether the SIMD kernels run (AVX2, with or without VNNI).
     fn simd(&self) -> bool {
         self.isa != Isa::Portable
+    }
+
+    /// Whether the 256-bit kernels take VNNI's instruction.
+    fn vnni(&self) -> bool {
+        matches!(self.isa, Isa::AvxVnni | Isa::Avx512Vnni)
     }
 
     /// `Σ a[i]·b[i]` of two f32 slices of a multiple of 8 values: 8 lanes of fused
@@ -193,6 +206,14 @@ impl Kernels {
             simd::axpy_f16(w, x, y)
         } else {
             portable::axpy_f16(w, x, y)
+        }
+    }
+
+    /// Asks memory for `bytes[range]` ahead of its use (a hint: no result changes; nothing
+    /// on the portable path). Past the end of `bytes` is left out.
+    pub fn prefetch(&self, bytes: &[u8], range: std::ops::Range<usize>) {
+        if self.simd() {
+            simd::prefetch_range(bytes, range)
         }
     }
 
@@ -300,8 +321,7 @@ impl Kernels {
         match (self.simd(), format) {
             (true, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => {
                 debug_assert_eq!(scales.len(), out.len() / GROUP_ROWS * blocks);
-                let vnni = self.isa == Isa::AvxVnni;
-                simd::dot_many(format, w, xq, scales, blocks, out, vnni)
+                simd::dot_many(format, w, xq, scales, blocks, out, self.vnni())
             }
             _ => {
                 for (r, o) in out.iter_mut().enumerate() {
@@ -311,6 +331,43 @@ impl Kernels {
                     );
                     *o = self.dot(format, w, xr, qr);
                 }
+            }
+        }
+    }
+
+    /// Consecutive weight rows (`w`: `m` rows of `cols` values in `format`) against whole
+    /// groups of [`GROUP_ROWS`] activation rows (`x`, `xq`, `scales` as for
+    /// [`dot_many`](Self::dot_many)): `out[r * out_stride + o]` is [`dot`](Self::dot) of
+    /// weight row `o` with activation row `r`, bit for bit. With AVX-512, two weight rows
+    /// meet a group at once.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dot_grid(
+        &self,
+        format: WeightFormat,
+        w: &[u8],
+        m: usize,
+        x: &[f32],
+        xq: &[BlockQ8],
+        scales: &[GroupScales],
+        cols: usize,
+        out: &mut [f32],
+        out_stride: usize,
+    ) {
+        let (row_bytes, blocks) = (format.row_bytes(cols), cols / QK);
+        let rows = xq.len() / blocks.max(1);
+        debug_assert!(rows.is_multiple_of(GROUP_ROWS) && w.len() == m * row_bytes);
+        if self.isa == Isa::Avx512Vnni && format != WeightFormat::F32 {
+            return simd::dot_grid_avx512(
+                format, w, row_bytes, m, xq, scales, blocks, out, out_stride,
+            );
+        }
+        let mut sums = vec![0.0f32; rows];
+        for o in 0..m {
+            let row = &w[o * row_bytes..(o + 1) * row_bytes];
+            self.prefetch(w, (o + 2) * row_bytes..(o + 3) * row_bytes);
+            self.dot_many(format, row, x, xq, scales, cols, &mut sums);
+            for (r, v) in sums.iter().enumerate() {
+                out[r * out_stride + o] = *v;
             }
         }
     }
@@ -332,8 +389,11 @@ impl Kernels {
         debug_assert_eq!(w.len(), out.len() * row_bytes);
         match (self.simd(), format) {
             (true, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => {
-                let vnni = self.isa == Isa::AvxVnni;
-                simd::dot_rows(format, w, row_bytes, xq, out, vnni)
+                if self.isa == Isa::Avx512Vnni {
+                    simd::dot_rows_avx512(format, w, row_bytes, xq, out)
+                } else {
+                    simd::dot_rows(format, w, row_bytes, xq, out, self.vnni())
+                }
             }
             _ => {
                 for (o, v) in out.iter_mut().enumerate() {
@@ -349,7 +409,7 @@ impl Kernels {
         match (self.simd(), format) {
             (true, WeightFormat::F32) => simd::dot_f32(w, x),
             (false, WeightFormat::F32) => portable::dot_f32(w, x),
-            (true, _) => simd::dot_one(format, w, xq, self.isa == Isa::AvxVnni),
+            (true, _) => simd::dot_one(format, w, xq, self.vnni()),
             (false, WeightFormat::Q4_0) => portable::dot_q4_0(w, xq),
             (false, WeightFormat::Q4_1) => portable::dot_q4_1(w, xq),
             (false, WeightFormat::Q8_0) => portable::dot_q8_0(w, xq),

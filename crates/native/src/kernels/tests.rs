@@ -175,7 +175,7 @@ proptest! {
     #[test]
     fn the_simd_kernels_equal_the_portable_ones_bit_for_bit(seed in any::<u64>(), blocks in 1usize..40) {
         let portable = Kernels::new(Isa::Portable);
-        for isa in [Isa::Avx2, Isa::AvxVnni] {
+        for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
         let simd = Kernels::new(isa);
         // Without the instructions, `new` falls back: what ran is then checked under its name.
         if simd.isa() != isa {
@@ -209,6 +209,32 @@ proptest! {
                         &xqs[r * blocks..(r + 1) * blocks],
                     );
                     prop_assert_eq!(out[r].to_bits(), one.to_bits(), "{:?} {:?} row {}", isa, format, r);
+                }
+            }
+            // Several weight rows against whole groups of rows, written with a stride.
+            let whole = rows / GROUP_ROWS * GROUP_ROWS;
+            if whole > 0 {
+                let m = 1 + (seed / 7 % 5) as usize;
+                let mut ws = w.clone();
+                for _ in 1..m {
+                    ws.extend(weights(format, cols, &mut rng).0);
+                }
+                let rb = format.row_bytes(cols);
+                let stride = m + 2;
+                for k in [&portable, &simd] {
+                    let mut out = vec![f32::NAN; whole * stride];
+                    k.dot_grid(format, &ws, m, &xs[..whole * cols], &xqs[..whole * blocks], &scales, cols, &mut out, stride);
+                    for r in 0..whole {
+                        for o in 0..m {
+                            let one = portable.dot(
+                                format,
+                                &ws[o * rb..(o + 1) * rb],
+                                &xs[r * cols..(r + 1) * cols],
+                                &xqs[r * blocks..(r + 1) * blocks],
+                            );
+                            prop_assert_eq!(out[r * stride + o].to_bits(), one.to_bits(), "{:?} {:?} grid {} {}", isa, format, r, o);
+                        }
+                    }
                 }
             }
             // Several weight rows against one activation row (fours, then single rows):
@@ -279,9 +305,32 @@ fn q8_0_weights_of_minus_128_are_exact_on_every_path() {
     let x = [1.0f32; QK];
     let mut xq = [BlockQ8::default()];
     Kernels::new(Isa::Portable).quantize_q8(&x, &mut xq);
-    for isa in [Isa::Portable, Isa::Avx2, Isa::AvxVnni] {
-        let got = Kernels::new(isa).dot(WeightFormat::Q8_0, &w, &x, &xq);
-        assert_eq!(got, -128.0 * 32.0 * 127.0 * xq[0].d, "{isa:?}");
+    let want = -128.0 * 32.0 * 127.0 * xq[0].d;
+    for isa in [Isa::Portable, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
+        let k = Kernels::new(isa);
+        assert_eq!(k.dot(WeightFormat::Q8_0, &w, &x, &xq), want, "{isa:?}");
+        // Two rows at once (the 512-bit kernels' pairs), one activation row and a group.
+        let ws = [w.clone(), w.clone()].concat();
+        let mut out = [0.0f32; 2];
+        k.dot_rows(WeightFormat::Q8_0, &ws, &x, &xq, QK, &mut out);
+        assert_eq!(out, [want; 2], "{isa:?}");
+        let xs = [x; GROUP_ROWS].concat();
+        let xqs = [xq; GROUP_ROWS].concat();
+        let mut scales = Vec::new();
+        group_scales(&xqs, 1, &mut scales);
+        let mut grid = [0.0f32; 2 * GROUP_ROWS];
+        k.dot_grid(
+            WeightFormat::Q8_0,
+            &ws,
+            2,
+            &xs,
+            &xqs,
+            &scales,
+            QK,
+            &mut grid,
+            2,
+        );
+        assert_eq!(grid, [want; 2 * GROUP_ROWS], "{isa:?}");
     }
 }
 
@@ -289,7 +338,7 @@ fn q8_0_weights_of_minus_128_are_exact_on_every_path() {
 fn attention_over_several_heads_is_each_heads_own_dots_and_axpys_bit_for_bit() {
     let mut rng = Rng(11);
     let p = Kernels::new(Isa::Portable);
-    for isa in [Isa::Portable, Isa::Avx2, Isa::AvxVnni] {
+    for isa in [Isa::Portable, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
         let k = Kernels::new(isa);
         for (heads, hd, n) in [
             (1, 8, 1),

@@ -324,8 +324,21 @@ impl Llama {
         let q = &q[g * group * hd..(g + 1) * group * hd];
         // Scores of each of the group's heads against every position: [head][position].
         let mut scores = vec![0.0f32; group * len];
+        // The next block's K (`v` = 0) or V of this head, asked of memory while this block's
+        // are computed with: blocks lie anywhere in the arena, no prefetcher guesses them.
+        let ahead = |b: usize, v: usize| {
+            if let Some(&next) = blocks.get(b + 1) {
+                let slots = (len - (b + 1) * bs).min(bs);
+                arena.with_block(next, |bytes| {
+                    for j in 0..slots {
+                        k.prefetch(bytes, at(j, v)..at(j, v) + hd * 2);
+                    }
+                });
+            }
+        };
         for (b, &block) in blocks.iter().enumerate() {
             let slots = (len - b * bs).min(bs);
+            ahead(b, 0);
             arena.with_block(block, |bytes| {
                 let keys = &bytes[at(0, 0)..];
                 k.scores_f16(
@@ -346,6 +359,7 @@ impl Llama {
         out.fill(0.0);
         for (b, &block) in blocks.iter().enumerate() {
             let slots = (len - b * bs).min(bs);
+            ahead(b, 1);
             arena.with_block(block, |bytes| {
                 let values = &bytes[at(0, 1)..];
                 k.weighted_f16(&scores[b * bs..], len, values, kv_token, slots, hd, out);
