@@ -1085,14 +1085,24 @@ mod avx512 {
                 &w[(o + 1) * row_bytes..(o + 2) * row_bytes],
             );
             super::prefetch_range(w, (o + 4) * row_bytes..(o + 6) * row_bytes);
-            for g in 0..rows / GROUP {
-                let s = &scales[g * blocks..(g + 1) * blocks];
-                let [sa, sb] = group_pair(format, a, b, xq, s, blocks, g * GROUP);
-                for (i, (va, vb)) in sa.into_iter().zip(sb).enumerate() {
-                    let at = (g * GROUP + i) * out_stride + o;
-                    out[at] = va;
-                    out[at + 1] = vb;
+            // Four groups at a time (sixteen rows: each weight block unpacked once for
+            // them), then what is left.
+            let (groups, mut g0) = (rows / GROUP, 0);
+            while g0 < groups {
+                let sums: &[[[f32; GROUP]; 2]] = match groups - g0 {
+                    1 => &groups_pair::<1>(format, a, b, xq, scales, blocks, g0),
+                    2 => &groups_pair::<2>(format, a, b, xq, scales, blocks, g0),
+                    3 => &groups_pair::<3>(format, a, b, xq, scales, blocks, g0),
+                    _ => &groups_pair::<4>(format, a, b, xq, scales, blocks, g0),
+                };
+                for (g, [sa, sb]) in sums.iter().enumerate() {
+                    for (i, (va, vb)) in sa.iter().zip(sb).enumerate() {
+                        let at = ((g0 + g) * GROUP + i) * out_stride + o;
+                        out[at] = *va;
+                        out[at + 1] = *vb;
+                    }
                 }
+                g0 += sums.len();
             }
         }
         let mut sums = vec![0.0f32; rows];
@@ -1105,23 +1115,32 @@ mod avx512 {
         }
     }
 
-    /// Two weight rows against the [`GROUP`] activation rows from `r0`: `[row a's, row b's]`,
-    /// as `vnni::group` computes each.
+    /// Two weight rows against the `G` groups of activation rows from group `g0` (`scales`:
+    /// every group's): for each group `[row a's, row b's]`, as `vnni::group` computes each.
+    /// Each weight block is unpacked once for all `G · GROUP` rows.
     #[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
-    fn group_pair(
+    #[allow(clippy::too_many_arguments)]
+    fn groups_pair<const G: usize>(
         format: WeightFormat,
         a: &[u8],
         b: &[u8],
         xq: &[BlockQ8],
         scales: &[GroupScales],
         blocks: usize,
-        r0: usize,
-    ) -> [[f32; GROUP]; 2] {
-        let mut acc = [_mm512_setzero_ps(); GROUP];
-        // Row a's extra terms in lanes 0..4, row b's in 4..8.
-        let mut extra = _mm256_setzero_ps();
-        let qs = |i: usize, blk: usize| broadcast_qs(&xq[(r0 + i) * blocks + blk].qs);
-        // The activations' `d` (0) or `s` (1) of the group, twice: [x0..x3, x0..x3].
+        g0: usize,
+    ) -> [[[f32; GROUP]; 2]; G] {
+        let mut acc = [[_mm512_setzero_ps(); GROUP]; G];
+        // Per group: row a's extra terms in lanes 0..4, row b's in 4..8.
+        let mut extra = [_mm256_setzero_ps(); G];
+        let rows: [[&[BlockQ8]; GROUP]; G] = std::array::from_fn(|g| {
+            std::array::from_fn(|i| {
+                let r = (g0 + g) * GROUP + i;
+                &xq[r * blocks..(r + 1) * blocks]
+            })
+        });
+        let group_scales: [&[GroupScales]; G] =
+            std::array::from_fn(|g| &scales[(g0 + g) * blocks..(g0 + g + 1) * blocks]);
+        // The activations' `d` (0) or `s` (1) of a group, twice: [x0..x3, x0..x3].
         let twice = |s: &GroupScales, which: usize| {
             let v = &s[4 * which..4 * which + 4];
             // SAFETY: `v` is 4 f32; unaligned load.
@@ -1131,7 +1150,7 @@ mod avx512 {
         match format {
             WeightFormat::Q4_1 => {
                 let blocks_ab = a.chunks_exact(Q4_1_BYTES).zip(b.chunks_exact(Q4_1_BYTES));
-                for (blk, ((wa, wb), s)) in blocks_ab.zip(scales).enumerate() {
+                for (blk, (wa, wb)) in blocks_ab.enumerate() {
                     let word = |r: &[u8]| i32::from_le_bytes([r[0], r[1], r[2], r[3]]);
                     // [d_a, m_a, d_b, m_b] as [d_a ×4, d_b ×4] and [m_a ×4, m_b ×4].
                     let dm = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_setr_epi32(
@@ -1143,46 +1162,54 @@ mod avx512 {
                     let d = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
                     let mm =
                         _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
-                    let dd = _mm256_mul_ps(d, twice(s, 0));
-                    extra = _mm256_add_ps(extra, _mm256_mul_ps(mm, twice(s, 1)));
                     let wv = nibble_pair(&wa[4..], &wb[4..]);
-                    for (i, acc) in acc.iter_mut().enumerate() {
-                        let l = lanes(wv, qs(i, blk));
-                        let ddi = spread(dd, i as i32, 4 + i as i32);
-                        *acc = _mm512_fmadd_ps(ddi, _mm512_cvtepi32_ps(l), *acc);
+                    for g in 0..G {
+                        let s = &group_scales[g][blk];
+                        let dd = _mm256_mul_ps(d, twice(s, 0));
+                        extra[g] = _mm256_add_ps(extra[g], _mm256_mul_ps(mm, twice(s, 1)));
+                        for (i, acc) in acc[g].iter_mut().enumerate() {
+                            let l = lanes(wv, broadcast_qs(&rows[g][i][blk].qs));
+                            let ddi = spread(dd, i as i32, 4 + i as i32);
+                            *acc = _mm512_fmadd_ps(ddi, _mm512_cvtepi32_ps(l), *acc);
+                        }
                     }
                 }
             }
             WeightFormat::Q8_0 => {
                 let blocks_ab = a.chunks_exact(Q8_0_BYTES).zip(b.chunks_exact(Q8_0_BYTES));
-                for (blk, ((wa, wb), s)) in blocks_ab.zip(scales).enumerate() {
+                for (blk, (wa, wb)) in blocks_ab.enumerate() {
                     let half = |r: &[u8]| i16::from_le_bytes([r[0], r[1]]);
                     let d2 = _mm_cvtph_ps(_mm_setr_epi16(half(wa), half(wb), 0, 0, 0, 0, 0, 0));
                     let d = _mm256_permutevar8x32_ps(
                         _mm256_castps128_ps256(d2),
                         _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
                     );
-                    let dd = _mm256_mul_ps(d, twice(s, 0));
                     let (abs, negative) = magnitudes(bytes_pair(&wa[2..], &wb[2..]));
-                    for (i, acc) in acc.iter_mut().enumerate() {
-                        let l = lanes(abs, signed(qs(i, blk), negative));
-                        let ddi = spread(dd, i as i32, 4 + i as i32);
-                        *acc = _mm512_fmadd_ps(ddi, _mm512_cvtepi32_ps(l), *acc);
+                    for g in 0..G {
+                        let dd = _mm256_mul_ps(d, twice(&group_scales[g][blk], 0));
+                        for (i, acc) in acc[g].iter_mut().enumerate() {
+                            let qs = broadcast_qs(&rows[g][i][blk].qs);
+                            let l = lanes(abs, signed(qs, negative));
+                            let ddi = spread(dd, i as i32, 4 + i as i32);
+                            *acc = _mm512_fmadd_ps(ddi, _mm512_cvtepi32_ps(l), *acc);
+                        }
                     }
                 }
             }
             _ => unreachable!("grid sends other formats to the 256-bit kernels"),
         }
-        let mut extras = [0.0f32; 8];
-        if format == WeightFormat::Q4_1 {
-            // SAFETY: `extras` is 8 f32; unaligned store.
-            unsafe { _mm256_storeu_ps(extras.as_mut_ptr(), extra) };
-        }
-        let mut out = [[0.0f32; GROUP]; 2];
-        for (i, acc) in acc.iter().enumerate() {
-            let [sa, sb] = halves(*acc);
-            out[0][i] = sa + extras[i];
-            out[1][i] = sb + extras[4 + i];
+        let mut out = [[[0.0f32; GROUP]; 2]; G];
+        for g in 0..G {
+            let mut extras = [0.0f32; 8];
+            if format == WeightFormat::Q4_1 {
+                // SAFETY: `extras` is 8 f32; unaligned store.
+                unsafe { _mm256_storeu_ps(extras.as_mut_ptr(), extra[g]) };
+            }
+            for (i, acc) in acc[g].iter().enumerate() {
+                let [sa, sb] = halves(*acc);
+                out[g][0][i] = sa + extras[i];
+                out[g][1][i] = sb + extras[4 + i];
+            }
         }
         out
     }

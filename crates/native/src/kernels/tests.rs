@@ -191,8 +191,8 @@ proptest! {
             let (a, b) = (portable.dot(format, &w, &x, &xq), simd.dot(format, &w, &x, &xq));
             prop_assert_eq!(a.to_bits(), b.to_bits(), "{:?}: {} vs {}", format, a, b);
             // Several rows at once: each row's result is its own single-row one.
-            // Up to 13: groups of four rows, and single rows after them.
-            let rows = 1 + (seed % 13) as usize;
+            // Up to 21: up to five groups of four rows, and single rows after them.
+            let rows = 1 + (seed % 21) as usize;
             let xs: Vec<f32> = (0..rows * cols).map(|_| rng.unit() * 4.0).collect();
             let mut xqs = vec![BlockQ8::default(); rows * blocks];
             portable.quantize_q8(&xs, &mut xqs);
