@@ -68,6 +68,11 @@ pub trait ArenaStorage: Send + Sync {
     /// Calls `f` with the `len` bytes at `offset` (one whole block), writable; what `f`
     /// leaves there is the block's new content.
     fn write(&mut self, offset: usize, len: usize, f: &mut dyn FnMut(&mut [u8]));
+
+    /// Calls `f` once with the `len` bytes at each of `offsets` (whole blocks), in order,
+    /// all readable at once: what a forward pass reads for a layer's attention, taken once
+    /// rather than block by block from every thread (a storage with locks takes each once).
+    fn read_many(&self, offsets: &[usize], len: usize, f: &mut dyn FnMut(&[&[u8]]));
 }
 
 impl ArenaStorage for Vec<u8> {
@@ -81,6 +86,11 @@ impl ArenaStorage for Vec<u8> {
 
     fn write(&mut self, offset: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
         f(&mut self[offset..offset + len]);
+    }
+
+    fn read_many(&self, offsets: &[usize], len: usize, f: &mut dyn FnMut(&[&[u8]])) {
+        let blocks: Vec<&[u8]> = offsets.iter().map(|&o| &self[o..o + len]).collect();
+        f(&blocks);
     }
 }
 
@@ -126,6 +136,17 @@ impl ArenaStorage for PageAligned {
         debug_assert!(offset + len <= self.len);
         let start = self.offset + offset;
         f(&mut self.buf[start..start + len]);
+    }
+
+    fn read_many(&self, offsets: &[usize], len: usize, f: &mut dyn FnMut(&[&[u8]])) {
+        let blocks: Vec<&[u8]> = offsets
+            .iter()
+            .map(|&o| {
+                debug_assert!(o + len <= self.len);
+                &self.buf[self.offset + o..self.offset + o + len]
+            })
+            .collect();
+        f(&blocks);
     }
 }
 
@@ -215,6 +236,37 @@ impl KvArena {
         out.expect("arena storage calls back exactly once")
     }
 
+    /// Runs `f` over the bytes of every block of `blocks`, in that order, all at once (see
+    /// [`with_block`](Self::with_block); empty slices when the arena holds no bytes).
+    ///
+    /// # Panics
+    /// When a block is past the arena (a pool bookkeeping bug).
+    pub fn with_blocks<R>(&self, blocks: &[u32], f: impl FnOnce(&[&[u8]]) -> R) -> R {
+        if self.bytes_per_block == 0 {
+            let empty: Vec<&[u8]> = vec![&[]; blocks.len()];
+            return f(&empty);
+        }
+        let offsets: Vec<usize> = blocks
+            .iter()
+            .map(|&block| {
+                assert!(
+                    (block as usize) < self.num_blocks,
+                    "block {block} past the arena"
+                );
+                self.offset_of(block)
+            })
+            .collect();
+        let mut f = Some(f);
+        let mut out = None;
+        self.data
+            .read_many(&offsets, self.bytes_per_block, &mut |b| {
+                if let Some(f) = f.take() {
+                    out = Some(f(b));
+                }
+            });
+        out.expect("arena storage calls back exactly once")
+    }
+
     /// Runs `f` over the bytes of `block`, writable (see [`with_block`](Self::with_block)).
     pub fn with_block_mut<R>(&mut self, block: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
         if self.bytes_per_block == 0 {
@@ -288,5 +340,11 @@ mod tests {
         let first = a.with_block(0, |b| b.as_ptr() as usize);
         assert_eq!(first % PAGE, 0, "page-aligned");
         assert!(empty.block_bytes(999).is_empty());
+        // Several blocks at once, in the order asked, a block twice if asked twice.
+        let got = a.with_blocks(&[1, 0, 1], |bs| {
+            bs.iter().map(|b| b.to_vec()).collect::<Vec<_>>()
+        });
+        assert_eq!(got, [vec![1, 2, 3, 4], vec![0; 4], vec![1, 2, 3, 4]]);
+        assert_eq!(empty.with_blocks(&[3, 4], |bs| bs.len()), 2);
     }
 }

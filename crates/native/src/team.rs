@@ -6,9 +6,12 @@
 //! futex within microseconds, and waking them for each region cost more than the region's
 //! work at batch 1 (measured here: two threads decoded no faster than one, where llama.cpp's
 //! spinning pool is 1.9× faster). A team member here spins for a short while after each
-//! region ([`SPIN`]), so the next region of the same step finds it awake, then sleeps on a
-//! condition variable: between steps, and on a worker with nothing to do, it costs nothing,
-//! and four workers sharing two cores do not spin against each other for longer than that.
+//! region ([`SPIN`]), so the next region of the same step finds it awake, then keeps looking
+//! for a while longer, yielding the core between looks ([`LINGER`]), so the next step of a
+//! served engine finds it awake too (a member asleep between steps cost a served decode at
+//! batch 1 a quarter of its rate: the wake-up, at every step), then sleeps on a condition
+//! variable: on a worker with nothing to do it costs nothing, and workers sharing cores give
+//! way to each other while they linger.
 //!
 //! The one `unsafe` of this crate outside the kernels is here: a region's closure lives on
 //! the caller's stack and the members call it through a pointer; [`Team::run`] returns only
@@ -23,8 +26,15 @@ use parking_lot::{Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long a member spins for the next region before it sleeps.
+/// How long a member spins for the next region before it yields between looks.
 pub const SPIN: Duration = Duration::from_micros(100);
+
+/// How long a member keeps looking for the next region (yielding the core to whatever else
+/// is runnable between looks) before it sleeps: longer than the gap between two steps of a
+/// served engine (its outputs handed to the serving threads, the next step planned), so a
+/// busy engine's members never need waking, while a yielding member costs a thread that
+/// wants the core almost nothing.
+pub const LINGER: Duration = Duration::from_millis(2);
 
 /// A region's work: called once with each member's index (the caller is 0).
 type Job = dyn Fn(usize) + Sync;
@@ -172,8 +182,15 @@ fn member(s: &Shared, i: usize) {
         // Spin a little for the next region, then sleep until one comes.
         let start = Instant::now();
         let mut epoch = s.epoch.load(Ordering::SeqCst);
-        while epoch == seen && !s.stop.load(Ordering::Relaxed) && start.elapsed() < SPIN {
-            std::hint::spin_loop();
+        while epoch == seen && !s.stop.load(Ordering::Relaxed) {
+            let waited = start.elapsed();
+            if waited < SPIN {
+                std::hint::spin_loop();
+            } else if waited < LINGER {
+                std::thread::yield_now();
+            } else {
+                break;
+            }
             epoch = s.epoch.load(Ordering::SeqCst);
         }
         if epoch == seen {

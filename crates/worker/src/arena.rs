@@ -103,6 +103,40 @@ impl ArenaStorage for RegionStorage {
         }
     }
 
+    fn read_many(&self, offsets: &[usize], len: usize, f: &mut dyn FnMut(&[&[u8]])) {
+        match self.region.memory_kind() {
+            MemoryKind::Host => {
+                // Shared locks on all of them at once: a writer takes one block at a time
+                // (the region's protocol), so holding several cannot deadlock with one.
+                let guards: Vec<_> = offsets
+                    .iter()
+                    .map(|&o| {
+                        self.region
+                            .read_lock_block(self.block_of(o, len))
+                            .expect("arena blocks are within the region (checked by the arena)")
+                    })
+                    .collect();
+                let blocks: Vec<&[u8]> = guards.iter().map(|g| &**g).collect();
+                f(&blocks);
+            }
+            MemoryKind::Cuda => {
+                let mut copies = Vec::with_capacity(offsets.len());
+                for &o in offsets {
+                    let mut staging = vec![0u8; len];
+                    if let Err(e) = self
+                        .region
+                        .read_block_into(self.block_of(o, len), &mut staging)
+                    {
+                        device_failed("read", &e);
+                    }
+                    copies.push(staging);
+                }
+                let blocks: Vec<&[u8]> = copies.iter().map(Vec::as_slice).collect();
+                f(&blocks);
+            }
+        }
+    }
+
     fn write(&mut self, offset: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
         let block = self.block_of(offset, len);
         match self.region.memory_kind() {
@@ -189,5 +223,30 @@ mod tests {
         let got = region_digest(&region, &[3, 2]).unwrap();
         assert_eq!((got.value(), got.blocks()), (expected.value(), 2));
         assert!(region_digest(&region, &[4]).is_err(), "past the region");
+    }
+
+    #[test]
+    fn many_blocks_read_at_once_keep_a_writer_out_until_the_reader_is_done() {
+        let region = Region::host(4, 8).unwrap();
+        region.write_block(1, &[1; 8]).unwrap();
+        region.write_block(3, &[3; 8]).unwrap();
+        let storage = RegionStorage::new(region.clone());
+        let written = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            storage.read_many(&[24, 8, 24], 8, &mut |blocks| {
+                assert_eq!(blocks, [&[3u8; 8][..], &[1; 8], &[3; 8]]);
+                // A writer to one of them waits for the reader.
+                let writer = scope.spawn(|| {
+                    region.write_block(1, &[5; 8]).unwrap();
+                    written.store(true, std::sync::atomic::Ordering::SeqCst);
+                });
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                assert!(!written.load(std::sync::atomic::Ordering::SeqCst));
+                assert_eq!(blocks[1], &[1; 8]);
+                drop(writer);
+            });
+        });
+        assert!(written.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(region.read_block(1).unwrap(), vec![5; 8]);
     }
 }

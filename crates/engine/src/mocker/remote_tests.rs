@@ -334,6 +334,9 @@ impl crate::arena::ArenaStorage for External {
     fn write(&mut self, offset: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
         f(&mut self.0[offset..offset + len]);
     }
+    fn read_many(&self, offsets: &[usize], len: usize, f: &mut dyn FnMut(&[&[u8]])) {
+        self.0.read_many(offsets, len, f)
+    }
 }
 
 #[test]

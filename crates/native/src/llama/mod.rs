@@ -204,8 +204,14 @@ impl Llama {
             self.embed
                 .dequantize_row(row.token as usize, &mut s.x[r * d..(r + 1) * d]);
         }
+        // The blocks the step's rows attend over, each once, and each row's as indices into
+        // them: a layer's attention takes them from the arena in one access.
+        let mut blocks = BlockSet::default();
+        for row in rows {
+            blocks.add_row(&row.table[..(row.pos + 1).div_ceil(block_size)]);
+        }
         for (l, layer) in self.layers.iter().enumerate() {
-            self.attention_block(c, l, layer, rows, arena, block_size, s);
+            self.attention_block(c, l, layer, rows, &blocks, arena, block_size, s);
             self.ffn_block(c, layer, n, s);
         }
         let out_rows: Vec<usize> = (0..n).filter(|&r| rows[r].logits).collect();
@@ -231,6 +237,7 @@ impl Llama {
         l: usize,
         layer: &Layer,
         rows: &[StepRow<'_>],
+        blocks: &BlockSet,
         arena: &mut KvArena,
         bs: usize,
         s: &mut Scratch,
@@ -281,10 +288,22 @@ impl Llama {
         s.att.resize(n * qd, 0.0);
         let (groups, span) = (cfg.n_head_kv, cfg.group() * hd);
         let work = rows.iter().map(|r| r.pos + 1).sum::<usize>() * groups;
-        let (q, arena) = (&s.q, &*arena);
-        c.for_each_chunk(&mut s.att, span, work, |i, out| {
-            let (r, g) = (i / groups, i % groups);
-            self.attend(k, l, &rows[r], arena, bs, &q[r * qd..(r + 1) * qd], g, out);
+        let (q, att) = (&s.q, &mut s.att);
+        arena.with_blocks(&blocks.ids, |bytes| {
+            c.for_each_chunk(att, span, work, |i, out| {
+                let (r, g) = (i / groups, i % groups);
+                let row_blocks: Vec<&[u8]> = blocks.rows[r].iter().map(|&b| bytes[b]).collect();
+                self.attend(
+                    k,
+                    l,
+                    &rows[r],
+                    &row_blocks,
+                    bs,
+                    &q[r * qd..(r + 1) * qd],
+                    g,
+                    out,
+                );
+            });
         });
         c.activations(&mut s.acts, n, qd, &s.att);
         s.h.resize(n * d, 0.0);
@@ -304,7 +323,7 @@ impl Llama {
         k: &Kernels,
         l: usize,
         row: &StepRow<'_>,
-        arena: &KvArena,
+        blocks: &[&[u8]],
         bs: usize,
         q: &[f32],
         g: usize,
@@ -314,7 +333,6 @@ impl Llama {
         let (kvd, hd, group) = (cfg.kv_dim(), cfg.head_dim, cfg.group());
         let len = row.pos + 1;
         let kv_token = self.kv_bytes_per_token_layer();
-        let blocks = &row.table[..len.div_ceil(bs)];
         // Where, in a block, position slot `j`'s K (V: `v` = 1) of KV head `g` starts: a
         // layer's slots are consecutive, `[token][K then V][head][dim]`.
         let at = |j: usize, v: usize| (l * bs + j) * kv_token + v * kvd * 2 + g * hd * 2;
@@ -327,43 +345,37 @@ impl Llama {
         // The next block's K (`v` = 0) or V of this head, asked of memory while this block's
         // are computed with: blocks lie anywhere in the arena, no prefetcher guesses them.
         let ahead = |b: usize, v: usize| {
-            if let Some(&next) = blocks.get(b + 1) {
+            if let Some(next) = blocks.get(b + 1) {
                 let slots = (len - (b + 1) * bs).min(bs);
-                arena.with_block(next, |bytes| {
-                    for j in 0..slots {
-                        k.prefetch(bytes, at(j, v)..at(j, v) + hd * 2);
-                    }
-                });
+                for j in 0..slots {
+                    k.prefetch(next, at(j, v)..at(j, v) + hd * 2);
+                }
             }
         };
-        for (b, &block) in blocks.iter().enumerate() {
+        for (b, bytes) in blocks.iter().enumerate() {
             let slots = (len - b * bs).min(bs);
             ahead(b, 0);
-            arena.with_block(block, |bytes| {
-                let keys = &bytes[at(0, 0)..];
-                k.scores_f16(
-                    q,
-                    hd,
-                    keys,
-                    kv_token,
-                    slots,
-                    scale,
-                    &mut scores[b * bs..],
-                    len,
-                );
-            });
+            let keys = &bytes[at(0, 0)..];
+            k.scores_f16(
+                q,
+                hd,
+                keys,
+                kv_token,
+                slots,
+                scale,
+                &mut scores[b * bs..],
+                len,
+            );
         }
         for i in 0..group {
             softmax(&mut scores[i * len..(i + 1) * len]);
         }
         out.fill(0.0);
-        for (b, &block) in blocks.iter().enumerate() {
+        for (b, bytes) in blocks.iter().enumerate() {
             let slots = (len - b * bs).min(bs);
             ahead(b, 1);
-            arena.with_block(block, |bytes| {
-                let values = &bytes[at(0, 1)..];
-                k.weighted_f16(&scores[b * bs..], len, values, kv_token, slots, hd, out);
-            });
+            let values = &bytes[at(0, 1)..];
+            k.weighted_f16(&scores[b * bs..], len, values, kv_token, slots, hd, out);
         }
     }
 
@@ -401,6 +413,30 @@ impl Llama {
         for (x, o) in s.x.iter_mut().zip(&s.h) {
             *x += o;
         }
+    }
+}
+
+/// The distinct blocks of a step's rows (`ids`, each once) and each row's blocks in
+/// position order as indices into `ids`.
+#[derive(Debug, Default)]
+struct BlockSet {
+    ids: Vec<u32>,
+    rows: Vec<Vec<usize>>,
+    at: std::collections::HashMap<u32, usize>,
+}
+
+impl BlockSet {
+    fn add_row(&mut self, table: &[u32]) {
+        let row = table
+            .iter()
+            .map(|&b| {
+                *self.at.entry(b).or_insert_with(|| {
+                    self.ids.push(b);
+                    self.ids.len() - 1
+                })
+            })
+            .collect();
+        self.rows.push(row);
     }
 }
 
