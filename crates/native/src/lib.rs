@@ -14,20 +14,21 @@
 //! - [`quant`]: [`GgmlType`] with ggml's ids and block geometry, and [`dequantize_row`], the
 //!   scalar dequantizers of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K.
 //! - [`kernels`]: the dot products the forward pass is made of (Q4_0, Q4_1, Q8_0 weights
-//!   against 8-bit activations, f32), portable and AVX2, chosen at run time.
+//!   against 8-bit activations, f32; attention over f16 K and V), portable, AVX2, AVX-VNNI
+//!   and AVX-512 VNNI, chosen at run time, bit for bit the same.
 //! - [`tensor`]: weight matrices in the kernels' formats, and a step's activation rows.
 //! - [`llama`]: the configuration and the forward pass over the paged KV; [`load`] builds
 //!   one from a file ([`Precision`]: the file's formats, or all f32 as a reference).
 //! - [`model`]: [`NativeModel`], the forward pass and the sampler as the engine's model.
 //! - [`sampling`]: greedy and seeded temperature / top-k / top-p / min-p draws.
 //! - [`tokenizer`]: the file's byte-level BPE tokenizer and its special tokens.
-//! - [`team`]: the worker's threads, which spin briefly between a step's parallel regions and
-//!   sleep between steps.
+//! - [`team`]: the worker's threads, which spin briefly between a step's parallel regions,
+//!   linger yielding between steps, and sleep when the worker is idle.
 //! - `error`: [`Error`], classified by [`Error::class`].
 //!
 //! **Invariants.**
 //! - `unsafe` lives in two audited modules, each block with a `// SAFETY:`: `kernels/simd.rs`
-//!   (the AVX2 intrinsics) and [`team`] (a parallel region's closure called through a
+//!   (the SIMD intrinsics and prefetches) and [`team`] (a parallel region's closure called through a
 //!   pointer by the worker's threads, which `Team::run` outlives). The file is read into a
 //!   `Vec<u8>` (no memory mapping).
 //! - Bounds are checked at parse time, once: every length and count against the bytes left

@@ -1,4 +1,4 @@
-//! The SIMD kernels (x86-64 AVX2): the one module of this crate with `unsafe`.
+//! The SIMD kernels (x86-64 AVX2, AVX-VNNI and AVX-512 VNNI) and prefetches: the one module of this crate with `unsafe`.
 //!
 //! Each function here computes exactly what its namesake in `portable` computes, bit for
 //! bit: a block's 8 integer lane sums are exact whatever adds them, and the f32 operations
