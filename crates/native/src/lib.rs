@@ -17,7 +17,7 @@
 //!   against 8-bit activations, f32; attention over f16 K and V), portable, AVX2, AVX-VNNI
 //!   and AVX-512 VNNI, chosen at run time, bit for bit the same.
 //! - [`tensor`]: weight matrices in the kernels' formats, and a step's activation rows.
-//! - [`llama`]: the configuration and the forward pass over the paged KV; [`load`] builds
+//! - [`llama`]: the configuration and the forward pass over the paged KV; [`load()`] builds
 //!   one from a file ([`Precision`]: the file's formats, or all f32 as a reference).
 //! - [`model`]: [`NativeModel`], the forward pass and the sampler as the engine's model.
 //! - [`sampling`]: greedy and seeded temperature / top-k / top-p / min-p draws.

@@ -15,7 +15,7 @@
 //! portable path computes the same lanes in plain Rust. The tests hold every path to bitwise
 //! equality with the portable one.
 //!
-//! `unsafe` (the SIMD intrinsics) lives in [`simd`] only, each block with a `// SAFETY:`.
+//! `unsafe` (the SIMD intrinsics) lives in `simd` only, each block with a `// SAFETY:`.
 
 mod portable;
 mod simd;

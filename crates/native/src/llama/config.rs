@@ -27,7 +27,7 @@ impl Arch {
         }
     }
 
-    /// RoPE rotates (x[i], x[i + d/2]) rather than (x[2i], x[2i + 1]).
+    /// RoPE rotates `(x[i], x[i + d/2])` rather than `(x[2i], x[2i + 1])`.
     pub fn rope_neox(self) -> bool {
         matches!(self, Arch::Qwen2)
     }
