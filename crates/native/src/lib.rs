@@ -27,7 +27,7 @@
 //! - `error`: [`Error`], classified by [`Error::class`].
 //!
 //! **Invariants.**
-//! - `unsafe` lives in two audited modules, each block with a `// SAFETY:`: `kernels/simd.rs`
+//! - `unsafe` lives in two audited modules, each block with a `// SAFETY:`: `kernels/simd/`
 //!   (the SIMD intrinsics and prefetches) and [`team`] (a parallel region's closure called through a
 //!   pointer by the worker's threads, which `Team::run` outlives). The file is read into a
 //!   `Vec<u8>` (no memory mapping).

@@ -227,26 +227,33 @@ mod tests {
 
     #[test]
     fn many_blocks_read_at_once_keep_a_writer_out_until_the_reader_is_done() {
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
         let region = Region::host(4, 8).unwrap();
         region.write_block(1, &[1; 8]).unwrap();
         region.write_block(3, &[3; 8]).unwrap();
         let storage = RegionStorage::new(region.clone());
-        let written = std::sync::atomic::AtomicBool::new(false);
+        let (started, released) = (AtomicBool::new(false), AtomicBool::new(false));
         std::thread::scope(|scope| {
             storage.read_many(&[24, 8, 24], 8, &mut |blocks| {
                 assert_eq!(blocks, [&[3u8; 8][..], &[1; 8], &[3; 8]]);
-                // A writer to one of them waits for the reader.
-                let writer = scope.spawn(|| {
+                // A writer to one of the blocks, which must finish only after the reader
+                // has let go of them all.
+                scope.spawn(|| {
+                    started.store(true, SeqCst);
                     region.write_block(1, &[5; 8]).unwrap();
-                    written.store(true, std::sync::atomic::Ordering::SeqCst);
+                    assert!(released.load(SeqCst), "the write went through a read lock");
                 });
-                std::thread::sleep(std::time::Duration::from_millis(50));
-                assert!(!written.load(std::sync::atomic::Ordering::SeqCst));
+                while !started.load(SeqCst) {
+                    std::thread::yield_now();
+                }
+                // The writer is at the lock (or about to be): give it every chance to pass.
+                for _ in 0..1000 {
+                    std::thread::yield_now();
+                }
                 assert_eq!(blocks[1], &[1; 8]);
-                drop(writer);
+                released.store(true, SeqCst);
             });
         });
-        assert!(written.load(std::sync::atomic::Ordering::SeqCst));
         assert_eq!(region.read_block(1).unwrap(), vec![5; 8]);
     }
 }
