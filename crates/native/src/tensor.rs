@@ -72,6 +72,7 @@ impl Matrix {
         // rows after the last whole group (a batch-1 step's one row) meet the weight rows a
         // few at a time (`Kernels::dot_rows`).
         const TILE: usize = 32;
+        let w = &self.data[range.start * self.row_bytes..range.end * self.row_bytes];
         let mut r0 = 0;
         while r0 < x.rows {
             let r1 = (r0 + TILE).min(x.rows);
@@ -83,11 +84,9 @@ impl Matrix {
                 );
                 // The tile's whole groups (`r0` is a multiple of the group).
                 let groups = &x.scales[r0 / GROUP_ROWS * blocks..grouped / GROUP_ROWS * blocks];
-                let w = &self.data[range.start * self.row_bytes..range.end * self.row_bytes];
                 let out = &mut out[r0 * n..grouped * n];
                 k.dot_grid(self.format, w, n, xf, xq, groups, self.cols, out, n);
             }
-            let w = &self.data[range.start * self.row_bytes..range.end * self.row_bytes];
             for r in grouped..r1 {
                 let (xf, xq) = (x.row_f32(r), x.row_q8(r));
                 k.dot_rows(
