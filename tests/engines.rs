@@ -6,7 +6,7 @@
 //!
 //! Covered: a repeated long prompt goes to the engine holding it (headers, the engine's own
 //! cached-token count and its prefix-cache metric); P/D through the connector handshake gives
-//! the tokens an aggregated run gives; a dropped ZMQ batch is repaired from the replay
+//! the tokens an aggregated run gives, and logprobs come through it; a dropped ZMQ batch is repaired from the replay
 //! socket; an engine killed mid-stream takes its worker out of the pool and the index while
 //! the stream migrates.
 
@@ -150,6 +150,29 @@ fn prefill_and_decode_through_the_connector_handshake_match_an_aggregated_run() 
         1.0
     );
 
+    // Logprobs through the sidecar: asked of the engine in vLLM's terms (`logprobs` with
+    // `return_tokens_as_token_ids`), read back as ids, rendered by the frontend in OpenAI's
+    // completions shape. The mocker's tokens are certain.
+    let asked = json!({
+        "prompt": prompt, "max_tokens": 6, "seed": 5, "temperature": 0, "logprobs": 2,
+    });
+    let r = c.post("/v1/completions", &asked);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: Value = r.json();
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<String> = serde_json::from_value(lp["tokens"].clone()).unwrap();
+    assert_eq!(tokens.len(), 6, "{lp}");
+    assert_eq!(lp["token_logprobs"], json!(vec![0.0f32; 6]));
+    let tops = lp["top_logprobs"].as_array().unwrap();
+    assert_eq!(tops.len(), 6);
+    for (t, top) in tokens.iter().zip(tops) {
+        assert_eq!(top, &json!({ t.as_str(): 0.0 }), "{lp}");
+    }
+    let pulls = c
+        .engine(decode_id(0))
+        .metrics()
+        .get("standin:kv_pulls_total");
+
     // The prefill engine dies; until its sidecar leaves the pool the frontend still picks
     // it, the handshake fails, and the decode engine prefills the prompt itself.
     c.engine(prefill_id(0)).proc.kill9();
@@ -173,8 +196,8 @@ fn prefill_and_decode_through_the_connector_handshake_match_an_aggregated_run() 
         c.engine(decode_id(0))
             .metrics()
             .get("standin:kv_pulls_total"),
-        1.0,
-        "no second pull: the decode engine prefilled the second prompt itself"
+        pulls,
+        "no new pull: the decode engine prefilled the second prompt itself"
     );
 }
 

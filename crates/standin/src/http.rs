@@ -231,6 +231,10 @@ struct Completion {
     kv: Option<Value>,
     /// The LoRA adapter `model` names (vLLM's `_maybe_get_adapters`); None: the base model.
     lora: Option<String>,
+    /// `logprobs`: the completions API's count of alternatives per token.
+    logprobs: Option<u8>,
+    /// `return_tokens_as_token_ids`: logprobs name tokens `token_id:<id>`.
+    tokens_as_ids: bool,
 }
 
 fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
@@ -307,6 +311,19 @@ fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
             .get("kv_transfer_params")
             .filter(|k| k.is_object())
             .cloned(),
+        logprobs: match v.get("logprobs") {
+            None | Some(Value::Null) => None,
+            // vLLM's default `--max-logprobs` is 20.
+            Some(n) => Some(
+                n.as_u64()
+                    .filter(|&n| n <= 20)
+                    .ok_or("logprobs must be an integer from 0 to 20")? as u8,
+            ),
+        },
+        tokens_as_ids: v
+            .get("return_tokens_as_token_ids")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
     })
 }
 
@@ -335,8 +352,12 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
             c.lora.as_deref(),
         ),
         sampling_seed: c.seed,
-        // The stand-in's engine is the mocker, whose tokens ignore the sampling parameters.
-        sampling: SamplingParams::default(),
+        // The stand-in's engine is the mocker, whose tokens ignore the sampling parameters;
+        // it reports logprobs when asked (every token certain).
+        sampling: SamplingParams {
+            logprobs: c.logprobs,
+            ..SamplingParams::default()
+        },
         stop_token: c.stop_token,
         ignore_eos: c.ignore_eos,
         adapter: c.lora.clone(),
@@ -377,6 +398,46 @@ fn token_text(tokens: &[u32]) -> String {
     tokens.iter().map(|t| format!(" t{t}")).collect()
 }
 
+/// vLLM's `CompletionLogProbs` for one token (`text_offset` into the choice's text so far):
+/// the sampled token's log-probability, and a map holding it and the most likely
+/// alternatives (`vllm/entrypoints/openai/serving_completion.py`,
+/// `_create_completion_logprobs`), tokens named `token_id:<id>` under
+/// `return_tokens_as_token_ids`.
+fn completion_logprobs(
+    c: &Completion,
+    outs: &[&tandem_engine::RequestOutput],
+    mut text_offset: usize,
+) -> Value {
+    if c.logprobs.is_none() {
+        return Value::Null;
+    }
+    let name = |t: u32| {
+        if c.tokens_as_ids {
+            format!("token_id:{t}")
+        } else {
+            token_text(&[t])
+        }
+    };
+    let (mut offsets, mut values, mut names, mut tops) = (vec![], vec![], vec![], vec![]);
+    for o in outs {
+        let (lp, top) = o
+            .logprobs
+            .as_deref()
+            .map_or((0.0, Vec::new()), |l| (l.logprob, l.top.clone()));
+        offsets.push(text_offset);
+        text_offset += token_text(&[o.token]).len();
+        values.push(lp);
+        names.push(name(o.token));
+        let mut map = serde_json::Map::new();
+        map.insert(name(o.token), json!(lp));
+        for (t, l) in top {
+            map.insert(name(t), json!(l));
+        }
+        tops.push(Value::Object(map));
+    }
+    json!({"text_offset": offsets, "token_logprobs": values, "tokens": names, "top_logprobs": tops})
+}
+
 struct Meta {
     id: String,
     model: String,
@@ -392,6 +453,8 @@ struct Follow {
     prompt_len: usize,
     cached: Option<usize>,
     completion: u32,
+    /// Bytes of text answered so far (`text_offset`).
+    text_len: usize,
 }
 
 impl Follow {
@@ -404,6 +467,7 @@ impl Follow {
             prompt_len: c.prompt.len(),
             cached: None,
             completion: 0,
+            text_len: 0,
         }
     }
 
@@ -453,9 +517,11 @@ fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHan
     let return_ids = c.return_token_ids;
     let prompt = c.prompt.clone();
     let follow = Follow::new(s, &c);
+    let c = Arc::new(c);
     let state = (handle, follow, meta, false, false);
     let events = futures::stream::unfold(state, move |(mut h, mut f, meta, first_sent, done)| {
         let prompt = prompt.clone();
+        let c = c.clone();
         async move {
             if done {
                 return None;
@@ -470,8 +536,11 @@ fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHan
                 match h.next().await {
                     Some(Ok(HostOutput::Token(o))) => {
                         let finish = f.token(&o);
+                        let text = token_text(&[o.token]);
+                        let logprobs = completion_logprobs(&c, &[&o], f.text_len);
+                        f.text_len += text.len();
                         let mut choice = json!({
-                            "index": 0, "text": token_text(&[o.token]), "logprobs": null,
+                            "index": 0, "text": text, "logprobs": logprobs,
                             "finish_reason": finish, "stop_reason": null,
                         });
                         if return_ids {
@@ -524,12 +593,14 @@ async fn whole_response(
 ) -> Response {
     let mut follow = Follow::new(s, &c);
     let mut tokens = Vec::new();
+    let mut outs = Vec::new();
     let mut finish = None;
     while let Some(out) = handle.next().await {
         match out {
             Ok(HostOutput::Token(o)) => {
                 tokens.push(o.token);
                 finish = follow.token(&o);
+                outs.push(o);
                 if finish.is_some() {
                     break;
                 }
@@ -538,9 +609,10 @@ async fn whole_response(
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         }
     }
+    let outs: Vec<&tandem_engine::RequestOutput> = outs.iter().collect();
     let mut choice = json!({
-        "index": 0, "text": token_text(&tokens), "logprobs": null, "finish_reason": finish,
-        "stop_reason": null,
+        "index": 0, "text": token_text(&tokens), "logprobs": completion_logprobs(&c, &outs, 0),
+        "finish_reason": finish, "stop_reason": null,
     });
     if c.return_token_ids {
         choice["token_ids"] = json!(tokens);

@@ -4,8 +4,10 @@
 //! field for field:
 //!
 //! - `POST /v1/completions` with `prompt` as token ids, `max_tokens`, `temperature`, `seed`,
-//!   `stop_token_ids`, `ignore_eos`, `cache_salt`, `return_token_ids` (choices carry
-//!   `token_ids`; the first streamed chunk also `prompt_token_ids`), `stream` with
+//!   `stop_token_ids`, `ignore_eos`, `cache_salt`, `logprobs` with
+//!   `return_tokens_as_token_ids` (the mocker's tokens are certain: log-probability 0),
+//!   `return_token_ids` (choices carry `token_ids`; the first streamed chunk also
+//!   `prompt_token_ids`), `stream` with
 //!   `stream_options.include_usage` (a last chunk with empty `choices` and `usage`, whose
 //!   `prompt_tokens_details.cached_tokens` is the engine's own prefix-cache hit), and
 //!   `kv_transfer_params` as vLLM's NIXL connector reads and writes them

@@ -19,8 +19,24 @@
 //!   far unless the server runs with `--incremental-streaming-output` — and `meta_info`
 //!   (`prompt_tokens`, `completion_tokens`, `cached_tokens`, `finish_reason.type`).
 //!
-//! Logprobs are not asked of either engine yet: the sidecar refuses a request that wants them
-//! (400) rather than answer without.
+//! Logprobs are asked in each engine's own terms and come back as token ids:
+//!
+//! - **vLLM**: `logprobs: N` (the completions API's count of alternatives) with
+//!   `return_tokens_as_token_ids: true`, so every token in the answer is named
+//!   `token_id:<id>` (`vllm/entrypoints/openai/serving_engine.py`, `_get_decoded_token`).
+//!   Each streamed choice then has `logprobs` (`CompletionLogProbs`: `token_logprobs`, one
+//!   per `token_ids` entry, and `top_logprobs`, one map of token to log-probability per
+//!   token, holding the sampled token and the `N` most likely; `-9999.0` stands for
+//!   minus infinity).
+//! - **SGLang**: `return_logprob: true`, `top_logprobs_num: N` and `logprob_start_len: -1`
+//!   (output tokens only). `meta_info.output_token_logprobs` has one `[logprob, id, text]`
+//!   per output token and `output_top_logprobs` one list of them per token (or null), both
+//!   cumulative like `output_ids` unless the server streams increments
+//!   (`python/sglang/srt/managers/tokenizer_manager.py`: `detokenize_logprob_tokens`,
+//!   `_slice_streaming_output_meta_info`).
+//!
+//! A plain OpenAI server (`openai`) names its alternatives by text, which tandem cannot turn
+//! back into ids: a request for logprobs through one is refused (400).
 //!
 //! Dropping the stream drops the HTTP response, which closes the connection: both engines
 //! abort a request whose client disconnected.
@@ -31,6 +47,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 use serde_json::{Value, json};
+use tandem_protocol::grpc::TokenLogprobs;
 
 /// Which API the engine speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -130,6 +147,9 @@ pub struct EngineGenerate {
     pub kv_transfer_params: Option<Value>,
     /// SGLang's disaggregation fields: `bootstrap_host`, `bootstrap_port`, `bootstrap_room`.
     pub bootstrap: Option<SglangBootstrap>,
+    /// Report each token's log-probability and this many most likely alternatives'
+    /// (OpenAI's `top_logprobs`); `None`: none.
+    pub logprobs: Option<u32>,
 }
 
 /// Where an SGLang decode engine meets its prefill engine for one request.
@@ -163,6 +183,8 @@ pub struct EngineDelta {
     pub text: Option<String>,
     /// Completion tokens as the engine counted them (usage), when it says.
     pub completion_tokens: Option<u32>,
+    /// When the request asked for logprobs: one per entry of `tokens`.
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 pub type DeltaStream = Pin<Box<dyn Stream<Item = Result<EngineDelta, EngineError>> + Send>>;
@@ -261,6 +283,10 @@ impl EngineApi {
                 if let Some(k) = &req.kv_transfer_params {
                     b["kv_transfer_params"] = k.clone();
                 }
+                if let Some(n) = req.logprobs {
+                    b["logprobs"] = json!(n);
+                    b["return_tokens_as_token_ids"] = json!(true);
+                }
                 b
             }
             EngineKind::Sglang => {
@@ -297,6 +323,11 @@ impl EngineApi {
                     b["bootstrap_host"] = json!(bs.host);
                     b["bootstrap_port"] = json!(bs.port);
                     b["bootstrap_room"] = json!(bs.room);
+                }
+                if let Some(n) = req.logprobs {
+                    b["return_logprob"] = json!(true);
+                    b["top_logprobs_num"] = json!(n);
+                    b["logprob_start_len"] = json!(-1);
                 }
                 b
             }
@@ -336,6 +367,7 @@ impl EngineApi {
         let kind = self.kind;
         let incremental = self.incremental_output;
         let prompt_len = req.prompt.len();
+        let top = req.logprobs;
         let mut events = sse_events(resp.bytes_stream());
         let mut seen = 0usize;
         let mut finished = false;
@@ -370,9 +402,9 @@ impl EngineApi {
                     return;
                 }
                 let delta = match kind {
-                    EngineKind::Vllm => vllm_delta(&v, false),
-                    EngineKind::Openai => vllm_delta(&v, true),
-                    EngineKind::Sglang => sglang_delta(&v, incremental, &mut seen),
+                    EngineKind::Vllm => vllm_delta(&v, false, top),
+                    EngineKind::Openai => vllm_delta(&v, true, top),
+                    EngineKind::Sglang => sglang_delta(&v, incremental, &mut seen, top),
                 };
                 let delta = match delta {
                     Ok(d) => d,
@@ -408,9 +440,9 @@ impl EngineApi {
             .map_err(|e| EngineError::Protocol(format!("bad JSON answer: {e}")))?;
         let mut seen = 0;
         let mut d = match self.kind {
-            EngineKind::Vllm => vllm_delta(&v, false)?,
-            EngineKind::Openai => vllm_delta(&v, true)?,
-            EngineKind::Sglang => sglang_delta(&v, false, &mut seen)?,
+            EngineKind::Vllm => vllm_delta(&v, false, req.logprobs)?,
+            EngineKind::Openai => vllm_delta(&v, true, req.logprobs)?,
+            EngineKind::Sglang => sglang_delta(&v, false, &mut seen, req.logprobs)?,
         };
         if d.finish.is_none() {
             d.finish = Some(EngineFinish::Length);
@@ -500,8 +532,9 @@ fn count(v: &Value) -> Option<u32> {
 }
 
 /// One vLLM completion chunk (or whole answer). `text_ok`: a plain OpenAI server's chunk
-/// without token ids passes its text on.
-fn vllm_delta(v: &Value, text_ok: bool) -> Result<EngineDelta, EngineError> {
+/// without token ids passes its text on. `top`: the alternatives asked for with logprobs
+/// (`None`: no logprobs asked, none read).
+fn vllm_delta(v: &Value, text_ok: bool, top: Option<u32>) -> Result<EngineDelta, EngineError> {
     let mut d = EngineDelta::default();
     if let Some(choices) = v.get("choices").and_then(Value::as_array) {
         for c in choices {
@@ -523,7 +556,14 @@ fn vllm_delta(v: &Value, text_ok: bool) -> Result<EngineDelta, EngineError> {
                 }
                 d.text.get_or_insert_with(String::new).push_str(text);
             }
-            d.tokens.extend(ids(toks)?);
+            let new = ids(toks)?;
+            if let Some(n) = top
+                && !new.is_empty()
+            {
+                d.logprobs
+                    .extend(vllm_logprobs(c.get("logprobs"), &new, n)?);
+            }
+            d.tokens.extend(new);
             d.finish = match c.get("finish_reason").and_then(Value::as_str) {
                 Some("length") => Some(EngineFinish::Length),
                 Some(_) => Some(EngineFinish::Stop),
@@ -545,14 +585,155 @@ fn vllm_delta(v: &Value, text_ok: bool) -> Result<EngineDelta, EngineError> {
     Ok(d)
 }
 
+/// A log-probability as an engine writes it: a number, or null where the JSON encoder had
+/// no way to write minus infinity (orjson writes null for it). OpenAI's and vLLM's stand-in
+/// for minus infinity is -9999.0.
+fn logprob(v: &Value) -> Result<f32, EngineError> {
+    match v {
+        Value::Null => Ok(-9999.0),
+        v => v
+            .as_f64()
+            .map(|l| l as f32)
+            .ok_or_else(|| EngineError::Protocol(format!("bad log-probability {v}"))),
+    }
+}
+
+/// The `n` most likely of an engine's alternatives, most likely first (ties: lower id
+/// first), as tandem's wire carries them.
+fn ranked(lp: f32, mut alternatives: Vec<(u32, f32)>, n: u32) -> TokenLogprobs {
+    alternatives.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    alternatives.dedup_by_key(|a| a.0);
+    alternatives.truncate(n as usize);
+    TokenLogprobs {
+        logprob: lp,
+        top_tokens: alternatives.iter().map(|a| a.0).collect(),
+        top_logprobs: alternatives.iter().map(|a| a.1).collect(),
+    }
+}
+
+/// vLLM's `CompletionLogProbs` of one choice, for its `tokens` (named `token_id:<id>`, as
+/// `return_tokens_as_token_ids` asks).
+fn vllm_logprobs(
+    lp: Option<&Value>,
+    tokens: &[u32],
+    n: u32,
+) -> Result<Vec<TokenLogprobs>, EngineError> {
+    let missing = || {
+        EngineError::Protocol(
+            "logprobs were asked for and the engine's choice has none (is it vLLM ≥ 0.10.2,              which knows return_tokens_as_token_ids?)"
+                .into(),
+        )
+    };
+    let lp = lp.filter(|l| !l.is_null()).ok_or_else(missing)?;
+    let values = lp
+        .get("token_logprobs")
+        .and_then(Value::as_array)
+        .ok_or_else(missing)?;
+    let tops = lp.get("top_logprobs").and_then(Value::as_array);
+    if values.len() != tokens.len() || tops.is_some_and(|t| t.len() != tokens.len()) {
+        return Err(EngineError::Protocol(format!(
+            "{} token ids but {} logprobs in one choice",
+            tokens.len(),
+            values.len()
+        )));
+    }
+    let id_of = |name: &str| {
+        name.strip_prefix("token_id:")
+            .and_then(|id| id.parse::<u32>().ok())
+            .ok_or_else(|| {
+                EngineError::Protocol(format!(
+                    "the engine named a token {name:?}, not token_id:<id> (it ignored                      return_tokens_as_token_ids)"
+                ))
+            })
+    };
+    let mut out = Vec::with_capacity(tokens.len());
+    for (i, value) in values.iter().enumerate() {
+        let mut alternatives = Vec::new();
+        if let Some(map) = tops.and_then(|t| t[i].as_object()) {
+            for (name, l) in map {
+                alternatives.push((id_of(name)?, logprob(l)?));
+            }
+        }
+        out.push(ranked(logprob(value)?, alternatives, n));
+    }
+    Ok(out)
+}
+
+/// SGLang's `[logprob, id, text]` triple.
+fn sglang_triple(v: &Value) -> Result<(u32, f32), EngineError> {
+    let bad = || EngineError::Protocol(format!("bad logprob entry {v}"));
+    let a = v.as_array().filter(|a| a.len() >= 2).ok_or_else(bad)?;
+    let id = count(&a[1]).ok_or_else(bad)?;
+    Ok((id, logprob(&a[0])?))
+}
+
+/// SGLang's `output_token_logprobs` / `output_top_logprobs` for the delta's tokens: entries
+/// `from..` of the (cumulative or incremental) lists.
+fn sglang_logprobs(
+    meta: Option<&Value>,
+    tokens: &[u32],
+    from: usize,
+    n: u32,
+) -> Result<Vec<TokenLogprobs>, EngineError> {
+    let values = meta
+        .and_then(|m| m.get("output_token_logprobs"))
+        .and_then(Value::as_array)
+        .ok_or_else(|| {
+            EngineError::Protocol(
+                "logprobs were asked for and the engine's meta_info has no                  output_token_logprobs"
+                    .into(),
+            )
+        })?;
+    let tops = meta
+        .and_then(|m| m.get("output_top_logprobs"))
+        .and_then(Value::as_array);
+    let span = from..from + tokens.len();
+    let (Some(values), tops) = (values.get(span.clone()), tops.map(|t| t.get(span.clone()))) else {
+        return Err(EngineError::Protocol(format!(
+            "{} output ids but {} output_token_logprobs",
+            span.end,
+            values.len()
+        )));
+    };
+    let tops = match tops {
+        Some(None) => {
+            return Err(EngineError::Protocol(format!(
+                "{} output ids but fewer output_top_logprobs",
+                span.end
+            )));
+        }
+        Some(Some(t)) => Some(t),
+        None => None,
+    };
+    let mut out = Vec::with_capacity(tokens.len());
+    for (i, &token) in tokens.iter().enumerate() {
+        let (id, lp) = sglang_triple(&values[i])?;
+        if id != token {
+            return Err(EngineError::Protocol(format!(
+                "output_token_logprobs names token {id} where output_ids has {token}"
+            )));
+        }
+        let mut alternatives = Vec::new();
+        if let Some(list) = tops.and_then(|t| t[i].as_array()) {
+            for e in list {
+                alternatives.push(sglang_triple(e)?);
+            }
+        }
+        out.push(ranked(lp, alternatives, n));
+    }
+    Ok(out)
+}
+
 /// One SGLang `/generate` object; `seen` counts ids already delivered (cumulative mode).
 fn sglang_delta(
     v: &Value,
     incremental: bool,
     seen: &mut usize,
+    top: Option<u32>,
 ) -> Result<EngineDelta, EngineError> {
     let mut d = EngineDelta::default();
     let out = ids(v.get("output_ids").unwrap_or(&Value::Null))?;
+    let from = if incremental { 0 } else { *seen };
     if incremental {
         d.tokens = out;
     } else {
@@ -566,6 +747,11 @@ fn sglang_delta(
         }
         d.tokens = out[*seen..].to_vec();
         *seen = out.len();
+    }
+    if let Some(n) = top
+        && !d.tokens.is_empty()
+    {
+        d.logprobs = sglang_logprobs(v.get("meta_info"), &d.tokens, from, n)?;
     }
     if let Some(m) = v.get("meta_info") {
         d.prompt_tokens = m.get("prompt_tokens").and_then(count);

@@ -24,10 +24,12 @@ impl Sidecar {
             return Err(WorkerError::InvalidRequest("empty prompt".into()).into());
         }
         let s = req.sampling.unwrap_or_default();
-        if s.logprobs.is_some() {
-            // The engines' logprobs come in their own shapes; not mapped yet.
+        if s.logprobs.is_some() && self.inner.config.engine == EngineKind::Openai {
+            // Such a server names its alternatives by text, not ids.
             return Err(WorkerError::InvalidRequest(
-                "logprobs are not served by external engines behind a tandem sidecar".into(),
+                "logprobs are not served through an `openai` engine (it names tokens by \
+                 text, not ids); run the engine as vllm or sglang"
+                    .into(),
             )
             .into());
         }
@@ -46,6 +48,7 @@ impl Sidecar {
             kv_transfer_params: None,
             bootstrap: None,
             lora_adapter: Some(req.lora_adapter.clone()).filter(|a| !a.is_empty()),
+            logprobs: s.logprobs,
         })
     }
 
@@ -164,6 +167,7 @@ impl Sidecar {
             kv_transfer_params: None,
             bootstrap: Some(bootstrap),
             lora_adapter: Some(req.lora_adapter).filter(|a| !a.is_empty()),
+            logprobs: None,
         };
         let flight = self.begin(engine_req.prompt.len() as u64);
         let api = self.inner.api.clone();
@@ -404,6 +408,7 @@ impl Sidecar {
                 };
                 if let Some(l) = last.as_mut() {
                     l.tokens.extend(d.tokens);
+                    l.logprobs.extend(d.logprobs);
                     l.cached_tokens = d.cached_tokens.unwrap_or(l.cached_tokens);
                     l.prompt_tokens = d.prompt_tokens.unwrap_or(l.prompt_tokens);
                     if let Some(t) = d.text {
@@ -443,7 +448,7 @@ impl Sidecar {
                     } else {
                         PrefillOutcome::Unspecified as i32
                     },
-                    logprobs: Vec::new(),
+                    logprobs: d.logprobs,
                 };
                 first = false;
                 if chunk.finish != grpc::FinishReason::Unspecified as i32 {
@@ -508,6 +513,7 @@ impl Sidecar {
             })),
             bootstrap: None,
             lora_adapter: Some(req.lora_adapter).filter(|a| !a.is_empty()),
+            logprobs: None,
         };
         let answer = self
             .inner
