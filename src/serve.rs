@@ -320,6 +320,20 @@ pub struct KvTransportArgs {
 }
 
 impl KvTransportArgs {
+    /// The flags that give a worker process these settings (`tandem up --processes`); the
+    /// listen address stays each worker's own.
+    pub fn to_worker_args(&self) -> Vec<String> {
+        [
+            ("kv-transport", &self.kv_transport),
+            ("ucx-net-devices", &self.ucx_net_devices),
+            ("ucx-tls", &self.ucx_tls),
+            ("kv-advertise-host", &self.kv_advertise_host),
+        ]
+        .into_iter()
+        .filter_map(|(flag, v)| v.as_ref().map(|v| format!("--{flag}={v}")))
+        .collect()
+    }
+
     /// The process's KV transport; None for `inline`.
     pub async fn open(&self) -> anyhow::Result<Option<Arc<dyn Transport>>> {
         let kind = match self.kv_transport.as_deref() {

@@ -57,6 +57,12 @@ pub struct UpArgs {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub flow: crate::flow_args::FlowArgs,
+    /// How KV moves from prefill to decode workers. In one process the default is `local`
+    /// (an in-process copy) and `tcp`, `ucx` or `inline` run the path separate machines
+    /// take; with `--processes` each worker gets the flag (unset: ucx where UCX initialises,
+    /// else tcp).
+    #[command(flatten)]
+    pub kv: crate::serve::KvTransportArgs,
     /// Log one JSON object per line.
     #[arg(long, env = "TANDEM_LOG_JSON", default_value_t = false)]
     pub log_json: bool,
@@ -132,16 +138,22 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     let threads = (available_cores() / (args.prefill + args.decode) as usize).max(1);
     let discovery = Arc::new(MemoryDiscovery::new());
     let events = Arc::new(MemoryEventPlane::new());
-    // One process: KV moves by an in-process copy into the decode worker's region.
-    let transport = tandem_kv_transfer::open(
-        tandem_kv_transfer::TransportKind::Local,
-        &tandem_kv_transfer::TransportConfig::default(),
-    )
-    .await?;
+    // One process: by default KV moves by an in-process copy into the decode worker's
+    // region; `--kv-transport` takes another path (all workers share the one transport).
+    let transport = match args.kv.kv_transport {
+        None => Some(
+            tandem_kv_transfer::open(
+                tandem_kv_transfer::TransportKind::Local,
+                &tandem_kv_transfer::TransportConfig::default(),
+            )
+            .await?,
+        ),
+        Some(_) => args.kv.open().await?,
+    };
     let deps = WorkerDeps {
         discovery: discovery.clone(),
         events: events.clone(),
-        transport: Some(transport),
+        transport,
     };
     // The workers drain once the frontend has (it may still need them for its streams).
     let workers_stop = root.under();
@@ -255,6 +267,10 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     )
     .chain(worker_model)
     .collect::<Vec<_>>();
+    let engine = engine
+        .into_iter()
+        .chain(args.kv.to_worker_args())
+        .collect::<Vec<_>>();
     let mut roles = ProcessGroup::new();
     for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
         for i in 0..n {

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use hashbrown::HashMap;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use tandem_engine::{
     DynEngine, EngineRequest, ErrorClass, ExportedBlock, RemotePrefill, RequestOutput,
     SchedulerError, TokenLogprobs,
@@ -108,6 +108,19 @@ impl std::fmt::Debug for EngineHost {
 }
 
 impl EngineHost {
+    /// The host's state, for callers on the runtime. A real model's step holds it for its
+    /// whole forward pass (seconds for a long prompt's chunk on a small machine); waiting
+    /// for it on a runtime worker stalls every task queued there — in one process the
+    /// frontend's too, and the HTTP/2 connections whose keep-alive pings then go unanswered
+    /// until peers drop them. So a contended wait happens off the runtime's workers
+    /// ([`cpu_bound`]).
+    fn state(&self) -> MutexGuard<'_, State> {
+        match self.inner.state.try_lock() {
+            Some(guard) => guard,
+            None => cpu_bound(|| self.inner.state.lock()),
+        }
+    }
+
     /// Starts the driver and the event publisher on `tasks`; they stop
     /// when `cancel` fires. Each request's outputs wait in a channel of `output_buffer`
     /// (at least 1).
@@ -171,7 +184,7 @@ impl EngineHost {
 
     /// The consumer of an export by reference is done with its blocks.
     pub fn release_export(&self, id: RequestId) {
-        self.inner.state.lock().engine.release_export(id);
+        self.state().engine.release_export(id);
         self.inner.work.notify_one();
     }
 
@@ -183,7 +196,7 @@ impl EngineHost {
         let id = req.id;
         let now = self.now_us();
         let handle = {
-            let mut st = self.inner.state.lock();
+            let mut st = self.state();
             if st.outputs.contains_key(&id) {
                 return Err(WorkerError::DuplicateRequest(id.0));
             }
@@ -220,7 +233,7 @@ impl EngineHost {
         let id = req.id;
         let now = self.now_us();
         let (handle, rp) = {
-            let mut st = self.inner.state.lock();
+            let mut st = self.state();
             if st.outputs.contains_key(&id) {
                 return Err(WorkerError::DuplicateRequest(id.0));
             }
@@ -245,7 +258,7 @@ impl EngineHost {
     /// refused once the request is no longer tracked (aborted: its blocks may belong to
     /// someone else by now).
     pub fn write_block(&self, id: RequestId, block: u32, bytes: &[u8]) -> Result<(), WorkerError> {
-        let mut st = self.inner.state.lock();
+        let mut st = self.state();
         if !st.outputs.contains_key(&id) {
             return Err(WorkerError::BadTransfer(format!(
                 "request {} is gone: block {block} not written",
@@ -301,7 +314,7 @@ impl EngineHost {
     ) -> Result<(), WorkerError> {
         let now = self.now_us();
         let idle = {
-            let mut st = self.inner.state.lock();
+            let mut st = self.state();
             let out = st
                 .engine
                 .finish_remote_prefill(id, first_token, logprobs, now)
@@ -333,22 +346,22 @@ impl EngineHost {
 
     /// KV events after `after`, or None when the ring no longer holds them (send a dump).
     pub fn events_since(&self, after: u64) -> Option<Vec<KvEvent>> {
-        self.inner.state.lock().engine.events_since(after).ok()
+        self.state().engine.events_since(after).ok()
     }
 
     pub fn dump(&self) -> KvDump {
-        self.inner.state.lock().engine.dump()
+        self.state().engine.dump()
     }
 
     /// Requests tracked now (queued, running, awaiting KV).
     pub fn in_flight(&self) -> usize {
-        self.inner.state.lock().outputs.len()
+        self.state().outputs.len()
     }
 
     /// The engine's load report now.
     pub fn load_report(&self) -> tandem_protocol::LoadReport {
         let now = self.now_us();
-        self.inner.state.lock().engine.load_report(now)
+        self.state().engine.load_report(now)
     }
 
     /// Waits until no request is tracked, or `timeout` passes; true when idle.
@@ -367,7 +380,7 @@ impl EngineHost {
 
     /// Runs `f` on the engine, for tests and status pages.
     pub fn with_engine<R>(&self, f: impl FnOnce(&DynEngine) -> R) -> R {
-        f(&self.inner.state.lock().engine)
+        f(&self.state().engine)
     }
 
     /// Tracks a new request: its bounded output channel and its handle.
@@ -394,7 +407,7 @@ impl EngineHost {
     /// Forgets a request: aborts it in the engine when it is still tracked (not ended).
     fn release(&self, id: RequestId) {
         let (aborted, now_idle) = {
-            let mut st = self.inner.state.lock();
+            let mut st = self.state();
             let tracked = st.outputs.remove(&id).is_some();
             st.exporting.retain(|r| *r != id);
             if tracked {
@@ -424,7 +437,7 @@ impl EngineHost {
                 .filter(|end| now.saturating_duration_since(*end) <= TIMER_SLACK)
                 .unwrap_or(now);
             let start_us = start.duration_since(self.inner.started).as_micros() as u64;
-            let planned = self.inner.state.lock().engine.begin_step(start_us);
+            let planned = self.state().engine.begin_step(start_us);
             let Some(step) = planned else {
                 prev_end = None;
                 tokio::select! {
@@ -495,7 +508,7 @@ impl EngineHost {
     /// Completes the in-flight step at `now` (its modelled end): exported blocks, then
     /// outputs to their requests. True when no request is left.
     fn complete_step(&self, now: u64) -> bool {
-        let mut st = self.inner.state.lock();
+        let mut st = self.state();
         let outputs = st.engine.finish_step(now);
         // Blocks first: a consumer sees a prompt's last blocks before its token.
         let exporting = std::mem::take(&mut st.exporting);
@@ -526,7 +539,7 @@ impl EngineHost {
                 _ = cancel.cancelled() => return,
             }
             let batch = {
-                let st = self.inner.state.lock();
+                let st = self.state();
                 match st.engine.events_since(last) {
                     Ok(events) => events,
                     Err(_) => {
