@@ -6,6 +6,7 @@ pub mod chat;
 pub mod cluster;
 pub mod http;
 pub mod metrics;
+pub mod native;
 pub mod openai;
 
 use std::path::PathBuf;

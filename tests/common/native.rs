@@ -1,0 +1,72 @@
+//! `tandem up --model` on the SmolLM2-135M GGUF (scripts/test.sh fetches it into
+//! target/models), for the tests that serve the real model.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::cluster::{Proc, wait_for};
+use super::http;
+
+pub struct Up {
+    pub proc: Proc,
+    pub addr: SocketAddr,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        self.proc.signal("INT");
+        if self.proc.wait_exit(Duration::from_secs(60)).is_none() {
+            self.proc.kill9();
+        }
+    }
+}
+
+pub fn model_path() -> PathBuf {
+    let model =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        model.exists(),
+        "{} is missing: scripts/test.sh fetches it",
+        model.display()
+    );
+    model
+}
+
+/// `tandem up --model MODEL` with one prefill and one decode worker, once the frontend sees
+/// both.
+pub fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
+    let dir = super::temp_dir(tag);
+    let port = tandem_runtime::external::free_port().unwrap();
+    let mut args: Vec<String> = vec![
+        "up".into(),
+        "--port".into(),
+        port.to_string(),
+        "--model".into(),
+        model.to_string(),
+        "--prefill".into(),
+        "1".into(),
+        "--decode".into(),
+        "1".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut proc = Proc::spawn(tag, "up", &args, &dir.join("up.log"));
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    // Both workers in the frontend's view: a request sent before the prefill worker
+    // registers is prefilled on the decode worker whatever --disagg says.
+    wait_for(
+        "tandem up's frontend to see both workers",
+        Duration::from_secs(120),
+        || {
+            assert!(proc.is_running(), "tandem up exited:\n{}", proc.log());
+            let m = http::get(addr, "/metrics")
+                .ok()
+                .filter(|r| r.status == 200)?;
+            let m = super::metrics::Metrics::parse(&m.text());
+            let seen =
+                |role: &str| m.0.get(&format!("tandem_workers{{role=\"{role}\"}}")) == Some(&1.0);
+            (seen("decode") && seen("prefill")).then_some(())
+        },
+    );
+    Up { proc, addr }
+}

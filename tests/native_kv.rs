@@ -1,0 +1,163 @@
+//! Real KV between workers, on the SmolLM2-135M GGUF with the native engine: a prompt
+//! prefilled on a prefill worker, its KV moved to the decode worker, gives exactly the tokens
+//! (and the log-probabilities, bit for bit as JSON prints them) of the same prompt prefilled
+//! on the decode worker itself — over every transport (`local`, `tcp`, `ucx`, `inline`) in one
+//! process, and across processes on real etcd and NATS.
+//!
+//! The requests: completions of token-id prompts from 10 to 3,000 tokens, greedy and seeded
+//! at temperature 0.8; chats; and prompts that extend an earlier one, whose prefix the decode
+//! worker then holds (only the rest is prefilled and moved).
+
+mod common;
+
+use std::sync::OnceLock;
+
+use common::http;
+use common::native::{Up, model_path, up};
+use serde_json::{Value, json};
+
+/// Tokens every request generates.
+const MAX_TOKENS: u32 = 12;
+
+fn ids(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 200 + (i * 7919 + seed * 31) % 40_000)
+        .collect()
+}
+
+/// A completion of `prompt`; `temperature` 0: greedy, else seeded.
+fn completion(prompt: Vec<u32>, temperature: f32) -> (&'static str, Value) {
+    (
+        "/v1/completions",
+        json!({
+            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": temperature, "seed": 7,
+            "logprobs": 2,
+        }),
+    )
+}
+
+fn chat(system: &str, user: &str, temperature: f32) -> (&'static str, Value) {
+    (
+        "/v1/chat/completions",
+        json!({
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": MAX_TOKENS, "temperature": temperature, "seed": 11,
+            "logprobs": true, "top_logprobs": 2,
+        }),
+    )
+}
+
+/// The requests, in the order they are sent (later ones extend earlier ones' prompts).
+fn requests() -> Vec<(&'static str, Value)> {
+    let long = ids(900, 3);
+    let extended: Vec<u32> = long.iter().copied().chain(ids(400, 4)).collect();
+    let system = "You are a careful assistant. Answer in one short sentence, plainly.";
+    vec![
+        completion(ids(10, 1), 0.0),
+        completion(ids(60, 2), 0.0),
+        completion(ids(250, 5), 0.8),
+        completion(long.clone(), 0.0),
+        // The 900-token prompt again (a prefix hit), then extended by 400 tokens.
+        completion(long, 0.8),
+        completion(extended, 0.0),
+        completion(ids(3000, 6), 0.0),
+        chat(system, "Name three colors.", 0.0),
+        chat(system, "Write two sentences about the sea.", 0.8),
+        // The same system prompt: its blocks are cached.
+        chat(system, "What is the capital of France?", 0.0),
+    ]
+}
+
+/// What must not change between runs: each request's choices (text, finish reason,
+/// logprobs) and completion-token count.
+fn answers(up: &Up, remote: bool) -> Vec<Value> {
+    requests()
+        .iter()
+        .enumerate()
+        .map(|(i, (path, body))| {
+            let r = http::post_json(up.addr, path, &body.to_string()).unwrap();
+            assert_eq!(r.status, 200, "request {i}: {}", r.text());
+            assert_eq!(
+                r.header("x-tandem-prefill-worker").is_some(),
+                remote,
+                "request {i} prefilled where it should not be"
+            );
+            let v: Value = serde_json::from_str(&r.text()).unwrap();
+            json!({
+                "choices": v["choices"],
+                "completion_tokens": v["usage"]["completion_tokens"],
+            })
+        })
+        .collect()
+}
+
+/// Both workers on both cores: the requests go one at a time, so one worker computes at once.
+fn cluster(tag: &str, extra: &[&str]) -> Up {
+    let mut flags = vec!["--threads", "2"];
+    flags.extend_from_slice(extra);
+    up(tag, &model_path().display().to_string(), &flags)
+}
+
+/// The aggregated run every other is held against: each prompt prefilled on the decode
+/// worker.
+fn reference() -> &'static [Value] {
+    static REFERENCE: OnceLock<Vec<Value>> = OnceLock::new();
+    REFERENCE.get_or_init(|| {
+        let agg = cluster("kv-agg", &["--disagg", "never"]);
+        let a = answers(&agg, false);
+        // The answers are the model's: text, and logprobs that are not all certain.
+        assert!(
+            a[7]["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_lowercase()
+                .contains("color"),
+            "{}",
+            a[7]
+        );
+        assert!(a[0]["choices"][0]["logprobs"]["token_logprobs"][0].as_f64() < Some(0.0));
+        a
+    })
+}
+
+fn assert_same(name: &str, got: &[Value]) {
+    let want = reference();
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g, w, "{name}: request {i} differs from the aggregated run");
+    }
+}
+
+fn disaggregated_over(name: &str, extra: &[&str]) {
+    let _serial = common::chat::serial();
+    reference();
+    let mut flags = vec!["--disagg", "always"];
+    flags.extend_from_slice(extra);
+    let up = cluster(&format!("kv-{name}"), &flags);
+    assert_same(name, &answers(&up, true));
+}
+
+#[test]
+fn disaggregated_over_local_copies_gives_the_aggregated_tokens() {
+    disaggregated_over("local", &[]);
+}
+
+#[test]
+fn disaggregated_over_tcp_gives_the_aggregated_tokens() {
+    disaggregated_over("tcp", &["--kv-transport", "tcp"]);
+}
+
+#[test]
+fn disaggregated_over_ucx_gives_the_aggregated_tokens() {
+    disaggregated_over("ucx", &["--kv-transport", "ucx"]);
+}
+
+#[test]
+fn disaggregated_inline_on_the_grpc_stream_gives_the_aggregated_tokens() {
+    disaggregated_over("inline", &["--kv-transport", "inline"]);
+}
+
+#[test]
+fn disaggregated_across_processes_gives_the_aggregated_tokens() {
+    disaggregated_over("processes", &["--processes"]);
+}
