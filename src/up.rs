@@ -63,6 +63,10 @@ pub struct UpArgs {
     /// else tcp).
     #[command(flatten)]
     pub kv: crate::serve::KvTransportArgs,
+    /// Fault injection: the prefill workers corrupt one byte of every KV transfer after its
+    /// digest is taken (as `tandem prefill --inject-kv-corruption`).
+    #[arg(long, hide = true, default_value_t = false)]
+    pub inject_kv_corruption: bool,
     /// Log one JSON object per line.
     #[arg(long, env = "TANDEM_LOG_JSON", default_value_t = false)]
     pub log_json: bool,
@@ -173,6 +177,7 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
                 args.engine.max_batched_tokens,
             )?;
         }
+        cfg.corrupt_transfers = args.inject_kv_corruption && role == WorkerRole::Prefill;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let (deps, stop) = (deps.clone(), workers_stop.clone());
         workers.spawn(async move {
@@ -273,10 +278,13 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         .collect::<Vec<_>>();
     let mut roles = ProcessGroup::new();
     for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
+        let corrupt = (args.inject_kv_corruption && role == "prefill")
+            .then(|| "--inject-kv-corruption".to_string());
         for i in 0..n {
             let flags = std::iter::once(role.to_string())
                 .chain(plane.clone())
-                .chain(engine.clone());
+                .chain(engine.clone())
+                .chain(corrupt.clone());
             roles.spawn(format!("{role}-{i}"), &exe, flags)?;
         }
     }

@@ -4,6 +4,9 @@
 //! on the decode worker itself — over every transport (`local`, `tcp`, `ucx`, `inline`) in one
 //! process, and across processes on real etcd and NATS.
 //!
+//! A transfer corrupted on the way is caught by its digest, and the local prefill the
+//! decode worker falls back to answers the same.
+//!
 //! The requests: completions of token-id prompts from 10 to 3,000 tokens, greedy and seeded
 //! at temperature 0.8; chats; and prompts that extend an earlier one, whose prefix the decode
 //! worker then holds (only the rest is prefilled and moved).
@@ -71,17 +74,25 @@ fn requests() -> Vec<(&'static str, Value)> {
 /// What must not change between runs: each request's choices (text, finish reason,
 /// logprobs) and completion-token count.
 fn answers(up: &Up, remote: bool) -> Vec<Value> {
-    requests()
+    answers_of(up, &requests(), Some(remote))
+}
+
+/// [`answers`] of some requests; `remote`: whether each must say it was prefilled remotely
+/// (`None`: either).
+fn answers_of(up: &Up, requests: &[(&'static str, Value)], remote: Option<bool>) -> Vec<Value> {
+    requests
         .iter()
         .enumerate()
         .map(|(i, (path, body))| {
             let r = http::post_json(up.addr, path, &body.to_string()).unwrap();
             assert_eq!(r.status, 200, "request {i}: {}", r.text());
-            assert_eq!(
-                r.header("x-tandem-prefill-worker").is_some(),
-                remote,
-                "request {i} prefilled where it should not be"
-            );
+            if let Some(remote) = remote {
+                assert_eq!(
+                    r.header("x-tandem-prefill-worker").is_some(),
+                    remote,
+                    "request {i} prefilled where it should not be"
+                );
+            }
             let v: Value = serde_json::from_str(&r.text()).unwrap();
             json!({
                 "choices": v["choices"],
@@ -121,7 +132,10 @@ fn reference() -> &'static [Value] {
 }
 
 fn assert_same(name: &str, got: &[Value]) {
-    let want = reference();
+    assert_same_as(name, got, reference());
+}
+
+fn assert_same_as(name: &str, got: &[Value], want: &[Value]) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert_eq!(g, w, "{name}: request {i} differs from the aggregated run");
@@ -160,4 +174,28 @@ fn disaggregated_inline_on_the_grpc_stream_gives_the_aggregated_tokens() {
 #[test]
 fn disaggregated_across_processes_gives_the_aggregated_tokens() {
     disaggregated_over("processes", &["--processes"]);
+}
+
+/// Every transfer has one byte flipped after its digest was taken: the decode worker catches
+/// it, prefills the prompt itself, and answers exactly what the aggregated run answered.
+#[test]
+fn a_corrupted_transfer_is_caught_and_the_local_prefill_gives_the_same_tokens() {
+    let _serial = common::chat::serial();
+    let picked = [0, 2, 3, 7, 8];
+    let want: Vec<Value> = picked.iter().map(|&i| reference()[i].clone()).collect();
+    let all = requests();
+    let asked: Vec<_> = picked.iter().map(|&i| all[i].clone()).collect();
+    let up = cluster(
+        "kv-corrupt",
+        &["--disagg", "always", "--inject-kv-corruption"],
+    );
+    assert_same_as("corrupted", &answers_of(&up, &asked, None), &want);
+    let m = http::get(up.addr, "/metrics").unwrap().text();
+    let m = common::metrics::Metrics::parse(&m);
+    assert_eq!(
+        m.0.get("tandem_prefills_total{outcome=\"fallback\"}")
+            .copied(),
+        Some(picked.len() as f64),
+        "every corrupted transfer fell back to a local prefill"
+    );
 }
