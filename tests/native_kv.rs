@@ -4,6 +4,7 @@
 //! on the decode worker itself — over every transport (`local`, `tcp`, `ucx`, `inline`) in one
 //! process, and across processes on real etcd and NATS.
 //!
+//! A decode worker killed mid-stream: its streams migrate and equal uninterrupted ones.
 //! A transfer corrupted on the way is caught by its digest, and the local prefill the
 //! decode worker falls back to answers the same.
 //!
@@ -14,8 +15,11 @@
 mod common;
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
-use common::http;
+use common::chat::{chunks, content, final_usage, open_stream, read_events, streamed};
+use common::cluster::{Cluster, Options, words};
+use common::http::{self, StreamEnd};
 use common::native::{Up, model_path, up};
 use serde_json::{Value, json};
 
@@ -198,4 +202,86 @@ fn a_corrupted_transfer_is_caught_and_the_local_prefill_gives_the_same_tokens() 
         Some(picked.len() as f64),
         "every corrupted transfer fell back to a local prefill"
     );
+}
+
+/// A cluster of separate processes on real etcd and NATS (tests/common/cluster.rs), its
+/// workers computing the model.
+fn native_cluster(name: &str, opts: Options) -> Cluster {
+    let model = model_path().display().to_string();
+    Cluster::start(
+        name,
+        Options {
+            worker_args: vec![
+                "--engine=native".into(),
+                format!("--model={model}"),
+                "--threads=1".into(),
+            ],
+            frontend_args: vec![
+                "--model=SmolLM2-135M-Instruct.Q4_1".into(),
+                format!("--tokenizer={model}"),
+                "--context-length=8192".into(),
+            ],
+            ..opts
+        },
+    )
+}
+
+/// kill -9 of the decode worker serving two streams (greedy, and seeded at temperature
+/// 0.8) after 50 of their 300 tokens: both migrate to the other decode worker (prompt and
+/// tokens so far, recomputed there) and complete exactly as an uninterrupted run does.
+#[test]
+fn a_killed_decode_workers_streams_migrate_and_equal_the_uninterrupted_ones() {
+    let _serial = common::chat::serial();
+    let mut c = native_cluster(
+        "kv-migrate",
+        Options {
+            decode: 2,
+            ..Options::default()
+        },
+    );
+    // A long shared prompt: the router's cache credit for it outweighs one stream's load.
+    let system = format!("You tell stories. {}", words(3, 600));
+    let story = |temperature: f32| {
+        json!({
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 300, "ignore_eos": true, "temperature": temperature, "seed": 5,
+        })
+    };
+    // The shared prompt warms one worker's cache, so both streams are routed to it.
+    let first = c.chat(&story(0.0));
+    let home = first.decode;
+    let prompt = u64::from(first.completion.usage.prompt_tokens);
+    c.wait_metrics("the prompt in the index", Duration::from_secs(20), |m| {
+        m.index_entries() >= prompt / 16
+    });
+    let mut greedy = open_stream(&c, &streamed(story(0.0)));
+    let mut seeded = open_stream(&c, &streamed(story(0.8)));
+    for s in [&greedy, &seeded] {
+        assert_eq!(
+            s.header("x-tandem-decode-worker"),
+            Some(home.to_string().as_str()),
+            "both streams on the worker holding their prompt"
+        );
+    }
+    let mut greedy_events = read_events(&mut greedy, 50);
+    let mut seeded_events = read_events(&mut seeded, 50);
+    c.worker(home).kill9();
+    for (mut s, events) in [(greedy, &mut greedy_events), (seeded, &mut seeded_events)] {
+        let (rest, end) = s.collect();
+        assert!(matches!(end, StreamEnd::Done), "{end:?}");
+        events.extend(rest);
+    }
+    assert!(c.metrics().get("tandem_migrations_total") >= 2.0);
+    for (events, temperature) in [(&greedy_events, 0.0), (&seeded_events, 0.8)] {
+        let migrated = chunks(events);
+        assert_eq!(final_usage(&migrated).completion_tokens, 300);
+        let uninterrupted = c.chat(&story(temperature));
+        assert_ne!(uninterrupted.decode, home);
+        assert_eq!(
+            content(&migrated),
+            uninterrupted.content(),
+            "temperature {temperature}: the migrated stream differs from an uninterrupted run"
+        );
+    }
 }
