@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LIMIT=${LIMIT:-600}
-TRACE=${TRACE:-../shared/traces/conversation_trace.jsonl}
+TRACE=${TRACE:-traces/conversation_trace.jsonl}
 OUT=${OUT:-$(mktemp -d /tmp/tandem-overload-XXXX)}
 mkdir -p "$OUT"
 if [ -z "${BIN:-}" ]; then

@@ -11,7 +11,7 @@
 set -euo pipefail
 old=$1 new=$2 out=${3:-$(mktemp -d)}
 here=$(cd "$(dirname "$0")/.." && pwd)
-traces=${TRACES:-$here/../shared/traces}
+traces=${TRACES:-$here/traces}
 C="$traces/conversation_trace.jsonl"
 S="$traces/synthetic_trace.jsonl"
 

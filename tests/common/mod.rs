@@ -19,10 +19,10 @@ pub fn temp_dir(tag: &str) -> PathBuf {
     dir
 }
 
-/// A bundled trace: shared/ sits beside the repository.
+/// A trace the repository ships (traces/).
 pub fn trace(name: &str) -> PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces")
+        .join("traces")
         .join(name)
 }
 

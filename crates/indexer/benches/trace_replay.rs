@@ -1,6 +1,6 @@
 //! The index at cluster scale, on a real trace.
 //!
-//! Replays `shared/traces/conversation_trace.jsonl` (each 512-token hash id expanded to 32
+//! Replays `traces/conversation_trace.jsonl` (each 512-token hash id expanded to 32
 //! blocks of 16 tokens) through 1,000 real block pools of bounded capacity, each request routed
 //! to a worker by its conversation (the trace's second hash id), `--passes` times with a
 //! different cache salt per pass, so that the pools evict and the event stream holds both
@@ -62,7 +62,7 @@ fn opts() -> Opts {
         limit: 0,
         trace: concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/traces/conversation_trace.jsonl"
+            "/../../traces/conversation_trace.jsonl"
         )
         .to_string(),
         only: Vec::new(),

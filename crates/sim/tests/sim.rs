@@ -104,7 +104,7 @@ fn multi_router_runs_complete_with_and_without_sync_and_with_snapshots() {
 #[test]
 fn trace_workload_with_limit_and_speedup() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/traces/conversation_trace.jsonl");
+        .join("../../traces/conversation_trace.jsonl");
     let mut cfg = SimConfig::synthetic(4, SyntheticConfig::default());
     cfg.workload = WorkloadConfig::Trace(TraceWorkload {
         path,
@@ -120,7 +120,7 @@ fn trace_workload_with_limit_and_speedup() {
 #[test]
 fn jittered_trace_with_four_synced_routers_completes_and_repeats_byte_for_byte() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/traces/conversation_trace.jsonl");
+        .join("../../traces/conversation_trace.jsonl");
     let mut cfg = SimConfig::synthetic(4, SyntheticConfig::default());
     cfg.workload = WorkloadConfig::Trace(TraceWorkload {
         path,

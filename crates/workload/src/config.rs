@@ -56,7 +56,7 @@ impl WorkloadConfig {
     }
 }
 
-/// A Mooncake trace replayed (see `shared/traces/README.md`).
+/// A Mooncake trace replayed (see `traces/README.md`).
 #[derive(Clone, Debug)]
 pub struct TraceWorkload {
     pub path: PathBuf,

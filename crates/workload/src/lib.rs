@@ -7,7 +7,7 @@
 //!
 //! - `config.rs`: [`WorkloadConfig`] (a [`TraceWorkload`] or a [`SyntheticConfig`]: request
 //!   count, rate, [`ArrivalProcess`], [`LengthDist`]s, [`PromptShape`]), validated once.
-//! - [`trace`]: Mooncake request traces (`shared/traces/`): one JSON object a line with
+//! - [`trace`]: Mooncake request traces (`traces/`): one JSON object a line with
 //!   `timestamp` (ms), `input_length`, `output_length` and `hash_ids`, one id per 512-token
 //!   block of the prompt. [`trace::expand_tokens`] turns the ids into token ids, a fixed
 //!   function of each id, so that requests sharing leading ids share exactly those prefixes at

@@ -288,7 +288,7 @@ mod tests {
     fn trace(limit: usize) -> WorkloadConfig {
         WorkloadConfig::Trace(crate::config::TraceWorkload {
             path: std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../../shared/traces/conversation_trace.jsonl"),
+                .join("../../traces/conversation_trace.jsonl"),
             arrival_speedup: 1.0,
             limit: Some(limit),
         })

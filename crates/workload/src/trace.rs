@@ -138,8 +138,7 @@ mod tests {
 
     #[test]
     fn bundled_traces_parse() {
-        // shared/ sits beside the repository (as on developer machines and in CI).
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../traces");
         for (file, n) in [
             ("synthetic_trace.jsonl", 3993),
             ("conversation_trace.jsonl", 12031),
