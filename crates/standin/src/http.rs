@@ -394,48 +394,8 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
 
 /// The stand-in has no tokenizer: its text for token `t` is ` t<t>` (a plain server's
 /// text, for clients that take text only).
-fn token_text(tokens: &[u32]) -> String {
+pub(crate) fn token_text(tokens: &[u32]) -> String {
     tokens.iter().map(|t| format!(" t{t}")).collect()
-}
-
-/// vLLM's `CompletionLogProbs` for one token (`text_offset` into the choice's text so far):
-/// the sampled token's log-probability, and a map holding it and the most likely
-/// alternatives (`vllm/entrypoints/openai/serving_completion.py`,
-/// `_create_completion_logprobs`), tokens named `token_id:<id>` under
-/// `return_tokens_as_token_ids`.
-fn completion_logprobs(
-    c: &Completion,
-    outs: &[&tandem_engine::RequestOutput],
-    mut text_offset: usize,
-) -> Value {
-    if c.logprobs.is_none() {
-        return Value::Null;
-    }
-    let name = |t: u32| {
-        if c.tokens_as_ids {
-            format!("token_id:{t}")
-        } else {
-            token_text(&[t])
-        }
-    };
-    let (mut offsets, mut values, mut names, mut tops) = (vec![], vec![], vec![], vec![]);
-    for o in outs {
-        let (lp, top) = o
-            .logprobs
-            .as_deref()
-            .map_or((0.0, Vec::new()), |l| (l.logprob, l.top.clone()));
-        offsets.push(text_offset);
-        text_offset += token_text(&[o.token]).len();
-        values.push(lp);
-        names.push(name(o.token));
-        let mut map = serde_json::Map::new();
-        map.insert(name(o.token), json!(lp));
-        for (t, l) in top {
-            map.insert(name(t), json!(l));
-        }
-        tops.push(Value::Object(map));
-    }
-    json!({"text_offset": offsets, "token_logprobs": values, "tokens": names, "top_logprobs": tops})
 }
 
 struct Meta {
@@ -537,7 +497,12 @@ fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHan
                     Some(Ok(HostOutput::Token(o))) => {
                         let finish = f.token(&o);
                         let text = token_text(&[o.token]);
-                        let logprobs = completion_logprobs(&c, &[&o], f.text_len);
+                        let logprobs = crate::logprobs::completion_logprobs(
+                            c.logprobs,
+                            c.tokens_as_ids,
+                            &[&o],
+                            f.text_len,
+                        );
                         f.text_len += text.len();
                         let mut choice = json!({
                             "index": 0, "text": text, "logprobs": logprobs,
@@ -611,7 +576,7 @@ async fn whole_response(
     }
     let outs: Vec<&tandem_engine::RequestOutput> = outs.iter().collect();
     let mut choice = json!({
-        "index": 0, "text": token_text(&tokens), "logprobs": completion_logprobs(&c, &outs, 0),
+        "index": 0, "text": token_text(&tokens), "logprobs": crate::logprobs::completion_logprobs(c.logprobs, c.tokens_as_ids, &outs, 0),
         "finish_reason": finish, "stop_reason": null,
     });
     if c.return_token_ids {

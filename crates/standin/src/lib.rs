@@ -37,6 +37,7 @@
 
 mod events;
 mod http;
+mod logprobs;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};
