@@ -22,6 +22,9 @@ pub struct ModelFile {
     pub eos_token: Option<u32>,
 }
 
+/// How long a decode worker of the native engine waits for a remote prefill.
+pub const NATIVE_PREFILL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 impl ModelFile {
     /// `--model`'s value, when it names a GGUF file (a path ending in `.gguf`, or a named model
     /// of `crate::models`, fetched on first use); loads it. Any other value is a served name
@@ -77,6 +80,10 @@ impl ModelFile {
         max_batched_tokens: Option<usize>,
     ) -> anyhow::Result<()> {
         c.model = self.name.clone();
+        // A decode worker gives a remote prefill this long before it prefills locally: on
+        // CPUs a long prompt's prefill takes tens of seconds (3,000 tokens on 2 cores: ~15 s),
+        // and past the mocker's 5 s every long prompt was prefilled twice.
+        c.prefill_timeout = NATIVE_PREFILL_TIMEOUT;
         c.engine.scheduler.max_num_batched_tokens =
             max_batched_tokens.unwrap_or(NATIVE_MAX_BATCHED_TOKENS);
         c.native = Some(self.engine(threads));

@@ -272,9 +272,11 @@ pub struct WorkerArgs {
     /// Seconds a draining worker waits for in-flight requests.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
-    /// Decode: milliseconds a remote prefill may take before prefilling locally.
-    #[arg(long, env = "TANDEM_PREFILL_TIMEOUT_MS", default_value_t = 5000)]
-    pub prefill_timeout_ms: u64,
+    /// Decode: milliseconds a remote prefill may take before prefilling locally (default
+    /// 5,000; with `--engine native`, whose prefill of a long prompt on CPUs takes tens of
+    /// seconds, 600,000).
+    #[arg(long, env = "TANDEM_PREFILL_TIMEOUT_MS")]
+    pub prefill_timeout_ms: Option<u64>,
     /// Milliseconds between load reports.
     #[arg(long, env = "TANDEM_LOAD_INTERVAL_MS", default_value_t = 500)]
     pub load_interval_ms: u64,
@@ -370,7 +372,9 @@ impl WorkerArgs {
         c.rack = self.topology_rack.clone();
         c.corrupt_transfers = self.inject_kv_corruption;
         c.drain_timeout = Duration::from_secs(self.drain_timeout_s);
-        c.prefill_timeout = Duration::from_millis(self.prefill_timeout_ms);
+        if let Some(ms) = self.prefill_timeout_ms {
+            c.prefill_timeout = Duration::from_millis(ms);
+        }
         c.load_interval = Duration::from_millis(self.load_interval_ms);
         c.transfer_fence_timeout = Duration::from_secs(self.transfer_fence_timeout_s);
         c.kv_memory = self.kv_memory;
@@ -636,7 +640,7 @@ impl WorkerArgs {
         c.health_failures = x.engine_health_failures.max(1);
         c.startup_timeout = Duration::from_secs(x.engine_startup_timeout_s);
         c.drain_timeout = Duration::from_secs(self.drain_timeout_s);
-        c.prefill_timeout = Duration::from_millis(self.prefill_timeout_ms);
+        c.prefill_timeout = Duration::from_millis(self.prefill_timeout_ms.unwrap_or(5000));
         Ok(Some(c))
     }
 }
@@ -690,6 +694,9 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
             args.engine.kv_memory_mb,
             args.engine.max_batched_tokens,
         )?;
+        if let Some(ms) = args.prefill_timeout_ms {
+            cfg.prefill_timeout = Duration::from_millis(ms);
+        }
     }
     let listener = bind(&args.listen).await?;
     let deps = args

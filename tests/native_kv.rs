@@ -153,6 +153,19 @@ fn disaggregated_over(name: &str, extra: &[&str]) {
     flags.extend_from_slice(extra);
     let up = cluster(&format!("kv-{name}"), &flags);
     assert_same(name, &answers(&up, true));
+    // Every prompt's KV came over: none fell back to a local prefill.
+    let m = http::get(up.addr, "/metrics").unwrap().text();
+    let m = common::metrics::Metrics::parse(&m);
+    let outcome = |o: &str| {
+        m.0.get(&format!("tandem_prefills_total{{outcome=\"{o}\"}}"))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    assert_eq!(
+        (outcome("remote"), outcome("fallback")),
+        (requests().len() as f64, 0.0),
+        "{name}: every prefill remote"
+    );
 }
 
 #[test]
