@@ -82,6 +82,8 @@ struct State {
 struct Inner {
     worker_id: WorkerId,
     state: Mutex<State>,
+    /// A real model's forward pass holds `state` now (for as long as it takes).
+    computing: AtomicBool,
     /// New work for the driver.
     work: Notify,
     /// New KV events for the publisher.
@@ -115,6 +117,10 @@ impl EngineHost {
     /// until peers drop them. So a contended wait happens off the runtime's workers
     /// ([`cpu_bound`]).
     fn state(&self) -> MutexGuard<'_, State> {
+        if !self.inner.computing.load(Ordering::Acquire) {
+            // Held briefly (the mocker's steps, the serving paths): wait in place.
+            return self.inner.state.lock();
+        }
         match self.inner.state.try_lock() {
             Some(guard) => guard,
             None => cpu_bound(|| self.inner.state.lock()),
@@ -141,6 +147,7 @@ impl EngineHost {
                     output_buffer: output_buffer.max(1),
                     exporting: Vec::new(),
                 }),
+                computing: AtomicBool::new(false),
                 work: Notify::new(),
                 dirty: Notify::new(),
                 idle: Notify::new(),
@@ -459,7 +466,10 @@ impl EngineHost {
                 // preempted its threads: 0.77× the bare engine's decode rate at batch 1.)
                 let host = self.clone();
                 let computed = tokio::task::spawn_blocking(move || {
-                    host.inner.state.lock().engine.compute_step();
+                    let mut st = host.inner.state.lock();
+                    host.inner.computing.store(true, Ordering::Release);
+                    st.engine.compute_step();
+                    host.inner.computing.store(false, Ordering::Release);
                 });
                 tokio::select! {
                     done = computed => {
