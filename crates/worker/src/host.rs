@@ -111,11 +111,8 @@ impl std::fmt::Debug for EngineHost {
 
 impl EngineHost {
     /// The host's state, for callers on the runtime. A real model's step holds it for its
-    /// whole forward pass (seconds for a long prompt's chunk on a small machine); waiting
-    /// for it on a runtime worker stalls every task queued there — in one process the
-    /// frontend's too, and the HTTP/2 connections whose keep-alive pings then go unanswered
-    /// until peers drop them. So a contended wait happens off the runtime's workers
-    /// ([`cpu_bound`]).
+    /// whole forward pass (seconds for a long chunk); waited for on a runtime worker, that
+    /// stalls every task there, HTTP/2 keep-alives included: so then off it ([`cpu_bound`]).
     fn state(&self) -> MutexGuard<'_, State> {
         if !self.inner.computing.load(Ordering::Acquire) {
             // Held briefly (the mocker's steps, the serving paths): wait in place.
