@@ -210,6 +210,11 @@ pub fn register(
     let index_workers = Gauge::<i64>::default();
     let index_entries = Gauge::<i64>::default();
     let feed = Family::<CounterLabel, Gauge>::default();
+    // Both pools from the first scrape (0 until the first refresh), so that a reader polling
+    // for a pool's size never finds the series missing.
+    for role in ["decode", "prefill"] {
+        let _ = workers.get_or_create(&RoleLabel { role });
+    }
     registry.register(
         "tandem_workers",
         "Workers in discovery, by pool",
