@@ -272,6 +272,11 @@ pub struct WorkerArgs {
     /// Seconds a draining worker waits for in-flight requests.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// Decode: a draining worker offers its streams' KV to their frontends, which continue
+    /// them on other decode workers with this one as the remote prefill (the KV moves,
+    /// nothing is recomputed). `--drain-handover=false`: streams finish here.
+    #[arg(long, env = "TANDEM_DRAIN_HANDOVER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub drain_handover: bool,
     /// Decode: milliseconds a remote prefill may take before prefilling locally (default
     /// 5,000; with `--engine native`, whose prefill of a long prompt on CPUs takes tens of
     /// seconds, 600,000).
@@ -372,6 +377,7 @@ impl WorkerArgs {
         c.rack = self.topology_rack.clone();
         c.corrupt_transfers = self.inject_kv_corruption;
         c.drain_timeout = Duration::from_secs(self.drain_timeout_s);
+        c.drain_handover = self.drain_handover;
         if let Some(ms) = self.prefill_timeout_ms {
             c.prefill_timeout = Duration::from_millis(ms);
         }

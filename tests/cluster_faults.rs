@@ -247,6 +247,8 @@ fn a_draining_decode_worker_finishes_its_stream_and_exits_cleanly() {
             decode: 2,
             speedup: 1.0,
             drain_timeout_s: 20,
+            // The stream stays: its worker finishes it (the handover is the next test's).
+            worker_args: vec!["--drain-handover=false".into()],
             ..Options::default()
         },
     );
@@ -296,6 +298,64 @@ fn a_draining_decode_worker_finishes_its_stream_and_exits_cleanly() {
     let status = c
         .worker(victim)
         .wait_exit(bound)
+        .expect("the drained worker exits within its drain timeout");
+    assert!(status.success(), "exit status {status}");
+}
+
+/// SIGTERM to the decode worker serving a stream, handover on (the default): the worker
+/// offers the stream's KV, the frontend continues the stream on the other decode worker with
+/// the draining one as its remote prefill (the KV of prompt and tokens so far moves over
+/// UCX, nothing is recomputed), the client's stream completes in full, and the drained
+/// worker exits long before it could have finished the stream itself.
+#[test]
+fn a_draining_decode_worker_hands_its_stream_over_with_its_kv() {
+    let _serial = serial();
+    let mut c = Cluster::start(
+        "handover",
+        Options {
+            decode: 2,
+            speedup: 1.0,
+            drain_timeout_s: 20,
+            ..Options::default()
+        },
+    );
+    let mut s = open_stream(&c, &streamed(chat(&words(15, 300), "Go on and on.", 600)));
+    let victim: u64 = s.header("x-tandem-decode-worker").unwrap().parse().unwrap();
+    let mut events = read_events(&mut s, 10);
+    c.worker(victim).signal("TERM");
+    let (rest, end) = s.collect();
+    assert!(matches!(end, StreamEnd::Done), "{end:?}");
+    events.extend(rest);
+    let chunks = chunks(&events);
+    assert_eq!(finish_reasons(&chunks), ["length"]);
+    let usage = final_usage(&chunks);
+    assert_eq!(usage.completion_tokens, 600);
+
+    let m = c.metrics();
+    assert_eq!(m.get("tandem_handovers_total{outcome=\"moved\"}"), 1.0);
+    assert_eq!(m.get("tandem_handovers_total{outcome=\"declined\"}"), 0.0);
+    // Not a failure: no migration counted, no breaker opened.
+    assert_eq!(m.get("tandem_migrations_total"), 0.0);
+    // The continuation's prompt (the prompt and at least the 10 tokens read) came over
+    // from the draining worker as a remote prefill.
+    assert_eq!(m.get("tandem_prefills_total{outcome=\"remote\"}"), 1.0);
+    let moved = m.get("tandem_remote_prefill_tokens_total{kind=\"moved\"}");
+    assert!(
+        moved >= f64::from(usage.prompt_tokens + 10),
+        "moved {moved} of a {}-token prompt",
+        usage.prompt_tokens
+    );
+    assert!(
+        c.frontend()
+            .log()
+            .contains("handed the request over with its KV"),
+        "the frontend's log says nothing of the handover"
+    );
+    // At speedup 1, 600 tokens take ~10 s on one worker; the victim is gone well before:
+    // within its drain timeout in any case, cleanly.
+    let status = c
+        .worker(victim)
+        .wait_exit(Duration::from_secs(25))
         .expect("the drained worker exits within its drain timeout");
     assert!(status.success(), "exit status {status}");
 }

@@ -4,9 +4,12 @@
 //! on the decode worker itself — over every transport (`local`, `tcp`, `ucx`, `inline`) in one
 //! process, and across processes on real etcd and NATS.
 //!
-//! A decode worker killed mid-stream: its streams migrate and equal uninterrupted ones.
-//! A transfer corrupted on the way is caught by its digest, and the local prefill the
-//! decode worker falls back to answers the same.
+//! A decode worker killed mid-stream: its streams migrate and equal uninterrupted ones; one
+//! drained mid-stream hands them over with their KV, and they equal uninterrupted ones too.
+//! A transfer corrupted on the way is caught by its digest, and a prefill worker killed
+//! mid-transfer leaves its blocks half written: either way the local prefill the decode
+//! worker falls back to answers the same. The transfer is paged: what the decode worker
+//! already holds is not sent (the frontend's `tandem_remote_prefill_tokens_total`).
 //!
 //! The requests: completions of token-id prompts from 10 to 3,000 tokens, greedy and seeded
 //! at temperature 0.8; chats; and prompts that extend an earlier one, whose prefix the decode
@@ -18,7 +21,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use common::chat::{chunks, content, final_usage, open_stream, read_events, streamed};
-use common::cluster::{Cluster, Options, words};
+use common::cluster::{Cluster, Metrics, Options, prefill_id, wait_for, words};
 use common::http::{self, StreamEnd};
 use common::native::{Up, model_path, up};
 use serde_json::{Value, json};
@@ -76,7 +79,7 @@ fn requests() -> Vec<(&'static str, Value)> {
 }
 
 /// What must not change between runs: each request's choices (text, finish reason,
-/// logprobs) and completion-token count.
+/// logprobs) and token counts.
 fn answers(up: &Up, remote: bool) -> Vec<Value> {
     answers_of(up, &requests(), Some(remote))
 }
@@ -97,13 +100,19 @@ fn answers_of(up: &Up, requests: &[(&'static str, Value)], remote: Option<bool>)
                     "request {i} prefilled where it should not be"
                 );
             }
-            let v: Value = serde_json::from_str(&r.text()).unwrap();
-            json!({
-                "choices": v["choices"],
-                "completion_tokens": v["usage"]["completion_tokens"],
-            })
+            answer(&r)
         })
         .collect()
+}
+
+/// What must not change of one response: its choices and token counts.
+fn answer(r: &http::Response) -> Value {
+    let v: Value = serde_json::from_str(&r.text()).unwrap();
+    json!({
+        "choices": v["choices"],
+        "completion_tokens": v["usage"]["completion_tokens"],
+        "prompt_tokens": v["usage"]["prompt_tokens"],
+    })
 }
 
 /// Both workers on both cores: the requests go one at a time, so one worker computes at once.
@@ -152,19 +161,34 @@ fn disaggregated_over(name: &str, extra: &[&str]) {
     let mut flags = vec!["--disagg", "always"];
     flags.extend_from_slice(extra);
     let up = cluster(&format!("kv-{name}"), &flags);
-    assert_same(name, &answers(&up, true));
+    let got = answers(&up, true);
+    assert_same(name, &got);
     // Every prompt's KV came over: none fell back to a local prefill.
     let m = http::get(up.addr, "/metrics").unwrap().text();
     let m = common::metrics::Metrics::parse(&m);
-    let outcome = |o: &str| {
-        m.0.get(&format!("tandem_prefills_total{{outcome=\"{o}\"}}"))
-            .copied()
-            .unwrap_or(0.0)
-    };
+    let get = |series: String| m.0.get(&series).copied().unwrap_or(0.0);
+    let outcome = |o: &str| get(format!("tandem_prefills_total{{outcome=\"{o}\"}}"));
     assert_eq!(
         (outcome("remote"), outcome("fallback")),
         (requests().len() as f64, 0.0),
         "{name}: every prefill remote"
+    );
+    // Paged: what the decode worker held (the 900-token prompt's 56 full blocks, twice;
+    // the shared system prompt) was not sent, the rest was.
+    let tokens = |kind: &str| {
+        get(format!(
+            "tandem_remote_prefill_tokens_total{{kind=\"{kind}\"}}"
+        ))
+    };
+    let prompts: f64 = got
+        .iter()
+        .map(|a| a["prompt_tokens"].as_f64().unwrap())
+        .sum();
+    assert_eq!(tokens("moved") + tokens("held"), prompts, "{name}");
+    assert!(
+        tokens("held") > 2.0 * 896.0,
+        "{name}: held {}",
+        tokens("held")
     );
 }
 
@@ -221,14 +245,16 @@ fn a_corrupted_transfer_is_caught_and_the_local_prefill_gives_the_same_tokens() 
 /// workers computing the model.
 fn native_cluster(name: &str, opts: Options) -> Cluster {
     let model = model_path().display().to_string();
+    let mut worker_args = vec![
+        "--engine=native".into(),
+        format!("--model={model}"),
+        "--threads=1".into(),
+    ];
+    worker_args.extend(opts.worker_args.iter().cloned());
     Cluster::start(
         name,
         Options {
-            worker_args: vec![
-                "--engine=native".into(),
-                format!("--model={model}"),
-                "--threads=1".into(),
-            ],
+            worker_args,
             frontend_args: vec![
                 "--model=SmolLM2-135M-Instruct.Q4_1".into(),
                 format!("--tokenizer={model}"),
@@ -280,10 +306,19 @@ fn a_killed_decode_workers_streams_migrate_and_equal_the_uninterrupted_ones() {
     let mut greedy_events = read_events(&mut greedy, 50);
     let mut seeded_events = read_events(&mut seeded, 50);
     c.worker(home).kill9();
-    for (mut s, events) in [(greedy, &mut greedy_events), (seeded, &mut seeded_events)] {
-        let (rest, end) = s.collect();
+    let killed = std::time::Instant::now();
+    let readers = [greedy, seeded].map(|mut s| std::thread::spawn(move || s.collect_timed()));
+    for (reader, events) in readers
+        .into_iter()
+        .zip([&mut greedy_events, &mut seeded_events])
+    {
+        let (rest, end) = reader.join().unwrap();
         assert!(matches!(end, StreamEnd::Done), "{end:?}");
-        events.extend(rest);
+        eprintln!(
+            "migration by recompute: the stream paused {:?}",
+            longest_pause(killed, &rest)
+        );
+        events.extend(rest.into_iter().map(|(_, e)| e));
     }
     assert!(c.metrics().get("tandem_migrations_total") >= 2.0);
     for (events, temperature) in [(&greedy_events, 0.0), (&seeded_events, 0.8)] {
@@ -297,4 +332,151 @@ fn a_killed_decode_workers_streams_migrate_and_equal_the_uninterrupted_ones() {
             "temperature {temperature}: the migrated stream differs from an uninterrupted run"
         );
     }
+}
+
+/// kill -9 of the prefill worker once the first of a 1,300-token prompt's three chunks has
+/// gone out over TCP: the decode worker drops what came, prefills the prompt itself, and
+/// answers exactly what the aggregated run answered.
+#[test]
+fn a_prefill_worker_killed_mid_transfer_falls_back_to_the_same_tokens() {
+    let _serial = common::chat::serial();
+    let want = reference()[5].clone();
+    let mut c = native_cluster(
+        "kv-prefill-killed",
+        Options {
+            prefill: 1,
+            decode: 1,
+            disagg: "always",
+            kv_transport: "tcp",
+            worker_args: vec!["--metrics-addr=127.0.0.1:0".into()],
+            ..Options::default()
+        },
+    );
+    let prefill: std::net::SocketAddr = c
+        .worker_metrics_addrs()
+        .into_iter()
+        .find(|(role, _)| role == "prefill")
+        .expect("the prefill worker registered")
+        .1
+        .parse()
+        .unwrap();
+    let (path, body) = requests()[5].clone();
+    let front = c.addr_of(0);
+    let asked = std::thread::spawn(move || http::post_json(front, path, &body.to_string()));
+    wait_for(
+        "the prefill worker to send its first chunk",
+        Duration::from_secs(120),
+        || {
+            let m = Metrics::parse(&http::get(prefill, "/metrics").ok()?.text());
+            (m.get("tandem_worker_kv_transfer_bytes_total{direction=\"sent\"}") > 0.0).then_some(())
+        },
+    );
+    c.worker(prefill_id(0)).kill9();
+    let r = asked.join().unwrap().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        answer(&r),
+        want,
+        "the fallback differs from the aggregated run"
+    );
+    let m = c.metrics();
+    assert_eq!(m.get("tandem_prefills_total{outcome=\"fallback\"}"), 1.0);
+    assert_eq!(m.get("tandem_prefills_total{outcome=\"remote\"}"), 0.0);
+}
+
+/// The longest wait for a token from `since` on: the pause a stream saw.
+fn longest_pause(since: std::time::Instant, events: &[(std::time::Instant, String)]) -> Duration {
+    let mut last = since;
+    let mut longest = Duration::ZERO;
+    for (at, _) in events {
+        longest = longest.max(at.duration_since(last));
+        last = *at;
+    }
+    longest
+}
+
+/// SIGTERM to the decode worker serving two streams (greedy, and seeded at temperature 0.8)
+/// after 50 of their 300 tokens: it offers their KV, the frontend continues both on the
+/// other decode worker with the draining one as the remote prefill (their blocks move over
+/// UCX; only the last partial block is computed), and both complete exactly as an
+/// uninterrupted run does. The pause each stream saw is printed (`--nocapture`).
+#[test]
+fn a_draining_decode_worker_hands_its_streams_over_and_they_equal_uninterrupted_ones() {
+    let _serial = common::chat::serial();
+    let mut c = native_cluster(
+        "kv-handover",
+        Options {
+            decode: 2,
+            drain_timeout_s: 60,
+            ..Options::default()
+        },
+    );
+    let system = format!("You tell stories. {}", words(4, 600));
+    let story = |temperature: f32| {
+        json!({
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 300, "ignore_eos": true, "temperature": temperature, "seed": 5,
+        })
+    };
+    let first = c.chat(&story(0.0));
+    let home = first.decode;
+    let prompt = u64::from(first.completion.usage.prompt_tokens);
+    c.wait_metrics("the prompt in the index", Duration::from_secs(20), |m| {
+        m.index_entries() >= prompt / 16
+    });
+    let mut greedy = open_stream(&c, &streamed(story(0.0)));
+    let mut seeded = open_stream(&c, &streamed(story(0.8)));
+    for s in [&greedy, &seeded] {
+        assert_eq!(
+            s.header("x-tandem-decode-worker"),
+            Some(home.to_string().as_str()),
+            "both streams on the worker holding their prompt"
+        );
+    }
+    let mut greedy_events = read_events(&mut greedy, 50);
+    let mut seeded_events = read_events(&mut seeded, 50);
+    let before = c.metrics();
+    c.worker(home).signal("TERM");
+    let term = std::time::Instant::now();
+    // Both read at once, so that each event's arrival is its own.
+    let readers = [greedy, seeded].map(|mut s| std::thread::spawn(move || s.collect_timed()));
+    for (reader, events) in readers
+        .into_iter()
+        .zip([&mut greedy_events, &mut seeded_events])
+    {
+        let (rest, end) = reader.join().unwrap();
+        assert!(matches!(end, StreamEnd::Done), "{end:?}");
+        eprintln!(
+            "handover with KV: the stream paused {:?}",
+            longest_pause(term, &rest)
+        );
+        events.extend(rest.into_iter().map(|(_, e)| e));
+    }
+    let m = c.metrics();
+    assert_eq!(m.get("tandem_handovers_total{outcome=\"moved\"}"), 2.0);
+    assert_eq!(m.get("tandem_migrations_total"), 0.0);
+    // Both continuations' KV came from the draining worker: the prompt and at least the
+    // 50 tokens each had, moved, not recomputed.
+    let remote = |m: &Metrics| m.get("tandem_prefills_total{outcome=\"remote\"}");
+    assert_eq!(remote(&m) - remote(&before), 2.0);
+    let moved = |m: &Metrics| m.get("tandem_remote_prefill_tokens_total{kind=\"moved\"}");
+    assert!(moved(&m) - moved(&before) >= 2.0 * (prompt + 50) as f64);
+    assert_eq!(m.get("tandem_prefills_total{outcome=\"fallback\"}"), 0.0);
+    for (events, temperature) in [(&greedy_events, 0.0), (&seeded_events, 0.8)] {
+        let moved = chunks(events);
+        assert_eq!(final_usage(&moved).completion_tokens, 300);
+        let uninterrupted = c.chat(&story(temperature));
+        assert_ne!(uninterrupted.decode, home);
+        assert_eq!(
+            content(&moved),
+            uninterrupted.content(),
+            "temperature {temperature}: the handed-over stream differs from an uninterrupted run"
+        );
+    }
+    let status = c
+        .worker(home)
+        .wait_exit(Duration::from_secs(60))
+        .expect("the drained worker exits");
+    assert!(status.success(), "exit status {status}");
 }

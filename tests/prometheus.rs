@@ -91,32 +91,6 @@ fn percent_encode(s: &str) -> String {
         .collect()
 }
 
-/// The metrics address of every registered worker, from its discovery record.
-fn worker_metrics_addrs(c: &Cluster) -> Vec<(String, String)> {
-    use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
-    c.rt.block_on(async {
-        let d = EtcdDiscovery::connect(EtcdConfig {
-            endpoints: vec![c.etcd.endpoint()],
-            namespace: c.namespace.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("etcd");
-        let records = d.list().await.expect("listing workers");
-        records
-            .into_iter()
-            .map(|r| {
-                let role = tandem_runtime::discovery::role_name(r.role).to_string();
-                let addr = r
-                    .addresses
-                    .metrics
-                    .unwrap_or_else(|| panic!("worker {} registered no metrics address", r.id.0));
-                (role, addr)
-            })
-            .collect()
-    })
-}
-
 /// Every PromQL expression deploy/ uses: the Grafana dashboards' `targets[].expr`, the
 /// `query:` of every KEDA trigger and the prometheus-adapter rules' queries, with Grafana's
 /// interval variables set to one minute.
@@ -256,7 +230,7 @@ fn prometheus_scrapes_the_cluster_and_every_deploy_expression_has_data() {
             ..Options::default()
         },
     );
-    let workers = worker_metrics_addrs(&c);
+    let workers = c.worker_metrics_addrs();
     assert_eq!(workers.len(), 3, "{workers:?}");
 
     // The workers' own series, read straight from them before Prometheus does. Every
@@ -265,7 +239,7 @@ fn prometheus_scrapes_the_cluster_and_every_deploy_expression_has_data() {
     // the KV and generated.
     traffic(&c, 1, 6);
     let model = "{model_name=\"mocker\"}";
-    let mut decode_sum = [0.0f64; 4];
+    let mut decode_sum = [0.0f64; 6];
     for (role, addr) in &workers {
         let addr: SocketAddr = addr.parse().unwrap();
         let m = Metrics::parse(&http::get(addr, "/metrics").unwrap().text());
@@ -286,6 +260,8 @@ fn prometheus_scrapes_the_cluster_and_every_deploy_expression_has_data() {
             decode_sum[1] += m.get("tandem_worker_kv_transfer_bytes_total{direction=\"received\"}");
             decode_sum[2] += m.get("tandem_worker_tokens_per_second{kind=\"generation\"}");
             decode_sum[3] += m.get("tandem_worker_step_requests_count");
+            decode_sum[4] += m.get("tandem_worker_kv_transfer_blocks_total{kind=\"moved\"}");
+            decode_sum[5] += m.get("tandem_worker_kv_transfer_blocks_total{kind=\"held\"}");
             assert_eq!(m.get("tandem_worker_kv_transfer_fallbacks_total"), 0.0);
         }
     }
@@ -293,7 +269,17 @@ fn prometheus_scrapes_the_cluster_and_every_deploy_expression_has_data() {
     assert!(decode_sum[1] > 0.0, "no decode worker received KV");
     assert!(decode_sum[2] > 0.0, "no recent generation rate");
     assert!(decode_sum[3] > 0.0, "no decode steps counted");
+    // The transfers are paged: a decode worker that already held the shared prefix (six
+    // requests on two workers: one served two at least) was sent only the rest.
+    assert!(decode_sum[4] > 0.0, "no blocks moved");
+    assert!(decode_sum[5] > 0.0, "every block was sent, even those held");
     let front = c.metrics();
+    // The frontend counts the same held prefix, in tokens, from the first chunks.
+    assert_eq!(
+        front.get("tandem_remote_prefill_tokens_total{kind=\"held\"}"),
+        16.0 * decode_sum[5]
+    );
+    assert!(front.get("tandem_remote_prefill_tokens_total{kind=\"moved\"}") > 0.0);
     assert!(front.get("tandem_router_overhead_seconds_count{phase=\"total\"}") >= 6.0);
     assert!(front.get("tandem_http_inter_token_latency_seconds_count") > 0.0);
     assert!(front.get("tandem_http_time_per_output_token_seconds_count") > 0.0);

@@ -180,6 +180,8 @@ return {
   sum_workers: text('#sum-workers'),
   sum_decisions: text('#sum-decisions'),
   sum_remote: text('#sum-remote'),
+  sum_moved: text('#sum-moved'),
+  sum_held: text('#sum-held'),
   hit_rate: text('#hit-rate'),
   engine_hit_rate: text('#hit-rate-engines'),
   ttft_count: text('#ttft-count'),
@@ -297,6 +299,9 @@ fn the_status_page_shows_the_cluster_and_follows_traffic() {
         .header("x-tandem-prefill-worker")
         .expect("the long prompt was prefilled remotely")
         .to_string();
+    let long_prompt = r.json::<Value>()["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap();
 
     // Each worker's token rates, once two of its load reports a second apart are in.
     let rated = |v: &Value| {
@@ -321,6 +326,9 @@ fn the_status_page_shows_the_cluster_and_follows_traffic() {
     );
     assert_eq!(count(&after, "sum_decisions"), 5, "{after}");
     assert_eq!(count(&after, "sum_remote"), 1, "{after}");
+    // The long prompt was fresh everywhere: all of its KV came over, none was held.
+    assert_eq!(count(&after, "sum_moved"), long_prompt, "{after}");
+    assert_eq!(after["sum_held"], "0", "{after}");
     assert!(count(&after, "itl_count") > 0, "{after}");
     assert!(
         after["ttft_p50"].as_str().unwrap().ends_with('s'),

@@ -578,6 +578,32 @@ impl Cluster {
             .unwrap_or_else(|| panic!("no worker {id}"))
     }
 
+    /// The `--metrics-addr` of every registered worker, with its role, from its discovery
+    /// record.
+    pub fn worker_metrics_addrs(&self) -> Vec<(String, String)> {
+        use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
+        self.rt.block_on(async {
+            let d = EtcdDiscovery::connect(EtcdConfig {
+                endpoints: vec![self.etcd.endpoint()],
+                namespace: self.namespace.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("etcd");
+            let records = d.list().await.expect("listing workers");
+            records
+                .into_iter()
+                .map(|r| {
+                    let role = tandem_runtime::discovery::role_name(r.role).to_string();
+                    let addr = r.addresses.metrics.unwrap_or_else(|| {
+                        panic!("worker {} registered no metrics address", r.id.0)
+                    });
+                    (role, addr)
+                })
+                .collect()
+        })
+    }
+
     fn try_metrics(&self) -> Option<Metrics> {
         try_metrics(self.addr)
     }

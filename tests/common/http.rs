@@ -306,6 +306,19 @@ impl EventStream {
         }
     }
 
+    /// [`collect`](Self::collect), with when each event arrived.
+    pub fn collect_timed(&mut self) -> (Vec<(std::time::Instant, String)>, StreamEnd) {
+        let mut events = Vec::new();
+        loop {
+            match self.next_event() {
+                Ok(Event::Data(d)) => events.push((std::time::Instant::now(), d)),
+                Ok(Event::Done) => return (events, StreamEnd::Done),
+                Ok(Event::Eof) => return (events, StreamEnd::Closed("end of body".into())),
+                Err(e) => return (events, StreamEnd::Closed(e.to_string())),
+            }
+        }
+    }
+
     /// The next event. A read that blocks longer than [`READ_TIMEOUT`] is an error.
     pub fn next_event(&mut self) -> io::Result<Event> {
         let mut data: Option<String> = None;

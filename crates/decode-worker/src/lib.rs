@@ -12,7 +12,16 @@
 //! refused connection (its process is gone) or the fence timeout ([`remote::fence`]). So a
 //! late write can never land in blocks that another request or the prefix cache uses.
 //!
-//! The aggregated role is this worker without a prefill pool. `Prefill` is not served here.
+//! The aggregated role is this worker without a prefill pool.
+//!
+//! A draining worker hands its streams over (unless `drain_handover` is off): each stream
+//! past its first token gets a `handover` chunk, and its frontend continues the request on
+//! another decode worker — prompt plus the tokens it has — with this worker as the remote
+//! prefill. This worker serves that `Prefill` as a prefill worker would
+//! ([`tandem_prefill_worker::PrefillService`] over the same engine): the blocks of the
+//! stream's tokens are in its prefix cache, so only the last partial block is computed and
+//! the rest is sent. The frontend then drops this worker's stream; a stream it does not move
+//! (no other decode worker) finishes here, as without a handover.
 //!
 //! A client that goes away drops the response stream: the request is aborted here and its
 //! remote prefill, if running, is cancelled, which aborts it on the prefill worker too.
@@ -26,7 +35,8 @@ use futures::stream;
 use tandem_engine::{EngineRequest, FinishReason};
 use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
-    self, AbortPrefillRequest, GenerateChunk, GenerateRequest, PrefillOutcome, PrefillRequest,
+    self, AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, PrefillChunk,
+    PrefillOutcome, PrefillRequest,
 };
 use tandem_protocol::{HashSeed, RequestId, WorkerRole};
 use tandem_runtime::shutdown::Shutdown;
@@ -40,6 +50,7 @@ use tonic::Status;
 use tracing::Instrument as _;
 
 use crate::remote::{PrefillClients, TransferHold};
+use tandem_prefill_worker::PrefillService;
 
 /// Runs a decode (or aggregated) worker on `listener` until `shutdown`, then drains.
 pub async fn run(
@@ -76,14 +87,20 @@ pub struct DecodeService {
     ctx: WorkerContext,
     clients: Arc<PrefillClients>,
     stats: Arc<DecodeStats>,
+    /// Serves `Prefill` from this worker's blocks: a drain's handovers.
+    kv_source: Arc<PrefillService>,
+    /// Cancelled when the worker drains with `drain_handover`: every stream offers its KV.
+    handover: CancellationToken,
 }
 
 impl DecodeService {
     pub fn new(ctx: WorkerContext) -> Self {
         DecodeService {
+            kv_source: Arc::new(PrefillService::new(ctx.clone())),
             ctx,
             clients: Arc::default(),
             stats: Arc::default(),
+            handover: CancellationToken::new(),
         }
     }
 
@@ -153,6 +170,10 @@ impl DecodeService {
         let (host, clients, stats) = (host.clone(), self.clients.clone(), self.stats.clone());
         let metrics = self.ctx.metrics.clone();
         let bytes = (rp.blocks.len() * host.bytes_per_block()) as u64;
+        let (moved, held) = (
+            rp.blocks.len() as u64,
+            (rp.cached_tokens / self.ctx.config.engine.pool.block_size.get() as usize) as u64,
+        );
         let timeout = self.ctx.config.prefill_timeout;
         let fence_timeout = self.ctx.config.transfer_fence_timeout;
         let stop = self.ctx.stopping();
@@ -193,7 +214,12 @@ impl DecodeService {
                 };
                 if let Some(fetched) = fetched {
                     if settle(&host, &stats, &out, id, fetched, timeout) {
-                        metrics.transfer_received(bytes, started.elapsed().as_secs_f64());
+                        metrics.transfer_received(
+                            moved,
+                            held,
+                            bytes,
+                            started.elapsed().as_secs_f64(),
+                        );
                         call_span.record("tandem.outcome", "remote");
                     } else {
                         metrics.transfer_fallback();
@@ -297,15 +323,46 @@ fn generate_stream(
     outcome: Arc<AtomicI32>,
     guard: DropGuard,
     span: tracing::Span,
+    handover: CancellationToken,
 ) -> ChunkStream<GenerateChunk> {
     // `decode`: from the first token to the last, under the call's server span (which ends
     // with the stream).
     let decode = tracing::info_span!(parent: &span, "decode", tandem.output_tokens = 0i64);
-    let state = Some((handle, outcome, (guard, span, decode, 0u64), true));
+    // `offer`: a drain's handover is still to be offered (once, past the first token).
+    let state = Some((
+        handle,
+        outcome,
+        (guard, span, decode, 0u64, handover, true),
+        true,
+    ));
     Box::pin(stream::unfold(state, |state| async move {
-        let (mut handle, outcome, (guard, span, decode, tokens), first) = state?;
+        let (mut handle, outcome, (guard, span, decode, tokens, handover, offer), first) = state?;
         loop {
-            match handle.next().await {
+            let next = if offer && !first {
+                tokio::select! {
+                    biased;
+                    () = handover.cancelled() => None,
+                    // Cancel-safe: a token not taken stays queued.
+                    next = handle.next() => Some(next),
+                }
+            } else {
+                Some(handle.next().await)
+            };
+            let Some(next) = next else {
+                tracing::info!(tokens, "draining: offering the stream's KV for a handover");
+                let chunk = GenerateChunk {
+                    handover: true,
+                    ..Default::default()
+                };
+                let state = (
+                    handle,
+                    outcome,
+                    (guard, span, decode, tokens, handover, false),
+                    false,
+                );
+                return Some((Ok(chunk), Some(state)));
+            };
+            match next {
                 Some(Err(e)) => return Some((Err(Status::from(e)), None)),
                 Some(Ok(HostOutput::Token(out))) => {
                     let finish = match out.finish {
@@ -343,7 +400,7 @@ fn generate_stream(
                     let next = out.finish.is_none().then_some((
                         handle,
                         outcome,
-                        (guard, span, decode, tokens),
+                        (guard, span, decode, tokens, handover, offer),
                         false,
                     ));
                     return Some((Ok(chunk), next));
@@ -385,7 +442,31 @@ impl WorkerCalls for DecodeService {
             ),
             Some(target) => self.start_remote(engine_req, target, cancel.clone())?,
         };
-        Ok(generate_stream(handle, outcome, cancel.drop_guard(), span))
+        Ok(generate_stream(
+            handle,
+            outcome,
+            cancel.drop_guard(),
+            span,
+            self.handover.clone(),
+        ))
+    }
+
+    async fn prefill(
+        &self,
+        req: PrefillRequest,
+        span: tracing::Span,
+    ) -> Result<ChunkStream<PrefillChunk>, Status> {
+        self.kv_source.prefill(req, span).await
+    }
+
+    async fn abort_prefill(&self, req: AbortPrefillRequest) -> Result<AbortPrefillReply, Status> {
+        self.kv_source.abort_prefill(req).await
+    }
+
+    fn on_drain(&self) {
+        if self.ctx.config.drain_handover {
+            self.handover.cancel();
+        }
     }
 }
 

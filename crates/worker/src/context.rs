@@ -48,6 +48,10 @@ pub struct WorkerConfig {
     pub load_interval: Duration,
     /// How long a draining worker waits for in-flight requests before it exits anyway.
     pub drain_timeout: Duration,
+    /// Decode workers: on drain, offer each stream's KV to its frontend, which continues
+    /// the stream on another decode worker with this one as its remote prefill (the KV
+    /// moves, nothing is recomputed); false: streams finish here.
+    pub drain_handover: bool,
     /// Decode workers: how long a remote prefill may take before prefilling locally.
     pub prefill_timeout: Duration,
     /// Where the engine's device arena lives.
@@ -80,6 +84,7 @@ impl WorkerConfig {
             rack: String::new(),
             load_interval: Duration::from_millis(500),
             drain_timeout: Duration::from_secs(30),
+            drain_handover: true,
             prefill_timeout: Duration::from_secs(5),
             kv_memory: KvMemory::Host,
             transfer_fence_timeout: Duration::from_secs(60),

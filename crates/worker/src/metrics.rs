@@ -24,6 +24,9 @@
 //! - `tandem_worker_kv_events_published_total`: KV events put on the event plane.
 //! - `tandem_worker_kv_transfer_bytes_total{direction}`: KV bytes a remote prefill moved:
 //!   `sent` by a prefill worker, `received` by a decode worker.
+//! - `tandem_worker_kv_transfer_blocks_total{kind}`: a decode worker's completed remote
+//!   prefills, by prompt block: `moved` (its KV came from the prefill worker) or `held`
+//!   (the worker's own cached prefix, not sent: the transfer is paged).
 //! - `tandem_worker_kv_transfer_seconds`: a decode worker's remote prefill, asked → KV in
 //!   place and checked.
 //! - `tandem_worker_kv_transfer_fallbacks_total`: remote prefills that failed and were done
@@ -49,6 +52,11 @@ pub(crate) struct DirectionLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct KindLabel {
+    pub(crate) kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct OutcomeLabel {
     pub(crate) outcome: &'static str,
 }
@@ -58,6 +66,7 @@ pub(crate) struct OutcomeLabel {
 pub struct WorkerMetrics {
     pub(crate) events_published: Counter,
     pub(crate) transfer_bytes: Family<DirectionLabel, Counter>,
+    pub(crate) transfer_blocks: Family<KindLabel, Counter>,
     pub(crate) transfer_seconds: Histogram,
     pub(crate) transfer_fallbacks: Counter,
     pub(crate) fences: Family<OutcomeLabel, Counter>,
@@ -69,6 +78,7 @@ impl Default for WorkerMetrics {
         let m = WorkerMetrics {
             events_published: Counter::default(),
             transfer_bytes: Family::default(),
+            transfer_blocks: Family::default(),
             // 1 ms .. 65 s.
             transfer_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             transfer_fallbacks: Counter::default(),
@@ -80,6 +90,9 @@ impl Default for WorkerMetrics {
             let _ = m
                 .transfer_bytes
                 .get_or_create(&DirectionLabel { direction });
+        }
+        for kind in ["moved", "held"] {
+            let _ = m.transfer_blocks.get_or_create(&KindLabel { kind });
         }
         for outcome in ["confirmed", "peer_gone", "timed_out"] {
             let _ = m.fences.get_or_create(&OutcomeLabel { outcome });
@@ -99,9 +112,15 @@ impl WorkerMetrics {
         self.transfer_bytes("sent", bytes);
     }
 
-    /// A decode worker's remote prefill completed: `bytes` in place after `seconds`.
-    pub fn transfer_received(&self, bytes: u64, seconds: f64) {
+    /// A decode worker's remote prefill completed: `moved` blocks (`bytes`) in place after
+    /// `seconds`; `held` blocks of the prompt were cached here and not sent.
+    pub fn transfer_received(&self, moved: u64, held: u64, bytes: u64, seconds: f64) {
         self.transfer_bytes("received", bytes);
+        for (kind, n) in [("moved", moved), ("held", held)] {
+            self.transfer_blocks
+                .get_or_create(&KindLabel { kind })
+                .inc_by(n);
+        }
         self.transfer_seconds.observe(seconds);
     }
 

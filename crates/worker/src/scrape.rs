@@ -43,6 +43,12 @@ pub fn registry(
         metrics.transfer_bytes.clone(),
     );
     registry.register(
+        "tandem_worker_kv_transfer_blocks",
+        "Prompt blocks of a decode worker's completed remote prefills: moved (sent by the \
+         prefill worker) or held (cached here, not sent)",
+        metrics.transfer_blocks.clone(),
+    );
+    registry.register(
         "tandem_worker_kv_transfer_seconds",
         "A decode worker's remote prefill, from the request to the KV in place and checked",
         metrics.transfer_seconds.clone(),

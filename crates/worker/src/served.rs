@@ -76,6 +76,12 @@ impl Availability {
         if self.is_draining() {
             return Err(WorkerError::Draining.into());
         }
+        self.check_up()
+    }
+
+    /// Refuses work only while the engine is down: what a draining worker still serves (a
+    /// decode worker's `Prefill`, which hands its streams' KV over).
+    pub fn check_up(&self) -> Result<(), Status> {
         if self.is_down() {
             return Err(ErrorClass::Unavailable.status("the engine behind this worker is down"));
         }
@@ -151,6 +157,10 @@ pub trait WorkerCalls: Send + Sync + 'static {
             "a decode worker runs no remote prefills: send AbortPrefill to a prefill worker",
         ))
     }
+
+    /// The worker starts to drain (it is out of discovery and refuses new `Generate`s); it
+    /// stops once nothing is in flight or the drain timeout passes.
+    fn on_drain(&self) {}
 }
 
 /// The `tandem.v1.Worker` gRPC service of any [`WorkerCalls`]: server spans, the
@@ -202,7 +212,13 @@ impl<C: WorkerCalls> worker_server::Worker for WorkerService<C> {
         let span = server_span(Method::Prefill, request.metadata());
         let req = request.into_inner();
         record_request(&span, req.request_id, req.prompt.len());
-        self.calls.engine().availability().check()?;
+        let engine = self.calls.engine();
+        if engine.role() == WorkerRole::Prefill {
+            engine.availability().check()?;
+        } else {
+            // A decode worker's `Prefill` moves a stream's KV away: draining is when.
+            engine.availability().check_up()?;
+        }
         let chunks = self
             .calls
             .prefill(req, span.clone())
@@ -267,8 +283,9 @@ pub struct HealthProbe {
 }
 
 /// Serves `calls` on `listener`, registered in discovery, until `shutdown`; then drains:
-/// deregisters, refuses new requests, lets in-flight ones finish (up to the drain timeout)
-/// and stops serving. Its own tasks (load reports, `/metrics`) run on `tasks` until `stop`;
+/// deregisters, refuses new requests, tells the calls ([`WorkerCalls::on_drain`]: a decode
+/// worker offers its streams' KV), lets in-flight ones finish (up to the drain timeout) and
+/// stops serving. Its own tasks (load reports, `/metrics`) run on `tasks` until `stop`;
 /// the caller cancels `stop` and waits for `tasks` after this returns.
 #[allow(clippy::too_many_arguments)]
 pub async fn serve<C: WorkerCalls>(
@@ -340,6 +357,7 @@ pub async fn serve<C: WorkerCalls>(
     if let Some(r) = registration.take() {
         r.deregister().await;
     }
+    calls.on_drain();
     let drained = tokio::select! {
         idle = engine.wait_idle(lifecycle.drain_timeout) => idle,
         () = shutdown.stopped() => false,

@@ -57,14 +57,29 @@ struct OutcomeLabel {
     outcome: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+/// A remote prefill's prompt tokens as (moved, held): the decode worker's cached prefix
+/// (its first chunk's `cached_tokens`) stayed there, the rest came over.
+fn transfer_split(first: &tandem_protocol::grpc::GenerateChunk) -> (u64, u64) {
+    let prompt = u64::from(first.prompt_tokens);
+    let held = u64::from(first.cached_tokens).min(prompt);
+    (prompt - held, held)
+}
+
 /// What the backend counts per request: how prompts were prefilled (from the decode worker's
 /// first chunk), re-routes before the first token, migrations after it; and flow control's
 /// series.
 #[derive(Debug)]
 pub struct RouteCounters {
     prefill: Family<OutcomeLabel, Counter>,
+    remote_prefill_tokens: Family<KindLabel, Counter>,
     reroutes: Counter,
     migrations: Counter,
+    handovers: Family<OutcomeLabel, Counter>,
     retries: Family<OutcomeLabel, Counter>,
     hedges: Family<OutcomeLabel, Counter>,
     overhead: Family<PhaseLabel, Histogram>,
@@ -88,16 +103,31 @@ pub(crate) struct Overhead {
 }
 
 impl RouteCounters {
-    /// `prefill` as reported on a first chunk (`tandem.v1.PrefillOutcome`).
-    pub fn prefill(&self, outcome: i32) {
+    /// How a prompt was prefilled, as its first chunk reports it (`tandem.v1.PrefillOutcome`).
+    /// A remote prefill moved the KV of the prompt's tokens past the decode worker's cached
+    /// prefix; the prefix it held stayed where it was (the transfer is paged).
+    pub fn prefill(&self, first: &tandem_protocol::grpc::GenerateChunk) {
         use tandem_protocol::grpc::PrefillOutcome;
-        let outcome = match PrefillOutcome::try_from(outcome) {
+        let outcome = match PrefillOutcome::try_from(first.prefill) {
             Ok(PrefillOutcome::Local) => "local",
-            Ok(PrefillOutcome::Remote) => "remote",
+            Ok(PrefillOutcome::Remote) => {
+                let (moved, held) = transfer_split(first);
+                self.remote_prefill_tokens(moved, held);
+                self.flow.recent.remote_prefill(moved, held);
+                "remote"
+            }
             Ok(PrefillOutcome::Fallback) => "fallback",
             _ => "unknown",
         };
         self.prefill.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
+    fn remote_prefill_tokens(&self, moved: u64, held: u64) {
+        for (kind, n) in [("moved", moved), ("held", held)] {
+            self.remote_prefill_tokens
+                .get_or_create(&KindLabel { kind })
+                .inc_by(n);
+        }
     }
 
     pub fn reroute(&self) {
@@ -106,6 +136,14 @@ impl RouteCounters {
 
     pub fn migration(&self) {
         self.migrations.inc();
+    }
+
+    /// A draining decode worker offered a stream's KV: `moved` (continued elsewhere with
+    /// it) or `declined` (it finished on the draining worker).
+    pub fn handover(&self, outcome: &'static str) {
+        self.handovers
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
     }
 
     /// A failed attempt: `retried`, or `budget_exhausted` (the retry budget refused).
@@ -140,8 +178,10 @@ impl RouteCounters {
     pub fn register(registry: &mut Registry) -> Arc<Self> {
         let c = Arc::new(RouteCounters {
             prefill: Family::default(),
+            remote_prefill_tokens: Family::default(),
             reroutes: Counter::default(),
             migrations: Counter::default(),
+            handovers: Family::default(),
             retries: Family::default(),
             hedges: Family::default(),
             // 1 µs .. 131 ms.
@@ -185,10 +225,29 @@ impl RouteCounters {
              prefill that failed and was done locally)",
             c.prefill.clone(),
         );
+        for outcome in ["local", "remote", "fallback"] {
+            let _ = c.prefill.get_or_create(&OutcomeLabel { outcome });
+        }
+        c.remote_prefill_tokens(0, 0);
+        registry.register(
+            "tandem_remote_prefill_tokens",
+            "Prompt tokens of remote prefills: moved (their KV came from the prefill worker) \
+             and held (the decode worker's cached prefix, not sent)",
+            c.remote_prefill_tokens.clone(),
+        );
         registry.register(
             "tandem_reroutes",
             "Decode workers that failed a request before its first token (it went elsewhere)",
             c.reroutes.clone(),
+        );
+        for outcome in ["moved", "declined"] {
+            let _ = c.handovers.get_or_create(&OutcomeLabel { outcome });
+        }
+        registry.register(
+            "tandem_handovers",
+            "Streams a draining decode worker offered with their KV: moved (continued on \
+             another decode worker, the KV sent there) or declined (finished where they were)",
+            c.handovers.clone(),
         );
         registry.register(
             "tandem_migrations",

@@ -116,6 +116,10 @@ pub struct Totals {
     /// the worker chosen to prefill.
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Over the remote prefills that completed: prompt tokens whose KV the prefill worker
+    /// sent, and those the decode worker already held (its cached prefix, not sent).
+    pub remote_tokens_moved: u64,
+    pub remote_tokens_held: u64,
 }
 
 /// [`RecentActivity`] as the status page reads it; lists newest first, each entry with its
@@ -318,6 +322,15 @@ impl RecentActivity {
         t.prompt_tokens = t.prompt_tokens.saturating_add(route.prompt_tokens);
         t.cached_tokens = t.cached_tokens.saturating_add(cached);
         push(&mut inner.decisions, DECISIONS, record);
+    }
+
+    /// A remote prefill completed: `moved` prompt tokens came over, `held` were cached on the
+    /// decode worker.
+    pub fn remote_prefill(&self, moved: u64, held: u64) {
+        let mut inner = self.inner.lock();
+        let t = &mut inner.totals;
+        t.remote_tokens_moved = t.remote_tokens_moved.saturating_add(moved);
+        t.remote_tokens_held = t.remote_tokens_held.saturating_add(held);
     }
 
     /// A request leaving decode worker `from` after `generated` tokens, because of

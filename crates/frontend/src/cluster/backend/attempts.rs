@@ -227,7 +227,7 @@ impl ClusterBackend {
             Err(_) => Err(Failed::Deadline),
             Ok(Ok((rest, first, span))) => {
                 plan.flight.first_token();
-                s.counters.prefill(first.prefill);
+                s.counters.prefill(&first);
                 {
                     let mut replica = s.view.replica().write();
                     replica.worker_succeeded(decode, now);
@@ -254,6 +254,10 @@ impl ClusterBackend {
                 };
                 Ok(Started {
                     route,
+                    decode: RemotePrefillTarget {
+                        worker_id: decode.0,
+                        address: plan.decode.record.addresses.grpc.clone(),
+                    },
                     first,
                     rest,
                     flight: plan.flight,

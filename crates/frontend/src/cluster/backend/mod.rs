@@ -403,9 +403,11 @@ impl ClusterBackend {
                 logprobs: job.logprobs.map(u32::from),
             }),
             hash_seed: job.seed.0,
-            remote_prefill: plan.prefill.as_ref().map(|p| RemotePrefillTarget {
-                worker_id: p.record.id.0,
-                address: p.record.addresses.grpc.clone(),
+            remote_prefill: job.kv_from.clone().or_else(|| {
+                plan.prefill.as_ref().map(|p| RemotePrefillTarget {
+                    worker_id: p.record.id.0,
+                    address: p.record.addresses.grpc.clone(),
+                })
             }),
             cache_salt: job.cache_salt.clone().unwrap_or_default(),
             lora_adapter: job.adapter.clone().unwrap_or_default(),
@@ -474,11 +476,16 @@ struct Job {
     session: Option<SessionKey>,
     /// Its band (the `kv` decode term's weight).
     priority: Priority,
+    /// A handover's continuation: the draining decode worker that holds its KV, asked for
+    /// it as the remote prefill whatever the router would pick.
+    kv_from: Option<RemotePrefillTarget>,
 }
 
 /// A request started on a decode worker, its first chunk in hand.
 struct Started {
     route: RouteInfo,
+    /// The decode worker streaming it (the source of a handover's KV).
+    decode: RemotePrefillTarget,
     first: GenerateChunk,
     rest: tonic::Streaming<GenerateChunk>,
     flight: Flight,
@@ -646,6 +653,7 @@ impl Backend for ClusterBackend {
                 .session
                 .as_deref()
                 .map(|id| SessionKey::new(req.tenant.as_deref(), id)),
+            kv_from: None,
         };
         let session = match job.session {
             Some(key) => {
@@ -666,6 +674,7 @@ impl Backend for ClusterBackend {
         let run = Run {
             backend: self.clone(),
             job,
+            decode: started.decode,
             excluded,
             generated: Vec::new(),
             migrations_left: s.cfg.max_migrations,

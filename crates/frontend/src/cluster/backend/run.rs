@@ -8,6 +8,8 @@ use super::*;
 pub(super) struct Run {
     pub(super) backend: ClusterBackend,
     pub(super) job: Job,
+    /// The decode worker streaming it now.
+    pub(super) decode: RemotePrefillTarget,
     pub(super) excluded: Vec<WorkerId>,
     /// Tokens streamed so far (the prompt of a continuation).
     pub(super) generated: Vec<u32>,
@@ -72,12 +74,69 @@ impl Run {
                 ));
             };
             let failure = match next {
+                Ok(Some(c)) if c.handover => {
+                    self.hand_over().await;
+                    continue;
+                }
                 Ok(Some(c)) => return Ok(c),
                 Ok(None) => "the decode worker ended the stream early".to_string(),
                 Err(status) => format!("the decode worker failed mid-stream: {}", status.message()),
             };
             self.migrate(failure).await?;
         }
+    }
+
+    /// The decode worker drains and offers the request's KV: the request continues on
+    /// another decode worker (prompt + the tokens so far, the rest of the budget) with the
+    /// offering worker as its remote prefill, so the KV moves instead of being recomputed,
+    /// and the offering worker's stream is dropped. When no other worker can start it, the
+    /// stream goes on where it is (the draining worker finishes it).
+    async fn hand_over(&mut self) {
+        let counters = &self.backend.shared.counters;
+        let done = self.generated.len() as u32;
+        if self.migrations_left == 0 || done >= self.job.max_tokens || self.text_only {
+            counters.handover("declined");
+            return;
+        }
+        let mut job = self.job.clone();
+        job.prompt.extend_from_slice(&self.generated);
+        job.max_tokens -= done;
+        job.kv_from = Some(self.decode.clone());
+        let from = self.flight.worker;
+        let mut excluded = self.excluded.clone();
+        excluded.push(from);
+        let started = match self.backend.start_job(&job, &mut excluded, None).await {
+            Ok(started) => started,
+            Err(e) => {
+                counters.handover("declined");
+                tracing::warn!(
+                    worker = from.0,
+                    error = e.message(),
+                    "handover declined: the draining worker finishes the stream"
+                );
+                return;
+            }
+        };
+        counters.handover("moved");
+        let request = self.flight.inner.request();
+        counters
+            .flow
+            .recent
+            .migration(request, from, done, "handover: the decode worker drains");
+        tracing::info!(
+            from = from.0,
+            to = started.decode.worker_id,
+            generated = done,
+            "handed the request over with its KV"
+        );
+        self.migrations_left -= 1;
+        self.migrated = true;
+        self.excluded = excluded;
+        self.pending = Some(started.first);
+        self.rest = started.rest;
+        self.flight = started.flight;
+        self.decode = started.decode;
+        self._call = started.span;
     }
 
     /// Continues the request on another decode worker: prompt + the tokens generated so
@@ -120,6 +179,7 @@ impl Run {
         self.pending = Some(started.first);
         self.rest = started.rest;
         self.flight = started.flight;
+        self.decode = started.decode;
         self._call = started.span;
         Ok(())
     }

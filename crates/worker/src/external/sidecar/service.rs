@@ -449,6 +449,7 @@ impl Sidecar {
                         PrefillOutcome::Unspecified as i32
                     },
                     logprobs: d.logprobs,
+                    handover: false,
                 };
                 first = false;
                 if chunk.finish != grpc::FinishReason::Unspecified as i32 {

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Remote prefill's cost in time to first token, on the real model: `tandem up --model` with
+# one prefill and one decode worker (THREADS each; one computes at a time), prompts of 512,
+# 2,048 and 8,000 fresh token ids (nothing cached anywhere), one token each, streamed.
+# `--disagg never` prefills on the decode worker (local TTFT); `--disagg always` on the
+# prefill worker, whose KV then moves over each KV transport. ROUNDS (default 2) interleaved
+# rounds; prints one JSON line per round and then the medians: remote TTFT ÷ local TTFT per
+# transport and prompt size (issue goal: ≤ 1.05 on local and ucx, ≤ 1.10 on tcp).
+#
+#   ROUNDS=2 bash scripts/bench-remote-ttft.sh [MODEL.gguf] [THREADS] [TRANSPORTS...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=${1:-target/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+threads=${2:-2}
+shift $(($# < 2 ? $# : 2))
+transports=${*:-local tcp ucx inline}
+[ -f "$model" ] || { echo "no $model: scripts/test.sh fetches the SmolLM2 GGUF" >&2; exit 1; }
+target=${CARGO_TARGET_DIR:-target}
+cargo build --release --quiet --bin tandem
+
+python3 - "$target/release/tandem" "$model" "$threads" "${ROUNDS:-2}" ${SIZES:-512 2048 8000} \
+  -- $transports <<'PY'
+import http.client, json, socket, statistics, subprocess, sys, tempfile, time
+
+tandem, model, threads, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+rest = sys.argv[5:]
+sizes = [int(s) for s in rest[: rest.index("--")]]
+transports = rest[rest.index("--") + 1 :]
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+def up(flags):
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    # 8,000 tokens of this model's KV are 176 MB: room for one at a time and then some.
+    p = subprocess.Popen(
+        [tandem, "up", "--model", model, "--port", str(port), "--prefill", "1", "--decode", "1",
+         "--threads", threads, "--kv-memory-mb", "400", *flags],
+        stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(1200):
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/metrics")
+            m = c.getresponse().read().decode()
+            if all(f'tandem_workers{{role="{r}"}} 1' in m for r in ("prefill", "decode")):
+                return p, port
+        except OSError:
+            pass
+        if p.poll() is not None:
+            log.seek(0)
+            sys.exit(f"tandem up exited:\n{log.read().decode()}")
+        time.sleep(0.1)
+    sys.exit("tandem up did not see both workers")
+
+def ttft(port, n, seed, remote):
+    prompt = [200 + (i * 7919 + seed * 104729) % 40000 for i in range(n)]
+    body = {"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+    start = time.perf_counter()
+    c.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        sys.exit(f"HTTP {r.status}: {r.read()!r}")
+    assert (r.getheader("x-tandem-prefill-worker") is not None) == remote, "prefilled elsewhere"
+    first = None
+    for line in r:
+        if line.startswith(b"data: {") and first is None:
+            first = time.perf_counter() - start
+    return first
+
+configs = [("local-prefill", ["--disagg", "never"], False)] + [
+    (t, ["--disagg", "always", "--kv-transport", t], True) for t in transports]
+seed = 1
+runs = []
+for rnd in range(rounds):
+    row = {}
+    for name, flags, remote in configs:
+        p, port = up(flags)
+        try:
+            # A short warm-up prompt: first-request costs (connections, allocations) out.
+            ttft(port, 64, 10_000 + seed, remote)
+            for n in sizes:
+                seed += 1
+                row[f"{name}/{n}"] = ttft(port, n, seed, remote)
+        finally:
+            p.send_signal(2)
+            p.wait(timeout=120)
+    ratios = {f"{t}/{n}": row[f"{t}/{n}"] / row[f"local-prefill/{n}"]
+              for t in transports for n in sizes}
+    runs.append((row, ratios))
+    print(json.dumps({"round": rnd, "ttft_s": {k: round(v, 3) for k, v in row.items()},
+                      "remote_over_local": {k: round(v, 3) for k, v in ratios.items()}}),
+          flush=True)
+
+med = lambda key, i: round(statistics.median(r[i][key] for r in runs), 3)
+print(json.dumps({
+    "model": model, "threads": int(threads), "rounds": rounds,
+    "local_ttft_s": {n: med(f"local-prefill/{n}", 0) for n in sizes},
+    "remote_over_local": {t: {n: med(f"{t}/{n}", 1) for n in sizes} for t in transports},
+}))
+PY
