@@ -154,6 +154,37 @@ fn a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits() {
     assert_eq!(bits(&run.logits[&1]), want_bits, "prefix hit");
 }
 
+/// The host tier holds real KV: a prefix evicted from the device arena to host memory and
+/// brought back by a hit continues bitwise as if it had never left.
+#[test]
+fn a_prefix_back_from_the_host_tier_gives_the_same_logits() {
+    let p = prompt(1, 75);
+    let want = alone(&p, 6);
+    let model = NativeModel::new(llama(), Kernels::new(Isa::detect()), 16, 1);
+    let cfg = EngineConfig {
+        pool: BlockPoolConfig {
+            host_blocks: 16,
+            ..BlockPoolConfig::new(WorkerId(1), 8)
+        },
+        scheduler: SchedulerConfig::default(),
+    };
+    let mut e = Engine::new_with_model(cfg, model).unwrap();
+    // The first 48 tokens (3 blocks) cached, then pushed off the 8 device blocks by a
+    // 126-token prompt (8 blocks with its token).
+    e.add_request(greedy(5, &p[..50], 1), 0).unwrap();
+    drive(&mut e, &mut Run::default());
+    e.add_request(greedy(6, &prompt(9, 126), 1), 1000).unwrap();
+    drive(&mut e, &mut Run::default());
+    assert!(e.pool().stats().device_evictions >= 3, "{:?}", e.pool().stats());
+    e.add_request(greedy(1, &p, 6), 2000).unwrap();
+    let mut run = Run::default();
+    drive(&mut e, &mut run);
+    assert!(e.pool().stats().host_promotions > 0, "{:?}", e.pool().stats());
+    assert_eq!(e.stats().cached_tokens, 48, "{:?}", e.stats());
+    assert_eq!(run.tokens[&1], want.tokens[&1], "from the host tier");
+    assert_eq!(bits(&run.logits[&1]), bits(&want.logits[&1]), "from the host tier");
+}
+
 #[test]
 fn kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks() {
     let p = prompt(5, 70);
