@@ -16,6 +16,7 @@ mod backends;
 mod bench;
 mod epp;
 mod flow_args;
+mod kv_transport_args;
 mod model_file;
 mod models;
 mod plan;

@@ -13,7 +13,6 @@ use clap::{ArgAction, Args};
 use tandem_engine::{MockerConfig, SchedulerConfig};
 use tandem_frontend::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
 use tandem_frontend::http::{ChatTemplateSpec, HttpConfig, ResponsesStoreConfig, TokenizerSpec};
-use tandem_kv_transfer::{Transport, TransportConfig, TransportKind};
 use tandem_protocol::{BlockSize, WorkerId, WorkerRole};
 use tandem_router::RouterId;
 use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
@@ -294,7 +293,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "TANDEM_KV_MEMORY", default_value = "host")]
     pub kv_memory: tandem_worker::KvMemory,
     #[command(flatten)]
-    pub kv: KvTransportArgs,
+    pub kv: crate::kv_transport_args::KvTransportArgs,
     /// Fault injection (prefill workers): corrupt one byte of every KV transfer after its
     /// digest is taken, so decode workers must detect it and prefill locally.
     #[arg(long, hide = true, default_value_t = false)]
@@ -303,63 +302,6 @@ pub struct WorkerArgs {
     /// on the event plane, e.g. `drop=0.05,duplicate=0.05,reorder=0.05,seed=1`.
     #[arg(long, hide = true)]
     pub inject_kv_event_faults: Option<String>,
-}
-
-/// How KV moves between workers.
-#[derive(Args, Debug, Clone)]
-pub struct KvTransportArgs {
-    /// ucx, tcp, local (one process), or inline (on the gRPC stream). Default: ucx when UCX
-    /// initialises here, else tcp.
-    #[arg(long, env = "TANDEM_KV_TRANSPORT")]
-    pub kv_transport: Option<String>,
-    /// UCX network devices (UCX_NET_DEVICES), e.g. `lo` or `mlx5_0:1`.
-    #[arg(long, env = "TANDEM_UCX_NET_DEVICES")]
-    pub ucx_net_devices: Option<String>,
-    /// UCX transports (UCX_TLS), e.g. `tcp` or `rc,sm`.
-    #[arg(long, env = "TANDEM_UCX_TLS")]
-    pub ucx_tls: Option<String>,
-    /// Host other workers reach this one's TCP KV listener at.
-    #[arg(long, env = "TANDEM_KV_ADVERTISE_HOST")]
-    pub kv_advertise_host: Option<String>,
-    /// TCP KV listener address.
-    #[arg(long, env = "TANDEM_KV_LISTEN", default_value = "127.0.0.1:0")]
-    pub kv_listen: String,
-}
-
-impl KvTransportArgs {
-    /// The flags that give a worker process these settings (`tandem up --processes`); the
-    /// listen address stays each worker's own.
-    pub fn to_worker_args(&self) -> Vec<String> {
-        [
-            ("kv-transport", &self.kv_transport),
-            ("ucx-net-devices", &self.ucx_net_devices),
-            ("ucx-tls", &self.ucx_tls),
-            ("kv-advertise-host", &self.kv_advertise_host),
-        ]
-        .into_iter()
-        .filter_map(|(flag, v)| v.as_ref().map(|v| format!("--{flag}={v}")))
-        .collect()
-    }
-
-    /// The process's KV transport; None for `inline`.
-    pub async fn open(&self) -> anyhow::Result<Option<Arc<dyn Transport>>> {
-        let kind = match self.kv_transport.as_deref() {
-            Some("inline") => return Ok(None),
-            Some(k) => k.parse::<TransportKind>().context("--kv-transport")?,
-            None => tandem_kv_transfer::default_kind(),
-        };
-        let mut cfg = TransportConfig {
-            tcp_bind: self.kv_listen.parse().context("--kv-listen")?,
-            tcp_advertise_host: self.kv_advertise_host.clone(),
-            ..Default::default()
-        };
-        cfg.ucx.net_devices = self.ucx_net_devices.clone();
-        cfg.ucx.tls = self.ucx_tls.clone();
-        let t = tandem_kv_transfer::open(kind, &cfg)
-            .await
-            .with_context(|| format!("opening the {} KV transport", kind.as_str()))?;
-        Ok(Some(t))
-    }
 }
 
 /// A fresh random 63-bit id.

@@ -62,7 +62,7 @@ pub struct UpArgs {
     /// take; with `--processes` each worker gets the flag (unset: ucx where UCX initialises,
     /// else tcp).
     #[command(flatten)]
-    pub kv: crate::serve::KvTransportArgs,
+    pub kv: crate::kv_transport_args::KvTransportArgs,
     /// Fault injection: the prefill workers corrupt one byte of every KV transfer after its
     /// digest is taken (as `tandem prefill --inject-kv-corruption`).
     #[arg(long, hide = true, default_value_t = false)]

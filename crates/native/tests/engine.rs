@@ -175,14 +175,26 @@ fn a_prefix_back_from_the_host_tier_gives_the_same_logits() {
     drive(&mut e, &mut Run::default());
     e.add_request(greedy(6, &prompt(9, 126), 1), 1000).unwrap();
     drive(&mut e, &mut Run::default());
-    assert!(e.pool().stats().device_evictions >= 3, "{:?}", e.pool().stats());
+    assert!(
+        e.pool().stats().device_evictions >= 3,
+        "{:?}",
+        e.pool().stats()
+    );
     e.add_request(greedy(1, &p, 6), 2000).unwrap();
     let mut run = Run::default();
     drive(&mut e, &mut run);
-    assert!(e.pool().stats().host_promotions > 0, "{:?}", e.pool().stats());
+    assert!(
+        e.pool().stats().host_promotions > 0,
+        "{:?}",
+        e.pool().stats()
+    );
     assert_eq!(e.stats().cached_tokens, 48, "{:?}", e.stats());
     assert_eq!(run.tokens[&1], want.tokens[&1], "from the host tier");
-    assert_eq!(bits(&run.logits[&1]), bits(&want.logits[&1]), "from the host tier");
+    assert_eq!(
+        bits(&run.logits[&1]),
+        bits(&want.logits[&1]),
+        "from the host tier"
+    );
 }
 
 #[test]
