@@ -265,6 +265,93 @@ fn native_cluster(name: &str, opts: Options) -> Cluster {
     )
 }
 
+/// Two streams of 300 tokens (greedy, and seeded at temperature 0.8) on the decode worker
+/// of `c` that holds their long shared prompt, 50 tokens into each.
+struct TwoStreams {
+    system: String,
+    home: u64,
+    prompt: u64,
+    streams: Vec<http::EventStream>,
+    events: [Vec<String>; 2],
+}
+
+const TEMPERATURES: [f32; 2] = [0.0, 0.8];
+
+impl TwoStreams {
+    fn open(c: &Cluster, seed: u64) -> TwoStreams {
+        let system = format!("You tell stories. {}", words(seed, 600));
+        let mut two = TwoStreams {
+            system,
+            home: 0,
+            prompt: 0,
+            streams: Vec::new(),
+            events: [Vec::new(), Vec::new()],
+        };
+        // The shared prompt warms one worker's cache, so both streams are routed to it (the
+        // router's cache credit for it outweighs one stream's load).
+        let first = c.chat(&two.story(0.0));
+        two.home = first.decode;
+        two.prompt = u64::from(first.completion.usage.prompt_tokens);
+        c.wait_metrics("the prompt in the index", Duration::from_secs(20), |m| {
+            m.index_entries() >= two.prompt / 16
+        });
+        two.streams = TEMPERATURES
+            .iter()
+            .map(|&t| open_stream(c, &streamed(two.story(t))))
+            .collect();
+        for (s, events) in two.streams.iter_mut().zip(&mut two.events) {
+            assert_eq!(
+                s.header("x-tandem-decode-worker"),
+                Some(two.home.to_string().as_str()),
+                "both streams on the worker holding their prompt"
+            );
+            *events = read_events(s, 50);
+        }
+        two
+    }
+
+    fn story(&self, temperature: f32) -> Value {
+        json!({
+            "messages": [{"role": "system", "content": self.system},
+                         {"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 300, "ignore_eos": true, "temperature": temperature, "seed": 5,
+        })
+    }
+
+    /// Reads both streams to their end at once (so that each event's arrival is its own),
+    /// printing the longest pause each saw after `since` under `what`.
+    fn finish(&mut self, since: std::time::Instant, what: &str) {
+        let readers: Vec<_> = std::mem::take(&mut self.streams)
+            .into_iter()
+            .map(|mut s| std::thread::spawn(move || s.collect_timed()))
+            .collect();
+        for (reader, events) in readers.into_iter().zip(&mut self.events) {
+            let (rest, end) = reader.join().unwrap();
+            assert!(matches!(end, StreamEnd::Done), "{end:?}");
+            eprintln!(
+                "{what}: the stream paused {:?}",
+                longest_pause(since, &rest)
+            );
+            events.extend(rest.into_iter().map(|(_, e)| e));
+        }
+    }
+
+    /// Each stream is complete and says what an uninterrupted run (on another worker) says.
+    fn assert_uninterrupted(&self, c: &Cluster, what: &str) {
+        for (events, temperature) in self.events.iter().zip(TEMPERATURES) {
+            let got = chunks(events);
+            assert_eq!(final_usage(&got).completion_tokens, 300);
+            let uninterrupted = c.chat(&self.story(temperature));
+            assert_ne!(uninterrupted.decode, self.home);
+            assert_eq!(
+                content(&got),
+                uninterrupted.content(),
+                "temperature {temperature}: the {what} stream differs from an uninterrupted run"
+            );
+        }
+    }
+}
+
 /// kill -9 of the decode worker serving two streams (greedy, and seeded at temperature
 /// 0.8) after 50 of their 300 tokens: both migrate to the other decode worker (prompt and
 /// tokens so far, recomputed there) and complete exactly as an uninterrupted run does.
@@ -278,65 +365,13 @@ fn a_killed_decode_workers_streams_migrate_and_equal_the_uninterrupted_ones() {
             ..Options::default()
         },
     );
-    // A long shared prompt: the router's cache credit for it outweighs one stream's load.
-    let system = format!("You tell stories. {}", words(3, 600));
-    let story = |temperature: f32| {
-        json!({
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": "Tell me a story."}],
-            "max_tokens": 300, "ignore_eos": true, "temperature": temperature, "seed": 5,
-        })
-    };
-    // The shared prompt warms one worker's cache, so both streams are routed to it.
-    let first = c.chat(&story(0.0));
-    let home = first.decode;
-    let prompt = u64::from(first.completion.usage.prompt_tokens);
-    c.wait_metrics("the prompt in the index", Duration::from_secs(20), |m| {
-        m.index_entries() >= prompt / 16
-    });
-    let mut greedy = open_stream(&c, &streamed(story(0.0)));
-    let mut seeded = open_stream(&c, &streamed(story(0.8)));
-    for s in [&greedy, &seeded] {
-        assert_eq!(
-            s.header("x-tandem-decode-worker"),
-            Some(home.to_string().as_str()),
-            "both streams on the worker holding their prompt"
-        );
-    }
-    let mut greedy_events = read_events(&mut greedy, 50);
-    let mut seeded_events = read_events(&mut seeded, 50);
-    c.worker(home).kill9();
-    let killed = std::time::Instant::now();
-    let readers = [greedy, seeded].map(|mut s| std::thread::spawn(move || s.collect_timed()));
-    for (reader, events) in readers
-        .into_iter()
-        .zip([&mut greedy_events, &mut seeded_events])
-    {
-        let (rest, end) = reader.join().unwrap();
-        assert!(matches!(end, StreamEnd::Done), "{end:?}");
-        eprintln!(
-            "migration by recompute: the stream paused {:?}",
-            longest_pause(killed, &rest)
-        );
-        events.extend(rest.into_iter().map(|(_, e)| e));
-    }
+    let mut two = TwoStreams::open(&c, 3);
+    c.worker(two.home).kill9();
+    two.finish(std::time::Instant::now(), "migration by recompute");
     assert!(c.metrics().get("tandem_migrations_total") >= 2.0);
-    for (events, temperature) in [(&greedy_events, 0.0), (&seeded_events, 0.8)] {
-        let migrated = chunks(events);
-        assert_eq!(final_usage(&migrated).completion_tokens, 300);
-        let uninterrupted = c.chat(&story(temperature));
-        assert_ne!(uninterrupted.decode, home);
-        assert_eq!(
-            content(&migrated),
-            uninterrupted.content(),
-            "temperature {temperature}: the migrated stream differs from an uninterrupted run"
-        );
-    }
+    two.assert_uninterrupted(&c, "migrated");
 }
 
-/// kill -9 of the prefill worker once the first of a 1,300-token prompt's three chunks has
-/// gone out over TCP: the decode worker drops what came, prefills the prompt itself, and
-/// answers exactly what the aggregated run answered.
 #[test]
 fn a_prefill_worker_killed_mid_transfer_falls_back_to_the_same_tokens() {
     let _serial = common::chat::serial();
@@ -411,48 +446,10 @@ fn a_draining_decode_worker_hands_its_streams_over_and_they_equal_uninterrupted_
             ..Options::default()
         },
     );
-    let system = format!("You tell stories. {}", words(4, 600));
-    let story = |temperature: f32| {
-        json!({
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": "Tell me a story."}],
-            "max_tokens": 300, "ignore_eos": true, "temperature": temperature, "seed": 5,
-        })
-    };
-    let first = c.chat(&story(0.0));
-    let home = first.decode;
-    let prompt = u64::from(first.completion.usage.prompt_tokens);
-    c.wait_metrics("the prompt in the index", Duration::from_secs(20), |m| {
-        m.index_entries() >= prompt / 16
-    });
-    let mut greedy = open_stream(&c, &streamed(story(0.0)));
-    let mut seeded = open_stream(&c, &streamed(story(0.8)));
-    for s in [&greedy, &seeded] {
-        assert_eq!(
-            s.header("x-tandem-decode-worker"),
-            Some(home.to_string().as_str()),
-            "both streams on the worker holding their prompt"
-        );
-    }
-    let mut greedy_events = read_events(&mut greedy, 50);
-    let mut seeded_events = read_events(&mut seeded, 50);
+    let mut two = TwoStreams::open(&c, 4);
     let before = c.metrics();
-    c.worker(home).signal("TERM");
-    let term = std::time::Instant::now();
-    // Both read at once, so that each event's arrival is its own.
-    let readers = [greedy, seeded].map(|mut s| std::thread::spawn(move || s.collect_timed()));
-    for (reader, events) in readers
-        .into_iter()
-        .zip([&mut greedy_events, &mut seeded_events])
-    {
-        let (rest, end) = reader.join().unwrap();
-        assert!(matches!(end, StreamEnd::Done), "{end:?}");
-        eprintln!(
-            "handover with KV: the stream paused {:?}",
-            longest_pause(term, &rest)
-        );
-        events.extend(rest.into_iter().map(|(_, e)| e));
-    }
+    c.worker(two.home).signal("TERM");
+    two.finish(std::time::Instant::now(), "handover with KV");
     let m = c.metrics();
     assert_eq!(m.get("tandem_handovers_total{outcome=\"moved\"}"), 2.0);
     assert_eq!(m.get("tandem_migrations_total"), 0.0);
@@ -461,21 +458,11 @@ fn a_draining_decode_worker_hands_its_streams_over_and_they_equal_uninterrupted_
     let remote = |m: &Metrics| m.get("tandem_prefills_total{outcome=\"remote\"}");
     assert_eq!(remote(&m) - remote(&before), 2.0);
     let moved = |m: &Metrics| m.get("tandem_remote_prefill_tokens_total{kind=\"moved\"}");
-    assert!(moved(&m) - moved(&before) >= 2.0 * (prompt + 50) as f64);
+    assert!(moved(&m) - moved(&before) >= 2.0 * (two.prompt + 50) as f64);
     assert_eq!(m.get("tandem_prefills_total{outcome=\"fallback\"}"), 0.0);
-    for (events, temperature) in [(&greedy_events, 0.0), (&seeded_events, 0.8)] {
-        let moved = chunks(events);
-        assert_eq!(final_usage(&moved).completion_tokens, 300);
-        let uninterrupted = c.chat(&story(temperature));
-        assert_ne!(uninterrupted.decode, home);
-        assert_eq!(
-            content(&moved),
-            uninterrupted.content(),
-            "temperature {temperature}: the handed-over stream differs from an uninterrupted run"
-        );
-    }
+    two.assert_uninterrupted(&c, "handed-over");
     let status = c
-        .worker(home)
+        .worker(two.home)
         .wait_exit(Duration::from_secs(60))
         .expect("the drained worker exits");
     assert!(status.success(), "exit status {status}");
