@@ -360,6 +360,38 @@ fn a_draining_decode_worker_hands_its_stream_over_with_its_kv() {
     assert!(status.success(), "exit status {status}");
 }
 
+/// SIGTERM to the only decode worker: its offer has nowhere to go (the frontend declines it),
+/// and the stream finishes on the draining worker, as without a handover.
+#[test]
+fn a_handover_with_no_other_decode_worker_is_declined_and_the_stream_finishes_in_place() {
+    let _serial = serial();
+    let mut c = Cluster::start(
+        "handover-declined",
+        Options {
+            decode: 1,
+            speedup: 1.0,
+            drain_timeout_s: 20,
+            ..Options::default()
+        },
+    );
+    let mut s = open_stream(&c, &streamed(chat(&words(16, 50), "Go on and on.", 300)));
+    let mut events = read_events(&mut s, 10);
+    c.worker(decode_id(0)).signal("TERM");
+    let (rest, end) = s.collect();
+    assert!(matches!(end, StreamEnd::Done), "{end:?}");
+    events.extend(rest);
+    let chunks = chunks(&events);
+    assert_eq!(final_usage(&chunks).completion_tokens, 300);
+    let m = c.metrics();
+    assert_eq!(m.get("tandem_handovers_total{outcome=\"declined\"}"), 1.0);
+    assert_eq!(m.get("tandem_handovers_total{outcome=\"moved\"}"), 0.0);
+    let status = c
+        .worker(decode_id(0))
+        .wait_exit(Duration::from_secs(25))
+        .expect("the drained worker exits within its drain timeout");
+    assert!(status.success(), "exit status {status}");
+}
+
 /// SIGTERM to the frontend: `/health` turns 503 and new requests are refused at once, the
 /// stream in flight completes, then the frontend exits 0.
 #[test]

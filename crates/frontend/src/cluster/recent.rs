@@ -496,6 +496,15 @@ mod tests {
     }
 
     #[test]
+    fn completed_remote_prefills_sum_what_moved_and_what_was_held() {
+        let a = RecentActivity::default();
+        a.remote_prefill(900, 0);
+        a.remote_prefill(404, 896);
+        let t = a.snapshot().totals;
+        assert_eq!((t.remote_tokens_moved, t.remote_tokens_held), (1304, 896));
+    }
+
+    #[test]
     fn a_remote_prefill_counts_the_prefill_workers_cache() {
         let a = RecentActivity::default();
         let bs = u64::from(BlockSize::DEFAULT.get());
