@@ -20,42 +20,21 @@ cargo build --release --quiet --bin tandem
 
 python3 - "$target/release/tandem" "$model" "$threads" "${ROUNDS:-2}" ${SIZES:-512 2048 8000} \
   -- $transports <<'PY'
-import http.client, json, socket, statistics, subprocess, sys, tempfile, time
+import http.client, json, os, statistics, sys, time
+
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts/lib"))
+import tandem_up
 
 tandem, model, threads, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 rest = sys.argv[5:]
 sizes = [int(s) for s in rest[: rest.index("--")]]
 transports = rest[rest.index("--") + 1 :]
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
 def up(flags):
-    port = free_port()
-    log = tempfile.TemporaryFile()
     # 8,000 tokens of this model's KV are 176 MB: room for one at a time and then some.
-    p = subprocess.Popen(
-        [tandem, "up", "--model", model, "--port", str(port), "--prefill", "1", "--decode", "1",
-         "--threads", threads, "--kv-memory-mb", "400", *flags],
-        stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(1200):
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", "/metrics")
-            m = c.getresponse().read().decode()
-            if all(f'tandem_workers{{role="{r}"}} 1' in m for r in ("prefill", "decode")):
-                return p, port
-        except OSError:
-            pass
-        if p.poll() is not None:
-            log.seek(0)
-            sys.exit(f"tandem up exited:\n{log.read().decode()}")
-        time.sleep(0.1)
-    sys.exit("tandem up did not see both workers")
+    return tandem_up.start(
+        tandem, ["--model", model, "--prefill", "1", "--decode", "1", "--threads", threads,
+                 "--kv-memory-mb", "400", *flags], roles=("prefill", "decode"))
 
 def ttft(port, n, seed, remote):
     prompt = [200 + (i * 7919 + seed * 104729) % 40000 for i in range(n)]
@@ -89,8 +68,7 @@ for rnd in range(rounds):
                 seed += 1
                 row[f"{name}/{n}"] = ttft(port, n, seed, remote)
         finally:
-            p.send_signal(2)
-            p.wait(timeout=120)
+            tandem_up.stop(p)
     ratios = {f"{t}/{n}": row[f"{t}/{n}"] / row[f"local-prefill/{n}"]
               for t in transports for n in sizes}
     runs.append((row, ratios))

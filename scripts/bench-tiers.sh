@@ -15,7 +15,10 @@ target=${CARGO_TARGET_DIR:-target}
 cargo build --release --quiet --bin tandem
 
 python3 - "$target/release/tandem" "$model" "$threads" "${ROUNDS:-2}" "${TOKENS:-4000}" <<'PY'
-import http.client, json, socket, statistics, subprocess, sys, tempfile, time
+import http.client, json, os, statistics, sys, time
+
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts/lib"))
+import tandem_up
 
 tandem, model, threads, rounds, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 # This model's KV: 22.5 KiB per token, 360 KiB per 16-token block.
@@ -25,27 +28,10 @@ prompt_mb = (n // 16 + 1) * block_kib / 1024
 device_mb = int(prompt_mb) + 4
 host_blocks = 4 * (n // 16 + 1)
 
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-log = tempfile.TemporaryFile()
-p = subprocess.Popen(
-    [tandem, "up", "--model", model, "--port", str(port), "--prefill", "0", "--decode", "1",
-     "--threads", threads, "--kv-memory-mb", str(device_mb), "--host-blocks", str(host_blocks)],
-    stdout=log, stderr=subprocess.STDOUT)
-
-def ready():
-    for _ in range(1200):
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", "/metrics")
-            if 'tandem_workers{role="decode"} 1' in c.getresponse().read().decode():
-                return
-        except OSError:
-            pass
-        if p.poll() is not None:
-            log.seek(0)
-            sys.exit(f"tandem up exited:\n{log.read().decode()}")
-        time.sleep(0.1)
-    sys.exit("tandem up did not start")
+def up():
+    return tandem_up.start(
+        tandem, ["--model", model, "--prefill", "0", "--decode", "1", "--threads", threads,
+                 "--kv-memory-mb", str(device_mb), "--host-blocks", str(host_blocks)])
 
 def ttft(prompt):
     body = {"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "stream": True,
@@ -70,8 +56,8 @@ def ttft(prompt):
 def prompt(seed):
     return [200 + (i * 7919 + seed * 104729) % 40000 for i in range(n)]
 
+p, port = up()
 try:
-    ready()
     ttft(prompt(0)[:64])
     runs = []
     for rnd in range(rounds):
@@ -91,6 +77,5 @@ try:
                       "cold_s": med("cold_s"), "device_s": med("device_s"),
                       "host_s": med("host_s")}))
 finally:
-    p.send_signal(2)
-    p.wait(timeout=120)
+    tandem_up.stop(p)
 PY

@@ -18,6 +18,7 @@ use tandem_protocol::{HashSeed, RequestId};
 use tandem_worker::{HostOutput, RequestHandle};
 
 use crate::Shared;
+use crate::text::token_text;
 
 /// Prefilled KV kept for a decode stand-in to pull, by `remote_request_id`.
 #[derive(Debug, Default)]
@@ -390,12 +391,6 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     } else {
         whole_response(s, c, meta, handle).await
     }
-}
-
-/// The stand-in has no tokenizer: its text for token `t` is ` t<t>` (a plain server's
-/// text, for clients that take text only).
-pub(crate) fn token_text(tokens: &[u32]) -> String {
-    tokens.iter().map(|t| format!(" t{t}")).collect()
 }
 
 struct Meta {

@@ -38,6 +38,7 @@
 mod events;
 mod http;
 mod logprobs;
+mod text;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};

@@ -2,7 +2,7 @@
 
 use serde_json::{Value, json};
 
-use crate::http::token_text;
+use crate::text::token_text;
 
 /// vLLM's `CompletionLogProbs` for one token (`text_offset` into the choice's text so far):
 /// the sampled token's log-probability, and a map holding it and the most likely
