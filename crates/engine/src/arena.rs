@@ -73,6 +73,22 @@ pub trait ArenaStorage: Send + Sync {
     /// all readable at once: what a forward pass reads for a layer's attention, taken once
     /// rather than block by block from every thread (a storage with locks takes each once).
     fn read_many(&self, offsets: &[usize], len: usize, f: &mut dyn FnMut(&[&[u8]]));
+
+    /// Where the bytes live when they are GPU memory: a model computing on that device
+    /// reads and writes blocks there in place, through its own kernels. None: host memory,
+    /// reached only through the calls above.
+    fn device(&self) -> Option<DeviceMemory> {
+        None
+    }
+}
+
+/// An arena's bytes in GPU memory: `len` bytes from device address `base` on CUDA device
+/// `ordinal`, blocks at `base + block × bytes_per_block`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub ordinal: usize,
+    pub base: u64,
+    pub len: usize,
 }
 
 impl ArenaStorage for Vec<u8> {
@@ -285,6 +301,12 @@ impl KvArena {
             }
         });
         out.expect("arena storage calls back exactly once")
+    }
+
+    /// The arena's GPU memory, when its storage is on a device (see
+    /// [`ArenaStorage::device`]).
+    pub fn device(&self) -> Option<DeviceMemory> {
+        self.data.device()
     }
 
     /// A copy of the bytes of `block`.

@@ -30,7 +30,7 @@ pub mod model;
 pub mod pool;
 pub mod scheduler;
 
-pub use arena::{ArenaSizeMismatch, ArenaStorage, KvArena, KvShape};
+pub use arena::{ArenaSizeMismatch, ArenaStorage, DeviceMemory, KvArena, KvShape};
 pub use engine::{
     DynEngine, Engine, EngineConfig, EngineError, ExportedBlock, MockEngine, MockEngineConfig,
     PlannedStep,

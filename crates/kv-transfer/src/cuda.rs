@@ -72,6 +72,10 @@ impl DeviceAlloc {
         self.ptr
     }
 
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
     fn check(&self, off: usize, len: usize) -> Result<(), TransferError> {
         if off.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(TransferError::InvalidArgument(format!(

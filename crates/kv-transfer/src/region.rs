@@ -437,6 +437,18 @@ impl Region {
         })
     }
 
+    /// For a region in GPU memory, its device and the device address of block 0: a model
+    /// computing on that device reads and writes the region's blocks in place with its own
+    /// kernels (under the same rule as the transports: a block being written by a transfer
+    /// is not touched until the transfer is fenced). None for host memory.
+    pub fn cuda_memory(&self) -> Option<(usize, u64)> {
+        match &self.memory {
+            Memory::Host(_) => None,
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(d) => Some((d.ordinal(), d.device_ptr())),
+        }
+    }
+
     /// Address of block 0 as the FFI sees it: a host pointer or a CUDA device pointer. For UCX
     /// registration and puts only; never dereferenced by Rust code outside this module.
     #[cfg_attr(not(feature = "ucx"), allow(dead_code))]

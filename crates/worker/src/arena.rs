@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use tandem_engine::ArenaStorage;
+use tandem_engine::{ArenaStorage, DeviceMemory};
 use tandem_kv_transfer::{MemoryKind, Region, TransferError};
 
 use crate::digest::KvDigest;
@@ -81,6 +81,15 @@ fn device_failed(op: &str, e: &TransferError) -> ! {
 impl ArenaStorage for RegionStorage {
     fn len(&self) -> usize {
         self.region.len_bytes()
+    }
+
+    fn device(&self) -> Option<DeviceMemory> {
+        let (ordinal, base) = self.region.cuda_memory()?;
+        Some(DeviceMemory {
+            ordinal,
+            base,
+            len: self.region.len_bytes(),
+        })
     }
 
     fn read(&self, offset: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
