@@ -37,7 +37,9 @@ ensure_apt "${APT_PACKAGES[@]}"
 #   trace receiver the processes export to (tests/otlp_receiver.py, tests/tracing.rs);
 # - gguf: gguf-py (the GGUF authors' package, from llama.cpp) writes, reads and dequantizes the
 #   GGUF files tandem-native's reader is checked against, and with numpy computes the
-#   independent forward pass its logits are checked against (crates/native/tests).
+#   independent forward pass its logits are checked against (crates/native/tests);
+# - nvrtc: NVIDIA's NVRTC library (the wheel carries libnvrtc.so.12), with which the GPU
+#   engine's CUDA source is compiled on every run, GPU or not (crates/native/src/gpu/tests.rs).
 declare -A PY_TOOLS=(
   [zmq]="msgspec pyzmq"
   [sdk]="openai anthropic"
@@ -45,6 +47,7 @@ declare -A PY_TOOLS=(
   [epp]="grpcio xds-protos"
   [otlp]="grpcio opentelemetry-proto"
   [gguf]="gguf numpy"
+  [nvrtc]="nvidia-cuda-nvrtc-cu12==12.9.86"
 )
 for tool in "${!PY_TOOLS[@]}"; do
   venv="target/python/$tool"
@@ -78,4 +81,12 @@ rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup comp
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The GPU code (feature `cuda`: the native engine's forward pass, CUDA KV regions) builds and
+# passes clippy without a GPU or CUDA toolkit (the driver and NVRTC load at run time), and its
+# kernels compile with NVRTC; the tests that need a device run in scripts/gpu-check.sh.
+cargo clippy --locked --all-targets --features tandem/cuda -p tandem -p tandem-native \
+  -p tandem-worker -p tandem-decode-worker -p tandem-kv-transfer -- -D warnings
+nvrtc=$(echo target/python/nvrtc/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib)
+LD_LIBRARY_PATH=$PWD/$nvrtc cargo test --locked -p tandem-native --features cuda --lib \
+  gpu::tests::the_kernels_compile
 cargo test --workspace --locked

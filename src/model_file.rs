@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use tandem_native::{GgufFile, Isa, Kernels, Llama, Precision};
-use tandem_worker::{NativeEngine, WorkerConfig};
+use tandem_native::{Device, GgufFile, Isa, Kernels, Llama, Precision};
+use tandem_worker::{KvMemory, NativeEngine, WorkerConfig};
 
 /// A loaded GGUF model and what the frontend takes from the same file.
 #[derive(Clone, Debug)]
@@ -20,6 +20,9 @@ pub struct ModelFile {
     /// The context it was trained for (`<arch>.context_length`).
     pub context_length: u32,
     pub eos_token: Option<u32>,
+    /// Its weights on each GPU a worker of this process computes on (`--device cuda`).
+    #[cfg(feature = "cuda")]
+    gpu: Arc<parking_lot::Mutex<Vec<Arc<tandem_native::gpu::GpuWeights>>>>,
 }
 
 /// How long a decode worker of the native engine waits for a remote prefill.
@@ -66,27 +69,46 @@ impl ModelFile {
             llama: Arc::new(llama),
             context_length,
             eos_token,
+            #[cfg(feature = "cuda")]
+            gpu: Default::default(),
         }))
     }
 
-    /// `c` computing this model with the native engine on `threads` threads: its device
-    /// blocks are what `kv_memory_mb` (--kv-memory-mb) holds, its name the model's, its
-    /// step at most `max_batched_tokens` tokens (unset: [`NATIVE_MAX_BATCHED_TOKENS`]).
+    /// `c` computing this model with the native engine as `engine`'s flags say: on
+    /// `--device` (the CPU with `--threads`, `default_threads` unless given; or a GPU, its KV
+    /// arena then in that GPU's memory), its device blocks what `--kv-memory-mb` holds, its
+    /// name the model's, its step at most `--max-batched-tokens` tokens (unset:
+    /// [`NATIVE_MAX_BATCHED_TOKENS`] on the CPU, [`GPU_MAX_BATCHED_TOKENS`] on a GPU).
     pub fn configure(
         &self,
         c: &mut WorkerConfig,
-        threads: usize,
-        kv_memory_mb: u64,
-        max_batched_tokens: Option<usize>,
+        engine: &crate::serve::EngineArgs,
+        default_threads: usize,
     ) -> anyhow::Result<()> {
         c.model = self.name.clone();
         // A decode worker gives a remote prefill this long before it prefills locally: on
         // CPUs a long prompt's prefill takes tens of seconds (3,000 tokens on 2 cores: ~15 s),
         // and past the mocker's 5 s every long prompt was prefilled twice.
         c.prefill_timeout = NATIVE_PREFILL_TIMEOUT;
+        let step_default = match engine.device {
+            Device::Cpu => NATIVE_MAX_BATCHED_TOKENS,
+            Device::Cuda(_) => GPU_MAX_BATCHED_TOKENS,
+        };
         c.engine.scheduler.max_num_batched_tokens =
-            max_batched_tokens.unwrap_or(NATIVE_MAX_BATCHED_TOKENS);
-        c.native = Some(self.engine(threads));
+            engine.max_batched_tokens.unwrap_or(step_default);
+        let threads = engine.threads.unwrap_or(default_threads);
+        c.native = Some(self.engine(threads, engine.device)?);
+        if let Device::Cuda(ordinal) = engine.device {
+            match c.kv_memory {
+                KvMemory::Host => c.kv_memory = KvMemory::Cuda { ordinal },
+                KvMemory::Cuda { ordinal: o } => anyhow::ensure!(
+                    o == ordinal,
+                    "--device cuda:{ordinal} computes with its KV arena on that GPU, not on \
+                     cuda:{o} (--kv-memory)"
+                ),
+            }
+        }
+        let kv_memory_mb = engine.kv_memory_mb;
         let per_block = c.bytes_per_block() as u64;
         let blocks = (kv_memory_mb << 20) / per_block.max(1);
         anyhow::ensure!(
@@ -98,21 +120,58 @@ impl ModelFile {
         Ok(())
     }
 
-    /// The native engine of a worker computing this model on `threads` threads.
-    pub fn engine(&self, threads: usize) -> NativeEngine {
-        NativeEngine {
+    /// The native engine of a worker computing this model on `device` (on the CPU with
+    /// `threads` threads). On a GPU the weights go there once per process, shared by its
+    /// workers.
+    pub fn engine(&self, threads: usize, device: Device) -> anyhow::Result<NativeEngine> {
+        #[cfg(not(feature = "cuda"))]
+        anyhow::ensure!(
+            device == Device::Cpu,
+            "--device {device}: this tandem was built without GPU support (build it with \
+             `cargo build --release --features cuda`)"
+        );
+        Ok(NativeEngine {
             model: self.llama.clone(),
             kernels: Kernels::new(Isa::detect()),
             threads: threads.max(1),
             eos_token: self.eos_token,
+            #[cfg(feature = "cuda")]
+            gpu: match device {
+                Device::Cpu => None,
+                Device::Cuda(ordinal) => Some(self.gpu_weights(ordinal)?),
+            },
+        })
+    }
+
+    /// The weights on GPU `ordinal`, uploaded by the first worker that asks.
+    #[cfg(feature = "cuda")]
+    fn gpu_weights(&self, ordinal: usize) -> anyhow::Result<Arc<tandem_native::gpu::GpuWeights>> {
+        let mut uploaded = self.gpu.lock();
+        if let Some(w) = uploaded.iter().find(|w| w.gpu().ordinal() == ordinal) {
+            return Ok(w.clone());
         }
+        let w = tandem_native::gpu::GpuWeights::upload(self.llama.clone(), ordinal)
+            .with_context(|| format!("--device cuda:{ordinal}"))?;
+        tracing::info!(
+            gpu = w.gpu().name(),
+            ordinal,
+            weights_mb = w.bytes() >> 20,
+            "model weights on the GPU"
+        );
+        uploaded.push(w.clone());
+        Ok(w)
     }
 }
 
 /// Tokens per step of the mocker unless `--max-batched-tokens` says: vLLM's on a GPU.
 pub const MOCKER_MAX_BATCHED_TOKENS: usize = 8192;
 
-/// Tokens per step of the native engine unless `--max-batched-tokens` says. Its step buffers
+/// Tokens per step of the native engine on a GPU unless `--max-batched-tokens` says: a GPU
+/// computes a long prompt's chunk in milliseconds, and its step buffers are small beside
+/// its memory (vLLM's default chunk is 2,048 tokens too).
+pub const GPU_MAX_BATCHED_TOKENS: usize = 2048;
+
+/// Tokens per step of the native engine on the CPU unless `--max-batched-tokens` says. Its step buffers
 /// (activations, the FFN's two `n_ff`-wide products, attention's) are sized by the step's
 /// rows: about 30 KB per row for SmolLM2-135M, so 8192 rows took 250 MB more than weights
 /// and KV, where 512 take 15 MB; and a CPU computes a prompt as fast per token in 512-token

@@ -174,6 +174,11 @@ pub struct EngineArgs {
     /// (K and V in f16; --device-blocks applies to the mocker).
     #[arg(long, env = "TANDEM_KV_MEMORY_MB", default_value_t = 512)]
     pub kv_memory_mb: u64,
+    /// Where the native engine computes: cpu, or cuda / cuda:N (an NVIDIA GPU: the weights
+    /// and the KV arena in its memory; needs a build with `--features cuda`, the driver and
+    /// NVRTC, the kernels' run-time compiler).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: tandem_native::Device,
 }
 
 /// The engine behind a worker: the in-process mocker, or an external engine fronted by this
@@ -634,14 +639,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
                     args.model
                 )
             })?;
-        model.configure(
-            &mut cfg,
-            args.engine
-                .threads
-                .unwrap_or_else(crate::model_file::available_cores),
-            args.engine.kv_memory_mb,
-            args.engine.max_batched_tokens,
-        )?;
+        model.configure(&mut cfg, &args.engine, crate::model_file::available_cores())?;
         if let Some(ms) = args.prefill_timeout_ms {
             cfg.prefill_timeout = Duration::from_millis(ms);
         }

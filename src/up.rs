@@ -170,12 +170,7 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
             args.engine
                 .config(role, WorkerId(i as u64 + 1), &args.http.model, "default")?;
         if let Some(model) = &model {
-            model.configure(
-                &mut cfg,
-                args.engine.threads.unwrap_or(threads),
-                args.engine.kv_memory_mb,
-                args.engine.max_batched_tokens,
-            )?;
+            model.configure(&mut cfg, &args.engine, threads)?;
         }
         cfg.corrupt_transfers = args.inject_kv_corruption && role == WorkerRole::Prefill;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -229,6 +224,7 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
             format!("--model={gguf}"),
             format!("--threads={}", args.engine.threads.unwrap_or(threads)),
             format!("--kv-memory-mb={}", args.engine.kv_memory_mb),
+            format!("--device={}", args.engine.device),
         ]
         .into_iter()
         .chain(args.model_cache.to_args())

@@ -52,7 +52,7 @@ impl MockEngineConfig {
 /// Why an engine could not be made.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum EngineError {
-    #[error("invalid mocker config: {0}")]
+    #[error("invalid engine config: {0}")]
     InvalidConfig(&'static str),
     #[error(transparent)]
     Pool(#[from] PoolError),

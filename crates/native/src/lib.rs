@@ -25,11 +25,14 @@
 //! - [`team`]: the worker's threads, which spin briefly between a step's parallel regions,
 //!   linger yielding between steps, and sleep when the worker is idle.
 //! - `error`: [`Error`], classified by [`Error::class`].
+//! - [`device`]: [`Device`], where the engine computes; `gpu` (feature `cuda`): the forward
+//!   pass on an NVIDIA GPU, its kernels compiled at run time (see its docs).
 //!
 //! **Invariants.**
-//! - `unsafe` lives in two audited modules, each block with a `// SAFETY:`: `kernels/simd/`
-//!   (the SIMD intrinsics and prefetches) and [`team`] (a parallel region's closure called through a
-//!   pointer by the worker's threads, which `Team::run` outlives). The file is read into a
+//! - `unsafe` lives in three audited modules, each block with a `// SAFETY:`: `kernels/simd/`
+//!   (the SIMD intrinsics and prefetches), [`team`] (a parallel region's closure called through a
+//!   pointer by the worker's threads, which `Team::run` outlives) and, with the `cuda` feature,
+//!   `gpu/device.rs` (kernel launches). The file is read into a
 //!   `Vec<u8>` (no memory mapping).
 //! - Bounds are checked at parse time, once: every length and count against the bytes left
 //!   (a hostile count never sizes an allocation beyond what the remaining bytes could hold),
@@ -51,7 +54,10 @@
 //! Q4_1 × Q8 dot product was 5× faster. So the kernels are ours, behind one small interface
 //! with run-time CPU-feature dispatch and a portable path the tests hold the SIMD one to.
 
+pub mod device;
 pub mod gguf;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod kernels;
 pub mod llama;
 pub mod load;
@@ -64,6 +70,7 @@ pub mod tokenizer;
 
 mod error;
 
+pub use device::Device;
 pub use error::{Error, ErrorClass, GgmlTypeId};
 pub use gguf::{Array, GgufFile, Tensor, TensorInfo, Value, ValueType};
 pub use kernels::{Isa, Kernels};

@@ -72,22 +72,7 @@ impl Model for NativeModel {
     }
 
     fn compute(&mut self, view: ModelView<'_>, sampled: &mut Vec<SampledToken>) {
-        let mut rows = Vec::with_capacity(view.plan.prefill_tokens + view.plan.decode_tokens);
-        for (entry, table) in view.plan.iter() {
-            let Some(seq) = view.sequences.get(entry.id) else {
-                continue;
-            };
-            let range = entry.tokens();
-            let last = range.end - 1;
-            for pos in range {
-                rows.push(StepRow {
-                    token: seq.tokens()[pos],
-                    pos,
-                    table,
-                    logits: entry.samples && pos == last,
-                });
-            }
-        }
+        let rows = step_rows(&view);
         self.llama.forward(
             &self.compute,
             &rows,
@@ -96,29 +81,67 @@ impl Model for NativeModel {
             &mut self.scratch,
             &mut self.logits,
         );
-        let n_vocab = self.llama.cfg.n_vocab;
-        let mut i = 0;
-        for (entry, _) in view.plan.iter() {
-            if !entry.samples {
-                continue;
-            }
-            let Some(seq) = view.sequences.get(entry.id) else {
-                continue;
-            };
-            let logits = &self.logits[i * n_vocab..(i + 1) * n_vocab];
-            i += 1;
-            // The draw for the token at position `end` (the sequence's next one).
-            let pos = entry.tokens().end as u64;
-            let choice = self
-                .sampler
-                .sample(logits, seq.sampling(), seq.sampling_seed(), pos);
-            sampled.push(SampledToken {
-                id: entry.id,
-                token: choice.token,
-                logprobs: choice.logprobs,
-            });
-        }
+        sample_step(
+            &view,
+            &self.logits,
+            self.llama.cfg.n_vocab,
+            &mut self.sampler,
+            sampled,
+        );
     }
 
     fn forget(&mut self, _: RequestId) {}
+}
+
+/// The rows of `view`'s step, in plan order: every scheduled token of every entry, at its
+/// position, with its sequence's block table; the last row of an entry that samples wants
+/// logits.
+pub(crate) fn step_rows<'a>(view: &ModelView<'a>) -> Vec<StepRow<'a>> {
+    let mut rows = Vec::with_capacity(view.plan.prefill_tokens + view.plan.decode_tokens);
+    for (entry, table) in view.plan.iter() {
+        let Some(seq) = view.sequences.get(entry.id) else {
+            continue;
+        };
+        let range = entry.tokens();
+        let last = range.end - 1;
+        for pos in range {
+            rows.push(StepRow {
+                token: seq.tokens()[pos],
+                pos,
+                table,
+                logits: entry.samples && pos == last,
+            });
+        }
+    }
+    rows
+}
+
+/// One token for every entry of `view`'s plan that samples, drawn from its row of `logits`
+/// (`n_vocab` each, in plan order, as [`step_rows`] marked them), pushed to `sampled`.
+pub(crate) fn sample_step(
+    view: &ModelView<'_>,
+    logits: &[f32],
+    n_vocab: usize,
+    sampler: &mut Sampler,
+    sampled: &mut Vec<SampledToken>,
+) {
+    let mut i = 0;
+    for (entry, _) in view.plan.iter() {
+        if !entry.samples {
+            continue;
+        }
+        let Some(seq) = view.sequences.get(entry.id) else {
+            continue;
+        };
+        let row = &logits[i * n_vocab..(i + 1) * n_vocab];
+        i += 1;
+        // The draw for the token at position `end` (the sequence's next one).
+        let pos = entry.tokens().end as u64;
+        let choice = sampler.sample(row, seq.sampling(), seq.sampling_seed(), pos);
+        sampled.push(SampledToken {
+            id: entry.id,
+            token: choice.token,
+            logprobs: choice.logprobs,
+        });
+    }
 }

@@ -50,6 +50,11 @@ impl Matrix {
         self.data.len()
     }
 
+    /// The weights' bytes, every row in [`format`](Self::format), back to back.
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+
     pub fn row(&self, o: usize) -> &[u8] {
         &self.data[o * self.row_bytes..(o + 1) * self.row_bytes]
     }

@@ -2,13 +2,19 @@
 //! scripts/test.sh fetches): real text, and batch invariance — a request's logits are bitwise
 //! the same in one shot or in chunks, alone or batched, from a prefix hit, or from KV copied
 //! into another arena at other block ids.
+//!
+//! Built with `--features cuda`, every test runs a second time on the GPU (`gpu_…`, the
+//! model's weights and KV arena in device memory; scripts/gpu-check.sh runs them), and
+//! `gpu_logits_match_the_f32_reference` holds the GPU's logits to the CPU's f32 path.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
+use tandem_engine::scheduler::ModelView;
 use tandem_engine::{
-    BlockPoolConfig, Engine, EngineConfig, EngineRequest, SamplingParams, SchedulerConfig,
+    BlockPoolConfig, Engine, EngineConfig, EngineRequest, KvShape, Model, SampledToken,
+    SamplingParams, SchedulerConfig, StepPlan,
 };
 use tandem_native::{GgufFile, Isa, Kernels, Llama, NativeModel, Precision};
 use tandem_protocol::{RequestId, WorkerId};
@@ -36,15 +42,113 @@ fn llama() -> Arc<Llama> {
         .clone()
 }
 
-type NativeEngine = Engine<NativeModel>;
+/// Where a test's engine computes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Backend {
+    Cpu,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Gpu,
+}
 
-fn engine(device_blocks: u32, scheduler: SchedulerConfig, threads: usize) -> NativeEngine {
-    let model = NativeModel::new(llama(), Kernels::new(Isa::detect()), 16, threads);
-    let cfg = EngineConfig {
-        pool: BlockPoolConfig::new(WorkerId(1), device_blocks),
-        scheduler,
-    };
-    Engine::new_with_model(cfg, model).unwrap()
+/// The native model on either backend, with the logits of its last step.
+#[derive(Debug)]
+enum AnyModel {
+    Cpu(Box<NativeModel>),
+    #[cfg(feature = "cuda")]
+    Gpu(Box<tandem_native::gpu::GpuModel>),
+}
+
+impl AnyModel {
+    fn inner(&self) -> &dyn Model {
+        match self {
+            AnyModel::Cpu(m) => &**m,
+            #[cfg(feature = "cuda")]
+            AnyModel::Gpu(m) => &**m,
+        }
+    }
+
+    fn inner_mut(&mut self) -> &mut dyn Model {
+        match self {
+            AnyModel::Cpu(m) => &mut **m,
+            #[cfg(feature = "cuda")]
+            AnyModel::Gpu(m) => &mut **m,
+        }
+    }
+
+    fn last_logits(&self) -> &[f32] {
+        match self {
+            AnyModel::Cpu(m) => m.last_logits(),
+            #[cfg(feature = "cuda")]
+            AnyModel::Gpu(m) => m.last_logits(),
+        }
+    }
+}
+
+impl Model for AnyModel {
+    fn kv_shape(&self) -> KvShape {
+        self.inner().kv_shape()
+    }
+
+    fn step_duration_ms(&self, plan: &StepPlan, kv: usize) -> f64 {
+        self.inner().step_duration_ms(plan, kv)
+    }
+
+    fn compute(&mut self, view: ModelView<'_>, sampled: &mut Vec<SampledToken>) {
+        self.inner_mut().compute(view, sampled)
+    }
+
+    fn forget(&mut self, id: RequestId) {
+        self.inner_mut().forget(id)
+    }
+}
+
+type NativeEngine = Engine<AnyModel>;
+
+#[cfg(feature = "cuda")]
+fn gpu_weights() -> Arc<tandem_native::gpu::GpuWeights> {
+    static WEIGHTS: OnceLock<Arc<tandem_native::gpu::GpuWeights>> = OnceLock::new();
+    WEIGHTS
+        .get_or_init(|| {
+            tandem_native::gpu::GpuWeights::upload(llama(), 0)
+                .unwrap_or_else(|e| panic!("a gpu_ test needs a GPU: {e}"))
+        })
+        .clone()
+}
+
+fn engine(
+    b: Backend,
+    device_blocks: u32,
+    scheduler: SchedulerConfig,
+    threads: usize,
+) -> NativeEngine {
+    let pool = BlockPoolConfig::new(WorkerId(1), device_blocks);
+    engine_with(b, pool, scheduler, threads)
+}
+
+fn engine_with(
+    b: Backend,
+    pool: BlockPoolConfig,
+    scheduler: SchedulerConfig,
+    threads: usize,
+) -> NativeEngine {
+    let blocks = pool.device_blocks as usize;
+    let cfg = EngineConfig { pool, scheduler };
+    match b {
+        Backend::Cpu => {
+            let model = NativeModel::new(llama(), Kernels::new(Isa::detect()), 16, threads);
+            Engine::new_with_model(cfg, AnyModel::Cpu(Box::new(model))).unwrap()
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Gpu => {
+            let w = gpu_weights();
+            let bytes = NativeModel::kv_shape_of(&llama()).bytes_per_block(16) * blocks;
+            let arena = tandem_native::gpu::DeviceArena::new(w.gpu(), bytes).unwrap();
+            let model = AnyModel::Gpu(Box::new(tandem_native::gpu::GpuModel::new(w, 16).unwrap()));
+            Engine::with_model_and_storage(cfg, model, Box::new(arena)).unwrap()
+        }
+        #[cfg(not(feature = "cuda"))]
+        Backend::Gpu => unreachable!("built without the cuda feature ({blocks} blocks)"),
+    }
 }
 
 fn greedy(id: u64, prompt: &[u32], max_tokens: u32) -> EngineRequest {
@@ -62,7 +166,7 @@ struct Run {
 }
 
 fn drive(e: &mut NativeEngine, run: &mut Run) {
-    let n_vocab = e.model().llama().cfg.n_vocab;
+    let n_vocab = llama().cfg.n_vocab;
     for t in 0..100_000u64 {
         if e.begin_step(t).is_none() {
             return;
@@ -102,18 +206,17 @@ fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 }
 
 /// The reference: the request alone, its prompt in one step.
-fn alone(p: &[u32], max_tokens: u32) -> Run {
-    let mut e = engine(64, SchedulerConfig::default(), 1);
+fn alone(b: Backend, p: &[u32], max_tokens: u32) -> Run {
+    let mut e = engine(b, 64, SchedulerConfig::default(), 1);
     e.add_request(greedy(1, p, max_tokens), 0).unwrap();
     let mut run = Run::default();
     drive(&mut e, &mut run);
     run
 }
 
-#[test]
-fn a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits() {
+fn a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits(b: Backend) {
     let p = prompt(1, 75);
-    let want = alone(&p, 6);
+    let want = alone(b, &p, 6);
     assert_eq!(want.tokens[&1].len(), 6);
     let want_bits = bits(&want.logits[&1]);
 
@@ -123,7 +226,7 @@ fn a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits() {
             max_prefill_chunk: Some(chunk),
             ..SchedulerConfig::default()
         };
-        let mut e = engine(64, cfg, 1);
+        let mut e = engine(b, 64, cfg, 1);
         e.add_request(greedy(1, &p, 6), 0).unwrap();
         let mut run = Run::default();
         drive(&mut e, &mut run);
@@ -132,7 +235,7 @@ fn a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits() {
     }
 
     // Batched with three others (their prompts and decodes in the same steps), on 2 threads.
-    let mut e = engine(128, SchedulerConfig::default(), 2);
+    let mut e = engine(b, 128, SchedulerConfig::default(), 2);
     e.add_request(greedy(7, &prompt(2, 40), 9), 0).unwrap();
     e.add_request(greedy(1, &p, 6), 0).unwrap();
     e.add_request(greedy(8, &prompt(3, 130), 3), 0).unwrap();
@@ -143,7 +246,7 @@ fn a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits() {
     assert_eq!(bits(&run.logits[&1]), want_bits, "batched");
 
     // From a prefix hit: another request computed the first 48 tokens (3 blocks) before.
-    let mut e = engine(64, SchedulerConfig::default(), 1);
+    let mut e = engine(b, 64, SchedulerConfig::default(), 1);
     e.add_request(greedy(5, &p[..50], 1), 0).unwrap();
     drive(&mut e, &mut Run::default());
     e.add_request(greedy(1, &p, 6), 1000).unwrap();
@@ -156,19 +259,14 @@ fn a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits() {
 
 /// The host tier holds real KV: a prefix evicted from the device arena to host memory and
 /// brought back by a hit continues bitwise as if it had never left.
-#[test]
-fn a_prefix_back_from_the_host_tier_gives_the_same_logits() {
+fn a_prefix_back_from_the_host_tier_gives_the_same_logits(b: Backend) {
     let p = prompt(1, 75);
-    let want = alone(&p, 6);
-    let model = NativeModel::new(llama(), Kernels::new(Isa::detect()), 16, 1);
-    let cfg = EngineConfig {
-        pool: BlockPoolConfig {
-            host_blocks: 16,
-            ..BlockPoolConfig::new(WorkerId(1), 8)
-        },
-        scheduler: SchedulerConfig::default(),
+    let want = alone(b, &p, 6);
+    let pool = BlockPoolConfig {
+        host_blocks: 16,
+        ..BlockPoolConfig::new(WorkerId(1), 8)
     };
-    let mut e = Engine::new_with_model(cfg, model).unwrap();
+    let mut e = engine_with(b, pool, SchedulerConfig::default(), 1);
     // The first 48 tokens (3 blocks) cached, then pushed off the 8 device blocks by a
     // 126-token prompt (8 blocks with its token).
     e.add_request(greedy(5, &p[..50], 1), 0).unwrap();
@@ -197,12 +295,11 @@ fn a_prefix_back_from_the_host_tier_gives_the_same_logits() {
     );
 }
 
-#[test]
-fn kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks() {
+fn kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks(b: Backend) {
     let p = prompt(5, 70);
-    let want = alone(&p, 5);
+    let want = alone(b, &p, 5);
     // The prefill engine computes the prompt and exports its blocks.
-    let mut prefill = engine(64, SchedulerConfig::default(), 1);
+    let mut prefill = engine(b, 64, SchedulerConfig::default(), 1);
     prefill.add_request(greedy(1, &p, 1), 0).unwrap();
     prefill.export_kv(RequestId(1), 0);
     let mut first = Run::default();
@@ -210,7 +307,7 @@ fn kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks() {
     let (blocks, finished) = prefill.take_exported(RequestId(1)).unwrap();
     assert!(finished);
     // The decode engine holds another request's blocks first, so the prompt lands elsewhere.
-    let mut decode = engine(64, SchedulerConfig::default(), 1);
+    let mut decode = engine(b, 64, SchedulerConfig::default(), 1);
     decode
         .add_request(greedy(9, &prompt(6, 90), 40), 0)
         .unwrap();
@@ -245,14 +342,13 @@ fn kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks() {
     assert_eq!(bits(&first.logits[&1]), bits(&want.logits[&1][..1]));
 }
 
-#[test]
-fn the_model_answers_in_real_text() {
+fn the_model_answers_in_real_text(b: Backend) {
     let tok = tandem_native::tokenizer::from_gguf(file()).unwrap();
     let chat = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by \
                 Hugging Face<|im_end|>\n<|im_start|>user\nName three colors.<|im_end|>\n\
                 <|im_start|>assistant\n";
     let ids = tok.encode(chat, false).unwrap().get_ids().to_vec();
-    let mut e = engine(64, SchedulerConfig::default(), 2);
+    let mut e = engine(b, 64, SchedulerConfig::default(), 2);
     let mut r = greedy(1, &ids, 24);
     r.ignore_eos = false;
     r.stop_token = tandem_native::tokenizer::info(file()).unwrap().eos;
@@ -263,5 +359,83 @@ fn the_model_answers_in_real_text() {
     eprintln!("answer: {text:?}");
     for color in ["red", "blue", "green"] {
         assert!(text.contains(color), "{color} in {text:?}");
+    }
+}
+
+#[test]
+fn a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits_on_the_cpu() {
+    a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits(Backend::Cpu);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits() {
+    a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits(Backend::Gpu);
+}
+
+#[test]
+fn a_prefix_back_from_the_host_tier_gives_the_same_logits_on_the_cpu() {
+    a_prefix_back_from_the_host_tier_gives_the_same_logits(Backend::Cpu);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_a_prefix_back_from_the_host_tier_gives_the_same_logits() {
+    a_prefix_back_from_the_host_tier_gives_the_same_logits(Backend::Gpu);
+}
+
+#[test]
+fn kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks_on_the_cpu() {
+    kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks(Backend::Cpu);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks() {
+    kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks(Backend::Gpu);
+}
+
+#[test]
+fn the_model_answers_in_real_text_on_the_cpu() {
+    the_model_answers_in_real_text(Backend::Cpu);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_the_model_answers_in_real_text() {
+    the_model_answers_in_real_text(Backend::Gpu);
+}
+
+/// The GPU against the CPU's f32 reference (the same dequantized weights, f32 activations,
+/// another summation order): every logits row within 1e-3 relative (L2), and the same greedy
+/// tokens.
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_logits_match_the_f32_reference() {
+    let reference = Arc::new(tandem_native::load(file(), Precision::F32).unwrap());
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for (seed, len) in [(1, 75), (2, 300), (3, 16)] {
+        let p = prompt(seed, len);
+        let gpu = alone(Backend::Gpu, &p, 4);
+        let model = NativeModel::new(reference.clone(), Kernels::new(Isa::detect()), 16, threads);
+        let cfg = EngineConfig {
+            pool: BlockPoolConfig::new(WorkerId(1), 64),
+            scheduler: SchedulerConfig::default(),
+        };
+        let mut e = Engine::new_with_model(cfg, AnyModel::Cpu(Box::new(model))).unwrap();
+        e.add_request(greedy(1, &p, 4), 0).unwrap();
+        let mut cpu = Run::default();
+        drive(&mut e, &mut cpu);
+        assert_eq!(
+            gpu.tokens[&1], cpu.tokens[&1],
+            "prompt {seed}: greedy tokens"
+        );
+        for (i, (g, c)) in gpu.logits[&1].iter().zip(&cpu.logits[&1]).enumerate() {
+            let diff: f64 = g.iter().zip(c).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+            let norm: f64 = c.iter().map(|b| f64::from(*b).powi(2)).sum();
+            let rel = (diff / norm).sqrt();
+            eprintln!("prompt {seed} ({len} tokens), step {i}: relative error {rel:.2e}");
+            assert!(rel <= 1e-3, "prompt {seed}, step {i}: {rel}");
+        }
     }
 }

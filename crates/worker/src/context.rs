@@ -106,6 +106,10 @@ pub struct NativeEngine {
     /// The model's end-of-sequence token: generation stops there unless a request asks to
     /// ignore it (`tokenizer.ggml.eos_token_id`; ChatML models end a turn with it).
     pub eos_token: Option<u32>,
+    /// The model's weights on a GPU, when the engine computes there (`--device cuda`; its
+    /// KV arena must then be in that device's memory, [`KvMemory::Cuda`]).
+    #[cfg(feature = "cuda")]
+    pub gpu: Option<Arc<tandem_native::gpu::GpuWeights>>,
 }
 
 impl WorkerConfig {
@@ -135,6 +139,25 @@ impl WorkerConfig {
             pool: self.engine.pool.clone(),
             scheduler: self.engine.scheduler.clone(),
         };
+        #[cfg(feature = "cuda")]
+        if let Some(weights) = &n.gpu {
+            let model = tandem_native::gpu::GpuModel::new(
+                weights.clone(),
+                self.engine.pool.block_size.tokens(),
+            )
+            .map_err(|_| {
+                tandem_engine::EngineError::InvalidConfig("no CUDA stream for the GPU engine")
+            })?;
+            let storage = storage
+                .filter(|s| {
+                    s.device()
+                        .is_some_and(|d| d.ordinal == weights.gpu().ordinal())
+                })
+                .ok_or(tandem_engine::EngineError::InvalidConfig(
+                    "a GPU engine's KV arena must be in that GPU's memory (--kv-memory cuda:N)",
+                ))?;
+            return Engine::with_model_and_storage(cfg, model, storage).map(Engine::into_dyn);
+        }
         let model = tandem_native::NativeModel::new(
             n.model.clone(),
             n.kernels,
