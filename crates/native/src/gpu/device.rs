@@ -26,10 +26,9 @@ use crate::kernels::WeightFormat;
 /// The CUDA source of every kernel.
 pub const SOURCE: &str = include_str!("kernels.cu");
 
-/// A matrix product's block: `MM_WARPS` warps of `MM_OUTS` weight rows each, over
-/// `MM_ROWS` activation rows (`kernels.cu`'s constants).
-const MM_WARPS: u32 = 4;
-const MM_OUTS: u32 = 4;
+/// A matrix product's block: `MM_WARPS` warps of one weight row each, over `MM_ROWS`
+/// activation rows (`kernels.cu`'s constants).
+const MM_WARPS: u32 = 8;
 const MM_ROWS: u32 = 8;
 /// Threads of a norm's block (`NORM_THREADS`) and of an attention block (`ATT_THREADS`).
 const NORM_THREADS: u32 = 256;
@@ -71,8 +70,8 @@ pub struct Gpu {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
     name: String,
-    /// By weight format: `[narrow, wide]` (one or `MM_OUTS` weight rows per warp).
-    matmul: [[CudaFunction; 4]; 2],
+    /// By weight format.
+    matmul: [CudaFunction; 4],
     embed: [CudaFunction; 4],
     rms_norm: CudaFunction,
     swiglu: CudaFunction,
@@ -137,18 +136,10 @@ impl Gpu {
             // into the same arena (a received block lands before the step that reads it).
             stream: ctx.default_stream(),
             matmul: [
-                [
-                    f("matmul_f32_o1")?,
-                    f("matmul_q8_0_o1")?,
-                    f("matmul_q4_0_o1")?,
-                    f("matmul_q4_1_o1")?,
-                ],
-                [
-                    f("matmul_f32")?,
-                    f("matmul_q8_0")?,
-                    f("matmul_q4_0")?,
-                    f("matmul_q4_1")?,
-                ],
+                f("matmul_f32")?,
+                f("matmul_q8_0")?,
+                f("matmul_q4_0")?,
+                f("matmul_q4_1")?,
             ],
             embed: [
                 f("embed_f32")?,
@@ -193,11 +184,6 @@ impl Gpu {
         assert!((1..=3).contains(&products.len()));
         let (format, cols) = (products[0].w.format, products[0].w.cols);
         assert!(x.len() >= rows * cols && cols.is_multiple_of(32));
-        // A few rows (decode steps): one weight row per warp, for more warps in flight; many:
-        // `MM_OUTS` per warp, each activation load feeding as many products. Every output
-        // is the same sequence of operations either way (kernels.cu).
-        let wide = usize::from(rows > MM_ROWS as usize);
-        let outs = if wide == 1 { MM_OUTS } else { 1 };
         let mut segs = [Seg::default(); 3];
         let mut blocks = [0u32; 3];
         for (i, p) in products.iter_mut().enumerate() {
@@ -211,7 +197,7 @@ impl Gpu {
                 y: self.ptr(p.y),
                 bias: p.bias.map_or(0, |b| self.ptr(b)),
             };
-            blocks[i] = (w.rows as u32).div_ceil(MM_WARPS * outs);
+            blocks[i] = (w.rows as u32).div_ceil(MM_WARPS);
         }
         let (nb_a, nb_b) = (blocks[0] as i32, blocks[1] as i32);
         let (k_cols, n_rows, acc) = (cols as i32, rows as i32, i32::from(accumulate));
@@ -220,7 +206,7 @@ impl Gpu {
             block_dim: (32 * MM_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = st.launch_builder(&self.matmul[wide][fmt_index(format)]);
+        let mut b = st.launch_builder(&self.matmul[fmt_index(format)]);
         b.arg(&segs[0])
             .arg(&segs[1])
             .arg(&segs[2])

@@ -64,7 +64,7 @@ __device__ __forceinline__ float wval(const u8* __restrict__ row, int b, int j) 
 
 // ---- matrix products --------------------------------------------------------------------
 
-#define MM_WARPS 4
+#define MM_WARPS 8
 #define MM_ROWS 8
 
 // Block b (32 values) of a weight row in format F, dequantized into w (see wval).
@@ -127,21 +127,26 @@ struct Seg {
     const float* bias;
 };
 
-// A warp owns MM_OUTS consecutive weight rows (1 or 4: two kernels) and up to MM_ROWS
-// activation rows. Lane L takes the 32-wide blocks L, L + 32, …, in order, each one's 32
-// products in element order into one fmaf chain per output; then a fixed butterfly sums the
-// lanes and lane 0's sum goes out. Each output (r, o) is that one sequence of operations
-// whatever else the warp, the block or the launch computes: the same bits for a row alone or
-// in any batch, at any place in it. One pass over a decode step's weights needs one load per
-// lane per block row, not one per element.
+// A warp owns MM_OUTS consecutive weight rows (one, in the kernels built below: with the
+// activations in shared memory more saved nothing, and quadrupled the compile time) and up to
+// MM_ROWS activation rows, which the block's MM_WARPS warps share. Lane L takes the 32-wide blocks L, L + 32,
+// …, in order, each one's 32 products in element order into one fmaf chain per output; then
+// a fixed butterfly sums the lanes and lane 0's sum goes out. Each output (r, o) is that one
+// sequence of operations whatever else the warp, the block or the launch computes: the same
+// bits for a row alone or in any batch, at any place in it. The activations go through
+// shared memory 32 blocks (one per lane) at a time, each 32-wide block padded to 33 floats
+// so the lanes read distinct banks.
+#define XS_BLOCK 33
+#define XS_ROW (32 * XS_BLOCK)
+
 template <int F, int MM_OUTS>
 __device__ void matmul(Seg s, int k_cols, const float* __restrict__ x, int n_rows,
                        int accumulate, int block) {
+    __shared__ float xs[MM_ROWS * XS_ROW];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int o0 = (block * MM_WARPS + warp) * MM_OUTS;
     int r0 = blockIdx.y * MM_ROWS;
-    if (o0 >= s.n_out || r0 >= n_rows) return;
-    int no = min(MM_OUTS, s.n_out - o0);
+    int no = max(0, min(MM_OUTS, s.n_out - o0));
     int nr = min(MM_ROWS, n_rows - r0);
     float acc[MM_OUTS][MM_ROWS];
 #pragma unroll
@@ -149,28 +154,31 @@ __device__ void matmul(Seg s, int k_cols, const float* __restrict__ x, int n_row
 #pragma unroll
         for (int i = 0; i < MM_ROWS; i++) acc[j][i] = 0.0f;
     int blocks = k_cols / QK;
-    for (int b = lane; b < blocks; b += 32) {
+    for (int kc = 0; kc < blocks; kc += 32) {
+        int nb = min(32, blocks - kc);
+        __syncthreads();
+        // Rows past the step's are zeros: every row is computed (branch-free), only the
+        // step's go out.
+        for (int idx = threadIdx.x; idx < MM_ROWS * nb * QK; idx += blockDim.x) {
+            int r = idx / (nb * QK), rem = idx % (nb * QK);
+            xs[r * XS_ROW + (rem / QK) * XS_BLOCK + rem % QK] =
+                r < nr ? x[(u64)(r0 + r) * k_cols + (u64)kc * QK + rem] : 0.0f;
+        }
+        __syncthreads();
+        if (lane < nb) {
+            int b = kc + lane;
 #pragma unroll
-        for (int j = 0; j < MM_OUTS; j++) {
-            if (j < no) {
+            for (int j = 0; j < MM_OUTS; j++) {
+                // A warp's rows past the matrix compute on its last row, and are not written.
                 float w[QK];
-                wblock<F>(s.w + (u64)(o0 + j) * s.row_bytes, b, w);
+                wblock<F>(s.w + (u64)min(o0 + j, s.n_out - 1) * s.row_bytes, b, w);
 #pragma unroll
                 for (int i = 0; i < MM_ROWS; i++) {
-                    if (i < nr) {
-                        const float4* xv =
-                            reinterpret_cast<const float4*>(x + (u64)(r0 + i) * k_cols + b * QK);
-                        float a = acc[j][i];
+                    const float* xp = xs + i * XS_ROW + lane * XS_BLOCK;
+                    float a = acc[j][i];
 #pragma unroll
-                        for (int e = 0; e < 8; e++) {
-                            float4 v = xv[e];
-                            a = fmaf(w[4 * e], v.x, a);
-                            a = fmaf(w[4 * e + 1], v.y, a);
-                            a = fmaf(w[4 * e + 2], v.z, a);
-                            a = fmaf(w[4 * e + 3], v.w, a);
-                        }
-                        acc[j][i] = a;
-                    }
+                    for (int e = 0; e < QK; e++) a = fmaf(w[e], xp[e], a);
+                    acc[j][i] = a;
                 }
             }
         }
@@ -219,14 +227,10 @@ __device__ void matmul3(Seg a, Seg b, Seg c, int nb_a, int nb_b, int k_cols,
                                     const float* x, int n_rows, int accumulate) {              \
         matmul3<F, OUTS>(a, b, c, nb_a, nb_b, k_cols, x, n_rows, accumulate);                  \
     }
-MATMUL(matmul_f32, FMT_F32, 4)
-MATMUL(matmul_q8_0, FMT_Q8_0, 4)
-MATMUL(matmul_q4_0, FMT_Q4_0, 4)
-MATMUL(matmul_q4_1, FMT_Q4_1, 4)
-MATMUL(matmul_f32_o1, FMT_F32, 1)
-MATMUL(matmul_q8_0_o1, FMT_Q8_0, 1)
-MATMUL(matmul_q4_0_o1, FMT_Q4_0, 1)
-MATMUL(matmul_q4_1_o1, FMT_Q4_1, 1)
+MATMUL(matmul_f32, FMT_F32, 1)
+MATMUL(matmul_q8_0, FMT_Q8_0, 1)
+MATMUL(matmul_q4_0, FMT_Q4_0, 1)
+MATMUL(matmul_q4_1, FMT_Q4_1, 1)
 
 // ---- embedding --------------------------------------------------------------------------
 

@@ -92,11 +92,18 @@ fn random_matrix(format: WeightFormat, rows: usize, cols: usize, seed: u64) -> (
 #[test]
 fn device_matrix_products_match_f64_and_do_not_depend_on_the_batch() {
     let gpu = device();
-    let (cols, batch) = (96, 13);
+    // 13 and 70 rows: two and nine row tiles; each row alone: one, and seven rows of zeros.
+    for batch in [13, 70] {
+        products_of_a_batch(&gpu, batch);
+    }
+}
+
+fn products_of_a_batch(gpu: &Gpu, batch: usize) {
+    let cols = 96;
     let x: Vec<f32> = (0..batch * cols)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
         .collect();
-    let xd = upload(&gpu, &x).unwrap();
+    let xd = upload(gpu, &x).unwrap();
     for format in [
         WeightFormat::F32,
         WeightFormat::Q8_0,
@@ -117,9 +124,9 @@ fn device_matrix_products_match_f64_and_do_not_depend_on_the_batch() {
             .collect();
         let gms: Vec<GpuMatrix> = mats
             .iter()
-            .map(|(m, _)| upload_matrix(&gpu, m).unwrap())
+            .map(|(m, _)| upload_matrix(gpu, m).unwrap())
             .collect();
-        let bds: Vec<CudaSlice<f32>> = biases.iter().map(|b| upload(&gpu, b).unwrap()).collect();
+        let bds: Vec<CudaSlice<f32>> = biases.iter().map(|b| upload(gpu, b).unwrap()).collect();
         let mut ys: Vec<CudaSlice<f32>> = sizes
             .iter()
             .map(|&rows| gpu.stream.alloc_zeros::<f32>(batch * rows).unwrap())
@@ -154,15 +161,15 @@ fn device_matrix_products_match_f64_and_do_not_depend_on_the_batch() {
                     let g = f64::from(got[i][r * rows + o]);
                     assert!(
                         (g - want).abs() <= 1e-4 * want.abs().max(1.0),
-                        "{format:?} product {i} ({r}, {o}): {g} vs {want}"
+                        "{format:?} product {i} ({r}, {o}) of {batch}: {g} vs {want}"
                     );
                 }
             }
         }
         // Each row alone, through a launch of the first matrix only: the same bits.
         let rows = sizes[0];
-        for r in [0, 5, 12] {
-            let one = upload(&gpu, &x[r * cols..(r + 1) * cols]).unwrap();
+        for r in [0, 5, 12, batch - 1] {
+            let one = upload(gpu, &x[r * cols..(r + 1) * cols]).unwrap();
             let mut y1 = gpu.stream.alloc_zeros::<f32>(rows).unwrap();
             let p = device::Product {
                 w: &gms[0],
@@ -177,7 +184,7 @@ fn device_matrix_products_match_f64_and_do_not_depend_on_the_batch() {
                     .iter()
                     .zip(batched)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{format:?}: row {r} alone differs from batched"
+                "{format:?}: row {r} alone differs from a batch of {batch}"
             );
         }
     }
