@@ -158,3 +158,27 @@ fn the_openai_client_gets_usage_logprobs_and_cached_tokens_from_the_real_model()
     assert!(cached[1] + 16 >= prompt - 1, "{cached:?} of {prompt}");
     assert_eq!(mismatches(&up), 0.0);
 }
+
+/// `--device cuda` in a build without the `cuda` feature, and a device that is not one, are
+/// refused at start with the reason, before anything is served.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn a_gpu_device_is_refused_at_start_by_a_build_without_gpu_support() {
+    let model = model_path();
+    let model = model.to_str().unwrap();
+    for (device, says) in [
+        (
+            "cuda",
+            "--device cuda:0: this tandem was built without GPU support",
+        ),
+        ("gpu", "expected cpu, cuda or cuda:N"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["up", "--port", "0", "--model", model, "--device", device])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "--device {device} started");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{says:?} not in:\n{err}");
+    }
+}
