@@ -179,6 +179,16 @@ pub struct EngineArgs {
     /// NVRTC, the kernels' run-time compiler).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: tandem_native::Device,
+    /// A disk tier for the engine's KV, after device and host memory: blocks evicted from the
+    /// tier above are written to a file in this directory (checksummed records; one that does
+    /// not read back intact is a miss) and read back on a prefix hit, and a restarted worker
+    /// reloads them and announces them. `tandem up` gives each worker a directory of its own
+    /// under it (`prefill-0`, `decode-0`, …).
+    #[arg(long, env = "TANDEM_KV_DISK_DIR")]
+    pub kv_disk_dir: Option<std::path::PathBuf>,
+    /// The disk tier's size per worker, MiB (with --kv-disk-dir).
+    #[arg(long, env = "TANDEM_KV_DISK_MB", default_value_t = 4096)]
+    pub kv_disk_mb: u64,
 }
 
 /// The engine behind a worker: the in-process mocker, or an external engine fronted by this
@@ -368,7 +378,22 @@ impl EngineArgs {
             );
         }
         c.engine.mocker.adapter_load_ms = self.adapter_load_ms;
+        c.kv_disk = self
+            .kv_disk_dir
+            .as_ref()
+            .map(|dir| tandem_worker::KvDiskConfig {
+                dir: dir.clone(),
+                bytes: self.kv_disk_mb << 20,
+            });
         Ok(c)
+    }
+
+    /// These flags for worker `name` of `tandem up` (`decode-0`…): its disk tier in a
+    /// directory of its own under --kv-disk-dir.
+    pub fn for_worker(&self, name: &str) -> EngineArgs {
+        let mut args = self.clone();
+        args.kv_disk_dir = self.kv_disk_dir.as_ref().map(|d| d.join(name));
+        args
     }
 }
 

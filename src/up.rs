@@ -165,12 +165,26 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     let roles = (0..args.prefill)
         .map(|_| WorkerRole::Prefill)
         .chain((0..args.decode).map(|_| WorkerRole::Decode));
+    let (mut prefills, mut decodes) = (0, 0);
     for (i, role) in roles.enumerate() {
-        let mut cfg =
-            args.engine
-                .config(role, WorkerId(i as u64 + 1), &args.http.model, "default")?;
+        let counter = if role == WorkerRole::Prefill {
+            &mut prefills
+        } else {
+            &mut decodes
+        };
+        let name = format!(
+            "{}-{counter}",
+            if role == WorkerRole::Prefill {
+                "prefill"
+            } else {
+                "decode"
+            }
+        );
+        *counter += 1;
+        let engine = args.engine.for_worker(&name);
+        let mut cfg = engine.config(role, WorkerId(i as u64 + 1), &args.http.model, "default")?;
         if let Some(model) = &model {
-            model.configure(&mut cfg, &args.engine, threads)?;
+            model.configure(&mut cfg, &engine, threads)?;
         }
         cfg.corrupt_transfers = args.inject_kv_corruption && role == WorkerRole::Prefill;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -277,11 +291,19 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         let corrupt = (args.inject_kv_corruption && role == "prefill")
             .then(|| "--inject-kv-corruption".to_string());
         for i in 0..n {
+            let name = format!("{role}-{i}");
+            let disk = args.engine.kv_disk_dir.as_ref().map(|d| {
+                [
+                    format!("--kv-disk-dir={}", d.join(&name).display()),
+                    format!("--kv-disk-mb={}", args.engine.kv_disk_mb),
+                ]
+            });
             let flags = std::iter::once(role.to_string())
                 .chain(plane.clone())
                 .chain(engine.clone())
+                .chain(disk.into_iter().flatten())
                 .chain(corrupt.clone());
-            roles.spawn(format!("{role}-{i}"), &exe, flags)?;
+            roles.spawn(name, &exe, flags)?;
         }
     }
     let frontend = [

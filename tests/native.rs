@@ -182,3 +182,63 @@ fn a_gpu_device_is_refused_at_start_by_a_build_without_gpu_support() {
         assert!(err.contains(says), "{says:?} not in:\n{err}");
     }
 }
+
+/// A worker's disk tier survives a restart: a prompt computed by one `tandem up`, spilled to
+/// disk as its decode worker stops, is a prefix hit for the next run on the same directory,
+/// announced to its router (the decision shows the blocks on disk), and gives the same answer.
+#[test]
+fn the_disk_tier_survives_a_restart_and_the_router_sees_it() {
+    let dir = common::temp_dir("kv-disk-restart");
+    let disk = dir.join("kv");
+    let disk = disk.to_str().unwrap();
+    let model = model_path();
+    let flags = [
+        "--kv-disk-dir",
+        disk,
+        "--kv-disk-mb",
+        "64",
+        "--kv-memory-mb",
+        "32",
+    ];
+    let prompt: Vec<u32> = (0..600u32).map(|i| 200 + (i * 7919) % 40_000).collect();
+    let body = json!({
+        "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1,
+    })
+    .to_string();
+    let ask = |up: &Up| {
+        let r = http::post_json(up.addr, "/v1/completions", &body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json::<Value>()
+    };
+    let first = {
+        let up = up("kv-disk-first", model.to_str().unwrap(), &flags);
+        let v = ask(&up);
+        assert_eq!(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+            "{v}"
+        );
+        v
+    }; // stopped: its decode worker spills its cache to disk as it goes
+    let up = up("kv-disk-second", model.to_str().unwrap(), &flags);
+    let again = ask(&up);
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached tokens in {again}"));
+    assert!(
+        cached >= 576,
+        "cached {cached} of 600 after the restart: {again}"
+    );
+    assert_eq!(
+        again["choices"], first["choices"],
+        "the same answer from disk KV"
+    );
+    let status: Value = http::get(up.addr, "/status.json").unwrap().json();
+    let chosen = &status["backend"]["decisions"][0]["decode"]["candidates"][0];
+    assert!(
+        chosen["overlap_disk"].as_u64().is_some_and(|n| n >= 36),
+        "the router knew the prefix is on the worker's disk: {}",
+        status["backend"]["decisions"][0]
+    );
+    drop(up);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -22,6 +22,7 @@
 //! deterministic: the same calls in the same order give the same tokens, events and stats.
 
 pub mod arena;
+pub mod disk;
 mod engine;
 mod event_log;
 mod lru;
@@ -31,6 +32,7 @@ pub mod pool;
 pub mod scheduler;
 
 pub use arena::{ArenaSizeMismatch, ArenaStorage, DeviceMemory, KvArena, KvShape};
+pub use disk::{DiskBlock, DiskStore, MemoryDiskStore};
 pub use engine::{
     DynEngine, Engine, EngineConfig, EngineError, ExportedBlock, MockEngine, MockEngineConfig,
     PlannedStep,

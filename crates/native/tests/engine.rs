@@ -259,40 +259,41 @@ fn a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits(b: B
 
 /// The host tier holds real KV: a prefix evicted from the device arena to host memory and
 /// brought back by a hit continues bitwise as if it had never left.
-fn a_prefix_back_from_the_host_tier_gives_the_same_logits(b: Backend) {
+fn a_prefix_back_from_host_or_disk_gives_the_same_logits(b: Backend) {
     let p = prompt(1, 75);
     let want = alone(b, &p, 6);
-    let pool = BlockPoolConfig {
-        host_blocks: 16,
-        ..BlockPoolConfig::new(WorkerId(1), 8)
-    };
-    let mut e = engine_with(b, pool, SchedulerConfig::default(), 1);
-    // The first 48 tokens (3 blocks) cached, then pushed off the 8 device blocks by a
-    // 126-token prompt (8 blocks with its token).
-    e.add_request(greedy(5, &p[..50], 1), 0).unwrap();
-    drive(&mut e, &mut Run::default());
-    e.add_request(greedy(6, &prompt(9, 126), 1), 1000).unwrap();
-    drive(&mut e, &mut Run::default());
-    assert!(
-        e.pool().stats().device_evictions >= 3,
-        "{:?}",
-        e.pool().stats()
-    );
-    e.add_request(greedy(1, &p, 6), 2000).unwrap();
-    let mut run = Run::default();
-    drive(&mut e, &mut run);
-    assert!(
-        e.pool().stats().host_promotions > 0,
-        "{:?}",
-        e.pool().stats()
-    );
-    assert_eq!(e.stats().cached_tokens, 48, "{:?}", e.stats());
-    assert_eq!(run.tokens[&1], want.tokens[&1], "from the host tier");
-    assert_eq!(
-        bits(&run.logits[&1]),
-        bits(&want.logits[&1]),
-        "from the host tier"
-    );
+    // Host memory alone; disk alone; and two host slots, so the prefix passes through host
+    // memory on its way to disk.
+    for (host, disk) in [(16, 0), (0, 16), (2, 16)] {
+        let pool = BlockPoolConfig {
+            host_blocks: host,
+            ..BlockPoolConfig::new(WorkerId(1), 8)
+        };
+        let mut e = engine_with(b, pool, SchedulerConfig::default(), 1);
+        if disk > 0 {
+            e.pool_mut()
+                .attach_disk(Box::new(tandem_engine::MemoryDiskStore::new(disk)));
+        }
+        // The first 48 tokens (3 blocks) cached, then pushed off the 8 device blocks by a
+        // 126-token prompt (8 blocks with its token).
+        e.add_request(greedy(5, &p[..50], 1), 0).unwrap();
+        drive(&mut e, &mut Run::default());
+        e.add_request(greedy(6, &prompt(9, 126), 1), 1000).unwrap();
+        drive(&mut e, &mut Run::default());
+        let stats = e.pool().stats();
+        assert!(stats.device_evictions >= 3, "{stats:?}");
+        e.add_request(greedy(1, &p, 6), 2000).unwrap();
+        let mut run = Run::default();
+        drive(&mut e, &mut run);
+        let stats = e.pool().stats();
+        let came_back = stats.host_promotions + stats.disk_promotions;
+        assert_eq!(came_back, 3, "host {host}, disk {disk}: {stats:?}");
+        assert_eq!(stats.disk_promotions > 0, disk > 0, "{stats:?}");
+        assert_eq!(e.stats().cached_tokens, 48, "{:?}", e.stats());
+        let tier = format!("host {host}, disk {disk}");
+        assert_eq!(run.tokens[&1], want.tokens[&1], "{tier}");
+        assert_eq!(bits(&run.logits[&1]), bits(&want.logits[&1]), "{tier}");
+    }
 }
 
 fn kv_computed_on_one_engine_continues_bitwise_on_another_at_other_blocks(b: Backend) {
@@ -374,14 +375,14 @@ fn gpu_a_requests_logits_do_not_depend_on_chunks_batches_threads_or_prefix_hits(
 }
 
 #[test]
-fn a_prefix_back_from_the_host_tier_gives_the_same_logits_on_the_cpu() {
-    a_prefix_back_from_the_host_tier_gives_the_same_logits(Backend::Cpu);
+fn a_prefix_back_from_host_or_disk_gives_the_same_logits_on_the_cpu() {
+    a_prefix_back_from_host_or_disk_gives_the_same_logits(Backend::Cpu);
 }
 
 #[cfg(feature = "cuda")]
 #[test]
-fn gpu_a_prefix_back_from_the_host_tier_gives_the_same_logits() {
-    a_prefix_back_from_the_host_tier_gives_the_same_logits(Backend::Gpu);
+fn gpu_a_prefix_back_from_host_or_disk_gives_the_same_logits() {
+    a_prefix_back_from_host_or_disk_gives_the_same_logits(Backend::Gpu);
 }
 
 #[test]

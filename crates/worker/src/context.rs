@@ -67,6 +67,8 @@ pub struct WorkerConfig {
     pub output_buffer: usize,
     /// Where to serve `GET /metrics` (`host:port`, port 0 picks one); None: not served.
     pub metrics_listen: Option<String>,
+    /// The engine's disk tier (`--kv-disk-dir`); None: no disk tier.
+    pub kv_disk: Option<crate::disk::KvDiskConfig>,
 }
 
 impl WorkerConfig {
@@ -91,6 +93,7 @@ impl WorkerConfig {
             corrupt_transfers: false,
             output_buffer: 1024,
             metrics_listen: None,
+            kv_disk: None,
         }
     }
 }
@@ -239,9 +242,24 @@ impl WorkerContext {
         let storage = region
             .clone()
             .map(|r| Box::new(RegionStorage::new(r)) as Box<dyn ArenaStorage>);
-        let engine = config
+        let mut engine = config
             .build_engine(storage)
             .map_err(|e| WorkerError::InvalidRequest(format!("engine config: {e}")))?;
+        if let Some(disk) = &config.kv_disk {
+            let print = crate::disk::fingerprint(
+                &config.model,
+                &engine.model().kv_shape(),
+                config.engine.pool.block_size.tokens(),
+            );
+            let store = crate::disk::FileDiskStore::open(disk, &print, config.bytes_per_block())
+                .map_err(|e| {
+                    WorkerError::InvalidRequest(format!(
+                        "--kv-disk-dir {}: {e}",
+                        disk.dir.display()
+                    ))
+                })?;
+            engine.pool_mut().attach_disk(Box::new(store));
+        }
         let tasks = TaskTracker::new();
         let stop = shutdown.stop_token().child_token();
         let metrics = Arc::new(WorkerMetrics::default());
@@ -353,6 +371,12 @@ impl WorkerContext {
 
 #[tonic::async_trait]
 impl ServedEngine for WorkerContext {
+    fn stopping(&self) {
+        if self.config.kv_disk.is_some() {
+            self.host.spill_to_disk();
+        }
+    }
+
     fn worker_id(&self) -> WorkerId {
         self.config.worker_id
     }

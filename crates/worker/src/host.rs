@@ -357,6 +357,12 @@ impl EngineHost {
         self.state().engine.dump()
     }
 
+    /// The engine's cached KV moved down to its disk tier, for a worker about to stop (see
+    /// `BlockPool::spill_to_disk`).
+    pub fn spill_to_disk(&self) {
+        self.state().engine.pool_mut().spill_to_disk();
+    }
+
     /// Requests tracked now (queued, running, awaiting KV).
     pub fn in_flight(&self) -> usize {
         self.state().outputs.len()

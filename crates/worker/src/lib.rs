@@ -9,8 +9,8 @@
 //! (engine driver, event publisher, request handles), `context.rs` (config, the in-process
 //! engine's side of the lifecycle), `metrics.rs` (the worker's own
 //! `/metrics`, vLLM's names where the meaning is the same), `arena.rs` (the engine's arena in a
-//! transport region or GPU memory), `error.rs` (typed errors → gRPC
-//! status), `digest.rs` (the checksum of transferred KV).
+//! transport region or GPU memory), `disk.rs` (the engine's disk tier in a file),
+//! `error.rs` (typed errors → gRPC status), `digest.rs` (the checksum of transferred KV).
 //!
 //! Invariants: the engine is touched only under the host's lock, in short synchronous
 //! sections; KV events are published by one task, in id order; a request handle that is
@@ -20,6 +20,7 @@
 pub mod arena;
 pub mod context;
 pub mod digest;
+pub mod disk;
 pub mod error;
 pub mod external;
 pub mod host;
@@ -32,6 +33,7 @@ pub mod trace;
 pub use arena::{KvMemory, RegionStorage, digest_block, region_digest};
 pub use context::{ExposedArena, NativeEngine, WorkerConfig, WorkerContext, WorkerDeps};
 pub use digest::KvDigest;
+pub use disk::{FileDiskStore, KvDiskConfig};
 pub use error::WorkerError;
 pub use host::{EngineHost, HostOutput, HostPublishing, RequestHandle, cpu_bound};
 pub use metrics::WorkerMetrics;

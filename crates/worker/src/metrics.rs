@@ -19,8 +19,8 @@
 //!
 //! tandem's own, for what vLLM has no series of:
 //!
-//! - `tandem_worker_kv_usage_ratio{tier}`: `device` (as above) and `host` (host-tier blocks
-//!   holding cached KV, over the host tier's capacity).
+//! - `tandem_worker_kv_usage_ratio{tier}`: `device` (as above), `host` and `disk` (the
+//!   tier's blocks holding cached KV, over its capacity; 0 without the tier).
 //! - `tandem_worker_kv_events_published_total`: KV events put on the event plane.
 //! - `tandem_worker_kv_transfer_bytes_total{direction}`: KV bytes a remote prefill moved:
 //!   `sent` by a prefill worker, `received` by a decode worker.

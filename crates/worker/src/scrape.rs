@@ -114,6 +114,7 @@ struct Reading {
     waiting: u32,
     device_usage: f64,
     host_usage: f64,
+    disk_usage: f64,
     queried: u64,
     hits: u64,
     preemptions: u64,
@@ -128,17 +129,16 @@ impl EngineSeries {
             let report = e.load_report(now);
             let stats = e.stats();
             let pool = e.pool();
-            let host_blocks = pool.config().host_blocks;
-            let host_usage = if host_blocks == 0 {
-                0.0
-            } else {
-                pool.cached_count(StorageTier::Host) as f64 / f64::from(host_blocks)
+            let usage = |tier| match pool.tier_capacity(tier) {
+                0 => 0.0,
+                n => pool.cached_count(tier) as f64 / n as f64,
             };
             Reading {
                 running: report.running_requests,
                 waiting: report.waiting_requests,
                 device_usage: report.kv_usage(),
-                host_usage,
+                host_usage: usage(StorageTier::Host),
+                disk_usage: usage(StorageTier::Disk),
                 queried: stats.queried_tokens,
                 hits: stats.cached_tokens,
                 preemptions: stats.preemptions,
@@ -214,7 +214,11 @@ impl Collector for EngineSeries {
             None,
             MetricType::Gauge,
         )?;
-        for (tier, value) in [("device", r.device_usage), ("host", r.host_usage)] {
+        for (tier, value) in [
+            ("device", r.device_usage),
+            ("host", r.host_usage),
+            ("disk", r.disk_usage),
+        ] {
             ConstGauge::new(value).encode(usage.encode_family(&TierLabel { tier })?)?;
         }
         let rates = self.metrics.steps.rates(self.host.now_us());

@@ -105,6 +105,10 @@ pub trait ServedEngine: Send + Sync + 'static {
     fn in_flight(&self) -> u64;
     /// Waits until nothing is in flight or `timeout` passed; true when idle.
     async fn wait_idle(&self, timeout: Duration) -> bool;
+
+    /// The worker has drained and stops: what the engine keeps across a restart is put away
+    /// (the native engine's cache onto its disk tier). Nothing, for an external engine.
+    fn stopping(&self) {}
     /// Serves the worker's own `GET /metrics` on `tasks` until `stop`, when it has one;
     /// returns where.
     async fn serve_metrics(
@@ -368,6 +372,7 @@ pub async fn serve<C: WorkerCalls>(
             "drain timeout: stopping with requests in flight"
         );
     }
+    engine.stopping();
     server_stop.cancel();
     match server.await {
         Ok(r) => r.map_err(WorkerError::from),

@@ -1,25 +1,30 @@
-//! The paged KV block pool with a prefix cache and an optional host tier.
+//! The paged KV block pool with a prefix cache and optional host and disk tiers.
 //!
 //! Device blocks are referenced by running sequences (reference counted, so a cached prefix is
 //! shared), free, or *cached and unreferenced*: still reusable by a later prefix hit, kept in an
-//! LRU list and evicted only when a block is needed. With a host tier an evicted device block
-//! moves to host memory (its bytes copied) and the host evicts its own LRU when full; a prefix
-//! hit on a host block brings it back to device.
+//! LRU list and evicted only when a block is needed. Tiers are exclusive and a block moves down
+//! them as it is evicted: from device to host memory (its bytes copied), from host to disk
+//! ([`DiskStore`], attached with [`BlockPool::attach_disk`]; straight from device without a
+//! host tier), and off the last tier; each lower tier evicts its own LRU when full. A prefix
+//! hit on a host or disk block brings it back to device; a disk block that no longer reads back
+//! intact is a miss (dropped, the request computes it).
 //!
 //! # Prefix closure
 //! The pool guarantees, after every public operation: the set of blocks cached on device is
-//! prefix-closed (a cached block's parent is cached on device), and so is the set cached on
-//! device or host. The global index relies on it to find a worker's leading match by binary
-//! search instead of one lookup per block. Why it holds:
+//! prefix-closed (a cached block's parent is cached on device), and so are device ∪ host and
+//! device ∪ host ∪ disk. The global index relies on it to find a worker's leading match by
+//! binary search instead of one lookup per block. Why it holds:
 //! - a referenced block's parent is referenced (a sequence holds its whole prefix);
 //! - a sequence releases its blocks tail first, so in each LRU list a child always stands
 //!   before its parent (a parent is released at least as late as any of its children);
-//! - eviction takes the LRU front, so children leave a tier before their parent; a host block
-//!   never has a device child (a device block's parent is on device).
+//! - eviction takes the LRU front, so children leave a tier before their parent, and arrive in
+//!   the next tier before it; a lower tier's block never has a child in a higher tier;
+//! - a disk miss drops the block's cached descendants on disk with it.
 //!
 //! [`BlockPool::check_invariants`] verifies all of this; the property tests call it after
 //! every operation.
 
+mod disk_tier;
 mod ops;
 #[cfg(test)]
 mod tests;
@@ -31,6 +36,7 @@ use tandem_protocol::{
 };
 
 use crate::arena::KvArena;
+use crate::disk::{DiskBlock, DiskStore};
 use crate::event_log::{EventLog, EventsTooOld};
 use crate::lru::LruList;
 
@@ -94,11 +100,12 @@ pub enum PoolError {
 pub struct PrefixHit {
     pub device: usize,
     pub host: usize,
+    pub disk: usize,
 }
 
 impl PrefixHit {
     pub fn total(&self) -> usize {
-        self.device + self.host
+        self.device + self.host + self.disk
     }
 }
 
@@ -112,6 +119,14 @@ pub(crate) struct CachedInfo {
 }
 
 impl CachedInfo {
+    fn disk(&self) -> DiskBlock {
+        DiskBlock {
+            hash: self.hash,
+            parent: self.parent,
+            position: self.position,
+        }
+    }
+
     fn stored(&self) -> StoredBlock {
         StoredBlock {
             sequence_hash: self.hash.sequence,
@@ -124,6 +139,7 @@ impl CachedInfo {
 pub(crate) enum Location {
     Device(u32),
     Host(u32),
+    Disk(u32),
 }
 
 #[derive(Clone, Debug, Default)]
@@ -150,6 +166,10 @@ pub struct BlockPool {
     pub(crate) host: Vec<Option<CachedInfo>>,
     pub(crate) host_free: Vec<u32>,
     pub(crate) host_lru: LruList,
+    pub(crate) disk: Vec<Option<CachedInfo>>,
+    pub(crate) disk_free: Vec<u32>,
+    pub(crate) disk_lru: LruList,
+    pub(crate) disk_store: Option<Box<dyn DiskStore>>,
     pub(crate) cached: HashMap<SequenceHash, Location>,
     pub(crate) seqs: HashMap<RequestId, SeqBlocks>,
     /// Extra references on device blocks that a KV transfer may still write (see
@@ -166,10 +186,16 @@ pub struct BlockPool {
 pub struct PoolStats {
     /// Device blocks evicted (moved to host or dropped).
     pub device_evictions: u64,
-    /// Host blocks dropped.
+    /// Host blocks evicted (moved to disk or dropped).
     pub host_evictions: u64,
     /// Host blocks brought back to device by a prefix hit.
     pub host_promotions: u64,
+    /// Disk blocks dropped, to make room or because they could not be written.
+    pub disk_evictions: u64,
+    /// Disk blocks brought back to device by a prefix hit.
+    pub disk_promotions: u64,
+    /// Disk blocks that did not read back intact (missing, corrupt): dropped, not used.
+    pub disk_misses: u64,
     /// Blocks reused from the cache by `acquire_prefix`.
     pub prefix_hit_blocks: u64,
 }
@@ -202,6 +228,10 @@ impl BlockPool {
             host: vec![None; h],
             host_free: (0..cfg.host_blocks).rev().collect(),
             host_lru: LruList::new(h),
+            disk: Vec::new(),
+            disk_free: Vec::new(),
+            disk_lru: LruList::new(0),
+            disk_store: None,
             cached: HashMap::new(),
             seqs: HashMap::new(),
             held: HashMap::new(),
@@ -249,7 +279,16 @@ impl BlockPool {
         match tier {
             StorageTier::Device => self.device.iter().filter(|b| b.cached.is_some()).count(),
             StorageTier::Host => self.host.len() - self.host_free.len(),
-            StorageTier::Disk => 0,
+            StorageTier::Disk => self.disk.len() - self.disk_free.len(),
+        }
+    }
+
+    /// Slots of a tier (0: the pool has no such tier).
+    pub fn tier_capacity(&self, tier: StorageTier) -> usize {
+        match tier {
+            StorageTier::Device => self.device.len(),
+            StorageTier::Host => self.host.len(),
+            StorageTier::Disk => self.disk.len(),
         }
     }
 
@@ -262,6 +301,7 @@ impl BlockPool {
                     (tier, loc),
                     (StorageTier::Device, Location::Device(_))
                         | (StorageTier::Host, Location::Host(_))
+                        | (StorageTier::Disk, Location::Disk(_))
                 )
             })
             .map(|(h, _)| *h)
@@ -273,6 +313,7 @@ impl BlockPool {
         self.cached.get(&hash).map(|l| match l {
             Location::Device(_) => StorageTier::Device,
             Location::Host(_) => StorageTier::Host,
+            Location::Disk(_) => StorageTier::Disk,
         })
     }
 
@@ -284,6 +325,7 @@ impl BlockPool {
             match self.cached.get(h) {
                 Some(Location::Device(_)) => hit.device += 1,
                 Some(Location::Host(_)) => hit.host += 1,
+                Some(Location::Disk(_)) => hit.disk += 1,
                 None => break,
             }
         }
@@ -322,17 +364,19 @@ impl BlockPool {
         self.log.since(after)
     }
 
-    /// The whole cache as `Stored` events (device then host, parents first within a tier),
-    /// as of the latest event.
+    /// The whole cache as `Stored` events (device, host, then disk, parents first within a
+    /// tier), as of the latest event.
     pub fn dump(&self) -> KvDump {
         let worker_id = self.log.worker_id();
         let last_event_id = self.log.last_id();
         let mut device: Vec<CachedInfo> = self.device.iter().filter_map(|b| b.cached).collect();
         let mut host: Vec<CachedInfo> = self.host.iter().flatten().copied().collect();
-        let mut events = Vec::with_capacity(device.len() + host.len());
+        let mut disk: Vec<CachedInfo> = self.disk.iter().flatten().copied().collect();
+        let mut events = Vec::with_capacity(device.len() + host.len() + disk.len());
         for (tier, infos) in [
             (StorageTier::Device, &mut device),
             (StorageTier::Host, &mut host),
+            (StorageTier::Disk, &mut disk),
         ] {
             infos.sort_by_key(|i| (i.position, i.hash.sequence));
             events.extend(infos.iter().map(|i| KvEvent {

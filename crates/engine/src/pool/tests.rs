@@ -4,6 +4,7 @@ use tandem_protocol::{
 };
 
 use super::*;
+use crate::disk::{DiskBlock, DiskStore};
 
 fn pool(device: u32, host: u32) -> BlockPool {
     let mut cfg = BlockPoolConfig::new(WorkerId(1), device);
@@ -50,7 +51,14 @@ fn prefix_is_reused_with_reference_counts() {
     assert_eq!(run_seq(&mut p, 1, &a).unwrap(), PrefixHit::default());
     let hs = hashes(&a);
     let hit = p.acquire_prefix(RequestId(2), &hs, 3).unwrap();
-    assert_eq!(hit, PrefixHit { device: 3, host: 0 });
+    assert_eq!(
+        hit,
+        PrefixHit {
+            device: 3,
+            host: 0,
+            disk: 0
+        }
+    );
     let hit2 = p.acquire_prefix(RequestId(3), &hs, 2).unwrap();
     assert_eq!(hit2.device, 2);
     assert_eq!(p.active_blocks(), 3);
@@ -92,7 +100,11 @@ fn eviction_is_lru_and_tail_first() {
     let ha = hashes(&a);
     assert_eq!(
         p.lookup(&sequence_hashes(&ha)),
-        PrefixHit { device: 2, host: 0 }
+        PrefixHit {
+            device: 2,
+            host: 0,
+            disk: 0
+        }
     );
     let evs = p.events_since(0).unwrap();
     let removed: Vec<_> = evs
@@ -178,7 +190,11 @@ fn acquire_and_allocate_is_all_or_nothing() {
     let ha = hashes(&a_long);
     assert_eq!(
         p.lookup(&sequence_hashes(&ha)),
-        PrefixHit { device: 0, host: 2 }
+        PrefixHit {
+            device: 0,
+            host: 2,
+            disk: 0
+        }
     );
     // Hold 1 block elsewhere: 3 available, 4 needed (2 promotions + 2 fresh).
     p.allocate(RequestId(8), 4).unwrap();
@@ -199,7 +215,14 @@ fn acquire_and_allocate_is_all_or_nothing() {
     p.check_invariants().unwrap();
     p.free(RequestId(8)).unwrap();
     let hit = p.acquire_and_allocate(RequestId(4), &ha, 3, 14).unwrap();
-    assert_eq!(hit, PrefixHit { device: 0, host: 2 });
+    assert_eq!(
+        hit,
+        PrefixHit {
+            device: 0,
+            host: 2,
+            disk: 0
+        }
+    );
     assert_eq!(p.block_table(RequestId(4)).unwrap().len(), 4);
     assert_eq!(p.committed_blocks(RequestId(4)), Some(2));
     assert_eq!(
@@ -228,12 +251,26 @@ fn host_tier_takes_evicted_blocks_and_gives_them_back() {
     let b: Vec<u32> = (100..112).collect();
     run_seq(&mut p, 2, &b).unwrap();
     let ha = sequence_hashes(&hashes(&a));
-    assert_eq!(p.lookup(&ha), PrefixHit { device: 0, host: 3 });
+    assert_eq!(
+        p.lookup(&ha),
+        PrefixHit {
+            device: 0,
+            host: 3,
+            disk: 0
+        }
+    );
     assert_eq!(p.stats().device_evictions, 3);
     p.check_invariants().unwrap();
     // A hit on host blocks brings them back, bytes intact.
     let hit = p.acquire_prefix(RequestId(3), &hashes(&a), 3).unwrap();
-    assert_eq!(hit, PrefixHit { device: 0, host: 3 });
+    assert_eq!(
+        hit,
+        PrefixHit {
+            device: 0,
+            host: 3,
+            disk: 0
+        }
+    );
     let t = p.block_table(RequestId(3)).unwrap().to_vec();
     for (i, &blk) in t.iter().enumerate() {
         assert!(
@@ -244,8 +281,265 @@ fn host_tier_takes_evicted_blocks_and_gives_them_back() {
             "block {i} bytes"
         );
     }
-    assert_eq!(p.lookup(&ha), PrefixHit { device: 3, host: 0 });
+    assert_eq!(
+        p.lookup(&ha),
+        PrefixHit {
+            device: 3,
+            host: 0,
+            disk: 0
+        }
+    );
     p.check_invariants().unwrap();
+}
+
+/// A pool of `device` and `host` blocks with a disk tier of `disk` slots in memory.
+fn pool_with_disk(device: u32, host: u32, disk: u32) -> BlockPool {
+    let mut p = pool(device, host);
+    p.attach_disk(Box::new(crate::disk::MemoryDiskStore::new(disk)));
+    p
+}
+
+/// Fills each block of the cached prefix of `tokens` with its index + `base`, as a model
+/// would have written them.
+fn write_prefix(p: &mut BlockPool, id: u64, tokens: &[u32], base: u8) {
+    let hs = hashes(tokens);
+    p.acquire_prefix(RequestId(id), &hs, hs.len()).unwrap();
+    let table = p.block_table(RequestId(id)).unwrap().to_vec();
+    for (i, &b) in table.iter().enumerate() {
+        p.device_arena_mut()
+            .with_block_mut(b, |blk| blk.fill(i as u8 + base));
+    }
+    p.free(RequestId(id)).unwrap();
+}
+
+#[test]
+fn blocks_move_down_through_host_to_disk_and_come_back_intact() {
+    for host in [0, 2] {
+        let mut p = pool_with_disk(3, host, 8);
+        let a: Vec<u32> = (0..12).collect();
+        run_seq(&mut p, 1, &a).unwrap();
+        write_prefix(&mut p, 9, &a, 1);
+        // Two more sequences push a out of the device (and the host, when there is one).
+        run_seq(&mut p, 2, &(100..112).collect::<Vec<_>>()).unwrap();
+        run_seq(&mut p, 3, &(200..212).collect::<Vec<_>>()).unwrap();
+        let ha = sequence_hashes(&hashes(&a));
+        let hit = p.lookup(&ha);
+        assert_eq!(hit.total(), 3, "host {host}: {hit:?}");
+        assert!(hit.disk > 0, "host {host}: {hit:?}");
+        p.check_invariants().unwrap();
+        let events = p.events_since(0).unwrap();
+        assert!(
+            events.iter().any(
+                |e| e.tier == StorageTier::Disk && matches!(e.kind, KvEventKind::Stored { .. })
+            ),
+            "disk blocks are announced"
+        );
+        let hit = p.acquire_prefix(RequestId(4), &hashes(&a), 3).unwrap();
+        assert_eq!(hit.total(), 3, "host {host}: {hit:?}");
+        assert!(p.stats().disk_promotions > 0);
+        let t = p.block_table(RequestId(4)).unwrap().to_vec();
+        for (i, &b) in t.iter().enumerate() {
+            assert!(
+                p.device_arena()
+                    .block_bytes(b)
+                    .iter()
+                    .all(|&x| x == i as u8 + 1),
+                "host {host}: block {i} bytes"
+            );
+        }
+        assert_eq!(p.lookup(&ha).device, 3);
+        p.check_invariants().unwrap();
+    }
+}
+
+/// A store whose reads of chosen slots come back wrong (a bad sector, a torn record).
+#[derive(Debug)]
+struct BadSectors(crate::disk::MemoryDiskStore, Vec<u32>);
+
+impl DiskStore for BadSectors {
+    fn slots(&self) -> u32 {
+        self.0.slots()
+    }
+    fn write(&mut self, slot: u32, block: &DiskBlock, bytes: &[u8]) -> bool {
+        self.0.write(slot, block, bytes)
+    }
+    fn read(&mut self, slot: u32, block: &DiskBlock, out: &mut [u8]) -> bool {
+        if self.1.contains(&slot) {
+            self.0.corrupt(slot);
+        }
+        self.0.read(slot, block, out)
+    }
+    fn clear(&mut self, slot: u32) {
+        self.0.clear(slot)
+    }
+    fn take_recovered(&mut self) -> Vec<(u32, DiskBlock)> {
+        self.0.take_recovered()
+    }
+}
+
+#[test]
+fn a_disk_block_that_does_not_read_back_is_a_miss_and_takes_its_descendants() {
+    let mut p = pool(3, 0);
+    // Slots are handed out from 0: a's three blocks go to slots 0, 1, 2 (leaf first), so
+    // slot 1 holds its middle block.
+    p.attach_disk(Box::new(BadSectors(
+        crate::disk::MemoryDiskStore::new(8),
+        vec![1],
+    )));
+    let a: Vec<u32> = (0..12).collect();
+    run_seq(&mut p, 1, &a).unwrap();
+    write_prefix(&mut p, 9, &a, 1);
+    run_seq(&mut p, 2, &(100..112).collect::<Vec<_>>()).unwrap();
+    let ha = sequence_hashes(&hashes(&a));
+    assert_eq!(
+        p.lookup(&ha),
+        PrefixHit {
+            device: 0,
+            host: 0,
+            disk: 3
+        }
+    );
+    // The first block comes back; the second does not read back: the prefix ends there,
+    // and the third (its child) is dropped with it.
+    let hit = p.acquire_prefix(RequestId(3), &hashes(&a), 3).unwrap();
+    assert_eq!(
+        hit,
+        PrefixHit {
+            device: 0,
+            host: 0,
+            disk: 1
+        }
+    );
+    assert_eq!(p.stats().disk_misses, 1);
+    assert_eq!(
+        p.lookup(&ha),
+        PrefixHit {
+            device: 1,
+            host: 0,
+            disk: 0
+        }
+    );
+    // What is left on disk is the other sequence's leaf, evicted for the block that came
+    // back.
+    assert_eq!(p.cached_count(StorageTier::Disk), 1);
+    p.check_invariants().unwrap();
+    let removed: usize = p
+        .events_since(0)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            KvEventKind::Removed { blocks } if e.tier == StorageTier::Disk => Some(blocks.len()),
+            _ => None,
+        })
+        .sum();
+    assert_eq!(removed, 3, "each block that left the disk is announced");
+}
+
+#[test]
+fn a_restarted_pool_recovers_its_disk_and_announces_it_closed_under_prefixes() {
+    let mut first = pool(3, 0);
+    let store = Box::new(crate::disk::MemoryDiskStore::new(8));
+    first.attach_disk(store);
+    let a: Vec<u32> = (0..12).collect();
+    run_seq(&mut first, 1, &a).unwrap();
+    write_prefix(&mut first, 9, &a, 1);
+    run_seq(&mut first, 2, &(100..112).collect::<Vec<_>>()).unwrap();
+    assert_eq!(first.cached_count(StorageTier::Disk), 3);
+    // The same disk seen by a new process (a copy of what the first pool's store holds,
+    // `lose` missing): everything comes back, announced parents first.
+    let reopen = |lose: Option<u32>| {
+        let mut copy = crate::disk::MemoryDiskStore::new(8);
+        for (slot, info) in first.disk.iter().enumerate() {
+            if let Some(info) = info
+                && Some(slot as u32) != lose
+            {
+                copy.write(slot as u32, &info.disk(), &[slot as u8; 8]);
+            }
+        }
+        crate::disk::MemoryDiskStore::reopened(&copy)
+    };
+    let mut second = pool(3, 0);
+    second.attach_disk(Box::new(reopen(None)));
+    let ha = sequence_hashes(&hashes(&a));
+    assert_eq!(
+        second.lookup(&ha),
+        PrefixHit {
+            device: 0,
+            host: 0,
+            disk: 3
+        }
+    );
+    second.check_invariants().unwrap();
+    let stored: Vec<_> = second
+        .events_since(0)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            KvEventKind::Stored { parent, blocks } if e.tier == StorageTier::Disk => {
+                Some((parent, blocks.len()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored.iter().map(|(_, n)| n).sum::<usize>(), 3);
+    assert_eq!(stored[0].0, None, "the root first");
+    // A lost record in the middle: its descendant is not brought back either.
+    let middle = first
+        .disk
+        .iter()
+        .position(|i| i.is_some_and(|i| i.position == 1))
+        .unwrap() as u32;
+    let mut third = pool(3, 0);
+    third.attach_disk(Box::new(reopen(Some(middle))));
+    assert_eq!(
+        third.lookup(&ha),
+        PrefixHit {
+            device: 0,
+            host: 0,
+            disk: 1
+        }
+    );
+    assert_eq!(third.cached_count(StorageTier::Disk), 1);
+    third.check_invariants().unwrap();
+}
+
+#[test]
+fn a_stopping_pool_spills_its_cache_to_disk_for_the_next_run() {
+    for host in [0, 4] {
+        let mut p = pool_with_disk(4, host, 16);
+        let (a, b): (Vec<u32>, Vec<u32>) = ((0..12).collect(), (100..108).collect());
+        run_seq(&mut p, 1, &a).unwrap();
+        write_prefix(&mut p, 9, &a, 1);
+        run_seq(&mut p, 2, &b).unwrap();
+        // b's two blocks are still in use by a running sequence: they stay.
+        p.acquire_prefix(RequestId(5), &hashes(&b), 2).unwrap();
+        p.spill_to_disk();
+        p.check_invariants().unwrap();
+        let ha = sequence_hashes(&hashes(&a));
+        assert_eq!(
+            p.lookup(&ha),
+            PrefixHit {
+                device: 0,
+                host: 0,
+                disk: 3
+            },
+            "host {host}"
+        );
+        assert_eq!(p.lookup(&sequence_hashes(&hashes(&b))).device, 2);
+        // The disk now reads back a's bytes.
+        p.free(RequestId(5)).unwrap();
+        let hit = p.acquire_prefix(RequestId(6), &hashes(&a), 3).unwrap();
+        assert_eq!(hit.disk, 3);
+        let t = p.block_table(RequestId(6)).unwrap().to_vec();
+        for (i, &blk) in t.iter().enumerate() {
+            assert!(
+                p.device_arena()
+                    .block_bytes(blk)
+                    .iter()
+                    .all(|&x| x == i as u8 + 1)
+            );
+        }
+    }
 }
 
 #[test]
@@ -331,6 +625,10 @@ enum Op {
     },
     /// The oldest aborted transfer's writer is known to be done.
     Fence,
+    /// A disk record lost behind the pool's back (its next read misses).
+    LoseDisk {
+        slot: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -341,6 +639,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Clear),
         2 => (0u8..6).prop_map(|id| Op::AbortTransfer { id }),
         2 => Just(Op::Fence),
+        1 => (0u8..16).prop_map(|slot| Op::LoseDisk { slot }),
     ]
 }
 
@@ -364,8 +663,9 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..120),
         device in 2u32..24,
         host in prop_oneof![Just(0u32), 1u32..12],
+        disk in prop_oneof![Just(0u32), 1u32..16],
     ) {
-        let mut p = pool(device, host);
+        let mut p = if disk > 0 { pool_with_disk(device, host, disk) } else { pool(device, host) };
         let mut live: std::collections::HashMap<u8, Vec<u32>> = Default::default();
         let mut holds: std::collections::VecDeque<Vec<u32>> = Default::default();
         for (step, op) in ops.into_iter().enumerate() {
@@ -415,6 +715,13 @@ proptest! {
                 Op::Fence => {
                     if let Some(h) = holds.pop_front() {
                         p.release_hold(&h).unwrap();
+                    }
+                }
+                Op::LoseDisk { slot } => {
+                    if let Some(store) = p.disk_store.as_mut()
+                        && u32::from(slot) < store.slots()
+                    {
+                        store.clear(u32::from(slot));
                     }
                 }
             }
