@@ -38,9 +38,11 @@ use crate::view::{Decision, RouteRequest, Rule, ScoreTerms, WorkerView};
 pub struct KvConfig {
     /// `c`: credit per device block already cached.
     pub overlap_credit: f64,
-    /// Credit per host block: cheaper to onboard than to recompute, dearer than device.
+    /// Credit per host block: cheaper to onboard than to recompute, dearer than device. The
+    /// default is the share of a recompute a host hit saved on an H200
+    /// (crates/router/EXPERIMENTS.md, "Tier weights from measured TTFT").
     pub host_weight: f64,
-    /// Credit per disk block.
+    /// Credit per disk block (its default measured likewise).
     pub disk_weight: f64,
     /// `s`: weight of the prefill term against the decode term.
     pub prefill_load_scale: f64,
@@ -63,8 +65,8 @@ impl Default for KvConfig {
     fn default() -> Self {
         KvConfig {
             overlap_credit: 1.0,
-            host_weight: 0.75,
-            disk_weight: 0.25,
+            host_weight: 0.85,
+            disk_weight: 0.5,
             prefill_load_scale: 1.0,
             decay: 0.0,
             active_request_weight: 0.0,

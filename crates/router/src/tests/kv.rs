@@ -19,9 +19,9 @@ fn tier_credits_match_the_formula() {
     // 64-token prompt, block size 16: 4 blocks.
     let ws = [
         view(1, tiers(4, 0, 0), 0, 10, 0), // raw 4, credit 4    → prefill 0, cost 10
-        view(2, tiers(0, 4, 0), 0, 5, 0),  // raw 4, credit 3    → prefill 1, cost 6
-        view(3, tiers(0, 0, 4), 0, 2, 0),  // raw 4, credit 1    → prefill 3, cost 5
-        view(4, tiers(2, 1, 1), 32, 0, 0), // raw 6, credit 3    → prefill 3, cost 3
+        view(2, tiers(0, 4, 0), 0, 5, 0),  // raw 4, credit 3.4  → prefill 0.6, cost 5.6
+        view(3, tiers(0, 0, 4), 0, 2, 0),  // raw 4, credit 2    → prefill 2, cost 4
+        view(4, tiers(2, 1, 1), 32, 0, 0), // raw 6, credit 3.35 → prefill 2.65, cost 2.65
         view(5, tiers(0, 0, 0), 32, 0, 0), // raw 6, credit 0    → prefill 6, cost 6
     ];
     let d = kv_decide(
@@ -31,11 +31,12 @@ fn tier_credits_match_the_formula() {
         &mut Rng::seed_from_u64(1),
     )
     .unwrap();
+    // Host blocks count 0.85 of a device block, disk blocks 0.5 (the defaults).
     let want = [
         (1, 4.0, 4.0, 10.0),
-        (2, 4.0, 3.0, 6.0),
-        (3, 4.0, 1.0, 5.0),
-        (4, 6.0, 3.0, 3.0),
+        (2, 4.0, 3.4, 5.6),
+        (3, 4.0, 2.0, 4.0),
+        (4, 6.0, 3.35, 2.65),
         (5, 6.0, 0.0, 6.0),
     ];
     for (t, (w, raw, credit, cost)) in d.explain.iter().zip(want) {
@@ -74,8 +75,8 @@ fn decay_shrinks_the_device_credit_of_a_backlogged_worker() {
     // The least backlogged worker never decays, and host credit never does.
     let t2 = d.explain[1];
     assert!(close(t2.decay, 1.0));
-    assert!(close(t2.credit, 1.5));
-    assert!(close(t2.cost, 2.5));
+    assert!(close(t2.credit, 1.7));
+    assert!(close(t2.cost, 2.3));
     assert_eq!(d.worker, WorkerId(2));
 }
 
