@@ -16,9 +16,14 @@ shift $(($# < 2 ? $# : 2))
 transports=${*:-local tcp ucx inline}
 [ -f "$model" ] || { echo "no $model: scripts/test.sh fetches the SmolLM2 GGUF" >&2; exit 1; }
 target=${CARGO_TARGET_DIR:-target}
-cargo build --release --quiet --bin tandem
+# TANDEM=path: a tandem built elsewhere (a GPU machine without Rust); flags in TANDEM_FLAGS
+# go to every cluster (--device cuda).
+if [ -z "${TANDEM:-}" ]; then
+  cargo build --release --quiet --bin tandem
+  TANDEM=$target/release/tandem
+fi
 
-python3 - "$target/release/tandem" "$model" "$threads" "${ROUNDS:-2}" ${SIZES:-512 2048 8000} \
+python3 - "$TANDEM" "$model" "$threads" "${ROUNDS:-2}" ${SIZES:-512 2048 8000} \
   -- $transports <<'PY'
 import http.client, json, os, statistics, sys, time
 
@@ -34,7 +39,8 @@ def up(flags):
     # 8,000 tokens of this model's KV are 176 MB: room for one at a time and then some.
     return tandem_up.start(
         tandem, ["--model", model, "--prefill", "1", "--decode", "1", "--threads", threads,
-                 "--kv-memory-mb", "400", *flags], roles=("prefill", "decode"))
+                 "--kv-memory-mb", "400", *flags, *os.environ.get("TANDEM_FLAGS", "").split()],
+        roles=("prefill", "decode"))
 
 def ttft(port, n, seed, remote):
     prompt = [200 + (i * 7919 + seed * 104729) % 40000 for i in range(n)]
