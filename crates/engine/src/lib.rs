@@ -1,9 +1,12 @@
 //! The engine: a worker's KV memory and the scheduling of its work, as sans-IO state machines.
 //!
 //! - [`pool`]: the paged KV block pool with a prefix cache, reference counts, LRU eviction
-//!   and an optional host tier; it numbers every change as a KV event and can dump its state.
-//!   It keeps each tier prefix-closed, which the global index relies on.
-//! - [`arena`]: per tier one contiguous, block-major byte region.
+//!   and optional host and disk tiers; it numbers every change as a KV event and can dump its
+//!   state. It keeps each tier prefix-closed, which the global index relies on.
+//! - [`arena`]: per tier one contiguous, block-major byte region (possibly GPU memory, which
+//!   it names to the model: [`ArenaStorage::device`]).
+//! - [`disk`]: the disk tier's storage, [`DiskStore`], with an in-memory twin; the workers'
+//!   file store lives in `tandem-worker`, so the pool itself does no I/O.
 //! - [`scheduler`]: continuous batching over the pool (vLLM v1 style): a token budget per
 //!   step, chunked prefill, FCFS admission on the cached prefix, preemption by recompute under
 //!   memory pressure. It plans a step; a model computes it; the scheduler completes it. The
