@@ -507,32 +507,36 @@ impl BlockPool {
 
     /// In each LRU list a child stands before its parent, so eviction takes leaves first.
     fn check_lru_order(&self) -> Result<(), String> {
-        let mut pos: hashbrown::HashMap<SequenceHash, usize> = hashbrown::HashMap::new();
-        for (i, b) in self.device_lru.iter().enumerate() {
-            let info = self.device[b as usize].cached.expect("checked");
-            pos.insert(info.hash.sequence, i);
-        }
-        for (i, b) in self.device_lru.iter().enumerate() {
-            let info = self.device[b as usize].cached.expect("checked");
-            if let Some(pi) = info.parent.and_then(|p| pos.get(&p))
-                && *pi < i
-            {
-                return Err(format!("device LRU: block {b} stands after its parent"));
-            }
-        }
-        pos.clear();
-        for (i, s) in self.host_lru.iter().enumerate() {
-            let info = self.host[s as usize].expect("host LRU slots are filled");
-            pos.insert(info.hash.sequence, i);
-        }
-        for (i, s) in self.host_lru.iter().enumerate() {
-            let info = self.host[s as usize].expect("checked");
-            if let Some(pi) = info.parent.and_then(|p| pos.get(&p))
-                && *pi < i
-            {
-                return Err(format!("host LRU: slot {s} stands after its parent"));
-            }
-        }
-        Ok(())
+        children_first("device", &self.device_lru, |b| {
+            self.device[b as usize].cached.expect("checked")
+        })?;
+        children_first("host", &self.host_lru, |s| {
+            self.host[s as usize].expect("host LRU slots are filled")
+        })?;
+        children_first("disk", &self.disk_lru, |s| {
+            self.disk[s as usize].expect("disk LRU slots are filled")
+        })
     }
+}
+
+/// Checks that in `lru` (of a tier named `tier`, `info` giving each entry's block) no block
+/// stands after its parent.
+fn children_first(
+    tier: &str,
+    lru: &crate::lru::LruList,
+    info: impl Fn(u32) -> CachedInfo,
+) -> Result<(), String> {
+    let pos: hashbrown::HashMap<SequenceHash, usize> = lru
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (info(e).hash.sequence, i))
+        .collect();
+    for (i, e) in lru.iter().enumerate() {
+        if let Some(pi) = info(e).parent.and_then(|p| pos.get(&p))
+            && *pi < i
+        {
+            return Err(format!("{tier} LRU: entry {e} stands after its parent"));
+        }
+    }
+    Ok(())
 }
