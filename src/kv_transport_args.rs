@@ -26,6 +26,12 @@ pub struct KvTransportArgs {
     /// TCP KV listener address.
     #[arg(long, env = "TANDEM_KV_LISTEN", default_value = "127.0.0.1:0")]
     pub kv_listen: String,
+    /// Decode workers check each remote prefill's KV against a digest the prefill worker
+    /// computes (a corrupted transfer falls back to a local prefill). `--kv-digest=false`
+    /// skips it on both sides, for fabrics that check what they carry: on a GPU the digest
+    /// reads every block back to the host (crates/kv-transfer/BENCHMARKS.md).
+    #[arg(long, env = "TANDEM_KV_DIGEST", default_value_t = true, action = clap::ArgAction::Set)]
+    pub kv_digest: bool,
 }
 
 impl KvTransportArgs {
@@ -40,6 +46,7 @@ impl KvTransportArgs {
         ]
         .into_iter()
         .filter_map(|(flag, v)| v.as_ref().map(|v| format!("--{flag}={v}")))
+        .chain(std::iter::once(format!("--kv-digest={}", self.kv_digest)))
         .collect()
     }
 

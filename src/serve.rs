@@ -341,6 +341,7 @@ impl WorkerArgs {
         c.load_interval = Duration::from_millis(self.load_interval_ms);
         c.transfer_fence_timeout = Duration::from_secs(self.transfer_fence_timeout_s);
         c.kv_memory = self.kv_memory;
+        c.kv_digest = self.kv.kv_digest;
         c.metrics_listen = self.metrics_addr.clone();
         Ok(c)
     }

@@ -187,6 +187,7 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
             model.configure(&mut cfg, &engine, threads)?;
         }
         cfg.corrupt_transfers = args.inject_kv_corruption && role == WorkerRole::Prefill;
+        cfg.kv_digest = args.kv.kv_digest;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let (deps, stop) = (deps.clone(), workers_stop.clone());
         workers.spawn(async move {

@@ -155,6 +155,7 @@ impl DecodeService {
             cache_salt: String::new(),
             bootstrap_room: 0,
             lora_adapter: req.adapter.clone().unwrap_or_default(),
+            skip_digest: !self.ctx.config.kv_digest,
         };
         let mut prefill = prefill;
         let mut hold = None;

@@ -366,6 +366,44 @@ async fn a_corrupted_transfer_is_detected_and_served_by_a_local_prefill() {
     }
 }
 
+/// `--kv-digest=false`: neither worker hashes the KV. A clean transfer decodes like a local
+/// prefill; a corrupted one is not caught (the remote outcome stands): the check is off, as
+/// asked, for fabrics that check what they carry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_digest_nothing_is_hashed_or_checked() {
+    for kind in [None, Some(TransportKind::Local), Some(TransportKind::Tcp)] {
+        for corrupt in [false, true] {
+            let mut deps = deps();
+            if let Some(kind) = kind {
+                deps.transport = Some(transport(kind).await);
+            }
+            let mut pcfg = config(1, WorkerRole::Prefill);
+            pcfg.corrupt_transfers = corrupt;
+            let p = start_with(pcfg, &deps).await;
+            let d1 = start(2, WorkerRole::Decode, &deps).await;
+            let mut dcfg = config(3, WorkerRole::Decode);
+            dcfg.kv_digest = false;
+            let d2 = start_with(dcfg, &deps).await;
+            let (mut c1, mut c2) = (client(&d1.addr).await, client(&d2.addr).await);
+            let long = prompt(9, 250);
+            let local = generate(&mut c1, request(50, long.clone(), None)).await;
+            let remote = generate(&mut c2, request(51, long, Some(&p))).await;
+            assert_eq!(
+                remote[0].prefill,
+                PrefillOutcome::Remote as i32,
+                "{kind:?}, corrupt {corrupt}: no digest, no fallback"
+            );
+            if !corrupt {
+                assert_eq!(tokens(&remote), tokens(&local), "{kind:?}");
+            }
+            for w in [p, d1, d2] {
+                w.stop.cancel();
+                w.task.await.unwrap().unwrap();
+            }
+        }
+    }
+}
+
 /// A prefill worker gone wrong, for the transfer fence: on `Prefill` it connects to the
 /// destination region and keeps overwriting every destination block with garbage, never
 /// finishing; `AbortPrefill` lets it go on for `abort_delay` (a writer slow to stop), then

@@ -159,6 +159,9 @@ struct Prefill {
     aborted: CancellationToken,
     /// Fault injection: corrupt the first block sent, after hashing it.
     corrupt: bool,
+    /// Whether the caller checks a digest (`PrefillRequest.skip_digest` unset): without it
+    /// blocks are counted, not hashed (and not read back out of the arena to hash them).
+    hash: bool,
     /// The worker's counters (KV bytes sent), and the size of a block.
     metrics: Arc<WorkerMetrics>,
     bytes_per_block: u64,
@@ -214,7 +217,16 @@ impl Prefill {
         let n = blocks.len() as u64;
         let sent = n * self.bytes_per_block;
         for mut b in blocks {
-            if let Some(source) = &self.source {
+            if !self.hash {
+                self.digest.count();
+                if self.corrupt
+                    && let Some(source) = &self.source
+                {
+                    b.bytes = source.read_block(b.block).map_err(|e| {
+                        ErrorClass::Internal.status(format!("reading exported KV: {e}"))
+                    })?;
+                }
+            } else if let Some(source) = &self.source {
                 // Pinned in the arena until the writer is closed: hash it where it is, and
                 // send it from there unless it has to be corrupted on the way.
                 digest_block(source, b.block, &mut self.digest).map_err(|e| {
@@ -350,6 +362,7 @@ impl WorkerCalls for PrefillService {
             source,
             aborted,
             corrupt: self.ctx.config.corrupt_transfers,
+            hash: !req.skip_digest,
             metrics: self.ctx.metrics.clone(),
             bytes_per_block: self.ctx.host.bytes_per_block() as u64,
             transfer: tracing::info_span!(

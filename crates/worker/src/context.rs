@@ -69,6 +69,9 @@ pub struct WorkerConfig {
     pub metrics_listen: Option<String>,
     /// The engine's disk tier (`--kv-disk-dir`); None: no disk tier.
     pub kv_disk: Option<crate::disk::KvDiskConfig>,
+    /// Decode workers: check each remote prefill's KV against the prefill worker's digest
+    /// (`--kv-digest`; a mismatch falls back to a local prefill). Off, neither side hashes.
+    pub kv_digest: bool,
 }
 
 impl WorkerConfig {
@@ -94,6 +97,7 @@ impl WorkerConfig {
             output_buffer: 1024,
             metrics_listen: None,
             kv_disk: None,
+            kv_digest: true,
         }
     }
 }

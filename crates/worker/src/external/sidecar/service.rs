@@ -84,6 +84,8 @@ impl Sidecar {
             cache_salt: req.cache_salt.clone(),
             bootstrap_room: room,
             lora_adapter: req.lora_adapter.clone(),
+            // The engines' own connectors move the KV: there is nothing to digest.
+            skip_digest: true,
         };
         let mut stream = client
             .prefill(prefill)
