@@ -98,6 +98,14 @@ impl ModelFile {
             engine.max_batched_tokens.unwrap_or(step_default);
         let threads = engine.threads.unwrap_or(default_threads);
         c.native = Some(self.engine(threads, engine.device)?);
+        if let Some(n) = &mut c.native {
+            anyhow::ensure!(
+                engine.kv_dtype == tandem_native::KvDtype::F16 || engine.device == Device::Cpu,
+                "--kv-dtype {}: the GPU engine keeps its KV in f16",
+                engine.kv_dtype
+            );
+            n.kv_dtype = engine.kv_dtype;
+        }
         if let Device::Cuda(ordinal) = engine.device {
             match c.kv_memory {
                 KvMemory::Host => c.kv_memory = KvMemory::Cuda { ordinal },
@@ -140,6 +148,7 @@ impl ModelFile {
                 Device::Cpu => None,
                 Device::Cuda(ordinal) => Some(self.gpu_weights(ordinal)?),
             },
+            kv_dtype: tandem_native::KvDtype::F16,
         })
     }
 

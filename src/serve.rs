@@ -186,6 +186,11 @@ pub struct EngineArgs {
     /// under it (`prefill-0`, `decode-0`, …).
     #[arg(long, env = "TANDEM_KV_DISK_DIR")]
     pub kv_disk_dir: Option<std::path::PathBuf>,
+    /// What the native engine stores K and V as: f16 (half the memory) or f32. A decode
+    /// worker converts KV from a prefill worker of the other type as it arrives (f32 to f16
+    /// rounds to nearest even); the GPU engine keeps f16.
+    #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f16")]
+    pub kv_dtype: tandem_native::KvDtype,
     /// The disk tier's size per worker, MiB (with --kv-disk-dir).
     #[arg(long, env = "TANDEM_KV_DISK_MB", default_value_t = 4096)]
     pub kv_disk_mb: u64,

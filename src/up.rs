@@ -47,6 +47,10 @@ pub struct UpArgs {
     /// simulator's twin), serving `--model` as a name.
     #[arg(long = "engine", env = "TANDEM_ENGINE", default_value = "native", value_parser = ["native", "mocker"])]
     pub engine_kind: String,
+    /// The prefill workers' --kv-dtype, when it is not the decode workers' (a prefill pool
+    /// of another KV type: the decode workers convert what it sends).
+    #[arg(long, env = "TANDEM_PREFILL_KV_DTYPE")]
+    pub prefill_kv_dtype: Option<tandem_native::KvDtype>,
     #[command(flatten)]
     pub model_cache: crate::models::ModelCacheArgs,
     #[command(flatten)]
@@ -181,7 +185,10 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
             }
         );
         *counter += 1;
-        let engine = args.engine.for_worker(&name);
+        let mut engine = args.engine.for_worker(&name);
+        if let (WorkerRole::Prefill, Some(kv)) = (role, args.prefill_kv_dtype) {
+            engine.kv_dtype = kv;
+        }
         let mut cfg = engine.config(role, WorkerId(i as u64 + 1), &args.http.model, "default")?;
         if let Some(model) = &model {
             model.configure(&mut cfg, &engine, threads)?;
@@ -299,10 +306,15 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
                     format!("--kv-disk-mb={}", args.engine.kv_disk_mb),
                 ]
             });
+            let kv = match (role, args.prefill_kv_dtype) {
+                ("prefill", Some(kv)) => kv,
+                _ => args.engine.kv_dtype,
+            };
             let flags = std::iter::once(role.to_string())
                 .chain(plane.clone())
                 .chain(engine.clone())
                 .chain(disk.into_iter().flatten())
+                .chain(std::iter::once(format!("--kv-dtype={kv}")))
                 .chain(corrupt.clone());
             roles.spawn(name, &exe, flags)?;
         }

@@ -156,6 +156,7 @@ impl DecodeService {
             bootstrap_room: 0,
             lora_adapter: req.adapter.clone().unwrap_or_default(),
             skip_digest: !self.ctx.config.kv_digest,
+            kv_element_bytes: self.ctx.config.kv_element_bytes(),
         };
         let mut prefill = prefill;
         let mut hold = None;

@@ -81,6 +81,28 @@ impl TransferHold {
     }
 }
 
+/// A block of KV whose elements are of another width than this worker's (`own_element`
+/// bytes, `own_bytes` a block), converted to this worker's (f32 to f16 rounds to nearest even);
+/// a block of another shape, or of a width the engine does not store, is refused.
+fn convert(data: &[u8], own_bytes: usize, own_element: usize) -> Result<Vec<u8>, WorkerError> {
+    use tandem_native::KvDtype;
+    let elements = own_bytes / own_element.max(1);
+    let theirs = (elements > 0 && data.len().is_multiple_of(elements))
+        .then(|| KvDtype::of_bytes(data.len() / elements))
+        .flatten();
+    let (Some(from), Some(to)) = (theirs, KvDtype::of_bytes(own_element)) else {
+        return Err(WorkerError::BadTransfer(format!(
+            "a KV block of {} bytes cannot become one of this worker's ({own_bytes} bytes of \
+             {own_element}-byte elements): another model shape, or an element type this \
+             engine does not store",
+            data.len()
+        )));
+    };
+    let mut out = vec![0u8; own_bytes];
+    tandem_native::kv::convert(data, from, &mut out, to);
+    Ok(out)
+}
+
 /// The first token a prefill worker drew, and its logprobs when asked for.
 pub type FirstToken = (u32, Option<Box<tandem_engine::TokenLogprobs>>);
 
@@ -103,6 +125,8 @@ pub async fn fetch(
     let id = RequestId(request.request_id);
     let wants_logprobs = request.logprobs.is_some();
     let check = !request.skip_digest;
+    let own_bytes = request.bytes_per_block as usize;
+    let own_element = request.kv_element_bytes as usize;
     let mut client = clients.client(&target.address, connect_timeout)?;
     let mut call = tonic::Request::new(request);
     tandem_runtime::telemetry::inject_metadata(&tracing::Span::current(), call.metadata_mut());
@@ -134,7 +158,11 @@ pub async fn fetch(
                         rp.blocks.len()
                     ))
                 })?;
-                host.write_block(id, *dst, &b.data)?;
+                if b.data.len() == own_bytes {
+                    host.write_block(id, *dst, &b.data)?;
+                } else {
+                    host.write_block(id, *dst, &convert(&b.data, own_bytes, own_element)?)?;
+                }
                 if check {
                     digest.update(&b.data);
                 } else {
@@ -296,4 +324,28 @@ fn connection_refused(status: &Status) -> bool {
         source = err.source();
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_of_another_width_are_converted_and_other_shapes_refused() {
+        // This worker: 8 f16 elements a block (16 bytes).
+        let f32_block: Vec<u8> = (0..8u32)
+            .flat_map(|i| (i as f32 + 0.5).to_le_bytes())
+            .collect();
+        let got = convert(&f32_block, 16, 2).unwrap();
+        let halves: Vec<f32> = got
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect();
+        assert_eq!(halves, (0..8).map(|i| i as f32 + 0.5).collect::<Vec<_>>());
+        // 12 bytes: 1.5 bytes an element; 64: 8-byte elements, which no engine stores.
+        for bad in [12, 64] {
+            let e = convert(&vec![0u8; bad], 16, 2).unwrap_err().to_string();
+            assert!(e.contains("cannot become one of this worker's"), "{e}");
+        }
+    }
 }

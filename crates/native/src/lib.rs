@@ -21,6 +21,8 @@
 //!   one from a file ([`Precision`]: the file's formats, or all f32 as a reference).
 //! - [`model`]: [`NativeModel`], the forward pass and the sampler as the engine's model.
 //! - [`sampling`]: greedy and seeded temperature / top-k / top-p / min-p draws.
+//! - [`kv`]: [`KvDtype`], what K and V are stored as (f16 by default, or f32), and the
+//!   conversion of a block between them.
 //! - [`tokenizer`]: the file's byte-level BPE tokenizer and its special tokens.
 //! - [`team`]: the worker's threads, which spin briefly between a step's parallel regions,
 //!   linger yielding between steps, and sleep when the worker is idle.
@@ -59,6 +61,7 @@ pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod kernels;
+pub mod kv;
 pub mod llama;
 pub mod load;
 pub mod model;
@@ -74,6 +77,7 @@ pub use device::Device;
 pub use error::{Error, ErrorClass, GgmlTypeId};
 pub use gguf::{Array, GgufFile, Tensor, TensorInfo, Value, ValueType};
 pub use kernels::{Isa, Kernels};
+pub use kv::KvDtype;
 pub use llama::{Llama, LlamaConfig};
 pub use load::{Precision, load};
 pub use model::NativeModel;

@@ -7,6 +7,7 @@ use tandem_engine::{KvShape, Model, SampledToken, StepPlan};
 use tandem_protocol::RequestId;
 
 use crate::kernels::Kernels;
+use crate::kv::KvDtype;
 use crate::llama::{Compute, Llama, Scratch, StepRow};
 use crate::sampling::Sampler;
 
@@ -41,17 +42,28 @@ impl NativeModel {
         }
     }
 
+    /// The model storing K and V as `kv` (f16 unless said).
+    pub fn with_kv_dtype(mut self, kv: KvDtype) -> NativeModel {
+        self.compute.kv = kv;
+        self
+    }
+
     pub fn llama(&self) -> &Llama {
         &self.llama
     }
 
     /// The KV geometry of `llama` in f16, the shape an engine's arena needs for it.
     pub fn kv_shape_of(llama: &Llama) -> KvShape {
+        Self::kv_shape_as(llama, KvDtype::F16)
+    }
+
+    /// The KV geometry of `llama` with K and V as `kv`.
+    pub fn kv_shape_as(llama: &Llama, kv: KvDtype) -> KvShape {
         KvShape {
             num_layers: llama.cfg.n_layer as u32,
             num_kv_heads: llama.cfg.n_head_kv as u32,
             head_dim: llama.cfg.head_dim as u32,
-            dtype_bytes: 2,
+            dtype_bytes: kv.bytes() as u32,
         }
     }
 
@@ -63,7 +75,7 @@ impl NativeModel {
 
 impl Model for NativeModel {
     fn kv_shape(&self) -> KvShape {
-        Self::kv_shape_of(&self.llama)
+        Self::kv_shape_as(&self.llama, self.compute.kv)
     }
 
     /// Real compute: a step takes what it takes.

@@ -86,8 +86,9 @@ impl PrefillService {
         };
         let remote = RegionDescriptor::from_compact(&req.destination)
             .map_err(|e| WorkerError::InvalidRequest(format!("destination region: {e}")))?;
-        if remote.transport != transport.kind() {
-            // The decode worker reads inline blocks as well.
+        if remote.transport != transport.kind() || self.converts(req) {
+            // The decode worker reads inline blocks as well (and converts them when its KV
+            // elements are of another width than this worker's).
             return Ok(Sink::Inline);
         }
         // Registered before connecting, so that an abort from now on waits for this writer.
@@ -106,15 +107,27 @@ impl PrefillService {
         })
     }
 
-    /// Validates a prefill request against this worker's block geometry.
+    /// Whether the caller keeps its KV elements at another width than this worker: the same
+    /// shape otherwise (checked by [`engine_request`](Self::engine_request)), its blocks then go
+    /// inline and the caller converts them.
+    fn converts(&self, req: &PrefillRequest) -> bool {
+        req.kv_element_bytes != 0 && req.kv_element_bytes != self.ctx.config.kv_element_bytes()
+    }
+
+    /// Validates a prefill request against this worker's block geometry: the same blocks, or
+    /// the same number of elements per block at another width (see [`Self::converts`]).
     fn engine_request(&self, req: &PrefillRequest) -> Result<EngineRequest, WorkerError> {
         let bs = self.ctx.config.engine.pool.block_size.get();
         let bytes = self.ctx.host.bytes_per_block() as u64;
-        if req.block_size != bs || req.bytes_per_block != bytes {
+        let own = u64::from(self.ctx.config.kv_element_bytes());
+        let same_elements = self.converts(req)
+            && req.bytes_per_block / u64::from(req.kv_element_bytes) == bytes / own;
+        if req.block_size != bs || (req.bytes_per_block != bytes && !same_elements) {
             return Err(WorkerError::InvalidRequest(format!(
-                "KV geometry mismatch: caller has {}-token blocks of {} bytes, this worker \
-                 {bs}-token blocks of {bytes} bytes",
-                req.block_size, req.bytes_per_block
+                "KV geometry mismatch: caller has {}-token blocks of {} bytes ({}-byte \
+                 elements), this worker {bs}-token blocks of {bytes} bytes ({own}-byte \
+                 elements)",
+                req.block_size, req.bytes_per_block, req.kv_element_bytes
             )));
         }
         if !req.from_token.is_multiple_of(bs) || req.from_token as usize > req.prompt.len() {

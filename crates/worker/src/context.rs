@@ -117,16 +117,26 @@ pub struct NativeEngine {
     /// KV arena must then be in that device's memory, [`KvMemory::Cuda`]).
     #[cfg(feature = "cuda")]
     pub gpu: Option<Arc<tandem_native::gpu::GpuWeights>>,
+    /// What K and V are stored as (`--kv-dtype`; the GPU engine keeps f16).
+    pub kv_dtype: tandem_native::KvDtype,
 }
 
 impl WorkerConfig {
-    /// Bytes of one KV block: the model's K and V per token (f16) for the native engine, the
-    /// mocker's shape otherwise.
+    /// Bytes of one KV block: the model's K and V per token (as `--kv-dtype` says) for the
+    /// native engine, the mocker's shape otherwise.
     pub fn bytes_per_block(&self) -> usize {
         match &self.native {
-            Some(n) => tandem_native::NativeModel::kv_shape_of(&n.model)
+            Some(n) => tandem_native::NativeModel::kv_shape_as(&n.model, n.kv_dtype)
                 .bytes_per_block(self.engine.pool.block_size.tokens()),
             None => MockEngine::bytes_per_block(&self.engine),
+        }
+    }
+
+    /// Bytes of one KV element (2: f16, 4: f32).
+    pub fn kv_element_bytes(&self) -> u32 {
+        match &self.native {
+            Some(n) => n.kv_dtype.bytes() as u32,
+            None => self.engine.mocker.kv_shape.dtype_bytes,
         }
     }
 
@@ -170,7 +180,8 @@ impl WorkerConfig {
             n.kernels,
             self.engine.pool.block_size.tokens(),
             n.threads,
-        );
+        )
+        .with_kv_dtype(n.kv_dtype);
         match storage {
             Some(s) => Engine::with_model_and_storage(cfg, model, s),
             None => Engine::new_with_model(cfg, model),

@@ -282,6 +282,53 @@ impl Kernels {
         }
     }
 
+    /// [`scores_f16`](Self::scores_f16) over keys stored as little-endian f32 (an f32 KV
+    /// cache): the portable path on every CPU, each score one [`portable`] dot in lane order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scores_f32(
+        &self,
+        q: &[f32],
+        hd: usize,
+        k: &[u8],
+        stride: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        out_stride: usize,
+    ) {
+        let heads = q.len() / hd;
+        debug_assert!(hd.is_multiple_of(8) && q.len() == heads * hd);
+        debug_assert!(n == 0 || k.len() >= (n - 1) * stride + hd * 4);
+        for h in 0..heads {
+            for p in 0..n {
+                let key = &k[p * stride..p * stride + hd * 4];
+                out[h * out_stride + p] =
+                    portable::dot_f32_f32le(&q[h * hd..(h + 1) * hd], key) * scale;
+            }
+        }
+    }
+
+    /// [`weighted_f16`](Self::weighted_f16) over values stored as little-endian f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn weighted_f32(
+        &self,
+        w: &[f32],
+        w_stride: usize,
+        v: &[u8],
+        stride: usize,
+        n: usize,
+        hd: usize,
+        y: &mut [f32],
+    ) {
+        debug_assert!(n == 0 || v.len() >= (n - 1) * stride + hd * 4);
+        for p in 0..n {
+            let value = &v[p * stride..p * stride + hd * 4];
+            for (h, yh) in y.chunks_exact_mut(hd).enumerate() {
+                portable::axpy_f32le(w[h * w_stride + p], value, yh);
+            }
+        }
+    }
+
     /// Little-endian f16 `src` (2 bytes a value) as f32 into `dst` (exact on every path).
     pub fn f16_to_f32(&self, src: &[u8], dst: &mut [f32]) {
         debug_assert_eq!(src.len(), dst.len() * 2);

@@ -31,6 +31,28 @@ pub(super) fn dot_f32_f16(a: &[f32], b: &[u8]) -> f32 {
     reduce8(acc)
 }
 
+/// [`dot_f32_f16`] with `b` little-endian f32 values (an f32 KV cache's keys).
+pub(super) fn dot_f32_f32le(a: &[f32], b: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(32)) {
+        for i in 0..8 {
+            acc[i] = ca[i].mul_add(f32_at(cb, 4 * i), acc[i]);
+        }
+    }
+    reduce8(acc)
+}
+
+pub(super) fn f32_at(b: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// [`axpy`] of the little-endian f32 values `x` (an f32 KV cache's values).
+pub(super) fn axpy_f32le(w: f32, x: &[u8], y: &mut [f32]) {
+    for (y, c) in y.iter_mut().zip(x.chunks_exact(4)) {
+        *y = w.mul_add(f32_at(c, 0), *y);
+    }
+}
+
 /// [`axpy`] of the little-endian f16 values `x` (each converted exactly).
 pub(super) fn axpy_f16(w: f32, x: &[u8], y: &mut [f32]) {
     for (y, c) in y.iter_mut().zip(x.chunks_exact(2)) {

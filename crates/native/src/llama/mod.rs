@@ -23,6 +23,7 @@ pub use config::{Arch, LlamaConfig, RopeScaling};
 pub use rope::Rope;
 
 use crate::kernels::Kernels;
+use crate::kv::KvDtype;
 use crate::team::Team;
 use crate::tensor::{Activations, Matrix};
 
@@ -32,6 +33,8 @@ use crate::tensor::{Activations, Matrix};
 pub struct Compute {
     pub kernels: Kernels,
     team: Option<Team>,
+    /// What K and V are stored as in the arena.
+    pub kv: KvDtype,
 }
 
 impl Compute {
@@ -40,7 +43,11 @@ impl Compute {
     /// other's time between steps.
     pub fn new(kernels: Kernels, threads: usize) -> Compute {
         let team = (threads > 1).then(|| Team::new(threads)).flatten();
-        Compute { kernels, team }
+        Compute {
+            kernels,
+            team,
+            kv: KvDtype::F16,
+        }
     }
 
     pub fn threads(&self) -> usize {
@@ -179,7 +186,12 @@ pub struct Scratch {
 impl Llama {
     /// Bytes of KV one token takes in one layer (K and V, f16).
     pub fn kv_bytes_per_token_layer(&self) -> usize {
-        2 * self.cfg.kv_dim() * 2
+        self.kv_token_bytes(KvDtype::F16)
+    }
+
+    /// Bytes of KV one token takes in one layer, K and V as `kv`.
+    pub fn kv_token_bytes(&self, kv: KvDtype) -> usize {
+        2 * self.cfg.kv_dim() * kv.bytes()
     }
 
     /// Computes `rows` against the KV in `arena` (blocks of `block_size` tokens) and
@@ -269,7 +281,7 @@ impl Llama {
         }
         // RoPE, then every row's K and V into the arena before any row attends: a row of a
         // prefill chunk reads the chunk's earlier rows from there too.
-        let kv_token = self.kv_bytes_per_token_layer();
+        let (kv_token, eb) = (self.kv_token_bytes(c.kv), c.kv.bytes());
         for (r, row) in rows.iter().enumerate() {
             self.rope.angles(row.pos, &mut s.cos, &mut s.sin);
             self.rope
@@ -279,8 +291,8 @@ impl Llama {
             let at = (l * bs + row.pos % bs) * kv_token;
             let (kr, vr) = (&s.k[r * kvd..(r + 1) * kvd], &s.v[r * kvd..(r + 1) * kvd]);
             arena.with_block_mut(row.table[row.pos / bs], |block| {
-                write_f16(&mut block[at..at + kvd * 2], kr);
-                write_f16(&mut block[at + kvd * 2..at + kv_token], vr);
+                write_kv(c.kv, &mut block[at..at + kvd * eb], kr);
+                write_kv(c.kv, &mut block[at + kvd * eb..at + kv_token], vr);
             });
         }
         // Every (row, KV head) on its own: the heads that share a KV head, over the row's
@@ -295,6 +307,7 @@ impl Llama {
                 let row_blocks: Vec<&[u8]> = blocks.rows[r].iter().map(|&b| bytes[b]).collect();
                 self.attend(
                     k,
+                    c.kv,
                     l,
                     &rows[r],
                     &row_blocks,
@@ -321,6 +334,7 @@ impl Llama {
     fn attend(
         &self,
         k: &Kernels,
+        kv: KvDtype,
         l: usize,
         row: &StepRow<'_>,
         blocks: &[&[u8]],
@@ -332,10 +346,10 @@ impl Llama {
         let cfg = &self.cfg;
         let (kvd, hd, group) = (cfg.kv_dim(), cfg.head_dim, cfg.group());
         let len = row.pos + 1;
-        let kv_token = self.kv_bytes_per_token_layer();
+        let (kv_token, eb) = (self.kv_token_bytes(kv), kv.bytes());
         // Where, in a block, position slot `j`'s K (V: `v` = 1) of KV head `g` starts: a
         // layer's slots are consecutive, `[token][K then V][head][dim]`.
-        let at = |j: usize, v: usize| (l * bs + j) * kv_token + v * kvd * 2 + g * hd * 2;
+        let at = |j: usize, v: usize| (l * bs + j) * kv_token + v * kvd * eb + g * hd * eb;
         let scale = 1.0 / (hd as f32).sqrt();
         // The group's query heads, back to back, meet the positions one block at a time:
         // within a block a layer's slots are `kv_token` bytes apart.
@@ -348,7 +362,7 @@ impl Llama {
             if let Some(next) = blocks.get(b + 1) {
                 let slots = (len - (b + 1) * bs).min(bs);
                 for j in 0..slots {
-                    k.prefetch(next, at(j, v)..at(j, v) + hd * 2);
+                    k.prefetch(next, at(j, v)..at(j, v) + hd * eb);
                 }
             }
         };
@@ -356,16 +370,11 @@ impl Llama {
             let slots = (len - b * bs).min(bs);
             ahead(b, 0);
             let keys = &bytes[at(0, 0)..];
-            k.scores_f16(
-                q,
-                hd,
-                keys,
-                kv_token,
-                slots,
-                scale,
-                &mut scores[b * bs..],
-                len,
-            );
+            let out = &mut scores[b * bs..];
+            match kv {
+                KvDtype::F16 => k.scores_f16(q, hd, keys, kv_token, slots, scale, out, len),
+                KvDtype::F32 => k.scores_f32(q, hd, keys, kv_token, slots, scale, out, len),
+            }
         }
         for i in 0..group {
             softmax(&mut scores[i * len..(i + 1) * len]);
@@ -375,7 +384,11 @@ impl Llama {
             let slots = (len - b * bs).min(bs);
             ahead(b, 1);
             let values = &bytes[at(0, 1)..];
-            k.weighted_f16(&scores[b * bs..], len, values, kv_token, slots, hd, out);
+            let w = &scores[b * bs..];
+            match kv {
+                KvDtype::F16 => k.weighted_f16(w, len, values, kv_token, slots, hd, out),
+                KvDtype::F32 => k.weighted_f32(w, len, values, kv_token, slots, hd, out),
+            }
         }
     }
 
@@ -473,6 +486,18 @@ fn softmax(x: &mut [f32]) {
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;
+    }
+}
+
+/// `src` into `dst` as `kv` (f16: rounded to nearest even).
+fn write_kv(kv: KvDtype, dst: &mut [u8], src: &[f32]) {
+    match kv {
+        KvDtype::F16 => write_f16(dst, src),
+        KvDtype::F32 => {
+            for (d, &v) in dst.chunks_exact_mut(4).zip(src) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        }
     }
 }
 

@@ -86,6 +86,7 @@ impl Sidecar {
             lora_adapter: req.lora_adapter.clone(),
             // The engines' own connectors move the KV: there is nothing to digest.
             skip_digest: true,
+            kv_element_bytes: 0,
         };
         let mut stream = client
             .prefill(prefill)
