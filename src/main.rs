@@ -14,6 +14,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod access;
 mod backends;
 mod bench;
+mod engine_args;
 mod epp;
 mod flow_args;
 mod kv_transport_args;

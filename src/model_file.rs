@@ -82,7 +82,7 @@ impl ModelFile {
     pub fn configure(
         &self,
         c: &mut WorkerConfig,
-        engine: &crate::serve::EngineArgs,
+        engine: &NativeFlags,
         default_threads: usize,
     ) -> anyhow::Result<()> {
         c.model = self.name.clone();
@@ -170,6 +170,16 @@ impl ModelFile {
         uploaded.push(w.clone());
         Ok(w)
     }
+}
+
+/// The engine flags the native engine takes (`EngineArgs`'s, for [`ModelFile::configure`]).
+#[derive(Clone, Copy, Debug)]
+pub struct NativeFlags {
+    pub threads: Option<usize>,
+    pub kv_memory_mb: u64,
+    pub max_batched_tokens: Option<usize>,
+    pub device: Device,
+    pub kv_dtype: tandem_native::KvDtype,
 }
 
 /// Tokens per step of the mocker unless `--max-batched-tokens` says: vLLM's on a GPU.

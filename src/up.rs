@@ -20,9 +20,10 @@ use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::WorkerDeps;
 use tokio::net::TcpListener;
 
+use crate::engine_args::EngineArgs;
 use crate::model_file::{ModelFile, available_cores};
 use crate::routing_args::RoutingArgs;
-use crate::serve::{EngineArgs, HttpArgs, frontend_config};
+use crate::serve::{HttpArgs, frontend_config};
 
 #[derive(Args, Debug, Clone)]
 pub struct UpArgs {
@@ -191,7 +192,7 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         }
         let mut cfg = engine.config(role, WorkerId(i as u64 + 1), &args.http.model, "default")?;
         if let Some(model) = &model {
-            model.configure(&mut cfg, &engine, threads)?;
+            model.configure(&mut cfg, &engine.native(), threads)?;
         }
         cfg.corrupt_transfers = args.inject_kv_corruption && role == WorkerRole::Prefill;
         cfg.kv_digest = args.kv.kv_digest;

@@ -388,7 +388,7 @@ impl WorkerContext {
 impl ServedEngine for WorkerContext {
     fn stopping(&self) {
         if self.config.kv_disk.is_some() {
-            self.host.spill_to_disk();
+            self.host.with_engine_mut(|e| e.pool_mut().spill_to_disk());
         }
     }
 

@@ -1,12 +1,12 @@
 //! [`EngineHost`]: an in-process engine (the mocker, or any [`tandem_engine::Model`]) driven in
 //! real time, shared by the request handlers.
 //!
-//! One driver task steps the engine: plan a step, compute it, wait out the rest of its modelled
-//! duration, hand every output to the request it belongs to. A second task publishes the engine's KV events
-//! in id order after anything that may have produced some (steps, admissions, aborts, remote
-//! prefills): only that task reads `events_since`, so batches leave in order and coalesce
-//! under load. Its load report ([`EngineHost::load_report`]) is published by the worker's
-//! lifecycle ([`crate::served`]).
+//! One driver task steps the engine: plan a step, compute it, wait out the rest of its
+//! modelled duration, hand every output to the request it belongs to. A second task publishes
+//! the KV events in id order after anything that may have produced some (steps, admissions,
+//! aborts, remote prefills): it alone reads `events_since`, so batches leave in order and
+//! coalesce under load. The load report ([`EngineHost::load_report`]) goes out through the
+//! worker's lifecycle ([`crate::served`]).
 //!
 //! Requests are submitted through [`EngineHost::submit`] and friends and answered through a
 //! [`RequestHandle`]; dropping the handle before the request ends aborts it, which frees its
@@ -286,26 +286,22 @@ impl EngineHost {
     /// them is over (completed, or its writer confirmed stopped). Blocks no request uses any
     /// more become free.
     pub fn release_hold(&self, blocks: &[u32]) -> Result<(), WorkerError> {
-        self.inner
+        let released = self
+            .inner
             .state
             .lock()
             .engine
             .pool_mut()
-            .release_hold(blocks)
-            .map_err(|e| WorkerError::Internal(format!("releasing transfer blocks: {e}")))?;
+            .release_hold(blocks);
+        released.map_err(|e| WorkerError::Internal(format!("releasing transfer blocks: {e}")))?;
         self.inner.work.notify_one();
         Ok(())
     }
 
     /// Bytes per KV block of this engine's arena.
     pub fn bytes_per_block(&self) -> usize {
-        self.inner
-            .state
-            .lock()
-            .engine
-            .pool()
-            .device_arena()
-            .bytes_per_block()
+        let st = self.inner.state.lock();
+        st.engine.pool().device_arena().bytes_per_block()
     }
 
     /// The KV of a remote prefill is in: the request continues with `first_token` (and the
@@ -357,12 +353,6 @@ impl EngineHost {
         self.state().engine.dump()
     }
 
-    /// The engine's cached KV moved down to its disk tier, for a worker about to stop (see
-    /// `BlockPool::spill_to_disk`).
-    pub fn spill_to_disk(&self) {
-        self.state().engine.pool_mut().spill_to_disk();
-    }
-
     /// Requests tracked now (queued, running, awaiting KV).
     pub fn in_flight(&self) -> usize {
         self.state().outputs.len()
@@ -391,6 +381,11 @@ impl EngineHost {
     /// Runs `f` on the engine, for tests and status pages.
     pub fn with_engine<R>(&self, f: impl FnOnce(&DynEngine) -> R) -> R {
         f(&self.state().engine)
+    }
+
+    /// Changes the engine between steps (a stopping worker spilling its cache to disk).
+    pub fn with_engine_mut<R>(&self, f: impl FnOnce(&mut DynEngine) -> R) -> R {
+        f(&mut self.state().engine)
     }
 
     /// Tracks a new request: its bounded output channel and its handle.
