@@ -34,7 +34,8 @@
 //!   toolchain: `libucp.so.0` (Debian `libucx0`, UCX 1.13 or later) is loaded at run time, once;
 //!   without it [`open`] fails with [`TransferError::UcxNotFound`] and [`default_kind`] picks
 //!   tcp. One thread per transport owns the UCP worker (single-threaded mode) and takes
-//!   commands from the async side; one endpoint per peer worker, cached.
+//!   commands from the async side; one endpoint per peer worker, cached. `put_region`
+//!   blocks consecutive on both sides are gathered into one put.
 //! - `tcp`: framed block writes over TCP, read straight into the region by the receiver;
 //!   `put_region` blocks are batched into vectored writes.
 //! - `local`: in-process copies through a process-wide registry.
@@ -50,8 +51,8 @@
 //!   [`TransportConfig::connect_timeout`] and `put`/`flush` within
 //!   [`TransportConfig::op_timeout`] (see "UCX and dead peers" for the one exception); every
 //!   error has an [`ErrorClass`].
-//! - Everything is bounded: puts in flight per writer ([`TransportConfig::max_inflight_puts`]),
-//!   TCP batches, idle connections kept per peer.
+//! - Everything is bounded: puts in flight per writer ([`TransportConfig::max_inflight_puts`],
+//!   counted in blocks), TCP batches and UCX runs, idle connections kept per peer.
 //! - `unsafe` lives only in the UCX FFI modules (`ucx::{engine, handle, library, ucp, direct,
 //!   sys}`), the CUDA module and [`region`]'s allocation code, each block with a `// SAFETY:`
 //!   comment (bindgen's output in `ucx::sys` excepted).

@@ -211,6 +211,25 @@ mod ucx {
     }
 
     #[tokio::test]
+    async fn ucx_puts_gather_into_runs_with_few_puts_in_flight() {
+        // A writer holds a permit per gathered block: with one or three allowed in flight,
+        // runs are posted early and every block still arrives.
+        for max_inflight_puts in [1, 3] {
+            let config = tandem_kv_transfer::TransportConfig {
+                max_inflight_puts,
+                ..UCX_DEFAULT.config()
+            };
+            let open = || tandem_kv_transfer::open(UCX_DEFAULT.kind, &config);
+            let (recv, send) = (open().await.unwrap(), open().await.unwrap());
+            let region = Region::host(40, 4096).unwrap();
+            let desc = recv.expose(Arc::clone(&region)).await.unwrap();
+            let mut w = send.connect(&desc).await.unwrap();
+            common::send_all(w.as_mut(), 40, 4096, 9).await;
+            common::verify(&region, 9);
+        }
+    }
+
+    #[tokio::test]
     async fn ucx_same_transport_loopback() {
         // Expose and connect on one transport: UCX's `self` path.
         let t = UCX_DEFAULT.open().await;

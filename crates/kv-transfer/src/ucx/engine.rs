@@ -540,13 +540,22 @@ impl Engine {
         let (ep_id, rkey) = (w.ep, w.rkey);
         let (ptr, len, cuda, memh) = match &src {
             PutSource::Borrowed(b) => (b.ptr, b.len, false, std::ptr::null_mut()),
-            PutSource::Lease { lease, .. } => {
-                let region = lease.region();
+            PutSource::Run { leases, .. } => {
+                let Some(first) = leases.first() else {
+                    w.inflight -= 1;
+                    if let Some(d) = done {
+                        d.complete(Ok(()));
+                    }
+                    return;
+                };
+                let region = first.region();
                 let cuda = region.memory_kind() == MemoryKind::Cuda;
-                let address = lease.address() as *const u8;
+                // The leases are consecutive blocks of `region` (`UcxWriter::put_region`), so
+                // their bytes are one range from the first.
+                let address = first.address() as *const u8;
                 (
                     address,
-                    region.bytes_per_block(),
+                    region.bytes_per_block() * leases.len(),
                     cuda,
                     self.memh_of(region),
                 )

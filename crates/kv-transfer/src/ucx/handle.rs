@@ -48,10 +48,11 @@ unsafe impl Send for RawBuf {}
 
 pub(crate) enum PutSource {
     Borrowed(RawBuf),
-    /// A locked block of a local region, and the writer's in-flight permit, released (with
-    /// the lock) when the put completes.
-    Lease {
-        lease: BlockLease,
+    /// Consecutive locked blocks of one local region, put to consecutive remote blocks with
+    /// one operation, and the writer's in-flight permits (one per block), released (with the
+    /// locks) when the put completes.
+    Run {
+        leases: Vec<BlockLease>,
         _permit: OwnedSemaphorePermit,
     },
 }

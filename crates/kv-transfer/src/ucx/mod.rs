@@ -15,8 +15,13 @@
 //! - Sender: `connect` creates (or reuses: one endpoint per peer worker) an endpoint from the
 //!   descriptor's worker address, flushes it (completing wireup and checking the peer within
 //!   the connect timeout), then unpacks the key and asks for a direct mapping. `put_region`
-//!   is queued to the thread without waiting; `put` waits until its borrowed buffer is free;
-//!   `flush` is `ucp_ep_flush_nbx`, which completes once every earlier put on the endpoint is
+//!   blocks gather into runs: a block that follows the last one in both the source region
+//!   and the remote region extends the run (up to [`MAX_RUN_BYTES`]), anything else posts
+//!   it, and `flush` posts the last one; a run is one command to the thread and one
+//!   `ucp_put_nbx` of its whole range (a layer's or a prompt's blocks, allocated in order on
+//!   both sides, are one put: what an RDMA NIC moves best; UCX's TCP and shared-memory
+//!   emulations pay per operation). `put` waits until its borrowed buffer is free; `flush`
+//!   is `ucp_ep_flush_nbx`, which completes once every earlier put on the endpoint is
 //!   remotely complete. With a direct mapping, puts are copies and `flush` a fence.
 //! - Failure: endpoints use `UCP_ERR_HANDLING_MODE_PEER` unless configured otherwise; a UCX
 //!   error or an operation past its deadline marks the endpoint failed and force-closes it,
@@ -38,11 +43,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
 use crate::descriptor::{MemoryKind, RegionDescriptor, TransportKind};
 use crate::error::TransferError;
-use crate::region::Region;
+use crate::region::{BlockLease, Region};
 use crate::transport::{BlockWriter, Transport, TransportConfig, UcxConfig};
 use completion::Completion;
 use direct::Mapping;
@@ -208,6 +213,7 @@ impl Transport for UcxTransport {
             state,
             inflight: Arc::new(Semaphore::new(self.config.max_inflight_puts)),
             op_timeout: self.config.op_timeout,
+            run: None,
         }))
     }
 }
@@ -223,9 +229,55 @@ struct UcxWriter {
     state: Arc<WriterState>,
     inflight: Arc<Semaphore>,
     op_timeout: Duration,
+    /// `put_region` blocks not yet posted (their source blocks stay locked).
+    run: Option<Run>,
+}
+
+/// The most bytes one run of blocks puts at once: large enough that per-operation costs
+/// vanish (a KV block is 16–360 KiB), small enough that a run's first bytes do not wait
+/// long for its last blocks to be queued.
+const MAX_RUN_BYTES: usize = 8 << 20;
+
+/// Consecutive source blocks bound for consecutive remote blocks, gathered by `put_region`.
+#[derive(Debug)]
+struct Run {
+    remote_addr: u64,
+    leases: Vec<BlockLease>,
+    permit: OwnedSemaphorePermit,
+}
+
+impl Run {
+    /// Whether block `src_block` of `src`, put at `remote_addr`, continues this run.
+    fn continues(&self, src: &Arc<Region>, src_block: u32, remote_addr: u64) -> bool {
+        let Some(first) = self.leases.first() else {
+            return false;
+        };
+        let bpb = src.bytes_per_block();
+        let next = u64::from(first.index()) + self.leases.len() as u64;
+        Arc::ptr_eq(first.region(), src)
+            && u64::from(src_block) == next
+            && remote_addr == self.remote_addr + (self.leases.len() * bpb) as u64
+            && (self.leases.len() + 1) * bpb <= MAX_RUN_BYTES
+    }
 }
 
 impl UcxWriter {
+    /// Sends the gathered run (if any) to the thread as one put.
+    fn post_run(&mut self) -> Result<(), TransferError> {
+        let Some(run) = self.run.take() else {
+            return Ok(());
+        };
+        self.engine.send(Command::Put {
+            writer: self.id,
+            remote_addr: run.remote_addr,
+            src: PutSource::Run {
+                leases: run.leases,
+                _permit: run.permit,
+            },
+            done: None,
+        })
+    }
+
     fn ready(&self, dst_block: u32, len: usize) -> Result<u64, TransferError> {
         self.remote.check_put(dst_block, len)?;
         if let Some(e) = self.state.error() {
@@ -292,23 +344,44 @@ impl BlockWriter for UcxWriter {
                 "this UCX build has no CUDA memory support".into(),
             ));
         }
-        let permit = Arc::clone(&self.inflight)
-            .acquire_owned()
-            .await
-            .map_err(|_| TransferError::Closed)?;
+        let extends = self
+            .run
+            .as_ref()
+            .is_some_and(|r| r.continues(src, src_block, remote_addr));
+        if !extends {
+            self.post_run()?;
+        }
+        // A permit per block; when none is free, the run gathered so far goes first (its
+        // permits come back as it completes).
+        let permit = match Arc::clone(&self.inflight).try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                self.post_run()?;
+                Arc::clone(&self.inflight)
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| TransferError::Closed)?
+            }
+        };
         let lease = src.lease_block(src_block)?;
-        self.engine.send(Command::Put {
-            writer: self.id,
-            remote_addr,
-            src: PutSource::Lease {
-                lease,
-                _permit: permit,
-            },
-            done: None,
-        })
+        match &mut self.run {
+            Some(run) => {
+                run.permit.merge(permit);
+                run.leases.push(lease);
+            }
+            None => {
+                self.run = Some(Run {
+                    remote_addr,
+                    leases: vec![lease],
+                    permit,
+                })
+            }
+        }
+        Ok(())
     }
 
     async fn flush(&mut self) -> Result<(), TransferError> {
+        self.post_run()?;
         if let Some(e) = self.state.error() {
             return Err(e);
         }

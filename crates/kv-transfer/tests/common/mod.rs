@@ -100,13 +100,22 @@ pub fn shuffled(n: u32, seed: u64) -> Vec<u32> {
     v
 }
 
-/// Destination block of source block `i`: reversed, so the mapping is not the identity.
+/// Source blocks per chunk in [`dst_of`].
+const CHUNK: u32 = 8;
+
+/// Destination block of source block `i`: the source's chunks of [`CHUNK`] blocks in reverse
+/// order, each chunk's blocks in order, so the mapping is not the identity and consecutive
+/// source blocks land on consecutive destination blocks except across a chunk's edge.
 pub fn dst_of(i: u32, n: u32) -> u32 {
-    n - 1 - i
+    let start = i / CHUNK * CHUNK;
+    let end = (start + CHUNK).min(n);
+    n - end + (i - start)
 }
 
-/// Writes all `n` blocks of `seed`'s contents through `w`, out of order, half with `put` and
-/// half with `put_region`, then flushes.
+/// Writes all `n` blocks of `seed`'s contents through `w`, then flushes: every fifth block
+/// with `put`, in a shuffled order, between the others, which go with `put_region` in source
+/// order (so writers that gather consecutive blocks into one operation see runs broken by a
+/// gap in the source, by a jump in the destination, and by nothing).
 pub async fn send_all(w: &mut dyn BlockWriter, n: u32, bpb: usize, seed: u64) {
     let src = Region::host(n, bpb).unwrap();
     let mut buf = vec![0u8; bpb];
@@ -114,18 +123,25 @@ pub async fn send_all(w: &mut dyn BlockWriter, n: u32, bpb: usize, seed: u64) {
         fill(seed, i, &mut buf);
         src.write_block(i, &buf).unwrap();
     }
-    for i in shuffled(n, seed) {
-        let dst = dst_of(i, n);
-        if i % 2 == 0 {
-            fill(seed, i, &mut buf);
-            w.put(dst, &buf)
+    let mut copied = shuffled(n, seed).into_iter().filter(|i| i % 5 == 0);
+    for i in (0..n).filter(|i| i % 5 != 0) {
+        if i % 3 == 0
+            && let Some(c) = copied.next()
+        {
+            fill(seed, c, &mut buf);
+            w.put(dst_of(c, n), &buf)
                 .await
-                .unwrap_or_else(|e| panic!("put {i}: {e}"));
-        } else {
-            w.put_region(dst, &src, i)
-                .await
-                .unwrap_or_else(|e| panic!("put_region {i}: {e}"));
+                .unwrap_or_else(|e| panic!("put {c}: {e}"));
         }
+        w.put_region(dst_of(i, n), &src, i)
+            .await
+            .unwrap_or_else(|e| panic!("put_region {i}: {e}"));
+    }
+    for c in copied {
+        fill(seed, c, &mut buf);
+        w.put(dst_of(c, n), &buf)
+            .await
+            .unwrap_or_else(|e| panic!("put {c}: {e}"));
     }
     w.flush().await.unwrap_or_else(|e| panic!("flush: {e}"));
 }
