@@ -11,9 +11,9 @@
 //! worker falls back to answers the same. The transfer is paged: what the decode worker
 //! already holds is not sent (the frontend's `tandem_remote_prefill_tokens_total`).
 //!
-//! The requests: completions of token-id prompts from 10 to 3,000 tokens, greedy and seeded
-//! at temperature 0.8; chats; and prompts that extend an earlier one, whose prefix the decode
-//! worker then holds (only the rest is prefilled and moved).
+//! The 20 requests: completions of token-id prompts from 10 to 3,050 tokens, greedy and
+//! seeded at temperature 0.8; chats; and prompts that repeat, extend or cut an earlier one,
+//! whose prefix the decode worker then holds (only the rest is prefilled and moved).
 
 mod common;
 
@@ -75,6 +75,18 @@ fn requests() -> Vec<(&'static str, Value)> {
         chat(system, "Write two sentences about the sea.", 0.8),
         // The same system prompt: its blocks are cached.
         chat(system, "What is the capital of France?", 0.0),
+        completion(ids(10, 10), 0.8),
+        completion(ids(30, 7), 0.8),
+        completion(ids(120, 8), 0.0),
+        completion(ids(480, 9), 0.8),
+        // A prefix of the 3,000-token prompt (held whole but its last partial block), and
+        // that prompt extended by 50 tokens.
+        completion(ids(3000, 6)[..1200].to_vec(), 0.8),
+        completion(ids(3000, 6).into_iter().chain(ids(50, 11)).collect(), 0.0),
+        chat(system, "Name three colors.", 0.8),
+        chat(system, "Say hello in French.", 0.0),
+        chat(system, "Count from one to five.", 0.8),
+        chat("You are terse.", "What is two plus two?", 0.0),
     ]
 }
 
@@ -173,8 +185,9 @@ fn disaggregated_over(name: &str, extra: &[&str]) {
         (requests().len() as f64, 0.0),
         "{name}: every prefill remote"
     );
-    // Paged: what the decode worker held (the 900-token prompt's 56 full blocks, twice;
-    // the shared system prompt) was not sent, the rest was.
+    // Paged: what the decode worker held (the 900-token prompt's 56 full blocks, twice; the
+    // 3,000-token prompt's blocks under its cut and its extension; the shared system prompt)
+    // was not sent, the rest was.
     let tokens = |kind: &str| {
         get(format!(
             "tandem_remote_prefill_tokens_total{{kind=\"{kind}\"}}"
@@ -186,7 +199,7 @@ fn disaggregated_over(name: &str, extra: &[&str]) {
         .sum();
     assert_eq!(tokens("moved") + tokens("held"), prompts, "{name}");
     assert!(
-        tokens("held") > 2.0 * 896.0,
+        tokens("held") > 2.0 * 896.0 + 1_100.0 + 2_900.0,
         "{name}: held {}",
         tokens("held")
     );
