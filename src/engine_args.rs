@@ -128,6 +128,34 @@ impl EngineArgs {
         }
     }
 
+    /// These flags as a worker process takes them (`tandem up --processes`): every field.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            format!("--block-size={}", self.block_size),
+            format!("--device-blocks={}", self.device_blocks),
+            format!("--host-blocks={}", self.host_blocks),
+            format!("--max-num-seqs={}", self.max_num_seqs),
+            format!("--max-waiting={}", self.max_waiting),
+            format!("--speedup-ratio={}", self.speedup_ratio),
+            format!("--max-loras={}", self.max_loras),
+            format!("--adapter-load-ms={}", self.adapter_load_ms),
+            format!("--kv-memory-mb={}", self.kv_memory_mb),
+            format!("--device={}", self.device),
+            format!("--kv-dtype={}", self.kv_dtype),
+            format!("--kv-disk-mb={}", self.kv_disk_mb),
+        ];
+        if let Some(n) = self.max_batched_tokens {
+            a.push(format!("--max-batched-tokens={n}"));
+        }
+        if let Some(n) = self.threads {
+            a.push(format!("--threads={n}"));
+        }
+        if let Some(dir) = &self.kv_disk_dir {
+            a.push(format!("--kv-disk-dir={}", dir.display()));
+        }
+        a
+    }
+
     /// These flags for worker `name` of `tandem up` (`decode-0`…): its disk tier in a
     /// directory of its own under --kv-disk-dir.
     pub fn for_worker(&self, name: &str) -> EngineArgs {

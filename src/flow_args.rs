@@ -117,6 +117,58 @@ pub struct FlowArgs {
 }
 
 impl FlowArgs {
+    /// These flags as a `tandem frontend` process takes them (`tandem up --processes`): every
+    /// field (src/up.rs tests).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            format!("--request-timeout={}", self.request_timeout),
+            format!("--queue-max={}", self.queue_max),
+            format!("--queue-timeout={}", self.queue_timeout),
+            format!("--queue-starvation-ms={}", self.queue_starvation_ms),
+            format!("--queue-starvation-every={}", self.queue_starvation_every),
+            format!("--fair-input-weight={}", self.fair_input_weight),
+            format!("--fair-output-weight={}", self.fair_output_weight),
+            format!("--saturation-kv-fraction={}", self.saturation_kv_fraction),
+            format!("--saturation-waiting={}", self.saturation_waiting),
+            format!(
+                "--saturation-prefill-tokens={}",
+                self.saturation_prefill_tokens
+            ),
+            format!("--saturation-requests={}", self.saturation_requests),
+            format!(
+                "--saturation-prefill-pool-tokens={}",
+                self.saturation_prefill_pool_tokens
+            ),
+            format!("--max-attempts={}", self.max_attempts),
+            format!("--max-migrations={}", self.max_migrations),
+            format!("--retry-budget={}", self.retry_budget),
+            format!("--retry-budget-min={}", self.retry_budget_min),
+            format!("--retry-backoff-ms={}", self.retry_backoff_ms),
+            format!("--breaker-failures={}", self.breaker_failures),
+            format!("--breaker-failure-ratio={}", self.breaker_failure_ratio),
+            format!("--breaker-window-s={}", self.breaker_window_s),
+            format!(
+                "--breaker-window-min-requests={}",
+                self.breaker_window_min_requests
+            ),
+            format!("--breaker-open-ms={}", self.breaker_open_ms),
+            format!("--breaker-max-open-ms={}", self.breaker_max_open_ms),
+            format!("--hedge-quantile={}", self.hedge_quantile),
+            format!("--hedge-min-delay-ms={}", self.hedge_min_delay_ms),
+            format!("--session-max-concurrent={}", self.session_max_concurrent),
+        ];
+        if let Some(n) = self.tenant_requests_per_minute {
+            a.push(format!("--tenant-requests-per-minute={n}"));
+        }
+        if let Some(n) = self.tenant_tokens_per_minute {
+            a.push(format!("--tenant-tokens-per-minute={n}"));
+        }
+        if self.hedge {
+            a.push("--hedge".into());
+        }
+        a
+    }
+
     /// Sets the frontend's flow control from these flags.
     pub fn apply(&self, cfg: &mut FrontendConfig) -> anyhow::Result<()> {
         let timeout = Duration::try_from_secs_f64(self.request_timeout)

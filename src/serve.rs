@@ -341,6 +341,34 @@ impl HttpArgs {
     pub const DEFAULT_TOKENIZER: &'static str = "cl100k_base";
     /// `--model`'s default: a served name for the mocker.
     pub const DEFAULT_MODEL: &'static str = "mocker";
+
+    /// These flags as a `tandem frontend` process takes them (`tandem up --processes`): every
+    /// field, so the child serves exactly as the in-process frontend would (src/up.rs tests).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            format!("--model={}", self.model),
+            format!("--tokenizer={}", self.tokenizer),
+            format!("--context-length={}", self.context_length),
+            format!("--drain-timeout-s={}", self.drain_timeout_s),
+            format!("--tool-call-parser={}", self.tool_call_parser),
+            format!("--responses-store-max={}", self.responses_store_max),
+            format!(
+                "--responses-store-max-bytes={}",
+                self.responses_store_max_bytes
+            ),
+            format!("--session-field={}", self.session_field),
+        ];
+        if !self.lora_adapters.is_empty() {
+            a.push(format!("--lora-adapters={}", self.lora_adapters.join(",")));
+        }
+        if let Some(path) = &self.chat_template {
+            a.push(format!("--chat-template={}", path.display()));
+        }
+        if let Some(name) = &self.chat_template_name {
+            a.push(format!("--chat-template-name={name}"));
+        }
+        a
+    }
 }
 
 /// `tandem frontend`.

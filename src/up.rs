@@ -240,20 +240,18 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     // it.
     let model = model_file(&mut args).await?;
     let gguf = model.as_ref().map(|m| m.flag.clone());
-    let threads = (available_cores() / (args.prefill + args.decode) as usize).max(1);
     let worker_model = match gguf {
-        Some(gguf) => [
-            "--engine=native".to_string(),
-            format!("--model={gguf}"),
-            format!("--threads={}", args.engine.threads.unwrap_or(threads)),
-            format!("--kv-memory-mb={}", args.engine.kv_memory_mb),
-            format!("--device={}", args.engine.device),
-        ]
-        .into_iter()
-        .chain(args.model_cache.to_args())
-        .collect(),
+        Some(gguf) => ["--engine=native".to_string(), format!("--model={gguf}")]
+            .into_iter()
+            .chain(args.model_cache.to_args())
+            .collect(),
         None => vec![format!("--model={}", args.http.model)],
     };
+    // The workers share the machine's cores, unless --threads says otherwise.
+    if model.is_some() && args.engine.threads.is_none() {
+        args.engine.threads =
+            Some((available_cores() / (args.prefill + args.decode) as usize).max(1));
+    }
     drop(model);
     let etcd = EtcdServer::start(EtcdOptions::default()).await?;
     let nats = NatsServer::start(NatsOptions::default()).await?;
@@ -272,69 +270,19 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
             args.otlp_sampling_ratio
         ));
     }
-    let engine = [
-        format!("--block-size={}", args.engine.block_size),
-        format!("--device-blocks={}", args.engine.device_blocks),
-        format!("--host-blocks={}", args.engine.host_blocks),
-        format!("--max-num-seqs={}", args.engine.max_num_seqs),
-        format!("--max-waiting={}", args.engine.max_waiting),
-        format!("--speedup-ratio={}", args.engine.speedup_ratio),
-        format!("--max-loras={}", args.engine.max_loras),
-        format!("--adapter-load-ms={}", args.engine.adapter_load_ms),
-    ]
-    .into_iter()
-    // Unset, each worker picks its engine's default.
-    .chain(
-        args.engine
-            .max_batched_tokens
-            .map(|n| format!("--max-batched-tokens={n}")),
-    )
-    .chain(worker_model)
-    .collect::<Vec<_>>();
-    let engine = engine
-        .into_iter()
-        .chain(args.kv.to_worker_args())
-        .collect::<Vec<_>>();
     let mut roles = ProcessGroup::new();
     for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
-        let corrupt = (args.inject_kv_corruption && role == "prefill")
-            .then(|| "--inject-kv-corruption".to_string());
         for i in 0..n {
             let name = format!("{role}-{i}");
-            let disk = args.engine.kv_disk_dir.as_ref().map(|d| {
-                [
-                    format!("--kv-disk-dir={}", d.join(&name).display()),
-                    format!("--kv-disk-mb={}", args.engine.kv_disk_mb),
-                ]
-            });
-            let kv = match (role, args.prefill_kv_dtype) {
-                ("prefill", Some(kv)) => kv,
-                _ => args.engine.kv_dtype,
-            };
-            let flags = std::iter::once(role.to_string())
-                .chain(plane.clone())
-                .chain(engine.clone())
-                .chain(disk.into_iter().flatten())
-                .chain(std::iter::once(format!("--kv-dtype={kv}")))
-                .chain(corrupt.clone());
-            roles.spawn(name, &exe, flags)?;
+            let flags = worker_args(&args, &worker_model, role, &name);
+            roles.spawn(name, &exe, flags.into_iter().chain(plane.clone()))?;
         }
     }
-    let frontend = [
-        "frontend".to_string(),
-        format!("--listen={}:{}", args.host, args.port),
-        format!("--block-size={}", args.engine.block_size),
-        format!("--model={}", args.http.model),
-        format!("--tokenizer={}", args.http.tokenizer),
-        format!("--context-length={}", args.http.context_length),
-    ];
-    let adapters = (!args.http.lora_adapters.is_empty())
-        .then(|| format!("--lora-adapters={}", args.http.lora_adapters.join(",")));
-    let frontend = frontend
-        .into_iter()
-        .chain(adapters)
-        .chain(args.routing.to_args());
-    roles.spawn("frontend", &exe, frontend.chain(plane))?;
+    roles.spawn(
+        "frontend",
+        &exe,
+        frontend_args(&args).into_iter().chain(plane),
+    )?;
     println!(
         "tandem up --processes: http://{}:{}/v1  (etcd {}, nats {}; {} prefill, {} decode \
          processes; Ctrl-C stops)",
@@ -356,4 +304,233 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     roles.stop(Duration::from_secs(35)).await;
     drop((etcd, nats));
     Ok(())
+}
+
+/// The command line of worker `name` (`prefill-0`, …) of `up --processes`: `role`, every
+/// engine and KV-transport flag of `up` (its disk tier in a directory of its own, a prefill
+/// pool's own --kv-dtype), then `model` (what it computes or serves).
+fn worker_args(args: &UpArgs, model: &[String], role: &str, name: &str) -> Vec<String> {
+    let mut engine = args.engine.for_worker(name);
+    if let ("prefill", Some(kv)) = (role, args.prefill_kv_dtype) {
+        engine.kv_dtype = kv;
+    }
+    let corrupt = (args.inject_kv_corruption && role == "prefill")
+        .then(|| "--inject-kv-corruption".to_string());
+    std::iter::once(role.to_string())
+        .chain(engine.to_args())
+        .chain(args.kv.to_worker_args())
+        .chain(model.iter().cloned())
+        .chain(corrupt)
+        .collect()
+}
+
+/// The `tandem frontend` command line of `up --processes`: every flag of `up` that configures
+/// a frontend (the HTTP APIs, routing, flow control), so the child serves as the in-process
+/// frontend of the same `up` would.
+fn frontend_args(args: &UpArgs) -> Vec<String> {
+    [
+        "frontend".to_string(),
+        format!("--listen={}:{}", args.host, args.port),
+        format!("--block-size={}", args.engine.block_size),
+    ]
+    .into_iter()
+    .chain(args.http.to_args())
+    .chain(args.routing.to_args())
+    .chain(args.flow.to_args())
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+    use crate::flow_args::FlowArgs;
+    use crate::serve::FrontendArgs;
+
+    #[derive(Parser)]
+    struct Up {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    #[derive(Parser)]
+    struct Frontend {
+        #[command(flatten)]
+        frontend: FrontendArgs,
+    }
+
+    #[derive(Parser)]
+    struct Worker {
+        #[command(flatten)]
+        worker: crate::serve::WorkerArgs,
+    }
+
+    /// The long flags of one group of arguments.
+    fn longs<A: clap::Args>() -> Vec<String> {
+        A::augment_args(clap::Command::new("t"))
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(str::to_string))
+            .collect()
+    }
+
+    /// `up`'s flags that configure its frontend, none at its default.
+    const SET: &[&str] = &[
+        "--port=9123",
+        "--host=127.0.0.2",
+        "--block-size=32",
+        "--model=served",
+        "--tokenizer=o200k_base",
+        "--context-length=4096",
+        "--drain-timeout-s=7",
+        "--lora-adapters=a,b",
+        "--chat-template=/tmp/t.jinja",
+        "--chat-template-name=tool_use",
+        "--tool-call-parser=hermes",
+        "--responses-store-max=5",
+        "--responses-store-max-bytes=4096",
+        "--session-field=none",
+        "--request-timeout=30",
+        "--queue-max=3",
+        "--queue-timeout=2.5",
+        "--queue-starvation-ms=900",
+        "--queue-starvation-every=5",
+        "--fair-input-weight=0.5",
+        "--fair-output-weight=3",
+        "--tenant-requests-per-minute=60",
+        "--tenant-tokens-per-minute=6000",
+        "--saturation-kv-fraction=0.8",
+        "--saturation-waiting=2",
+        "--saturation-prefill-tokens=100",
+        "--saturation-requests=9",
+        "--saturation-prefill-pool-tokens=1000",
+        "--max-attempts=2",
+        "--max-migrations=1",
+        "--retry-budget=0.3",
+        "--retry-budget-min=4",
+        "--retry-backoff-ms=10",
+        "--breaker-failures=7",
+        "--breaker-failure-ratio=0.4",
+        "--breaker-window-s=12",
+        "--breaker-window-min-requests=6",
+        "--breaker-open-ms=700",
+        "--breaker-max-open-ms=9000",
+        "--hedge",
+        "--hedge-quantile=0.9",
+        "--hedge-min-delay-ms=40",
+        "--session-max-concurrent=2",
+        "--policy=cache-aware",
+        "--disagg=never",
+        "--temperature=0.5",
+        "--busy-kv-usage=0.9",
+        "--busy-prefill-tokens=5000",
+        "--isl-max-local-fraction=0.5",
+    ];
+
+    fn child_of(flags: &[&str]) -> (UpArgs, FrontendArgs) {
+        let up = Up::try_parse_from(std::iter::once("up").chain(flags.iter().copied()))
+            .unwrap()
+            .up;
+        let argv = frontend_args(&up);
+        assert_eq!(argv[0], "frontend");
+        let child = Frontend::try_parse_from(argv.iter().map(String::as_str))
+            .unwrap_or_else(|e| panic!("{argv:?}: {e}"))
+            .frontend;
+        (up, child)
+    }
+
+    #[test]
+    fn every_frontend_flag_of_up_reaches_the_frontend_process() {
+        for flags in [SET, &[]] {
+            let (up, child) = child_of(flags);
+            // The same flags, so the same configuration (`frontend_config` and
+            // `FlowArgs::apply` build both from them).
+            assert_eq!(format!("{:?}", child.http), format!("{:?}", up.http));
+            assert_eq!(format!("{:?}", child.flow), format!("{:?}", up.flow));
+            assert_eq!(format!("{:?}", child.routing), format!("{:?}", up.routing));
+            assert_eq!(child.block_size, up.engine.block_size);
+            assert_eq!(child.listen, format!("{}:{}", up.host, up.port));
+        }
+        // A flag added to one of these groups and not to its `to_args` fails here.
+        let (up, _) = child_of(SET);
+        let argv = frontend_args(&up);
+        let missing: Vec<String> = longs::<HttpArgs>()
+            .into_iter()
+            .chain(longs::<FlowArgs>())
+            .chain(longs::<RoutingArgs>())
+            .map(|long| format!("--{long}"))
+            .filter(|flag| {
+                !argv
+                    .iter()
+                    .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+            })
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "not passed to `tandem up --processes`'s frontend: {missing:?}"
+        );
+        Up::command().debug_assert();
+    }
+
+    #[test]
+    fn every_engine_and_kv_flag_of_up_reaches_each_worker_process() {
+        let set = [
+            "--block-size=32",
+            "--device-blocks=100",
+            "--host-blocks=50",
+            "--max-batched-tokens=256",
+            "--max-num-seqs=8",
+            "--max-waiting=9",
+            "--speedup-ratio=2",
+            "--max-loras=2",
+            "--adapter-load-ms=5",
+            "--threads=3",
+            "--kv-memory-mb=64",
+            "--kv-disk-dir=/tmp/kv",
+            "--kv-disk-mb=10",
+            "--kv-dtype=f32",
+            "--prefill-kv-dtype=f16",
+            "--kv-transport=tcp",
+            "--ucx-net-devices=lo",
+            "--ucx-tls=tcp",
+            "--kv-advertise-host=10.0.0.1",
+            "--kv-digest=false",
+            "--inject-kv-corruption",
+        ];
+        let up = Up::try_parse_from(std::iter::once("up").chain(set))
+            .unwrap()
+            .up;
+        let model = ["--model=m".to_string()];
+        for (role, name) in [("prefill", "prefill-0"), ("decode", "decode-1")] {
+            let argv = worker_args(&up, &model, role, name);
+            let child = Worker::try_parse_from(argv.iter().map(String::as_str))
+                .unwrap_or_else(|e| panic!("{argv:?}: {e}"))
+                .worker;
+            let mut want = up.engine.for_worker(name);
+            if role == "prefill" {
+                want.kv_dtype = tandem_native::KvDtype::F16;
+            }
+            assert_eq!(format!("{:?}", child.engine), format!("{want:?}"));
+            assert_eq!(
+                child.engine.kv_disk_dir,
+                Some(std::path::PathBuf::from("/tmp/kv").join(name))
+            );
+            assert_eq!(child.kv.to_worker_args(), up.kv.to_worker_args());
+            assert_eq!(child.inject_kv_corruption, role == "prefill");
+            assert_eq!(child.model, "m");
+            let missing: Vec<String> = longs::<crate::engine_args::EngineArgs>()
+                .into_iter()
+                .chain(longs::<crate::kv_transport_args::KvTransportArgs>())
+                // Each worker's own listener.
+                .filter(|long| long != "kv-listen")
+                .map(|long| format!("--{long}"))
+                .filter(|flag| {
+                    !argv
+                        .iter()
+                        .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+                })
+                .collect();
+            assert!(missing.is_empty(), "not passed to {name}: {missing:?}");
+        }
+    }
 }
