@@ -25,9 +25,12 @@ pub struct EppArgs {
     pub http: HttpArgs,
     #[command(flatten)]
     pub flow: crate::flow_args::FlowArgs,
-    /// gRPC listen address (ext_proc and grpc.health.v1); GIE's default port is 9002.
+    /// gRPC listen address (ext_proc and grpc.health.v1; or --host and --port); GIE's default
+    /// port is 9002.
     #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:9002")]
     pub listen: String,
+    #[command(flatten)]
+    pub host_port: crate::listen_args::HostPort,
     /// Serve Prometheus `GET /metrics` on this address (unset: no metrics listener).
     #[arg(long, env = "TANDEM_METRICS_ADDR")]
     pub metrics_addr: Option<String>,
@@ -62,9 +65,10 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
         fallbacks: args.fallbacks,
         drain_timeout: Duration::from_secs(args.http.drain_timeout_s),
     };
-    let listener = TcpListener::bind(&args.listen)
+    let listen = args.host_port.resolve(&args.listen)?;
+    let listener = TcpListener::bind(&listen)
         .await
-        .with_context(|| format!("binding {}", args.listen))?;
+        .with_context(|| format!("binding {listen}"))?;
     let metrics = match &args.metrics_addr {
         Some(a) => Some(
             TcpListener::bind(a)

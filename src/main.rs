@@ -18,6 +18,7 @@ mod engine_args;
 mod epp;
 mod flow_args;
 mod kv_transport_args;
+mod listen_args;
 mod model_file;
 mod models;
 mod plan;
@@ -115,5 +116,67 @@ mod tests {
     #[test]
     fn the_command_line_is_well_formed() {
         super::Cli::command().debug_assert();
+    }
+
+    /// A flag means one thing on every role: its environment variable is its name
+    /// (`--kv-dtype`: `TANDEM_KV_DTYPE`), in a tool's own scope where the tool keeps its
+    /// settings apart from a serving environment's (`tandem sim --block-size`:
+    /// `TANDEM_SIM_BLOCK_SIZE`), and one variable names one flag everywhere. Every role that
+    /// listens takes `--host` and `--port` (with `--listen` as their alias), and none names
+    /// its address any other way.
+    #[test]
+    fn flags_with_one_meaning_have_one_name_on_every_role() {
+        use std::collections::HashMap;
+        const SCOPES: [&str; 7] = [
+            "",
+            "SIM_",
+            "PLAN_",
+            "BENCH_",
+            "PLANNER_",
+            "WORKLOAD_",
+            "EPP_",
+        ];
+        // Variables other programs define, read as they mean them.
+        const STANDARD: [&str; 1] = ["OTEL_EXPORTER_OTLP_ENDPOINT"];
+        let cli = super::Cli::command();
+        let mut long_of: HashMap<String, (String, String)> = HashMap::new();
+        for role in cli.get_subcommands() {
+            let name = role.get_name().to_string();
+            let longs: Vec<&str> = role.get_arguments().filter_map(|a| a.get_long()).collect();
+            if longs.contains(&"listen") {
+                assert!(
+                    longs.contains(&"host") && longs.contains(&"port"),
+                    "tandem {name} takes --listen without --host and --port"
+                );
+            }
+            for synonym in ["bind", "address", "listen-addr", "http-port", "grpc-port"] {
+                assert!(
+                    !longs.contains(&synonym),
+                    "tandem {name} names its address --{synonym}: use --host / --port"
+                );
+            }
+            for arg in role.get_arguments() {
+                let (Some(long), Some(env)) = (arg.get_long(), arg.get_env()) else {
+                    continue;
+                };
+                let env = env.to_string_lossy().to_string();
+                let snake = long.to_uppercase().replace('-', "_");
+                let named = STANDARD.contains(&env.as_str())
+                    || SCOPES.iter().any(|scope| {
+                        let want = format!("TANDEM_{scope}{snake}");
+                        // A flag that takes a list may name its variable in the plural.
+                        env == want || env == format!("{want}S")
+                    });
+                assert!(named, "tandem {name} --{long} reads {env}");
+                let first = long_of
+                    .entry(env.clone())
+                    .or_insert_with(|| (name.clone(), long.to_string()));
+                assert_eq!(
+                    first.1, long,
+                    "{env}: --{} on tandem {}, --{long} on tandem {name}",
+                    first.1, first.0
+                );
+            }
+        }
     }
 }

@@ -200,9 +200,11 @@ pub struct WorkerArgs {
     pub external: ExternalEngineArgs,
     #[command(flatten)]
     pub model_cache: crate::models::ModelCacheArgs,
-    /// gRPC listen address.
+    /// gRPC listen address (or --host and --port).
     #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: String,
+    #[command(flatten)]
+    pub host_port: crate::listen_args::HostPort,
     /// Host other processes reach this worker at (the bound port is appended).
     #[arg(long, env = "TANDEM_ADVERTISE_HOST", default_value = "127.0.0.1")]
     pub advertise_host: String,
@@ -380,9 +382,11 @@ pub struct FrontendArgs {
     pub routing: crate::routing_args::RoutingArgs,
     #[command(flatten)]
     pub http: HttpArgs,
-    /// HTTP listen address.
+    /// HTTP listen address (or --host and --port).
     #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:8000")]
     pub listen: String,
+    #[command(flatten)]
+    pub host_port: crate::listen_args::HostPort,
     /// Tokens per KV block (must match the workers').
     #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: u32,
@@ -475,9 +479,11 @@ fn chat_template(http: &HttpArgs, tokenizer: &TokenizerSpec) -> ChatTemplateSpec
 pub struct IndexerArgs {
     #[command(flatten)]
     pub plane: PlaneArgs,
-    /// gRPC listen address.
+    /// gRPC listen address (or --host and --port).
     #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:7000")]
     pub listen: String,
+    #[command(flatten)]
+    pub host_port: crate::listen_args::HostPort,
     /// Tokens per KV block (must match the workers').
     #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: u32,
@@ -554,7 +560,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
             "--metrics-addr serves the metrics of tandem's own engine: in front of an external \
              engine, scrape the engine's own /metrics"
         );
-        let listener = bind(&args.listen).await?;
+        let listener = bind(&args.host_port.resolve(&args.listen)?).await?;
         let deps = args
             .plane
             .connect(&format!("{role:?}-{}", cfg.worker_id.0))
@@ -590,7 +596,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
             cfg.prefill_timeout = Duration::from_millis(ms);
         }
     }
-    let listener = bind(&args.listen).await?;
+    let listener = bind(&args.host_port.resolve(&args.listen)?).await?;
     let deps = args
         .plane
         .connect(&format!("{role:?}-{}", cfg.worker_id.0))
@@ -635,7 +641,7 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     args.flow.apply(&mut cfg)?;
     // Both modes below (workers, --backend-url) serve HTTP with this config.
     args.access.apply(&mut cfg.http)?;
-    let listener = bind(&args.listen).await?;
+    let listener = bind(&args.host_port.resolve(&args.listen)?).await?;
     if args.backends.is_set() {
         let sidecars = args.backends.sidecars(&args.http.model, args.block_size)?;
         return crate::backends::run(cfg, sidecars, listener, shutdown_on_signals()).await;
@@ -647,7 +653,7 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
 
 pub async fn run_indexer(args: IndexerArgs) -> anyhow::Result<()> {
     let _telemetry = args.plane.init_telemetry("tandem-indexer", None)?;
-    let listener = bind(&args.listen).await?;
+    let listener = bind(&args.host_port.resolve(&args.listen)?).await?;
     let deps = args.plane.connect("indexer").await?;
     let cfg = ViewConfig {
         namespace: args.plane.namespace.clone(),

@@ -316,12 +316,18 @@ fn worker_args(args: &UpArgs, model: &[String], role: &str, name: &str) -> Vec<S
     }
     let corrupt = (args.inject_kv_corruption && role == "prefill")
         .then(|| "--inject-kv-corruption".to_string());
-    std::iter::once(role.to_string())
-        .chain(engine.to_args())
-        .chain(args.kv.to_worker_args())
-        .chain(model.iter().cloned())
-        .chain(corrupt)
-        .collect()
+    // Explicit, so that a TANDEM_LISTEN in `up`'s environment does not reach a worker.
+    [
+        role.to_string(),
+        "--host=127.0.0.1".into(),
+        "--port=0".into(),
+    ]
+    .into_iter()
+    .chain(engine.to_args())
+    .chain(args.kv.to_worker_args())
+    .chain(model.iter().cloned())
+    .chain(corrupt)
+    .collect()
 }
 
 /// The `tandem frontend` command line of `up --processes`: every flag of `up` that configures
@@ -330,7 +336,8 @@ fn worker_args(args: &UpArgs, model: &[String], role: &str, name: &str) -> Vec<S
 fn frontend_args(args: &UpArgs) -> Vec<String> {
     [
         "frontend".to_string(),
-        format!("--listen={}:{}", args.host, args.port),
+        format!("--host={}", args.host),
+        format!("--port={}", args.port),
         format!("--block-size={}", args.engine.block_size),
     ]
     .into_iter()
@@ -449,7 +456,10 @@ mod tests {
             assert_eq!(format!("{:?}", child.flow), format!("{:?}", up.flow));
             assert_eq!(format!("{:?}", child.routing), format!("{:?}", up.routing));
             assert_eq!(child.block_size, up.engine.block_size);
-            assert_eq!(child.listen, format!("{}:{}", up.host, up.port));
+            assert_eq!(
+                child.host_port.resolve(&child.listen).unwrap(),
+                format!("{}:{}", up.host, up.port)
+            );
         }
         // A flag added to one of these groups and not to its `to_args` fails here.
         let (up, _) = child_of(SET);
