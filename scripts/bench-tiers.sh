@@ -49,7 +49,7 @@ disk_dir = tempfile.mkdtemp(prefix="tandem-bench-tiers-")
 
 def seen():
     """The tiers the router's index held the last routed prompt in."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c = http.client.HTTPConnection("127.0.0.1", tandem_up.admin_port(port), timeout=60)
     c.request("GET", "/status.json")
     d = json.loads(c.getresponse().read())["backend"]["decisions"][0]["decode"]["candidates"][0]
     return {t: d[f"overlap_{t}"] for t in ("device", "host", "disk")}

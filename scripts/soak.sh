@@ -70,6 +70,9 @@ if [ -z "$PORT" ]; then
   PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 fi
 URL="http://127.0.0.1:$PORT"
+# The frontend's /metrics is on its admin listener.
+ADMIN_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+ADMIN="http://127.0.0.1:$ADMIN_PORT"
 
 up_pid=""
 sampler_pid=""
@@ -83,11 +86,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-"$BIN" up --engine mocker --processes --port "$PORT" --speedup-ratio "$SPEEDUP" >"$OUT/up.log" 2>&1 &
+"$BIN" up --engine mocker --processes --port "$PORT" --admin-listen "127.0.0.1:$ADMIN_PORT" --speedup-ratio "$SPEEDUP" >"$OUT/up.log" 2>&1 &
 up_pid=$!
 ready=""
 for _ in $(seq 1 300); do
-  if m=$(curl -sf "$URL/metrics" 2>/dev/null) &&
+  if m=$(curl -sf "$ADMIN/metrics" 2>/dev/null) &&
     echo "$m" | grep -q '^tandem_workers{role="decode"} 2' &&
     echo "$m" | grep -q '^tandem_workers{role="prefill"} 2'; then
     ready=1
@@ -111,11 +114,11 @@ echo "$up_pid up" >>"$OUT/processes.txt"
 
 # Answered requests: tandem_http_requests_total summed over its labels.
 answered() {
-  curl -sf "$URL/metrics" 2>/dev/null |
+  curl -sf "$ADMIN/metrics" 2>/dev/null |
     awk '/^tandem_http_requests_total\{/ { s += $NF } END { printf "%d\n", s }'
 }
 index_entries() {
-  curl -sf "$URL/metrics" 2>/dev/null | awk '/^tandem_index_entries / { print $NF }'
+  curl -sf "$ADMIN/metrics" 2>/dev/null | awk '/^tandem_index_entries / { print $NF }'
 }
 
 sample() { # elapsed answered entries: one CSV row per process

@@ -25,6 +25,15 @@ pub struct AccessArgs {
         value_delimiter = ','
     )]
     pub api_keys: Vec<String>,
+    /// The key that opens the status page, /status.json and /metrics (on the admin listener,
+    /// and on the public one where a scraper must reach them from elsewhere). Unset: the
+    /// admin listener serves them to whoever reaches it, the public one not at all.
+    #[arg(long, env = "TANDEM_ADMIN_KEY", hide_env_values = true)]
+    pub admin_key: Option<String>,
+    /// Where the status page, /status.json and /metrics are served (`off`: nowhere but to
+    /// --admin-key on the public port). Default: 127.0.0.1, the public port + 1.
+    #[arg(long, env = "TANDEM_ADMIN_LISTEN")]
+    pub admin_listen: Option<String>,
     /// PEM certificate chain: the HTTP listener speaks TLS (needs --tls-key).
     #[arg(long, env = "TANDEM_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
@@ -42,6 +51,8 @@ impl std::fmt::Debug for AccessArgs {
                 "api_keys",
                 &format_args!("[{} hidden]", self.api_keys.len()),
             )
+            .field("admin_key", &self.admin_key.as_ref().map(|_| "(hidden)"))
+            .field("admin_listen", &self.admin_listen)
             .field("tls_cert", &self.tls_cert)
             .field("tls_key", &self.tls_key)
             .finish()
@@ -69,6 +80,7 @@ impl AccessArgs {
         Ok(AccessConfig {
             api_keys_file: self.api_keys_file.clone(),
             api_keys,
+            admin_key: self.admin_key.clone(),
             ..Default::default()
         })
     }

@@ -97,11 +97,13 @@ impl BackendArgs {
     }
 }
 
-/// Runs the frontend `cfg` on `listener` in front of `backends`, until `root` stops.
+/// Runs the frontend `cfg` on `listener` (its operator's surfaces on `admin`) in front of
+/// `backends`, until `root` stops.
 pub async fn run(
     cfg: tandem_frontend::FrontendConfig,
     sidecars: Vec<SidecarConfig>,
     listener: TcpListener,
+    admin: Option<TcpListener>,
     root: Shutdown,
 ) -> anyhow::Result<()> {
     let discovery = Arc::new(MemoryDiscovery::new());
@@ -122,7 +124,7 @@ pub async fn run(
         });
     }
     let cluster = tandem_frontend::ClusterDeps { discovery, events };
-    let served = tandem_frontend::run_frontend(cfg, listener, cluster, root.child()).await;
+    let served = tandem_frontend::run_frontend(cfg, listener, admin, cluster, root.child()).await;
     stop.drain();
     while tasks.join_next().await.is_some() {}
     served?;

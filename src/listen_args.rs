@@ -44,6 +44,26 @@ impl HostPort {
     }
 }
 
+/// The admin listener's address (the status page, `/status.json`, `/metrics`): `flag`
+/// (`--admin-listen`) as given, none for `off`, else on loopback at the public port + 1 (any
+/// free port when the public one is 0).
+pub fn admin_addr(flag: Option<&str>, public: &str) -> anyhow::Result<Option<String>> {
+    match flag {
+        Some("off") => return Ok(None),
+        Some(addr) => return Ok(Some(addr.to_string())),
+        None => {}
+    }
+    let port: u16 = public
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .with_context(|| format!("the listen address {public:?} has no port"))?;
+    let admin = match port {
+        0 | u16::MAX => 0,
+        p => p + 1,
+    };
+    Ok(Some(format!("127.0.0.1:{admin}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -78,5 +98,21 @@ mod tests {
             "[::1]:7000"
         );
         assert!(hp(None, Some(1)).resolve("nonsense").is_err());
+    }
+
+    #[test]
+    fn the_admin_listener_is_on_loopback_beside_the_public_port() {
+        let admin = |flag, public| admin_addr(flag, public).unwrap();
+        assert_eq!(
+            admin(None, "0.0.0.0:8000").as_deref(),
+            Some("127.0.0.1:8001")
+        );
+        assert_eq!(admin(None, "127.0.0.1:0").as_deref(), Some("127.0.0.1:0"));
+        assert_eq!(admin(None, "[::]:65535").as_deref(), Some("127.0.0.1:0"));
+        assert_eq!(
+            admin(Some("0.0.0.0:9100"), "0.0.0.0:8000").as_deref(),
+            Some("0.0.0.0:9100")
+        );
+        assert_eq!(admin(Some("off"), "0.0.0.0:8000"), None);
     }
 }

@@ -24,7 +24,8 @@ pub enum Mode {
 
 #[derive(Args, Debug)]
 pub struct PlannerArgs {
-    /// A frontend whose `/metrics` to read (`http://host:port`); repeat for every replica.
+    /// A frontend's admin listener, whose `/metrics` to read (`http://host:port`, its
+    /// `--admin-listen`); repeat for every replica.
     #[arg(
         long = "frontend-url",
         env = "TANDEM_PLANNER_FRONTEND_URLS",
@@ -32,6 +33,9 @@ pub struct PlannerArgs {
         required = true
     )]
     frontend_urls: Vec<String>,
+    /// The frontends' --admin-key, when they have one.
+    #[arg(long, env = "TANDEM_ADMIN_KEY", hide_env_values = true)]
+    admin_key: Option<tandem_planner::AdminKey>,
     /// Seconds between decisions.
     #[arg(long, env = "TANDEM_PLANNER_INTERVAL_S", default_value_t = 10.0)]
     interval_s: f64,
@@ -210,6 +214,7 @@ pub async fn run(args: PlannerArgs) -> anyhow::Result<()> {
     };
     let cfg = RunConfig {
         frontends: args.frontend_urls.clone(),
+        admin_key: args.admin_key.clone(),
         interval: seconds("--interval-s", args.interval_s)?,
         scrape_timeout: seconds("--scrape-timeout-s", args.scrape_timeout_s)?,
         slo_quantile: args.slo_quantile,

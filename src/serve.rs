@@ -641,13 +641,19 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     args.flow.apply(&mut cfg)?;
     // Both modes below (workers, --backend-url) serve HTTP with this config.
     args.access.apply(&mut cfg.http)?;
-    let listener = bind(&args.host_port.resolve(&args.listen)?).await?;
+    let public = args.host_port.resolve(&args.listen)?;
+    let admin = crate::listen_args::admin_addr(args.access.admin_listen.as_deref(), &public)?;
+    let listener = bind(&public).await?;
+    let admin = match admin {
+        Some(addr) => Some(bind(&addr).await?),
+        None => None,
+    };
     if args.backends.is_set() {
         let sidecars = args.backends.sidecars(&args.http.model, args.block_size)?;
-        return crate::backends::run(cfg, sidecars, listener, shutdown_on_signals()).await;
+        return crate::backends::run(cfg, sidecars, listener, admin, shutdown_on_signals()).await;
     }
     let deps = args.plane.connect("frontend").await?;
-    tandem_frontend::run_frontend(cfg, listener, deps, shutdown_on_signals()).await?;
+    tandem_frontend::run_frontend(cfg, listener, admin, deps, shutdown_on_signals()).await?;
     Ok(())
 }
 

@@ -33,6 +33,10 @@ pub struct UpArgs {
     /// Address the frontend binds.
     #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
     pub host: String,
+    /// Where the frontend serves its status page, /status.json and /metrics (`off`: not at
+    /// all). Default: 127.0.0.1, --port + 1.
+    #[arg(long, env = "TANDEM_ADMIN_LISTEN")]
+    pub admin_listen: Option<String>,
     /// Prefill workers (0: aggregated serving).
     #[arg(long, env = "TANDEM_PREFILL", default_value_t = 2)]
     pub prefill: u32,
@@ -218,12 +222,23 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
+    let admin = match admin_addr(&args)? {
+        Some(a) => Some(
+            TcpListener::bind(&a)
+                .await
+                .with_context(|| format!("binding {a} (--admin-listen)"))?,
+        ),
+        None => None,
+    };
     println!(
         "tandem up: http://{addr}/v1  ({} prefill, {} decode workers, policy {}, disagg {}; Ctrl-C stops)",
         args.prefill, args.decode, args.routing.policy, args.routing.disagg
     );
+    if let Some(a) = admin.as_ref().map(TcpListener::local_addr).transpose()? {
+        println!("tandem up: status page and /metrics on http://{a}/");
+    }
     let cluster = tandem_frontend::ClusterDeps { discovery, events };
-    let served = tandem_frontend::run_frontend(cfg, listener, cluster, root.child()).await;
+    let served = tandem_frontend::run_frontend(cfg, listener, admin, cluster, root.child()).await;
     workers_stop.drain();
     while let Some(r) = workers.join_next().await {
         if let Ok(Err(e)) = r {
@@ -293,6 +308,9 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         args.prefill,
         args.decode
     );
+    if let Some(a) = admin_addr(&args)? {
+        println!("tandem up --processes: status page and /metrics on http://{a}/");
+    }
     tokio::select! {
         () = root.draining() => {}
         exited = roles.wait_any() => {
@@ -304,6 +322,14 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     roles.stop(Duration::from_secs(35)).await;
     drop((etcd, nats));
     Ok(())
+}
+
+/// The frontend's admin listener (`--admin-listen`, else beside --port).
+fn admin_addr(args: &UpArgs) -> anyhow::Result<Option<String>> {
+    crate::listen_args::admin_addr(
+        args.admin_listen.as_deref(),
+        &format!("{}:{}", args.host, args.port),
+    )
 }
 
 /// The command line of worker `name` (`prefill-0`, …) of `up --processes`: `role`, every
@@ -338,6 +364,13 @@ fn frontend_args(args: &UpArgs) -> Vec<String> {
         "frontend".to_string(),
         format!("--host={}", args.host),
         format!("--port={}", args.port),
+        format!(
+            "--admin-listen={}",
+            admin_addr(args)
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| "off".into())
+        ),
         format!("--block-size={}", args.engine.block_size),
     ]
     .into_iter()
@@ -456,6 +489,10 @@ mod tests {
             assert_eq!(format!("{:?}", child.flow), format!("{:?}", up.flow));
             assert_eq!(format!("{:?}", child.routing), format!("{:?}", up.routing));
             assert_eq!(child.block_size, up.engine.block_size);
+            assert_eq!(
+                child.access.admin_listen,
+                admin_addr(&up).unwrap().or(Some("off".into()))
+            );
             assert_eq!(
                 child.host_port.resolve(&child.listen).unwrap(),
                 format!("{}:{}", up.host, up.port)

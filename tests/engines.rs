@@ -287,6 +287,8 @@ fn an_engine_killed_mid_stream_leaves_the_pool_and_its_stream_migrates() {
 struct Direct {
     frontend: Proc,
     addr: std::net::SocketAddr,
+    /// The frontend's admin listener (`/metrics`).
+    admin: std::net::SocketAddr,
     engines: Vec<(std::net::SocketAddr, Proc)>,
 }
 
@@ -320,11 +322,12 @@ fn direct_with(name: &str, n: usize, engine_flags: &[&str], frontend_flags: &[&s
         );
         engines.push((std::net::SocketAddr::from(([127, 0, 0, 1], port)), p));
     }
-    let port = free_port().unwrap();
+    let (port, admin_port) = (free_port().unwrap(), free_port().unwrap());
     let mut args = vec![
         "frontend".to_string(),
         "--listen".into(),
         format!("127.0.0.1:{port}"),
+        format!("--admin-listen=127.0.0.1:{admin_port}"),
         "--backend-health-interval-ms=100".into(),
     ];
     for (addr, _) in &engines {
@@ -337,6 +340,7 @@ fn direct_with(name: &str, n: usize, engine_flags: &[&str], frontend_flags: &[&s
     let d = Direct {
         frontend,
         addr,
+        admin: std::net::SocketAddr::from(([127, 0, 0, 1], admin_port)),
         engines,
     };
     d.wait_backends(n);
@@ -345,14 +349,14 @@ fn direct_with(name: &str, n: usize, engine_flags: &[&str], frontend_flags: &[&s
 
 impl Direct {
     fn metrics(&self) -> common::cluster::Metrics {
-        let r = http::get(self.addr, "/metrics").expect("/metrics");
+        let r = http::get(self.admin, "/metrics").expect("/metrics");
         common::cluster::Metrics::parse(&r.text())
     }
 
     fn wait_backends(&self, n: usize) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let ok = http::get(self.addr, "/metrics")
+            let ok = http::get(self.admin, "/metrics")
                 .ok()
                 .filter(|r| r.status == 200)
                 .map(|r| common::cluster::Metrics::parse(&r.text()))

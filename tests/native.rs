@@ -33,7 +33,7 @@ fn text(v: &Value) -> String {
 }
 
 fn mismatches(up: &Up) -> f64 {
-    let m = http::get(up.addr, "/metrics").unwrap().text();
+    let m = http::get(up.admin, "/metrics").unwrap().text();
     common::metrics::Metrics::parse(&m)
         .0
         .get("tandem_frontend_prompt_token_mismatch_total")
@@ -232,7 +232,7 @@ fn the_disk_tier_survives_a_restart_and_the_router_sees_it() {
         again["choices"], first["choices"],
         "the same answer from disk KV"
     );
-    let status: Value = http::get(up.addr, "/status.json").unwrap().json();
+    let status: Value = http::get(up.admin, "/status.json").unwrap().json();
     let chosen = &status["backend"]["decisions"][0]["decode"]["candidates"][0];
     assert!(
         chosen["overlap_disk"].as_u64().is_some_and(|n| n >= 36),

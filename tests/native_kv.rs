@@ -176,7 +176,7 @@ fn disaggregated_over(name: &str, extra: &[&str]) {
     let got = answers(&up, true);
     assert_same(name, &got);
     // Every prompt's KV came over: none fell back to a local prefill.
-    let m = http::get(up.addr, "/metrics").unwrap().text();
+    let m = http::get(up.admin, "/metrics").unwrap().text();
     let m = common::metrics::Metrics::parse(&m);
     let get = |series: String| m.0.get(&series).copied().unwrap_or(0.0);
     let outcome = |o: &str| get(format!("tandem_prefills_total{{outcome=\"{o}\"}}"));
@@ -244,7 +244,7 @@ fn a_corrupted_transfer_is_caught_and_the_local_prefill_gives_the_same_tokens() 
         &["--disagg", "always", "--inject-kv-corruption"],
     );
     assert_same_as("corrupted", &answers_of(&up, &asked, None), &want);
-    let m = http::get(up.addr, "/metrics").unwrap().text();
+    let m = http::get(up.admin, "/metrics").unwrap().text();
     let m = common::metrics::Metrics::parse(&m);
     assert_eq!(
         m.0.get("tandem_prefills_total{outcome=\"fallback\"}")
@@ -322,7 +322,7 @@ fn an_f32_prefill_pool_serves_an_f16_decode_pool_through_a_conversion() {
         ],
     );
     let mixed = tokens(&answers_of(&up, &asked, Some(true)));
-    let m = common::metrics::Metrics::parse(&http::get(up.addr, "/metrics").unwrap().text());
+    let m = common::metrics::Metrics::parse(&http::get(up.admin, "/metrics").unwrap().text());
     assert_eq!(
         m.0.get("tandem_prefills_total{outcome=\"remote\"}")
             .copied(),

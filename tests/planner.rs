@@ -209,12 +209,16 @@ fn local_mode_follows_a_load_that_doubles_and_halves_without_failures() {
     );
     let port = free_port().unwrap();
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    // The frontend's /metrics, which the planner reads, is on its admin listener.
+    let admin = SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
     let mut frontend_args: Vec<String> = plane.split_whitespace().map(String::from).collect();
     frontend_args.insert(0, "frontend".into());
     frontend_args.extend(
         [
             "--listen",
             &addr.to_string(),
+            "--admin-listen",
+            &admin.to_string(),
             "--disagg",
             "always",
             "--queue-timeout",
@@ -234,7 +238,7 @@ fn local_mode_follows_a_load_that_doubles_and_halves_without_failures() {
             "the frontend exited:\n{}",
             frontend.log()
         );
-        workers(addr)
+        workers(admin)
     });
 
     let decisions_path = dir.join("decisions.jsonl");
@@ -243,7 +247,7 @@ fn local_mode_follows_a_load_that_doubles_and_halves_without_failures() {
     let planner_args: Vec<String> = [
         "planner",
         "--frontend-url",
-        &format!("http://{addr}"),
+        &format!("http://{admin}"),
         "--interval-s",
         "1",
         "--slo-ttft-ms",
@@ -315,7 +319,7 @@ fn local_mode_follows_a_load_that_doubles_and_halves_without_failures() {
                     "the planner exited:\n{}",
                     show(planner)
                 );
-                if let Some((p, d)) = workers(addr)
+                if let Some((p, d)) = workers(admin)
                     && ok(p, d)
                 {
                     return;
@@ -323,7 +327,7 @@ fn local_mode_follows_a_load_that_doubles_and_halves_without_failures() {
                 assert!(
                     Instant::now() < deadline,
                     "timed out waiting for {what}: workers {:?}\n{}",
-                    workers(addr),
+                    workers(admin),
                     show(planner)
                 );
                 std::thread::sleep(Duration::from_millis(100));
@@ -343,7 +347,7 @@ fn local_mode_follows_a_load_that_doubles_and_halves_without_failures() {
     // 3: back to the base rate, until both pools are down to 1; 4: base, scaled down.
     std::thread::sleep(Duration::from_secs(10));
     assert_eq!(
-        workers(addr),
+        workers(admin),
         Some((1, 1)),
         "the base rate needs one worker each"
     );
@@ -382,7 +386,7 @@ fn local_mode_follows_a_load_that_doubles_and_halves_without_failures() {
         .wait_exit(Duration::from_secs(40))
         .expect("the planner exits");
     assert!(status.success(), "planner: {status}\n{}", show(&planner));
-    wait_workers_gone(addr);
+    wait_workers_gone(admin);
     let log = planner.log();
     assert!(
         !log.contains("drain timed out"),

@@ -285,7 +285,7 @@ fn prometheus_scrapes_the_cluster_and_every_deploy_expression_has_data() {
     assert!(front.get("tandem_http_time_per_output_token_seconds_count") > 0.0);
 
     // Prometheus scrapes the frontend and every worker.
-    let frontend = c.addr.to_string();
+    let frontend = c.admin_of(0).to_string();
     let by_role = |want: &str| -> Vec<String> {
         workers
             .iter()

@@ -218,12 +218,15 @@ fn count(v: &Value, key: &str) -> u64 {
 fn the_status_page_shows_the_cluster_and_follows_traffic() {
     let dir = common::temp_dir("status-page");
     let port = tandem_runtime::external::free_port().unwrap();
+    let admin_port = tandem_runtime::external::free_port().unwrap();
     let args: Vec<String> = [
         "up",
         "--engine",
         "mocker",
         "--port",
         &port.to_string(),
+        "--admin-listen",
+        &format!("127.0.0.1:{admin_port}"),
         "--prefill",
         "1",
         "--decode",
@@ -235,17 +238,19 @@ fn the_status_page_shows_the_cluster_and_follows_traffic() {
     .to_vec();
     let mut up = Proc::spawn("tandem-up", "up", &args, &dir.join("up.log"));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    // The status page and its data are on the admin listener.
+    let admin = SocketAddr::from(([127, 0, 0, 1], admin_port));
     // Every worker registered and reporting load.
     let ids: Vec<u64> = wait_for("3 workers reporting", Duration::from_secs(60), || {
         assert!(up.is_running(), "tandem up exited:\n{}", up.log());
-        let s: Value = http::get(addr, "/status.json").ok()?.json();
+        let s: Value = http::get(admin, "/status.json").ok()?.json();
         let workers = s["backend"]["workers"].as_array()?;
         let ok = workers.len() == 3 && workers.iter().all(|w| w["state"] == "ok");
         ok.then(|| workers.iter().filter_map(|w| w["id"].as_u64()).collect())
     });
 
     let browser = Browser::start(&dir);
-    browser.goto(&format!("http://{addr}/"));
+    browser.goto(&format!("http://{admin}/"));
     let before = wait_for(
         "the page to show 3 workers",
         Duration::from_secs(20),
@@ -376,7 +381,7 @@ fn the_status_page_shows_the_cluster_and_follows_traffic() {
         assert!(!d["rule"].as_str().unwrap().is_empty(), "{d}");
     }
     // The router's index saw the shared prefix: some prompt tokens were cached.
-    let s: Value = http::get(addr, "/status.json").unwrap().json();
+    let s: Value = http::get(admin, "/status.json").unwrap().json();
     assert!(
         s["backend"]["totals"]["cached_tokens"].as_u64().unwrap() > 0,
         "{}",

@@ -11,7 +11,8 @@
 # files below (default: a new temporary directory); counts default to 2 frontends, 1 prefill
 # and 2 decode workers. Needs `etcd` and `nats-server` on PATH (Debian: etcd-server,
 # nats-server). When every frontend answers /health, it writes DIR/frontends (one
-# HOST:PORT per line), DIR/pids (name pid, one per line) and prints "ready". It runs until
+# HOST:PORT per line), DIR/admins (each frontend's admin listener: its status page and
+# /metrics, in the same order), DIR/pids (name pid, one per line) and prints "ready". It runs until
 # SIGINT or SIGTERM, then stops the frontends (they drain), the workers, NATS and etcd, in
 # that order, and exits 0; if any process exits on its own it stops the rest and exits 1.
 set -euo pipefail
@@ -35,7 +36,7 @@ for tool in "$bin" etcd nats-server; do
 done
 [ -n "$dir" ] || dir="$(mktemp -d -t tandem-local.XXXXXX)"
 mkdir -p "$dir"
-rm -f "$dir/frontends" "$dir/pids"
+rm -f "$dir/frontends" "$dir/admins" "$dir/pids"
 
 names=() pids=() taken=" "
 # A loopback port nothing listens on (and that this script has not handed out yet), below the
@@ -141,13 +142,13 @@ worker() { # ROLE INDEX
 }
 for i in $(seq 1 "$prefill"); do worker prefill "$i"; done
 for i in $(seq 1 "$decode"); do worker decode "$i"; done
-ports=()
+ports=() admins=()
 mapfile -t fenv < <(env_of "$base/cluster.env" "$base/frontend.env")
 for i in $(seq 1 "$frontends"); do
-  port="$(free_port)"
-  ports+=("$port")
+  port="$(free_port)" admin="$(free_port)"
+  ports+=("$port") admins+=("$admin")
   start "frontend-$i" env "${fenv[@]}" "${cluster[@]}" TANDEM_LISTEN="127.0.0.1:$port" \
-    "$bin" frontend
+    TANDEM_ADMIN_LISTEN="127.0.0.1:$admin" "$bin" frontend
 done
 for port in "${ports[@]}"; do
   frontend_ready() { [ "$(http_status "$port" /health)" = 200 ]; }
@@ -155,6 +156,7 @@ for port in "${ports[@]}"; do
 done
 
 for port in "${ports[@]}"; do echo "127.0.0.1:$port"; done >"$dir/frontends.tmp"
+for port in "${admins[@]}"; do echo "127.0.0.1:$port"; done >"$dir/admins"
 for i in "${!pids[@]}"; do echo "${names[$i]} ${pids[$i]}"; done >"$dir/pids"
 mv "$dir/frontends.tmp" "$dir/frontends"
 echo "ready: frontends $(tr '\n' ' ' <"$dir/frontends")(logs in $dir)"

@@ -61,7 +61,7 @@ def run(flags):
                 sys.exit(f"{flags}: HTTP {r.status}: {text}")
             out.append(json.loads(text))
         took = time.time() - start
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        c = http.client.HTTPConnection("127.0.0.1", tandem_up.admin_port(port), timeout=60)
         c.request("GET", "/metrics")
         prefills = {line.split('"')[1]: float(line.split()[-1])
                     for line in c.getresponse().read().decode().splitlines()

@@ -17,16 +17,29 @@ def free_port():
     return port
 
 
+# The admin listener (status page, /status.json, /metrics) of each started frontend, by its
+# public port.
+_ADMIN = {}
+
+
+def admin_port(port):
+    """The admin listener's port of the `tandem up` started on `port`."""
+    return _ADMIN[port]
+
+
 def start(tandem, flags, roles=("decode",)):
     """`tandem up --port P FLAGS…`; returns (process, port) once /metrics counts one worker
-    of each of `roles`. Exits with tandem up's log if it stops first."""
-    port = free_port()
+    of each of `roles` (on the admin listener: `admin_port(port)`). Exits with tandem up's log
+    if it stops first."""
+    port, admin = free_port(), free_port()
+    _ADMIN[port] = admin
     log = tempfile.TemporaryFile()
-    p = subprocess.Popen([tandem, "up", "--port", str(port), *flags],
+    p = subprocess.Popen([tandem, "up", "--port", str(port),
+                          "--admin-listen", f"127.0.0.1:{admin}", *flags],
                          stdout=log, stderr=subprocess.STDOUT)
     for _ in range(1200):
         try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c = http.client.HTTPConnection("127.0.0.1", admin, timeout=5)
             c.request("GET", "/metrics")
             m = c.getresponse().read().decode()
             if all(f'tandem_workers{{role="{r}"}} 1' in m for r in roles):

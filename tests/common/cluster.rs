@@ -256,6 +256,9 @@ pub struct Cluster {
     /// Frontend replicas after the first ([`Cluster::spawn_frontend`]): frontend `i` is
     /// `more_frontends[i - 1]`.
     more_frontends: Vec<(Proc, SocketAddr)>,
+    /// Each frontend's admin listener (its status page, `/status.json` and `/metrics`), by
+    /// frontend index.
+    admins: Vec<SocketAddr>,
     pub workers: Vec<Proc>,
     /// The stand-in engines behind the workers (`Options::engine`), by worker id.
     pub engines: Vec<Engine>,
@@ -300,6 +303,7 @@ impl Cluster {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             frontend: None,
             more_frontends: Vec::new(),
+            admins: vec![SocketAddr::from(([127, 0, 0, 1], 0))],
             dir,
             opts: opts.clone(),
             workers: Vec::new(),
@@ -461,9 +465,10 @@ impl Cluster {
     }
 
     fn start_frontend(&mut self) {
-        let (proc, addr) = self.launch_frontend("frontend");
+        let (proc, addr, admin) = self.launch_frontend("frontend");
         self.frontend = Some(proc);
         self.addr = addr;
+        self.admins[0] = admin;
     }
 
     /// Starts one more frontend replica on the same etcd and NATS, with the same flags
@@ -472,21 +477,25 @@ impl Cluster {
     /// `_of`/`_to`/`_via` methods (the first frontend is 0).
     pub fn spawn_frontend(&mut self) -> usize {
         let i = self.more_frontends.len() + 1;
-        let started = self.launch_frontend(&format!("frontend{i}"));
-        self.more_frontends.push(started);
+        let (proc, addr, admin) = self.launch_frontend(&format!("frontend{i}"));
+        self.more_frontends.push((proc, addr));
+        self.admins.push(admin);
         i
     }
 
-    /// Starts a frontend process named `name` on a free port and waits until it is ready.
-    fn launch_frontend(&self, name: &str) -> (Proc, SocketAddr) {
+    /// Starts a frontend process named `name` on a free port (its admin listener on another)
+    /// and waits until it is ready.
+    fn launch_frontend(&self, name: &str) -> (Proc, SocketAddr, SocketAddr) {
         for attempt in 0..3 {
-            let port = free_port().unwrap();
+            let (port, admin_port) = (free_port().unwrap(), free_port().unwrap());
             let mut args = vec!["frontend".to_string()];
             args.extend(self.plane_args());
             args.extend(
                 [
                     "--listen",
                     &format!("127.0.0.1:{port}"),
+                    "--admin-listen",
+                    &format!("127.0.0.1:{admin_port}"),
                     "--disagg",
                     self.opts.disagg,
                 ]
@@ -496,16 +505,18 @@ impl Cluster {
             let log = self.dir.join(format!("{name}-{attempt}.log"));
             let mut proc = Proc::spawn(name, "frontend", &args, &log);
             let addr = SocketAddr::from(([127, 0, 0, 1], port));
-            if self.wait_ready(&mut proc, addr) {
-                return (proc, addr);
+            let admin = SocketAddr::from(([127, 0, 0, 1], admin_port));
+            if self.wait_ready(&mut proc, addr, admin) {
+                return (proc, addr, admin);
             }
             // The port was taken between picking and binding: try another.
         }
         panic!("{name} did not start");
     }
 
-    /// Waits for `/health` and the worker counts at `addr`; false when `proc` exited.
-    fn wait_ready(&self, proc: &mut Proc, addr: SocketAddr) -> bool {
+    /// Waits for `/health` at `addr` and the worker counts at `admin`; false when `proc`
+    /// exited.
+    fn wait_ready(&self, proc: &mut Proc, addr: SocketAddr, admin: SocketAddr) -> bool {
         let (d, p) = (self.opts.decode as u64, self.opts.prefill as u64);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -516,7 +527,7 @@ impl Cluster {
             }
             let healthy = http::get(addr, "/health").is_ok_and(|r| r.status == 200);
             if healthy
-                && let Some(m) = try_metrics(addr)
+                && let Some(m) = try_metrics(admin)
                 && m.0.get("tandem_workers{role=\"decode\"}") == Some(&(d as f64))
                 && m.0.get("tandem_workers{role=\"prefill\"}") == Some(&(p as f64))
             {
@@ -527,7 +538,7 @@ impl Cluster {
                 "cluster {} not ready: {} health {healthy}, metrics {:?}",
                 self.name,
                 proc.name,
-                try_metrics(addr).map(|m| (m.decode_workers(), m.prefill_workers()))
+                try_metrics(admin).map(|m| (m.decode_workers(), m.prefill_workers()))
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -557,6 +568,11 @@ impl Cluster {
     }
 
     /// The HTTP address of frontend `i` (0 is [`Cluster::addr`]).
+    /// The admin listener of frontend `i` (its status page, `/status.json`, `/metrics`).
+    pub fn admin_of(&self, i: usize) -> SocketAddr {
+        *self.admins.get(i).expect("no such frontend")
+    }
+
     pub fn addr_of(&self, i: usize) -> SocketAddr {
         match i {
             0 => self.addr,
@@ -605,7 +621,7 @@ impl Cluster {
     }
 
     fn try_metrics(&self) -> Option<Metrics> {
-        try_metrics(self.addr)
+        try_metrics(self.admin_of(0))
     }
 
     pub fn metrics(&self) -> Metrics {
@@ -614,7 +630,7 @@ impl Cluster {
 
     /// `/metrics` of frontend `i`.
     pub fn metrics_of(&self, i: usize) -> Metrics {
-        try_metrics(self.addr_of(i)).unwrap_or_else(|| panic!("GET /metrics of frontend {i}"))
+        try_metrics(self.admin_of(i)).unwrap_or_else(|| panic!("GET /metrics of frontend {i}"))
     }
 
     /// Polls `/metrics` until `check` holds (up to `timeout`); returns the metrics then.

@@ -11,6 +11,8 @@ use super::http;
 pub struct Up {
     pub proc: Proc,
     pub addr: SocketAddr,
+    /// The frontend's admin listener: its status page, `/status.json`, `/metrics`.
+    pub admin: SocketAddr,
 }
 
 impl Drop for Up {
@@ -38,10 +40,12 @@ pub fn model_path() -> PathBuf {
 pub fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
     let dir = super::temp_dir(tag);
     let port = tandem_runtime::external::free_port().unwrap();
+    let admin_port = tandem_runtime::external::free_port().unwrap();
     let mut args: Vec<String> = vec![
         "up".into(),
         "--port".into(),
         port.to_string(),
+        format!("--admin-listen=127.0.0.1:{admin_port}"),
         "--model".into(),
         model.to_string(),
         "--prefill".into(),
@@ -52,6 +56,7 @@ pub fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
     args.extend(extra.iter().map(|s| s.to_string()));
     let mut proc = Proc::spawn(tag, "up", &args, &dir.join("up.log"));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let admin = SocketAddr::from(([127, 0, 0, 1], admin_port));
     // Both workers in the frontend's view: a request sent before the prefill worker
     // registers is prefilled on the decode worker whatever --disagg says.
     wait_for(
@@ -59,7 +64,7 @@ pub fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
         Duration::from_secs(120),
         || {
             assert!(proc.is_running(), "tandem up exited:\n{}", proc.log());
-            let m = http::get(addr, "/metrics")
+            let m = http::get(admin, "/metrics")
                 .ok()
                 .filter(|r| r.status == 200)?;
             let m = super::metrics::Metrics::parse(&m.text());
@@ -68,5 +73,5 @@ pub fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
             (seen("decode") && seen("prefill")).then_some(())
         },
     );
-    Up { proc, addr }
+    Up { proc, addr, admin }
 }

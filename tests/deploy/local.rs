@@ -79,12 +79,19 @@ fn local_topology_serves_through_every_frontend() {
         });
     assert_eq!(frontends.len(), 2);
     eprintln!("deploy/local ready in {:?}", started.elapsed());
+    // Each frontend's status page and /metrics, on its admin listener.
+    let admins: Vec<std::net::SocketAddr> = std::fs::read_to_string(dir.join("admins"))
+        .unwrap()
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    assert_eq!(admins.len(), 2);
     for (i, addr) in frontends.iter().enumerate() {
         wait_for(
             &format!("frontend {i} to see every worker"),
             Duration::from_secs(60),
             || {
-                let r = http::get(*addr, "/metrics")
+                let r = http::get(admins[i], "/metrics")
                     .ok()
                     .filter(|r| r.status == 200)?;
                 let m = Metrics::parse(&r.text());

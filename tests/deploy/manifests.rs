@@ -441,6 +441,27 @@ fn check_topology(label: &str, docs: &[Value]) {
         listen.ends_with(&format!(":{}", port["containerPort"])),
         "{label}: TANDEM_LISTEN {listen} vs {port}"
     );
+    // The operator's surfaces on their own port: scraped there, not in the Service.
+    let admin = c["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "admin")
+        .expect("port admin");
+    let admin_port = admin["containerPort"].to_string();
+    let admin_listen = &env["TANDEM_ADMIN_LISTEN"];
+    assert!(
+        admin_listen.ends_with(&format!(":{admin_port}")),
+        "{label}: TANDEM_ADMIN_LISTEN {admin_listen} vs {admin}"
+    );
+    assert_eq!(
+        at(f, "spec.template.metadata.annotations")["prometheus.io/port"],
+        admin_port.as_str(),
+        "{label}: the frontend is scraped on its admin port"
+    );
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_ne!(c[probe]["httpGet"]["port"], "admin", "{label}: {probe}");
+    }
     for (probe, path) in [("readinessProbe", "/health"), ("livenessProbe", "/live")] {
         assert_eq!(
             c[probe]["httpGet"]["path"], path,
@@ -466,4 +487,13 @@ fn check_topology(label: &str, docs: &[Value]) {
         of_kind(docs, "Service").any(|s| selects(&s["spec"]["selector"])),
         "{label}: no Service for the frontend"
     );
+    for svc in of_kind(docs, "Service").filter(|s| selects(&s["spec"]["selector"])) {
+        let exposed = svc["spec"]["ports"].as_array().unwrap();
+        assert!(
+            exposed
+                .iter()
+                .all(|p| p["targetPort"] != "admin" && p["targetPort"] != admin["containerPort"]),
+            "{label}: a Service exposes the frontend's admin port"
+        );
+    }
 }

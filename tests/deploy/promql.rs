@@ -7,7 +7,7 @@ use serde_json::Value;
 use super::*;
 use crate::manifests::adapter_rules;
 
-/// The metric names dashboards and autoscalers may use (frontend: `/metrics` on the HTTP
+/// The metric names dashboards and autoscalers may use (frontend: `/metrics` on the admin
 /// port; workers: `/metrics` on `--metrics-addr`).
 const METRICS: &[&str] = &[
     "tandem_http_requests_total",

@@ -35,7 +35,7 @@ pub use decide::{DecideConfig, Decision, Hysteresis, Planner, PoolConfig, PoolDe
 pub use error::PlannerError;
 pub use observe::{Observation, Observer};
 pub use prom::Scrape;
-pub use run::{RunConfig, run};
+pub use run::{AdminKey, RunConfig, run};
 
 use serde::Serialize;
 

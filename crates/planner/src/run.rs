@@ -17,8 +17,11 @@ use crate::prom::Scrape;
 /// The loop's settings.
 #[derive(Clone, Debug)]
 pub struct RunConfig {
-    /// Base URLs of the frontends (`http://host:port`); their `/metrics` is read.
+    /// Base URLs of the frontends' admin listeners (`http://host:port`); their `/metrics`
+    /// is read.
     pub frontends: Vec<String>,
+    /// The frontends' admin key, sent with every scrape (`Authorization: Bearer`).
+    pub admin_key: Option<AdminKey>,
     pub interval: Duration,
     pub scrape_timeout: Duration,
     /// The quantile (0–1) the TTFT and ITL SLOs are set at.
@@ -26,6 +29,24 @@ pub struct RunConfig {
     pub decide: DecideConfig,
     /// Appends one JSON [`Decision`] per interval.
     pub decisions_out: Option<PathBuf>,
+}
+
+/// A frontend admin key; `Debug` does not show it.
+#[derive(Clone)]
+pub struct AdminKey(pub String);
+
+impl std::str::FromStr for AdminKey {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(AdminKey(s.to_string()))
+    }
+}
+
+impl std::fmt::Debug for AdminKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminKey(hidden)")
+    }
 }
 
 /// Runs until `shutdown` is cancelled, then lets the actuator release its workers.
@@ -45,8 +66,16 @@ pub async fn run(
             "the SLO quantile must be in (0, 1]".into(),
         ));
     }
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(AdminKey(key)) = &cfg.admin_key {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+            .map_err(|_| PlannerError::Config("the admin key is not a header value".into()))?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
     let http = reqwest::Client::builder()
         .timeout(cfg.scrape_timeout)
+        .default_headers(headers)
         .build()
         .map_err(|source| PlannerError::Http {
             method: "build",

@@ -113,12 +113,14 @@ pub(crate) async fn start_view(
     Ok((view, registry, counters))
 }
 
-/// Serves the OpenAI API on `listener` until `shutdown` drains; then drains: `/health` turns
+/// Serves the OpenAI API on `listener` (and the operator's surfaces on `admin`: the status
+/// page, `/status.json`, `/metrics`) until `shutdown` drains; then drains: `/health` turns
 /// 503, new requests are refused, responses in flight finish (up to the drain timeout, or
 /// until `shutdown` stops). Every task and token of the frontend hangs under `shutdown`.
 pub async fn run_frontend(
     cfg: FrontendConfig,
     listener: TcpListener,
+    admin: Option<TcpListener>,
     deps: ClusterDeps,
     shutdown: Shutdown,
 ) -> Result<(), ServiceError> {
@@ -148,14 +150,17 @@ pub async fn run_frontend(
     .map_err(|e| ServiceError::Config(e.to_string()))?;
     let server_stop = stop.child_token();
     let addr = listener.local_addr()?;
+    let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;
     // Plain HTTP or TLS as `cfg.http.tls` says; the API keys file is reloaded meanwhile.
     let server = tokio::spawn(http::serve_state(
         listener,
+        admin,
         state.clone(),
         server_stop.clone(),
     ));
     tracing::info!(
         %addr,
+        admin = ?admin_addr,
         model = %cfg.http.served_model_name,
         lora_adapters = ?cfg.http.lora_adapters,
         "frontend serving"

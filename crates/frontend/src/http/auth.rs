@@ -13,8 +13,18 @@
 //!   `Authorization: Bearer <key>` (OpenAI) or `x-api-key: <key>` (Anthropic); when both
 //!   headers are sent, the Bearer one decides. No key or an unknown one is a 401
 //!   (`invalid_api_key`; Anthropic's `authentication_error` on `/v1/messages`). The key names
-//!   the tenant; `x-tandem-tenant` is ignored. `/health`, `/live` and `/metrics` stay open
-//!   (probes and scrapers carry no key).
+//!   the tenant; `x-tandem-tenant` is ignored. `/health` and `/live` stay open (probes
+//!   carry no key).
+//!
+//! # The operator's surfaces
+//!
+//! The status page (`/`, `/status`), `/status.json` and `/metrics` name every tenant and
+//! what it used: they are served on the admin listener ([`super::serve_state`]; loopback by
+//! default), not to the public. With an admin key ([`AccessConfig::admin_key`], sent as
+//! `Authorization: Bearer <key>` or `x-api-key`) they need it on both listeners, and the
+//! public one serves them to it (for a scraper that must reach them from elsewhere);
+//! without one, the admin listener serves anyone who reaches it and the public one answers
+//! 404. A tenant key opens no admin surface and the admin key no API (it names no tenant).
 //!
 //! # The keys file (`--api-keys-file`)
 //!
@@ -83,6 +93,15 @@ pub struct AccessConfig {
     pub api_keys: Vec<(String, String)>,
     /// How often the keys file is checked for changes. Default 2 s.
     pub reload_interval: Duration,
+    /// The key that opens the operator's surfaces (module docs). Default: none.
+    pub admin_key: Option<String>,
+}
+
+/// Which listener a request came in on (the operator's surfaces are the admin one's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listener {
+    Public,
+    Admin,
 }
 
 impl Default for AccessConfig {
@@ -91,6 +110,7 @@ impl Default for AccessConfig {
             api_keys_file: None,
             api_keys: Vec::new(),
             reload_interval: Duration::from_secs(2),
+            admin_key: None,
         }
     }
 }
@@ -110,6 +130,7 @@ impl fmt::Debug for AccessConfig {
             .field("api_keys_file", &self.api_keys_file)
             .field("api_keys (tenants)", &tenants)
             .field("reload_interval", &self.reload_interval)
+            .field("admin_key", &self.admin_key.as_ref().map(|_| "(set)"))
             .finish()
     }
 }
@@ -126,6 +147,8 @@ pub enum AccessError {
     Parse { path: PathBuf, message: String },
     #[error("--api-keys: {0}")]
     Inline(String),
+    #[error("--admin-key: {0}")]
+    Admin(String),
 }
 
 /// A request's tenant: its name and the salt its cache is kept under.
@@ -177,6 +200,15 @@ fn digest(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
 
+/// The admin key's digest, once it is checked as tenant keys are.
+fn admin_digest(key: &str) -> Result<[u8; 32], AccessError> {
+    check_key(key).map_err(AccessError::Admin)?;
+    if key.len() < 16 {
+        tracing::warn!("an admin key shorter than 16 characters is easy to guess");
+    }
+    Ok(digest(key))
+}
+
 /// The file's identity for change detection: modification time and length.
 type FileStamp = (Option<SystemTime>, u64);
 
@@ -184,6 +216,8 @@ type FileStamp = (Option<SystemTime>, u64);
 pub(crate) struct Access {
     pub(crate) config: AccessConfig,
     table: RwLock<Arc<KeyTable>>,
+    /// The admin key's digest.
+    admin: Option<[u8; 32]>,
     /// The stamp of the file last read (loaded or refused), and the last reload error (so
     /// that a file that stays broken is reported once, not every poll).
     seen: Mutex<(Option<FileStamp>, Option<String>)>,
@@ -212,9 +246,16 @@ impl Access {
         };
         let table = build_table(config)?;
         log_loaded(config, &table, "API keys loaded");
+        let admin = config.admin_key.as_deref().map(admin_digest).transpose()?;
+        if admin.is_some_and(|d| table.keys.contains_key(&d)) {
+            return Err(AccessError::Admin(
+                "the admin key is also a tenant's API key".into(),
+            ));
+        }
         Ok(Access {
             config: config.clone(),
             table: RwLock::new(Arc::new(table)),
+            admin,
             seen: Mutex::new((stamp, None)),
         })
     }
@@ -257,6 +298,32 @@ impl Access {
             self.authenticate(headers)?;
         }
         Ok(())
+    }
+
+    /// Whether a request may see an operator's surface on `listener` (module docs): a 404
+    /// on the public listener without an admin key, a 401 without the right one.
+    pub(crate) fn authorize_admin(
+        &self,
+        headers: &HeaderMap,
+        listener: Listener,
+        path: &str,
+    ) -> Result<(), ServeError> {
+        let Some(want) = &self.admin else {
+            return match listener {
+                Listener::Admin => Ok(()),
+                Listener::Public => Err(ServeError::not_found(path)),
+            };
+        };
+        match presented_key(headers) {
+            Some(Some(key)) if digest(key) == *want => Ok(()),
+            Some(_) => Err(ServeError::unauthorized(
+                "Incorrect admin key provided for this operator's surface.",
+            )),
+            None => Err(ServeError::unauthorized(
+                "This is an operator's surface: send the admin key as \
+                 `Authorization: Bearer <key>`.",
+            )),
+        }
     }
 
     /// Reads the keys file again if it changed since it was last read. `Some(Ok)` when a new

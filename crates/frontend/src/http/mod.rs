@@ -178,7 +178,7 @@ mod validate;
 #[cfg(test)]
 mod tests;
 
-pub use auth::{AccessConfig, AccessError};
+pub use auth::{AccessConfig, AccessError, Listener};
 pub use backend::{
     Backend, Endpoint, EngineReport, FinishReason, Generation, RouteInfo, TokenChunk, TokenLogprob,
     ValidRequest,
@@ -205,26 +205,63 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use tokio_util::sync::CancellationToken;
 
-/// The HTTP routes, ready to [`serve`].
+/// The public listener's routes, ready to [`serve`]: the APIs, `/health` and `/live`; the
+/// operator's surfaces only to the admin key (`auth.rs`, "The operator's surfaces").
 pub fn app(state: HttpState) -> Router {
-    Router::new()
-        .route("/v1/chat/completions", post(generate::chat_completions))
-        .route("/v1/completions", post(generate::completions))
-        .route("/v1/responses", post(generate::responses))
-        .route("/v1/messages", post(generate::messages))
-        .route("/v1/models", get(models::models))
-        .route("/v1/models/{*model}", get(models::model))
-        .route("/health", get(health))
-        .route("/live", get(live))
+    routes(state, Listener::Public)
+}
+
+/// The admin listener's routes: the status page, `/status.json` and `/metrics` (behind the
+/// admin key when there is one), `/health` and `/live`.
+pub fn admin_app(state: HttpState) -> Router {
+    routes(state, Listener::Admin)
+}
+
+fn routes(state: HttpState, listener: Listener) -> Router {
+    let admin = Router::new()
         .route("/metrics", get(metrics))
         .route("/", get(status::page))
         .route("/status", get(status::page))
         .route("/status.json", get(status::data))
+        .route_layer(axum::middleware::from_fn_with_state(
+            (state.clone(), listener),
+            admin_only,
+        ));
+    let router = match listener {
+        Listener::Public => Router::new()
+            .route("/v1/chat/completions", post(generate::chat_completions))
+            .route("/v1/completions", post(generate::completions))
+            .route("/v1/responses", post(generate::responses))
+            .route("/v1/messages", post(generate::messages))
+            .route("/v1/models", get(models::models))
+            .route("/v1/models/{*model}", get(models::model)),
+        Listener::Admin => Router::new(),
+    };
+    router
+        .route("/health", get(health))
+        .route("/live", get(live))
+        .merge(admin)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         // Bodies are bounded by `max_body_bytes` in the handlers (to answer 413 in JSON).
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state)
+}
+
+/// Lets a request through to an operator's surface only as `auth.rs` allows.
+async fn admin_only(
+    State((state, listener)): State<(HttpState, Listener)>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = request.uri().path().to_string();
+    match state
+        .access()
+        .authorize_admin(request.headers(), listener, &path)
+    {
+        Ok(()) => next.run(request).await,
+        Err(e) => e.into_response(),
+    }
 }
 
 /// Serves `app` on `listener` until `shutdown` is cancelled, then stops accepting, closes
@@ -300,12 +337,14 @@ pub async fn serve_tls(
     serve_listener(tls::TlsListener::new(listener, tls), app, shutdown).await
 }
 
-/// Serves `state`'s routes on `listener` as its config says: over TLS when
-/// [`HttpConfig::tls`] is set ([`serve_tls`]), else plain ([`serve`]); and keeps its API keys
-/// file reloaded ([`watch_api_keys`]) while it serves. Until `shutdown`, with `serve`'s
-/// graceful shutdown.
+/// Serves `state`'s routes on `listener` (and the operator's surfaces on `admin`, when
+/// given) as its config says: over TLS when [`HttpConfig::tls`] is set ([`serve_tls`]), else
+/// plain ([`serve`]); and keeps its API keys file reloaded ([`watch_api_keys`]) while it
+/// serves. Until `shutdown`, with `serve`'s graceful shutdown. The admin listener is plain
+/// HTTP (loopback by default).
 pub async fn serve_state(
     listener: tokio::net::TcpListener,
+    admin: Option<tokio::net::TcpListener>,
     state: HttpState,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
@@ -313,6 +352,13 @@ pub async fn serve_state(
     // The watch ends with the server, whichever way the server ends.
     let watch_stop = shutdown.child_token();
     let watch = watch_api_keys(state.clone(), watch_stop.clone());
+    let (admin_state, admin_stop) = (state.clone(), shutdown.clone());
+    let admin = async move {
+        match admin {
+            Some(admin) => serve(admin, admin_app(admin_state), admin_stop).await,
+            None => Ok(()),
+        }
+    };
     let served = async {
         let served = match state.tls() {
             Some(tls) => {
@@ -324,8 +370,8 @@ pub async fn serve_state(
         watch_stop.cancel();
         served
     };
-    let (served, ()) = tokio::join!(served, watch);
-    served
+    let (served, admin, ()) = tokio::join!(served, admin, watch);
+    served.and(admin)
 }
 
 fn json(body: String) -> Response {

@@ -115,7 +115,8 @@ mod tests {
 
     #[tokio::test]
     async fn the_page_is_self_contained_html_on_both_paths() {
-        let (app, _) = setup(FakeBackend::text("a b"), config());
+        let (_, state) = setup(FakeBackend::text("a b"), config());
+        let app = crate::http::admin_app(state);
         for path in ["/", "/status"] {
             let resp = send(&app, get(path)).await;
             assert_eq!(resp.status(), StatusCode::OK, "{path}");
@@ -138,7 +139,8 @@ mod tests {
     #[tokio::test]
     async fn status_json_shows_the_edge_and_tells_a_backend_without_status_apart() {
         let (app, state) = setup(FakeBackend::text("a b c"), config());
-        let s = body_json(send(&app, get("/status.json")).await).await;
+        let admin = crate::http::admin_app(state.clone());
+        let s = body_json(send(&admin, get("/status.json")).await).await;
         assert_eq!(s["model"], "tandem-test");
         assert_eq!(s["ready"], true);
         assert_eq!(s["draining"], false);
@@ -150,7 +152,7 @@ mod tests {
         let body = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
         body_text(send(&app, post_json("/v1/chat/completions", &body)).await).await;
         state.start_draining();
-        let s = body_json(send(&app, get("/status.json")).await).await;
+        let s = body_json(send(&admin, get("/status.json")).await).await;
         assert_eq!(s["draining"], true);
         assert_eq!(s["latency"]["ttft"]["count"], 1, "{s}");
         assert!(s["latency"]["ttft"]["p50_ms"].is_number(), "{s}");

@@ -196,7 +196,7 @@ async fn every_generation_endpoint_needs_a_valid_key() {
 #[tokio::test]
 async fn probes_stay_open_and_models_need_a_key() {
     let e = edge(inline(&[(ACME, "acme")]));
-    for path in ["/health", "/live", "/metrics"] {
+    for path in ["/health", "/live"] {
         assert_eq!(
             send(&e.app, get(path)).await.status(),
             StatusCode::OK,
@@ -218,7 +218,7 @@ async fn probes_stay_open_and_models_need_a_key() {
         post_json("/v1/completions", &json!({"prompt": "x"})),
     )
     .await;
-    let metrics = body_text(send(&e.app, get("/metrics")).await).await;
+    let metrics = scrape(&e.state).await;
     let counted = r#"tandem_http_requests_total{endpoint="completion",status="401"} 1"#;
     assert!(metrics.contains(counted), "{metrics}");
 }
@@ -566,6 +566,7 @@ async fn tls_serves_real_requests_and_plain_http_fails_cleanly() {
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(crate::http::serve_state(
         listener,
+        None,
         e.state.clone(),
         shutdown.clone(),
     ));
@@ -675,4 +676,83 @@ fn bad_tls_files_are_refused_at_start() {
         assert!(msg.contains("TLS") && msg.contains(want), "{cfg:?}: {msg}");
     }
     assert!(crate::http::tls::load(&tls).is_ok());
+}
+
+/// Every route of both listeners, with no key, a tenant's key and the admin key: with keys
+/// and an admin key configured, and with neither (`auth.rs`, "The operator's surfaces").
+#[tokio::test]
+async fn each_listener_serves_its_routes_to_the_keys_that_open_them() {
+    const ADMIN: &str = "sk-admin-0123456789abcdef";
+    const OPS: [&str; 4] = ["/metrics", "/", "/status", "/status.json"];
+    let keys = [None, Some(ACME), Some(ADMIN)];
+    let request = |path: &str, key: Option<&str>| {
+        let mut req = match endpoints().iter().find(|(p, _)| *p == path) {
+            Some((p, body)) => post_json(p, body),
+            None => get(path),
+        };
+        if let Some(k) = key {
+            req.headers_mut().insert(
+                header::AUTHORIZATION,
+                format!("Bearer {k}").parse().unwrap(),
+            );
+        }
+        req
+    };
+    let apis: Vec<&str> = endpoints()
+        .iter()
+        .map(|(p, _)| *p)
+        .chain(["/v1/models", "/v1/models/tandem-test"])
+        .collect();
+    for secured in [true, false] {
+        let access = if secured {
+            AccessConfig {
+                admin_key: Some(ADMIN.into()),
+                ..inline(&[(ACME, "acme")])
+            }
+        } else {
+            AccessConfig::default()
+        };
+        let e = edge(access);
+        let admin = crate::http::admin_app(e.state.clone());
+        for key in keys {
+            let code = |app: &Router, path: &str| {
+                let req = request(path, key);
+                let app = app.clone();
+                async move { send(&app, req).await.status().as_u16() }
+            };
+            let case = format!("secured {secured}, key {key:?}");
+            for path in ["/health", "/live"] {
+                assert_eq!(code(&e.app, path).await, 200, "public {path}, {case}");
+                assert_eq!(code(&admin, path).await, 200, "admin {path}, {case}");
+            }
+            for path in &apis {
+                let want = if !secured || key == Some(ACME) {
+                    200
+                } else {
+                    401
+                };
+                assert_eq!(code(&e.app, path).await, want, "public {path}, {case}");
+                assert_eq!(code(&admin, path).await, 404, "admin {path}, {case}");
+            }
+            for path in OPS {
+                let (public, on_admin) = match (secured, key) {
+                    (false, _) => (404, 200),
+                    (true, Some(ADMIN)) => (200, 200),
+                    (true, _) => (401, 401),
+                };
+                assert_eq!(code(&e.app, path).await, public, "public {path}, {case}");
+                assert_eq!(code(&admin, path).await, on_admin, "admin {path}, {case}");
+            }
+        }
+    }
+    // An admin key that is also a tenant's is refused at start.
+    let clash = AccessConfig {
+        admin_key: Some(ACME.into()),
+        ..inline(&[(ACME, "acme")])
+    };
+    let e = try_edge(HttpConfig {
+        access: clash,
+        ..config()
+    });
+    assert!(e.is_err_and(|e| e.to_string().contains("also a tenant's")));
 }

@@ -441,7 +441,7 @@ async fn backend_error_after_the_first_token() {
     );
     // Streaming: the head is sent; the error comes as an event, then [DONE].
     let backend = FakeBackend::new(script.clone());
-    let (app, _) = setup(backend.clone(), config());
+    let (app, state) = setup(backend.clone(), config());
     let resp = send(
         &app,
         post_json("/v1/chat/completions", &chat(json!({"stream": true}))),
@@ -454,7 +454,7 @@ async fn backend_error_after_the_first_token() {
     assert_eq!(err["error"]["code"], "unavailable");
     assert_eq!(err["error"]["message"], "decode worker lost");
     assert!(backend.was_dropped());
-    let metrics = body_text(send(&app, get("/metrics")).await).await;
+    let metrics = scrape(&state).await;
     assert!(
         metrics.contains(r#"tandem_http_stream_errors_total{endpoint="chat"} 1"#),
         "{metrics}"

@@ -270,6 +270,11 @@ pub(crate) fn setup(backend: Arc<FakeBackend>, config: HttpConfig) -> (Router, H
     (super::app(state.clone()), state)
 }
 
+/// `GET /metrics` on `state`'s admin listener.
+pub(crate) async fn scrape(state: &HttpState) -> String {
+    body_text(send(&super::admin_app(state.clone()), get("/metrics")).await).await
+}
+
 pub(crate) async fn send(app: &Router, req: Request<Body>) -> Response<Body> {
     app.clone().oneshot(req).await.expect("infallible")
 }

@@ -79,14 +79,14 @@ async fn draining_turns_new_requests_away_and_lets_streams_finish() {
 #[tokio::test]
 async fn metrics_count_requests_latency_and_tokens() {
     let backend = FakeBackend::text("a b c");
-    let (app, _) = setup(backend.clone(), config());
+    let (app, state) = setup(backend.clone(), config());
     let body = json!({"prompt": "hello", "stream": true});
     body_text(send(&app, post_json("/v1/completions", &body)).await).await;
     let body = json!({"messages": [{"role": "user", "content": "hi"}]});
     body_text(send(&app, post_json("/v1/chat/completions", &body)).await).await;
     send(&app, post("/v1/chat/completions", "{")).await;
 
-    let resp = send(&app, get("/metrics")).await;
+    let resp = send(&crate::http::admin_app(state.clone()), get("/metrics")).await;
     assert_eq!(resp.status(), StatusCode::OK);
     let text = body_text(resp).await;
     for needle in [
@@ -177,7 +177,7 @@ async fn loopback_client_disconnect_cancels_and_shutdown_is_graceful() {
     tokio::time::timeout(Duration::from_secs(5), state.wait_idle())
         .await
         .expect("idle");
-    let metrics = body_text(send(&app, get("/metrics")).await).await;
+    let metrics = scrape(&state).await;
     assert!(
         metrics.contains(r#"tandem_http_client_disconnects_total{endpoint="chat"} 1"#),
         "{metrics}"
@@ -220,7 +220,7 @@ async fn prompt_token_mismatch_is_counted_and_equal_counts_are_not() {
         let _ = body_text(resp).await;
     }
     assert_eq!(state.metrics().prompt_token_mismatches(), 2);
-    let text = body_text(send(&app, get("/metrics")).await).await;
+    let text = scrape(&state).await;
     assert!(
         text.contains("tandem_frontend_prompt_token_mismatch_total 2"),
         "{text}"
