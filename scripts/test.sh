@@ -80,7 +80,7 @@ rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup com
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 
 cargo fmt --all --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked --features tandem/long-tests -- -D warnings
 # The GPU code (feature `cuda`: the native engine's forward pass, CUDA KV regions) builds and
 # passes clippy without a GPU or CUDA toolkit (the driver and NVRTC load at run time), and its
 # kernels compile with NVRTC; the tests that need a device run in scripts/gpu-check.sh.
@@ -89,4 +89,5 @@ cargo clippy --locked --all-targets --features tandem/cuda -p tandem -p tandem-n
 nvrtc=$(echo target/python/nvrtc/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib)
 LD_LIBRARY_PATH=$PWD/$nvrtc cargo test --locked -p tandem-native --features cuda --lib \
   gpu::tests::the_kernels_compile
-cargo test --workspace --locked
+# Every suite, the long ones included (a plain `cargo test` leaves those out).
+cargo test --workspace --locked --features tandem/long-tests

@@ -118,6 +118,44 @@ mod tests {
         super::Cli::command().debug_assert();
     }
 
+    /// The repository stands alone (docs/CONVENTIONS.md §16): no file reads or cites what
+    /// lies beside a clone of it.
+    #[test]
+    fn the_repository_cites_only_itself() {
+        fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+            for entry in std::fs::read_dir(dir).unwrap().flatten() {
+                let path = entry.path();
+                let name = entry.file_name().to_string_lossy().to_string();
+                if path.is_dir() {
+                    if !name.starts_with('.') && name != "target" {
+                        walk(&path, out);
+                    }
+                } else if [".rs", ".md", ".sh", ".py", ".toml", ".yaml", ".yml"]
+                    .iter()
+                    .any(|ext| name.ends_with(ext))
+                {
+                    out.push(path);
+                }
+            }
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files = Vec::new();
+        walk(root, &mut files);
+        assert!(files.len() > 100, "walked {} files", files.len());
+        // Spelled in two parts so that this file does not match itself.
+        let outside = [concat!("../", "shared"), concat!("DESIGN", ".md")];
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap_or_default();
+            for needle in outside {
+                assert!(
+                    !text.contains(needle),
+                    "{} cites {needle}, which a clone of the repository does not have",
+                    file.display()
+                );
+            }
+        }
+    }
+
     /// A flag means one thing on every role: its environment variable is its name
     /// (`--kv-dtype`: `TANDEM_KV_DTYPE`), in a tool's own scope where the tool keeps its
     /// settings apart from a serving environment's (`tandem sim --block-size`:

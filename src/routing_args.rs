@@ -30,7 +30,7 @@ fn adapters() -> AdapterConfig {
     AdapterConfig::default()
 }
 
-/// Routing flags (DESIGN.md §5, §6; README "Routing").
+/// Routing flags (docs/ARCHITECTURE.md §5, §6; README "Routing").
 #[derive(Args, Debug, Clone)]
 pub struct RoutingArgs {
     /// Policy over the decode pool: round-robin, random, least-loaded, power-of-two, kv,

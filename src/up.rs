@@ -414,6 +414,19 @@ mod tests {
             .collect()
     }
 
+    /// The flags of `longs` that `argv` does not give.
+    fn not_in(argv: &[String], longs: Vec<String>) -> Vec<String> {
+        longs
+            .into_iter()
+            .map(|long| format!("--{long}"))
+            .filter(|flag| {
+                !argv
+                    .iter()
+                    .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+            })
+            .collect()
+    }
+
     /// `up`'s flags that configure its frontend, none at its default.
     const SET: &[&str] = &[
         "--port=9123",
@@ -501,17 +514,12 @@ mod tests {
         // A flag added to one of these groups and not to its `to_args` fails here.
         let (up, _) = child_of(SET);
         let argv = frontend_args(&up);
-        let missing: Vec<String> = longs::<HttpArgs>()
-            .into_iter()
-            .chain(longs::<FlowArgs>())
-            .chain(longs::<RoutingArgs>())
-            .map(|long| format!("--{long}"))
-            .filter(|flag| {
-                !argv
-                    .iter()
-                    .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
-            })
-            .collect();
+        let groups = [
+            longs::<HttpArgs>(),
+            longs::<FlowArgs>(),
+            longs::<RoutingArgs>(),
+        ];
+        let missing = not_in(&argv, groups.concat());
         assert!(
             missing.is_empty(),
             "not passed to `tandem up --processes`'s frontend: {missing:?}"
@@ -565,18 +573,14 @@ mod tests {
             assert_eq!(child.kv.to_worker_args(), up.kv.to_worker_args());
             assert_eq!(child.inject_kv_corruption, role == "prefill");
             assert_eq!(child.model, "m");
-            let missing: Vec<String> = longs::<crate::engine_args::EngineArgs>()
-                .into_iter()
-                .chain(longs::<crate::kv_transport_args::KvTransportArgs>())
-                // Each worker's own listener.
-                .filter(|long| long != "kv-listen")
-                .map(|long| format!("--{long}"))
-                .filter(|flag| {
-                    !argv
-                        .iter()
-                        .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
-                })
-                .collect();
+            let mut groups = [
+                longs::<crate::engine_args::EngineArgs>(),
+                longs::<crate::kv_transport_args::KvTransportArgs>(),
+            ]
+            .concat();
+            // Each worker's own listener.
+            groups.retain(|long| long != "kv-listen");
+            let missing = not_in(&argv, groups);
             assert!(missing.is_empty(), "not passed to {name}: {missing:?}");
         }
     }

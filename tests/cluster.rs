@@ -1,4 +1,4 @@
-//! tandem as real processes on real etcd and nats-server (DESIGN.md §1, §9, §10): the OpenAI
+//! tandem as real processes on real etcd and nats-server (docs/ARCHITECTURE.md §1, §9, §10): the OpenAI
 //! surface, prefix-affine routing, conditional disaggregation, bad requests, a standalone
 //! indexer and `tandem up --processes`. Failures are in cluster_faults.rs, KV transfer
 //! correctness in cluster_transfer.rs.
@@ -6,7 +6,7 @@
 //! Each test starts its own etcd, NATS and `tandem` processes (see `common::cluster`), so
 //! tests share nothing but the machine; they run one at a time all the same
 //! (`common::chat::serial`). Eventual conditions are polled with deadlines; no timing is
-//! asserted beyond "ends within a bound" (CONVENTIONS 10).
+//! asserted beyond "ends within a bound" (docs/CONVENTIONS.md §10).
 
 mod common;
 

@@ -1,11 +1,11 @@
-//! The failures an operator meets, on real processes, etcd and nats-server (DESIGN.md §1, §4,
+//! The failures an operator meets, on real processes, etcd and nats-server (docs/ARCHITECTURE.md §1, §4,
 //! §8, §10): a decode worker killed (its streams migrate), NATS restarted, etcd wiped, a
 //! worker and the frontend drained on SIGTERM.
 //!
 //! Each test starts its own etcd, NATS and `tandem` processes (see `common::cluster`), so
 //! tests share nothing but the machine; they run one at a time all the same
 //! (`common::chat::serial`). Eventual conditions are polled with deadlines; no timing is
-//! asserted beyond "ends within a bound" (CONVENTIONS 10).
+//! asserted beyond "ends within a bound" (docs/CONVENTIONS.md §10).
 
 mod common;
 

@@ -1,10 +1,10 @@
-//! Exact KV transfer on real processes (DESIGN.md §7): a disaggregated cluster produces the
+//! Exact KV transfer on real processes (docs/ARCHITECTURE.md §7): a disaggregated cluster produces the
 //! tokens of an aggregated one over each KV transport, and a corrupted transfer is caught.
 //!
 //! Each test starts its own etcd, NATS and `tandem` processes (see `common::cluster`), so
 //! tests share nothing but the machine; they run one at a time all the same
 //! (`common::chat::serial`). Eventual conditions are polled with deadlines; no timing is
-//! asserted beyond "ends within a bound" (CONVENTIONS 10).
+//! asserted beyond "ends within a bound" (docs/CONVENTIONS.md §10).
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! Flow control on real processes (DESIGN.md §10, issue 12 §1): a decode worker saturated by
+//! Flow control on real processes (docs/ARCHITECTURE.md §10, issue 12 §1): a decode worker saturated by
 //! the frontend's tracker, the bounded queue in front of it, 429 with `Retry-After` when it is
 //! full, the interactive band displacing batch work, deadlines in the queue (429) and while
 //! running (504), per-tenant rate limits, a client leaving the queue, and the metrics of it

@@ -1,4 +1,4 @@
-//! Tenants on a real cluster (DESIGN.md §10, "Tenants"): API keys from a keys file name the
+//! Tenants on a real cluster (docs/ARCHITECTURE.md §10, "Tenants"): API keys from a keys file name the
 //! tenant, and the tenant salts the KV cache, so a prefix cached for one tenant gives another
 //! no `cached_tokens` and no speedup, while a tenant configured with the same `cache_salt`
 //! shares it.

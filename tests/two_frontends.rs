@@ -1,4 +1,4 @@
-//! Two frontend replicas, one view (DESIGN.md §5, replica sync), on real etcd and NATS: three
+//! Two frontend replicas, one view (docs/ARCHITECTURE.md §5, replica sync), on real etcd and NATS: three
 //! decode workers, two `tandem frontend` processes, requests sent to them in turn.
 //!
 //! - **Load.** Each frontend shows what its router's active-sequence tracker counts on every
@@ -19,7 +19,7 @@
 //!
 //! Requests are held in flight as streams that a thread reads until the test lets go
 //! (dropping a stream cancels its request), so nothing depends on how fast the mocker is.
-//! Eventual conditions are polled with deadlines (CONVENTIONS 10).
+//! Eventual conditions are polled with deadlines (docs/CONVENTIONS.md §10).
 
 mod common;
 

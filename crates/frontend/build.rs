@@ -1,5 +1,5 @@
 //! Compiles the trimmed Envoy ext_proc protos (proto/envoy/) with protox: pure Rust, so no
-//! system `protoc` is needed (CONVENTIONS §14). Server stubs for `tandem epp`; the well-known
+//! system `protoc` is needed (docs/CONVENTIONS.md §14). Server stubs for `tandem epp`; the well-known
 //! `google.protobuf.Struct` comes from prost-types.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -1,5 +1,5 @@
 //! Compiles our trimmed etcd v3 protos (proto/etcd/) with protox: pure Rust, so building this
-//! crate needs no system `protoc` (CONVENTIONS §14). Client stubs only: we never serve etcd.
+//! crate needs no system `protoc` (docs/CONVENTIONS.md §14). Client stubs only: we never serve etcd.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/etcd/rpc.proto");

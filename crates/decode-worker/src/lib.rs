@@ -1,4 +1,4 @@
-//! tandem's decode worker (DESIGN.md §1, §6, §7): serves `Generate`. A request prefills
+//! tandem's decode worker (docs/ARCHITECTURE.md §1, §6, §7): serves `Generate`. A request prefills
 //! here, or — when the frontend names a prefill worker — reserves blocks for the part of the
 //! prompt it does not cache and has the prefill worker compute them and write their KV
 //! straight into those blocks of this worker's arena (exposed once on the KV transport; or

@@ -1,4 +1,4 @@
-//! tandem's frontend (DESIGN.md §1, §9, §10): the async shell around the routing core.
+//! tandem's frontend (docs/ARCHITECTURE.md §1, §9, §10): the async shell around the routing core.
 //!
 //! - [`http`]: the OpenAI-compatible HTTP edge — validation into a [`http::ValidRequest`],
 //!   the chat template and tokenizer, responses and SSE streams, one place for error

@@ -4,7 +4,7 @@
 //! `client.responses.create` (whole, streamed, with tools, `previous_response_id`),
 //! `client.responses.stream`, `client.messages.create` and `client.messages.stream`,
 //! assert on the parsed SDK objects and print JSON that the test checks too
-//! (CONVENTIONS 13: an independent implementation of the protocol). With API keys, both SDKs'
+//! (docs/CONVENTIONS.md §13: an independent implementation of the protocol). With API keys, both SDKs'
 //! own key headers are accepted and a wrong key raises each SDK's `AuthenticationError`.
 //!
 //! Needs the `sdk` venv (`target/python/sdk`, which scripts/test.sh makes) with the `openai`

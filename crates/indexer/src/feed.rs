@@ -1,5 +1,5 @@
 //! [`IndexFeed`]: the rules that keep a [`KvIndex`] true to the workers it mirrors
-//! (DESIGN.md §4), as a sans-IO state machine. The shell (the frontend's event-plane
+//! (docs/ARCHITECTURE.md §4), as a sans-IO state machine. The shell (the frontend's event-plane
 //! subscriber, the standalone indexer, the simulator) hands it what arrives — membership
 //! changes, KV event batches, load reports — and performs the [`Repair`]s it asks for
 //! (a range of events from the worker's ring, or a dump), handing the answer back with

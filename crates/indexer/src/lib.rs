@@ -1,4 +1,4 @@
-//! tandem's global KV-block index (DESIGN.md §4): which worker holds which KV block in which
+//! tandem's global KV-block index (docs/ARCHITECTURE.md §4): which worker holds which KV block in which
 //! memory tier, fed by the workers' numbered KV events, asked by the router how much of a
 //! prompt each worker already holds.
 //!
@@ -11,7 +11,8 @@
 //!   and in which tier ([`OverlapScores`], [`TierCounts`]); [`KvIndex::find_extents`] returns
 //!   the same grouped by shared extent ([`Extents`]: a few groups of workers with equal counts,
 //!   built without a cost per matching worker, for a scorer that prices a group once).
-//! - [`ShardedIndex`]: the same API for concurrent readers and writers, sharded by worker.
+//! - [`ShardedIndex`]: the same API for concurrent readers and writers, sharded by worker; one
+//!   shard (a read-write lock) by default, which the benchmarks found best for one subscriber.
 //! - [`ApproxIndex`]: approximate mode for routers without events, fed with the router's own
 //!   decisions and expiring them after a TTL.
 //! - [`IndexFeed`]: the rules that keep an index true to the workers it mirrors (dump at

@@ -1,4 +1,4 @@
-//! tandem's prefill worker (DESIGN.md §1, §7): runs prompts through its engine as one-token
+//! tandem's prefill worker (docs/ARCHITECTURE.md §1, §7): runs prompts through its engine as one-token
 //! requests and streams the KV of the blocks a decode worker asked for as soon as the chunk
 //! that completes each block finishes, then the first token and a digest of what it sent.
 //!

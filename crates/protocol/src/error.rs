@@ -1,4 +1,4 @@
-//! [`ErrorClass`]: the one classification of errors every tandem crate uses (CONVENTIONS 4).
+//! [`ErrorClass`]: the one classification of errors every tandem crate uses (docs/CONVENTIONS.md §4).
 //! Each crate's error type says which class each of its errors is in (`fn class(&self)`); the
 //! class alone decides what a caller does — retry elsewhere, retry later, give up — and what a
 //! client sees. With the `grpc` feature it also has the one mapping to and from gRPC status

@@ -1,4 +1,4 @@
-//! KV events: what a worker announces about its cache (DESIGN.md §4).
+//! KV events: what a worker announces about its cache (docs/ARCHITECTURE.md §4).
 //!
 //! Every worker numbers its events from 1 upward, one per event, with no holes; event id 0
 //! means "nothing yet". A consumer that sees a hole must repair it (a range from the worker's

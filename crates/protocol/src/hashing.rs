@@ -1,4 +1,4 @@
-//! KV block identity (DESIGN.md §3).
+//! KV block identity (docs/ARCHITECTURE.md §3).
 //!
 //! `local_hash = xxh3_64(token ids as u32 LE, seed)`; `sequence_hash[0] = local_hash[0]`,
 //! `sequence_hash[i] = xxh3_64(sequence_hash[i-1] LE ‖ local_hash[i] LE, seed)`. Only full

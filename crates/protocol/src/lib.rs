@@ -1,13 +1,14 @@
 //! tandem's shared vocabulary: what every other crate agrees on.
 //!
 //! - [`ids`]: `WorkerId`, `RequestId`, block hashes and the memory [`StorageTier`].
-//! - [`hashing`]: KV block identity (DESIGN.md §3). Only full blocks are hashed; a block's
+//! - [`hashing`]: KV block identity (docs/ARCHITECTURE.md §3). Only full blocks are hashed; a block's
 //!   `LocalBlockHash` is xxh3-64 of its token ids (u32 little-endian) and its `SequenceHash`
 //!   chains the parent's sequence hash with the local hash, so one sequence hash names a whole
 //!   prefix. The seed mixes a fixed constant with the request's cache salt.
 //! - [`events`]: KV events (`Stored`, `Removed`, `Cleared`) numbered per worker, and dumps.
 //! - [`worker`]: the worker record registered in discovery and the periodic load report.
 //! - [`codec`]: the versioned bincode envelope every message on the event plane travels in.
+//! - [`exposition`]: the Prometheus text format, parsed (engines' and frontends' `/metrics`).
 //! - [`rng`]: [`Rng`], the seeded generator (xoshiro256** through SplitMix64) behind every
 //!   random draw of the router, the workloads and the simulator: same seed, same stream, on
 //!   every platform and with every dependency version.
@@ -16,7 +17,7 @@
 //! - [`grpc`] (feature `grpc`): the request plane's messages and services
 //!   (proto/tandem.proto), generated.
 //!
-//! This crate depends on nothing internal (DESIGN.md §2) and does no I/O.
+//! This crate depends on nothing internal (docs/ARCHITECTURE.md §2) and does no I/O.
 
 pub mod codec;
 pub mod error;

@@ -1,5 +1,5 @@
 //! Circuit breakers per worker ([`Breakers`]) and the retry budget ([`RetryBudget`]), sans-IO
-//! (DESIGN.md §10): a worker that discovery still lists but that fails is not chosen — not
+//! (docs/ARCHITECTURE.md §10): a worker that discovery still lists but that fails is not chosen — not
 //! even by cache affinity — and retries cannot multiply a failure into an overload.
 //!
 //! # Breaker

@@ -1,4 +1,4 @@
-//! Conditional disaggregation (DESIGN.md §6) as a pure function: given both pools, a request
+//! Conditional disaggregation (docs/ARCHITECTURE.md §6) as a pure function: given both pools, a request
 //! and a mode, which decode worker, and whether (and where) to prefill remotely.
 //!
 //! The decode worker D is chosen first by the `kv` cost over the decode pool:

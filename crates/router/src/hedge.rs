@@ -1,4 +1,4 @@
-//! [`TtftHistory`]: recent times to first token by prompt size, for hedging (DESIGN.md §10):
+//! [`TtftHistory`]: recent times to first token by prompt size, for hedging (docs/ARCHITECTURE.md §10):
 //! a request with no first token after the p95 of requests of its size is started on a second
 //! worker. Sans-IO: the caller passes the numbers.
 

@@ -1,4 +1,4 @@
-//! The `kv` policy: DESIGN.md §5's cost in KV blocks, lower is better.
+//! The `kv` policy: docs/ARCHITECTURE.md §5's cost in KV blocks, lower is better.
 //!
 //! ```text
 //! raw_prefill = (active_prefill_tokens(w) + prompt_tokens) / block_size
@@ -103,7 +103,7 @@ impl KvConfig {
     }
 
     /// No credit for any tier: the worker's cache is ignored, only load counts. Used for the
-    /// decode worker when every prompt is prefilled remotely (DESIGN.md §6).
+    /// decode worker when every prompt is prefilled remotely (docs/ARCHITECTURE.md §6).
     pub fn without_credit(self) -> Self {
         KvConfig {
             overlap_credit: 0.0,

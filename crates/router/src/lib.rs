@@ -1,4 +1,4 @@
-//! tandem's routing core (DESIGN.md §5, §6): which worker serves a request, and whether its
+//! tandem's routing core (docs/ARCHITECTURE.md §5, §6): which worker serves a request, and whether its
 //! prompt is prefilled on a separate worker. Sans-IO: the frontend (`tandem-frontend`) and the
 //! simulator (`tandem-sim`) are shells around it, and both route through the same
 //! [`RoutingReplica`].
@@ -52,6 +52,12 @@
 //! - `pool.rs`: busy thresholds and warm-up ([`PoolConfig`]), and [`Router`].
 //! - `tracker.rs`: [`ActiveSequences`] and replica sync. `disagg.rs`: conditional
 //!   disaggregation.
+//! - Admission (what waits, what is refused): `flow/` ([`FlowQueue`]: the bounded queue with
+//!   priority bands and tenant fairness, `buckets.rs` the per-tenant rate limits),
+//!   `saturation.rs` ([`SaturationConfig`]: when a decode worker takes no more), and
+//!   `replica/admit.rs` (routing a queued request only to unsaturated workers).
+//! - Resilience (what happens when workers fail): `breaker.rs` ([`Breakers`] per worker and
+//!   the [`RetryBudget`]), `hedge.rs` ([`TtftHistory`], when a second attempt starts).
 //! - `error.rs`: [`RouteError`], [`ConfigError`]. [`Rng`] is `tandem_protocol::Rng`.
 //!
 //! # Invariants

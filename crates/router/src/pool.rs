@@ -1,4 +1,4 @@
-//! Candidate preparation shared by every policy: warm-up and busy thresholds (DESIGN.md §5),
+//! Candidate preparation shared by every policy: warm-up and busy thresholds (docs/ARCHITECTURE.md §5),
 //! and [`Router`], which applies them before its policy.
 //!
 //! - **Busy**: a worker whose KV usage or pending prefill tokens exceed a threshold is left

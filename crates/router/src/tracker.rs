@@ -1,5 +1,5 @@
 //! The active-sequence tracker: per worker, what the routers have sent it that is not
-//! finished (DESIGN.md §5), shared between router replicas by [`SyncMessage`]s.
+//! finished (docs/ARCHITECTURE.md §5), shared between router replicas by [`SyncMessage`]s.
 //!
 //! # What it counts
 //!

@@ -21,13 +21,13 @@
 //! - [`error`]: [`RuntimeError`] and its [`ErrorClass`]; [`EtcdError`] for etcd failures.
 //!
 //! **Invariants.**
-//! - Every transport has an in-memory twin with the same contract (CONVENTIONS §6).
+//! - Every transport has an in-memory twin with the same contract (docs/CONVENTIONS.md §6).
 //! - Losing etcd or NATS is survived, not fatal: a registration re-establishes itself forever,
 //!   a discovery watch re-lists and emits the difference (a removal is never missed), NATS
 //!   subscriptions resume after a reconnect. Failures are logged at `warn`.
 //! - Bounded everything: watch channels, event buffers, publish waits, reconnect backoff, and
 //!   every etcd call runs under a timeout.
-//! - The event plane is at most once; consumers detect gaps by event ids (CONVENTIONS §7).
+//! - The event plane is at most once; consumers detect gaps by event ids (docs/CONVENTIONS.md §7).
 //! - No process started by [`external`] outlives its handle.
 //! - Library code reads no environment variables, except `RUST_LOG` in [`telemetry`].
 

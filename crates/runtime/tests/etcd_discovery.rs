@@ -305,7 +305,7 @@ async fn missing_etcd_binary_is_a_typed_error() {
 }
 
 // ---- Interop: our etcd client (src/discovery/etcd/client.rs) against the independent
-// `etcd-client` crate, on the same real etcd (CONVENTIONS §13). ----
+// `etcd-client` crate, on the same real etcd (docs/CONVENTIONS.md §13). ----
 
 #[tokio::test]
 async fn etcd_client_sees_our_keys_on_our_lease_with_our_ttl() -> Result<()> {

@@ -1,6 +1,6 @@
 //! The ZMQ KV event path end to end, on loopback.
 //!
-//! 1. Against an independent encoder (CONVENTIONS 13): a Python engine stand-in that defines
+//! 1. Against an independent encoder (docs/CONVENTIONS.md §13): a Python engine stand-in that defines
 //!    vLLM's and SGLang's msgspec structs as they are written upstream (array-like, map, map
 //!    events in a positional batch, SGLang's older schema), publishes them on a pyzmq PUB
 //!    socket and serves replay like vLLM's `ZmqEventPublisher._service_replay`. Needs the zmq

@@ -1,4 +1,4 @@
-//! The frontend's flow control (DESIGN.md §10): the I/O around [`tandem_router::FlowQueue`].
+//! The frontend's flow control (docs/ARCHITECTURE.md §10): the I/O around [`tandem_router::FlowQueue`].
 //!
 //! A new request first passes its tenant's rate limits, then asks the gate for a plan. With
 //! nothing queued and a decode worker not saturated ([`tandem_router::SaturationConfig`]) it

@@ -6,7 +6,7 @@
 //! index lock.
 //!
 //! Each worker's load as this replica's active-sequence tracker counts it
-//! (`tandem_router_tracked_*`, DESIGN.md §5) is read at scrape time instead ([`TrackedLoads`]),
+//! (`tandem_router_tracked_*`, docs/ARCHITECTURE.md §5) is read at scrape time instead ([`TrackedLoads`]),
 //! all workers under one read of the replica: replicas sharing their deltas should show the
 //! same numbers, and comparing two frontends' scrapes is how an operator (or a test) sees
 //! whether they do; a refresh period's lag would blur that.

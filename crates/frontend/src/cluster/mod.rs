@@ -1,4 +1,4 @@
-//! The frontend and the standalone indexer as services over a live cluster (DESIGN.md §1,
+//! The frontend and the standalone indexer as services over a live cluster (docs/ARCHITECTURE.md §1,
 //! §4, §8): [`run_frontend`] serves the OpenAI API ([`crate::http`]) on a
 //! [`ClusterBackend`]; [`run_indexer`] serves `FindMatches` from an index fed exactly as the
 //! frontend's embedded one ([`ClusterView`]). Both are shells around a

@@ -6,7 +6,7 @@
 //! The rules that keep the index true (dump at join, never past a gap, trailing loss shown by
 //! load reports, purge at leave) are the replica's ([`tandem_indexer::IndexFeed`]); this file
 //! only moves bytes. Workers of another model are ignored, workers announcing another block
-//! size refused, loudly (DESIGN.md §3).
+//! size refused, loudly (docs/ARCHITECTURE.md §3).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -32,7 +32,7 @@ pub struct ViewConfig {
     pub namespace: String,
     /// Workers serving another model are ignored (None: any model, e.g. a shared indexer).
     pub model: Option<String>,
-    /// Workers announcing another block size are refused, loudly (DESIGN.md §3).
+    /// Workers announcing another block size are refused, loudly (docs/ARCHITECTURE.md §3).
     pub block_size: BlockSize,
     pub connect_timeout: Duration,
     /// Keep the replica's index fed from the event plane (false when a standalone indexer is

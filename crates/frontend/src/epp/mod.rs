@@ -1,5 +1,5 @@
 //! `tandem epp`: the frontend's router as a Gateway API Inference Extension endpoint picker
-//! (DESIGN.md §9). A Kubernetes gateway (Envoy) asks it, over Envoy's external processing
+//! (docs/ARCHITECTURE.md §9). A Kubernetes gateway (Envoy) asks it, over Envoy's external processing
 //! protocol, where each inference request of an `InferencePool` should go; it reads the
 //! request body, tokenizes it as the frontend does (chat template included), routes it with
 //! the KV index and the active-sequence tracker under the frontend's flow control, and
@@ -243,7 +243,7 @@ fn start_housekeeping(picker: &Arc<Picker>, tasks: &TaskTracker, stop: Cancellat
 }
 
 /// Replica sync with the frontends and other pickers of the namespace: this replica's
-/// tracker changes published, its peers' applied (DESIGN.md §5).
+/// tracker changes published, its peers' applied (docs/ARCHITECTURE.md §5).
 async fn start_sync(
     cfg: &BackendConfig,
     view: &Arc<ClusterView>,

@@ -1,4 +1,4 @@
-//! API keys and tenants at the HTTP edge (DESIGN.md §10, "Tenants"): which tenant a request
+//! API keys and tenants at the HTTP edge (docs/ARCHITECTURE.md §10, "Tenants"): which tenant a request
 //! comes from, whether it may be served at all, and the cache salt that keeps tenants'
 //! KV blocks apart.
 //!

@@ -55,7 +55,7 @@ impl Endpoint {
 }
 
 /// A request that passed validation: the only form of a request past the HTTP edge
-/// (CONVENTIONS 3). Every field is in range: `prompt_tokens` is non-empty, `max_tokens >= 1`
+/// (docs/CONVENTIONS.md §3). Every field is in range: `prompt_tokens` is non-empty, `max_tokens >= 1`
 /// and `prompt_tokens.len() + max_tokens <= context_length`, `temperature` in `[0, 2]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ValidRequest {

@@ -1,5 +1,5 @@
 //! [`ServeError`]: every failure the HTTP edge reports, and the one place that maps it to an
-//! HTTP status and OpenAI's error JSON (CONVENTIONS 3, 4).
+//! HTTP status and OpenAI's error JSON (docs/CONVENTIONS.md §3, 4).
 //!
 //! | kind              | status | `type`                  | `code` (default)          |
 //! |-------------------|--------|-------------------------|---------------------------|

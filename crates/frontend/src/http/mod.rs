@@ -1,4 +1,4 @@
-//! The OpenAI- and Anthropic-compatible HTTP edge of the frontend (DESIGN.md §1, §9, §10). It
+//! The OpenAI- and Anthropic-compatible HTTP edge of the frontend (docs/ARCHITECTURE.md §1, §9, §10). It
 //! turns HTTP requests into [`ValidRequest`]s, hands them to a [`Backend`] (the routing glue
 //! that talks to workers), and turns the backend's token chunks into responses and SSE
 //! streams in the shape of the API the request came through.

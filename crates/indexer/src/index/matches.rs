@@ -178,7 +178,7 @@ impl KvIndex {
     /// interior block is not detected when applied; the search catches it only if it sees the
     /// worker's level go down between two adjacent blocks it compares.
     ///
-    /// `hashes` are the chained sequence hashes of one prompt (DESIGN.md §3): that chaining is
+    /// `hashes` are the chained sequence hashes of one prompt (docs/ARCHITECTURE.md §3): that chaining is
     /// what turns per-worker prefix closure into monotone levels along `hashes`.
     pub fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
         // Positions are u32; a prompt of 4 billion blocks is cut rather than mis-indexed.

@@ -116,7 +116,10 @@ impl WorkerState {
 
 /// The global KV index: which worker holds which block in which tier.
 ///
-/// Synchronous and I/O-free; wrap it in [`crate::ShardedIndex`] for concurrent use.
+/// Synchronous and I/O-free. Shared between threads, one index behind a read-write lock
+/// serves a frontend (one event subscriber) best: [`crate::ShardedIndex`] with more than one
+/// shard made every query 4–5× slower at a realistic event rate and pays off only with
+/// several writer threads (crates/indexer/BENCHMARKS.md).
 #[derive(Debug, Default)]
 pub struct KvIndex {
     blocks: BlockMap,

@@ -1,4 +1,4 @@
-//! Flow control at the frontend (DESIGN.md §10), sans-IO: the bounded queue requests wait in
+//! Flow control at the frontend (docs/ARCHITECTURE.md §10), sans-IO: the bounded queue requests wait in
 //! while every decode worker is saturated, the order they leave it in, and the per-tenant rate
 //! limits checked before they enter. The frontend holds one [`FlowQueue`] behind a lock and
 //! dispatches from it as capacity frees; `tandem sim` could drive the same type in virtual

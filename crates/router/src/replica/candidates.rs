@@ -5,7 +5,7 @@
 //! # The shortcut
 //!
 //! Under `kv` at temperature 0 a worker that holds none of the prompt costs
-//! `s·(backlog + prompt)/bs + decode + a·requests` (DESIGN.md §5; no credit, speed 1, no
+//! `s·(backlog + prompt)/bs + decode + a·requests` (docs/ARCHITECTURE.md §5; no credit, speed 1, no
 //! transfer or adapter term), which orders those workers by their load alone, the same for
 //! every request with the same `s`, `a` and block size. [`LoadOrder`] keeps the members in
 //! that order, re-keying only the workers whose tracked load changed since the last decision

@@ -1,7 +1,7 @@
 //! [`FaultyEventPlane`]: fault injection for tests and drills — an event plane that drops,
 //! duplicates and reorders the messages published on chosen subjects, with a seeded
 //! generator so that a run reproduces. Consumers must survive exactly this (the plane's
-//! contract is at most once, no order across reconnections: CONVENTIONS §7).
+//! contract is at most once, no order across reconnections: docs/CONVENTIONS.md §7).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! `tandem_protocol`). Two implementations: [`NatsEventPlane`] (core NATS, no JetStream) and
 //! [`MemoryEventPlane`] (in-process). Delivery is at most once: a publisher gets no ack, a
 //! disconnected or lagging subscriber loses messages. Consumers therefore detect gaps by the
-//! per-source event ids carried in the payloads and resync (CONVENTIONS §7); they never assume a
+//! per-source event ids carried in the payloads and resync (docs/CONVENTIONS.md §7); they never assume a
 //! complete stream.
 //!
 //! Subjects are dot-separated tokens ([`subjects`]). The memory plane matches subjects exactly;

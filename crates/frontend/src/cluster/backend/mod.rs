@@ -10,8 +10,8 @@
 //! remote.
 //!
 //! Failures before the first token are retried on another decode worker (the frontend's is
-//! the one retry layer, DESIGN.md §10), up to `max_attempts`. A failure after the first token
-//! migrates the request (DESIGN.md §1): prompt + tokens generated so far go to another decode
+//! the one retry layer, docs/ARCHITECTURE.md §10), up to `max_attempts`. A failure after the first token
+//! migrates the request (docs/ARCHITECTURE.md §1): prompt + tokens generated so far go to another decode
 //! worker for the rest of the token budget, up to `max_migrations` times; beyond that the
 //! stream ends with an error item and the edge closes the response cleanly.
 //!

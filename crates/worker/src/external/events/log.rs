@@ -1,7 +1,7 @@
 //! [`RelayLog`]: numbers the mirror's changes as tandem events and keeps the recent ones.
 //! Sans-IO.
 //!
-//! Event ids start at 1 and increase by one per event with no holes (DESIGN.md §4), whatever
+//! Event ids start at 1 and increase by one per event with no holes (docs/ARCHITECTURE.md §4), whatever
 //! the engine's stream did: engine gaps and restarts show up as `Cleared` events, never as
 //! holes in tandem's numbering. The ring is bounded by events and by blocks, so a consumer
 //! that falls behind further than it holds gets `None` from [`RelayLog::since`] and asks for

@@ -1,5 +1,5 @@
 //! [`KvMirror`]: what one engine holds, by the engine's block hashes, and the tandem changes
-//! each engine event makes. Sans-IO: no sockets, no clock, no tokio (CONVENTIONS 2).
+//! each engine event makes. Sans-IO: no sockets, no clock, no tokio (docs/CONVENTIONS.md §2).
 //!
 //! The engine's hashes are not tandem's (vLLM hashes `(parent, token tuple, extra keys)` with
 //! sha256 or a per-process random seed), so the mirror recomputes tandem's from the

@@ -1,4 +1,4 @@
-//! An external engine's KV events, relayed as tandem's (DESIGN.md §4, CONVENTIONS 7 and 13).
+//! An external engine's KV events, relayed as tandem's (docs/ARCHITECTURE.md §4, docs/CONVENTIONS.md §7 and 13).
 //!
 //! vLLM (`vllm/distributed/kv_events.py`, `ZmqEventPublisher`) and SGLang
 //! (`python/sglang/srt/disaggregation/kv_events.py`, same class) publish their KV cache
