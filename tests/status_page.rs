@@ -217,16 +217,14 @@ fn count(v: &Value, key: &str) -> u64 {
 #[test]
 fn the_status_page_shows_the_cluster_and_follows_traffic() {
     let dir = common::temp_dir("status-page");
-    let port = tandem_runtime::external::free_port().unwrap();
-    let admin_port = tandem_runtime::external::free_port().unwrap();
     let args: Vec<String> = [
         "up",
         "--engine",
         "mocker",
         "--port",
-        &port.to_string(),
+        "0",
         "--admin-listen",
-        &format!("127.0.0.1:{admin_port}"),
+        "127.0.0.1:0",
         "--prefill",
         "1",
         "--decode",
@@ -237,9 +235,12 @@ fn the_status_page_shows_the_cluster_and_follows_traffic() {
     .map(String::from)
     .to_vec();
     let mut up = Proc::spawn("tandem-up", "up", &args, &dir.join("up.log"));
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    // The status page and its data are on the admin listener.
-    let admin = SocketAddr::from(([127, 0, 0, 1], admin_port));
+    // The addresses it bound (port 0: nothing can take them first); the status page and its
+    // data are on the admin listener.
+    let (addr, admin) = wait_for("tandem up's addresses", Duration::from_secs(60), || {
+        assert!(up.is_running(), "tandem up exited:\n{}", up.log());
+        common::native::bound_addresses(&up.log())
+    });
     // Every worker registered and reporting load.
     let ids: Vec<u64> = wait_for("3 workers reporting", Duration::from_secs(60), || {
         assert!(up.is_running(), "tandem up exited:\n{}", up.log());

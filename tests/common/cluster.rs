@@ -329,17 +329,34 @@ impl Cluster {
         cluster
     }
 
-    /// Starts a standalone indexer on a free port; its address. (The frontend connects
-    /// lazily, so it may come up after the frontend.)
+    /// Starts a standalone indexer on a free port, once it listens; its address. (Another
+    /// process may take the port between its choice and the indexer's bind: then the
+    /// indexer exits and starts again on another.)
     pub fn spawn_indexer(&mut self) -> String {
-        let addr = format!("127.0.0.1:{}", free_port().unwrap());
-        let mut args = vec!["indexer".to_string()];
-        args.extend(self.plane_args());
-        args.extend(["--listen".to_string(), addr.clone()]);
-        let log = self.dir.join("indexer.log");
-        self.workers
-            .push(Proc::spawn("indexer", "indexer", &args, &log));
-        addr
+        for attempt in 0..3 {
+            let addr = format!("127.0.0.1:{}", free_port().unwrap());
+            let mut args = vec!["indexer".to_string()];
+            args.extend(self.plane_args());
+            args.extend(["--listen".to_string(), addr.clone()]);
+            let log = self.dir.join(format!("indexer-{attempt}.log"));
+            let mut p = Proc::spawn("indexer", "indexer", &args, &log);
+            let listening = wait_for(
+                "the indexer to listen or exit",
+                Duration::from_secs(30),
+                || {
+                    if p.exited().is_some() {
+                        return Some(false);
+                    }
+                    std::net::TcpStream::connect(&addr).ok().map(|_| true)
+                },
+            );
+            if listening {
+                self.workers.push(p);
+                return addr;
+            }
+            p.print_tail();
+        }
+        panic!("the indexer did not start");
     }
 
     /// Flags every process needs to find etcd and NATS.
@@ -356,53 +373,65 @@ impl Cluster {
         ]
     }
 
-    /// Starts a stand-in engine for worker `id`; its HTTP address and ZMQ endpoints.
+    /// Starts a stand-in engine for worker `id`, once it answers `/health`; its HTTP address
+    /// and ZMQ endpoints. (A port taken between its choice and the engine's bind makes the
+    /// engine exit: it starts again on others.)
     pub fn spawn_engine(&mut self, id: u64) -> Engine {
-        let http = free_port().unwrap();
-        let (kv, replay) = (free_port().unwrap(), free_port().unwrap());
-        let mut args: Vec<String> = [
-            "--listen".to_string(),
-            format!("127.0.0.1:{http}"),
-            "--kv-events".into(),
-            format!("tcp://127.0.0.1:{kv}"),
-            "--kv-replay".into(),
-            format!("tcp://127.0.0.1:{replay}"),
-            "--speedup-ratio".into(),
-            self.opts.speedup.to_string(),
-            "--device-blocks".into(),
-            self.opts.device_blocks.to_string(),
-            "--engine-id".into(),
-            format!("standin-{id}"),
-        ]
-        .into();
-        args.extend(self.opts.engine_args.iter().cloned());
-        let name = format!("engine-{id}");
-        let log = self.dir.join(format!("{name}.log"));
-        let mut p = Proc::spawn_bin(
-            env!("CARGO_BIN_EXE_tandem-standin"),
-            &name,
-            "engine",
-            &args,
-            &log,
-        );
-        p.worker_id = Some(id);
-        let engine = Engine {
-            id,
-            addr: SocketAddr::from(([127, 0, 0, 1], http)),
-            kv_events: format!("tcp://127.0.0.1:{kv}"),
-            kv_replay: format!("tcp://127.0.0.1:{replay}"),
-            proc: p,
-        };
-        wait_for(
-            "the stand-in engine's /health",
-            Duration::from_secs(30),
-            || {
-                http::get(engine.addr, "/health")
-                    .ok()
-                    .filter(|r| r.status == 200)
-            },
-        );
-        engine
+        for attempt in 0..3 {
+            let http = free_port().unwrap();
+            let (kv, replay) = (free_port().unwrap(), free_port().unwrap());
+            let mut args: Vec<String> = [
+                "--listen".to_string(),
+                format!("127.0.0.1:{http}"),
+                "--kv-events".into(),
+                format!("tcp://127.0.0.1:{kv}"),
+                "--kv-replay".into(),
+                format!("tcp://127.0.0.1:{replay}"),
+                "--speedup-ratio".into(),
+                self.opts.speedup.to_string(),
+                "--device-blocks".into(),
+                self.opts.device_blocks.to_string(),
+                "--engine-id".into(),
+                format!("standin-{id}"),
+            ]
+            .into();
+            args.extend(self.opts.engine_args.iter().cloned());
+            let name = format!("engine-{id}");
+            let log = self.dir.join(format!("{name}-{attempt}.log"));
+            let mut p = Proc::spawn_bin(
+                env!("CARGO_BIN_EXE_tandem-standin"),
+                &name,
+                "engine",
+                &args,
+                &log,
+            );
+            p.worker_id = Some(id);
+            let addr = SocketAddr::from(([127, 0, 0, 1], http));
+            let healthy = wait_for(
+                "the stand-in engine's /health",
+                Duration::from_secs(30),
+                || {
+                    if p.exited().is_some() {
+                        return Some(false);
+                    }
+                    http::get(addr, "/health")
+                        .ok()
+                        .filter(|r| r.status == 200)
+                        .map(|_| true)
+                },
+            );
+            if healthy {
+                return Engine {
+                    id,
+                    addr,
+                    kv_events: format!("tcp://127.0.0.1:{kv}"),
+                    kv_replay: format!("tcp://127.0.0.1:{replay}"),
+                    proc: p,
+                };
+            }
+            p.print_tail();
+        }
+        panic!("stand-in engine {id} did not start");
     }
 
     /// The stand-in engine behind worker `id`.

@@ -39,8 +39,16 @@ pub fn model_path() -> PathBuf {
 /// both.
 pub fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
     let dir = super::temp_dir(tag);
-    let port = tandem_runtime::external::free_port().unwrap();
-    let admin_port = tandem_runtime::external::free_port().unwrap();
+    // In one process, port 0 for both listeners: `tandem up` prints the addresses it bound,
+    // so no other process can take a port between its choice and its use. With --processes
+    // the frontend is a child that binds them: free ports, chosen here.
+    let processes = extra.contains(&"--processes");
+    let (port, admin_port) = if processes {
+        let free = || tandem_runtime::external::free_port().unwrap();
+        (free(), free())
+    } else {
+        (0, 0)
+    };
     let mut args: Vec<String> = vec![
         "up".into(),
         "--port".into(),
@@ -55,8 +63,19 @@ pub fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     let mut proc = Proc::spawn(tag, "up", &args, &dir.join("up.log"));
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let admin = SocketAddr::from(([127, 0, 0, 1], admin_port));
+    let (addr, admin) = if processes {
+        let at = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        (at(port), at(admin_port))
+    } else {
+        wait_for(
+            "tandem up to print its addresses",
+            Duration::from_secs(120),
+            || {
+                assert!(proc.is_running(), "tandem up exited:\n{}", proc.log());
+                bound_addresses(&proc.log())
+            },
+        )
+    };
     // Both workers in the frontend's view: a request sent before the prefill worker
     // registers is prefilled on the decode worker whatever --disagg says.
     wait_for(
@@ -74,4 +93,17 @@ pub fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
         },
     );
     Up { proc, addr, admin }
+}
+
+/// The frontend's and its admin listener's addresses, once `tandem up` has printed both
+/// (`tandem up: http://ADDR/v1 …`, `tandem up: status page and /metrics on http://ADDR/`).
+pub fn bound_addresses(log: &str) -> Option<(SocketAddr, SocketAddr)> {
+    let after = |prefix: &str, end: char| -> Option<SocketAddr> {
+        let line = log.lines().find(|l| l.starts_with(prefix))?;
+        line[prefix.len()..].split(end).next()?.parse().ok()
+    };
+    Some((
+        after("tandem up: http://", '/')?,
+        after("tandem up: status page and /metrics on http://", '/')?,
+    ))
 }
