@@ -1,4 +1,4 @@
-//! The frontend's status page (`GET /`, crates/frontend/src/http/status.rs) in a real
+//! The frontend's status page (`GET /`, crates/frontend/src/http/observe/status.rs) in a real
 //! browser: headless Chromium driven over the WebDriver protocol (chromedriver, plain JSON
 //! over HTTP). A whole cluster runs as `tandem up` (one process: the frontend, one prefill
 //! and two decode workers on mocker engines). The page must show the registered workers,

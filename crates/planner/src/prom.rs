@@ -1,7 +1,7 @@
 //! The frontend's `/metrics` text, read back (the samples parsed by
 //! `tandem_protocol::exposition`), and [`Scrape`], the figures the planner uses out of one
 //! frontend's page: counters, cumulative histograms and their quantiles.
-//! The tandem names are those of `crates/frontend/src/http/metrics.rs` and
+//! The tandem names are those of `crates/frontend/src/http/observe/metrics.rs` and
 //! `crates/frontend/src/cluster/metrics.rs`.
 
 use std::collections::BTreeMap;

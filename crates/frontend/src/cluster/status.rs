@@ -1,5 +1,5 @@
 //! The cluster backend's part of the status page (`GET /status.json`, see
-//! `http/status.rs`): its pools and workers as the [`ClusterView`] knows them (registry,
+//! `http/observe/status.rs`): its pools and workers as the [`ClusterView`] knows them (registry,
 //! latest load reports and when they arrived, the token rates of those reports, breakers, the tracker's own count), and what
 //! the router did lately ([`RecentActivity`]).
 

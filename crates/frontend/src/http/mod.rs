@@ -1,5 +1,5 @@
-//! The OpenAI- and Anthropic-compatible HTTP edge of the frontend (docs/ARCHITECTURE.md §1, §9, §10). It
-//! turns HTTP requests into [`ValidRequest`]s, hands them to a [`Backend`] (the routing glue
+//! The OpenAI- and Anthropic-compatible HTTP edge of the frontend (docs/ARCHITECTURE.md §1,
+//! §9, §10). It turns HTTP requests into [`ValidRequest`]s, hands them to a [`Backend`] (the routing glue
 //! that talks to workers), and turns the backend's token chunks into responses and SSE
 //! streams in the shape of the API the request came through.
 //!
@@ -15,17 +15,21 @@
 //!   (`models.rs`).
 //! - `GET /health`: 200 when the backend is ready and we are not draining, else 503.
 //! - `GET /live`: 200 while the process serves HTTP at all.
+//!
+//! On the admin listener ([`admin_app`]; on the public one only to the admin key), with
+//! `/health` and `/live`:
 //! - `GET /metrics`: Prometheus (OpenMetrics text), see `metrics.rs`.
 //! - `GET /`, `GET /status`: a live status page (one self-contained HTML file); `GET
 //!   /status.json`: the data it polls (pools, workers, latency over the last minute, recent
 //!   routing decisions with their cost terms, migrations, rejections), see `status.rs`.
 //!
-//! # Tenants, keys and TLS (`auth.rs`, `tls.rs`)
+//! # Tenants, keys and TLS (`access/`)
 //!
 //! With API keys configured ([`HttpConfig::access`]: a keys file reloaded on change, and/or
 //! a fixed list), the generation endpoints and `GET /v1/models…` need
-//! `Authorization: Bearer <key>` or `x-api-key: <key>`, else 401; `/health`, `/live`,
-//! `/metrics` and the status page stay open for probes, scrapers and operators. The key names the request's tenant; without
+//! `Authorization: Bearer <key>` or `x-api-key: <key>`, else 401; `/health` and `/live` stay
+//! open for probes, and the operator's surfaces are the admin listener's (`auth.rs`, "The
+//! operator's surfaces"). The key names the request's tenant; without
 //! keys, `x-tandem-tenant` may (a gateway authenticated the user). A tenant's requests are
 //! salted with its `cache_salt` or its name, narrowed by the request's `cache_salt`, so two
 //! tenants never share KV blocks unless configured to. [`serve_state`] serves over TLS when
@@ -110,27 +114,29 @@
 //!
 //! # Layout
 //!
-//! - `backend.rs`: [`Backend`], [`ValidRequest`], [`Generation`], [`TokenChunk`],
-//!   [`EngineReport`].
-//! - `error.rs`: [`ServeError`], [`ErrorKind`], the status mapping (OpenAI and Anthropic).
-//! - `state.rs`: [`HttpConfig`], [`HttpState`] (draining lives here).
-//! - `auth.rs`: [`AccessConfig`], the API key table, tenants and their cache salts,
-//!   [`watch_api_keys`]; `tls.rs`: [`TlsConfig`], the TLS listener.
-//! - `validate.rs`: chat and completions bodies → [`ValidRequest`]; `openai.rs`: their wire
-//!   types; `responses.rs` (+ `responses_store.rs`), `messages.rs`: the Responses and
-//!   Messages APIs, request and output.
-//! - `conversation.rs`: the internal conversation; `chat_template.rs`: [`ChatTemplate`];
-//!   `pyjson.rs`: order-keeping JSON and Python's `json.dumps`; `strftime.rs`;
-//!   `prompt.rs`: [`Prompts`], rendering and special-token-safe tokenization.
-//! - `generate.rs`: the generation handlers, the output pipeline, SSE; `format_chat.rs`:
-//!   chat and completions output; `logprobs.rs`: logprobs in OpenAI's shapes; `output.rs`:
-//!   tokens → text with `max_tokens` and stop strings; `stop.rs`: the stop-string matcher; `tool_calls.rs`: [`ToolCallParser`] and
-//!   the Hermes parser.
-//! - `tokenizer.rs`: [`Tokenizer`], [`Detokenizer`].
-//! - `models.rs`: what a request's `model` names (the base model or a LoRA adapter), the
-//!   model objects.
-//! - `metrics.rs`: [`HttpMetrics`]; `ids.rs`: request ids.
-//!
+//! Four groups around the shared core, each module also reachable by its own name here
+//! (`crate::http::generate`):
+//! - The core: `backend.rs` ([`Backend`], [`ValidRequest`], [`Generation`], [`TokenChunk`],
+//!   [`EngineReport`]), `error.rs` ([`ServeError`], [`ErrorKind`], the status mapping, OpenAI
+//!   and Anthropic), `state.rs` ([`HttpConfig`], [`HttpState`]; draining lives here).
+//! - `api/`, the APIs and their formats: `generate.rs` (the generation handlers, the output
+//!   pipeline, SSE); `validate.rs` (chat and completions bodies → [`ValidRequest`]),
+//!   `body.rs`, `hints.rs` (routing hints), `openai.rs` (wire types), `format.rs`,
+//!   `format_chat.rs`, `output.rs` (tokens → text with `max_tokens` and stop strings),
+//!   `stop.rs`, `logprobs.rs`, `tool_calls.rs` ([`ToolCallParser`], the Hermes parser);
+//!   `responses.rs` (+ `responses_store.rs`), `messages.rs` (the Responses and Messages
+//!   APIs); `models.rs` (what a request's `model` names); `pyjson.rs` (order-keeping JSON
+//!   and Python's `json.dumps`); `ids.rs` (request ids).
+//! - `text/`, templates and tokens: `conversation.rs` (the internal conversation),
+//!   `chat_template.rs` ([`ChatTemplate`]) with `strftime.rs`, `prompt.rs` ([`Prompts`]:
+//!   rendering and special-token-safe tokenization), `tokenizer.rs` ([`Tokenizer`],
+//!   [`Detokenizer`]).
+//! - `access/`, who may use the edge: `auth.rs` ([`AccessConfig`], the key table, tenants,
+//!   their cache salts, the admin key, [`watch_api_keys`]), `tls.rs` ([`TlsConfig`]).
+//! - `observe/`, what the operator sees: `metrics.rs` ([`HttpMetrics`]), `recent.rs`
+//!   (latency over the last minute), `status.rs` with `status.html` (the status page and
+//!   `/status.json`), `trace.rs` (spans).
+
 //! # Invariants
 //!
 //! - Nothing past `generate::admit` sees a request that is not a [`ValidRequest`].
@@ -143,37 +149,23 @@
 //!   `max_stop_bytes`, a held-back tool call by 1 MiB, pending UTF-8 by 4 bytes (tiktoken) or
 //!   4 tokens (Hugging Face); the Responses store by [`ResponsesStoreConfig`].
 
-mod auth;
+mod access;
+mod api;
+mod observe;
+mod text;
+
+// The groups' modules, by their own names (`crate::http::generate`, …).
+use access::{auth, tls};
+use api::{
+    body, format, format_chat, generate, hints, ids, logprobs, messages, models, openai, output,
+    pyjson, responses, responses_store, stop, tool_calls, validate,
+};
+use observe::{metrics, recent, status, trace};
+pub use text::tokenizer;
+use text::{chat_template, conversation, prompt, strftime};
 mod backend;
-mod body;
-mod chat_template;
-mod conversation;
 mod error;
-mod format;
-mod format_chat;
-mod generate;
-mod hints;
-mod ids;
-mod logprobs;
-mod messages;
-mod metrics;
-mod models;
-mod openai;
-mod output;
-mod prompt;
-mod pyjson;
-mod recent;
-mod responses;
-mod responses_store;
 mod state;
-mod status;
-mod stop;
-mod strftime;
-mod tls;
-pub mod tokenizer;
-mod tool_calls;
-mod trace;
-mod validate;
 
 #[cfg(test)]
 mod tests;

@@ -7,8 +7,8 @@
 use serde::Serialize;
 use serde::ser::SerializeMap;
 
-use super::backend::TokenLogprob;
-use super::tokenizer::Tokenizer;
+use crate::http::backend::TokenLogprob;
+use crate::http::tokenizer::Tokenizer;
 
 /// What OpenAI and vLLM show for a token with no probability (JSON has no -infinity).
 const FLOOR: f32 = -9999.0;

@@ -31,17 +31,17 @@ use std::sync::Arc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::backend::{FinishReason, ValidRequest};
-use super::conversation::{Content, Conversation, Message, ToolCall};
-use super::error::ServeError;
-use super::format::{End, Format, sse_event};
-use super::hints::HintFields;
-use super::logprobs::Rendered;
-use super::pyjson::Json;
-use super::responses_store::{ResponseStore, StoredTurn};
-use super::state::HttpState;
-use super::tool_calls::Piece;
-use super::validate::{self, Checked, Common, PromptInput};
+use crate::http::backend::{FinishReason, ValidRequest};
+use crate::http::conversation::{Content, Conversation, Message, ToolCall};
+use crate::http::error::ServeError;
+use crate::http::format::{End, Format, sse_event};
+use crate::http::hints::HintFields;
+use crate::http::logprobs::Rendered;
+use crate::http::pyjson::Json;
+use crate::http::responses_store::{ResponseStore, StoredTurn};
+use crate::http::state::HttpState;
+use crate::http::tool_calls::Piece;
+use crate::http::validate::{self, Checked, Common, PromptInput};
 
 /// `POST /v1/responses` body.
 #[derive(Debug, Deserialize)]
@@ -61,10 +61,10 @@ pub(crate) struct ResponsesRequest {
     metadata: Option<Json>,
     text: Option<Json>,
     cache_salt: Option<String>,
-    priority: Option<super::openai::PriorityField>,
+    priority: Option<crate::http::openai::PriorityField>,
     service_tier: Option<String>,
     timeout: Option<f64>,
-    tandem: Option<super::hints::TandemField>,
+    tandem: Option<crate::http::hints::TandemField>,
     user: Option<String>,
     reasoning: Option<Json>,
 }
@@ -160,11 +160,11 @@ pub(crate) fn check(
             .map(str::to_string),
         session_field: req.user,
     };
-    let model = super::models::resolve_model(common.model.as_deref(), config)?;
+    let model = crate::http::models::resolve_model(common.model.as_deref(), config)?;
     let mut checked = validate::finish_common(
         common,
         model,
-        super::backend::Endpoint::Responses,
+        crate::http::backend::Endpoint::Responses,
         PromptInput::Chat(conversation),
         "input",
         config,
@@ -549,7 +549,7 @@ impl ResponsesFormat {
         if incomplete {
             response["incomplete_details"] = json!({"reason": "max_output_tokens"});
         } else {
-            response["completed_at"] = json!(super::ids::unix_now());
+            response["completed_at"] = json!(crate::http::ids::unix_now());
         }
         response
     }

@@ -16,10 +16,10 @@ use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 
-use super::error::ServeError;
-use super::json;
-use super::openai;
-use super::state::{HttpConfig, HttpState};
+use crate::http::error::ServeError;
+use crate::http::json;
+use crate::http::openai;
+use crate::http::state::{HttpConfig, HttpState};
 
 /// What a request's `model` names.
 #[derive(Clone, Debug, PartialEq, Eq)]

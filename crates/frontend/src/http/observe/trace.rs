@@ -14,7 +14,7 @@
 use axum::http::HeaderMap;
 use tracing::field::Empty;
 
-use super::backend::{Endpoint, ValidRequest};
+use crate::http::backend::{Endpoint, ValidRequest};
 
 /// `gen_ai.operation.name` of an endpoint: the conventions' `chat` for conversations,
 /// `text_completion` for the legacy completions API.

@@ -6,7 +6,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::backend::Endpoint;
+use crate::http::backend::Endpoint;
 
 #[derive(Debug)]
 pub(crate) struct RequestIds {

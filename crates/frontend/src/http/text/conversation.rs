@@ -11,7 +11,7 @@
 
 use minijinja::value::Value;
 
-use super::pyjson::{Json, OrderedMap};
+use crate::http::pyjson::{Json, OrderedMap};
 
 /// A conversation to render: messages, and the tool definitions of the request.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -21,7 +21,7 @@
 //!   head was sent.
 //! - `tandem_http_client_disconnects_total{endpoint}`: streams the client dropped early.
 //! - `tandem_frontend_prompt_token_mismatch_total`: requests whose prompt length, as the
-//!   engine reported it ([`super::EngineReport`]), differs from the number of tokens the
+//!   engine reported it ([`crate::http::EngineReport`]), differs from the number of tokens the
 //!   frontend sent: the router's tokenization (and so its prefix-cache view) disagrees with
 //!   the engine's. Each is also logged, rate-limited: the 1st, 2nd, 4th, … 1024th, then every
 //!   1024th.
@@ -37,8 +37,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
 
-use super::backend::{Endpoint, EngineReport};
-use super::recent::RecentLatency;
+use crate::http::backend::{Endpoint, EngineReport};
+use crate::http::recent::RecentLatency;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -236,7 +236,7 @@ pub(crate) struct RequestRecord {
     last_token: Option<Instant>,
     /// `(id, tokens sent, engine report)` until the engine's prompt length was checked.
     prompt_check: Option<(u64, usize, EngineReport)>,
-    /// The request's server span ([`super::trace`]): its usage and status are recorded
+    /// The request's server span ([`crate::http::trace`]): its usage and status are recorded
     /// there too, and it ends when the record drops (the response's last byte).
     span: tracing::Span,
 }

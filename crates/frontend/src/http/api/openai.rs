@@ -6,8 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::logprobs::{ChatLogprobs, CompletionLogprobs};
-use super::pyjson::Json;
+use crate::http::logprobs::{ChatLogprobs, CompletionLogprobs};
+use crate::http::pyjson::Json;
 
 // ---------------------------------------------------------------------------------------
 // Requests
@@ -41,7 +41,7 @@ pub(crate) struct ChatCompletionRequest {
     pub priority: Option<PriorityField>,
     pub service_tier: Option<String>,
     pub timeout: Option<f64>,
-    pub tandem: Option<super::hints::TandemField>,
+    pub tandem: Option<crate::http::hints::TandemField>,
     pub user: Option<String>,
     pub reasoning_effort: Option<String>,
 }
@@ -122,7 +122,7 @@ pub(crate) struct CompletionRequest {
     pub priority: Option<PriorityField>,
     pub service_tier: Option<String>,
     pub timeout: Option<f64>,
-    pub tandem: Option<super::hints::TandemField>,
+    pub tandem: Option<crate::http::hints::TandemField>,
     pub user: Option<String>,
 }
 

@@ -26,10 +26,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::chat_template::ChatTemplate;
-use super::conversation::Conversation;
-use super::error::ServeError;
-use super::tokenizer::{Tokenizer, TokenizerError};
+use crate::http::chat_template::ChatTemplate;
+use crate::http::conversation::Conversation;
+use crate::http::error::ServeError;
+use crate::http::tokenizer::{Tokenizer, TokenizerError};
 
 /// Inserted after the first character of a special-token string sent by the client. A
 /// noncharacter: valid in a string, never meant to appear in text.

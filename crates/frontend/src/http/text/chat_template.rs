@@ -34,10 +34,10 @@ use minijinja::syntax::SyntaxConfig;
 use minijinja::value::Value;
 use minijinja::{Environment, Error as JinjaError, ErrorKind as JinjaErrorKind};
 
-use super::conversation::{ContentFormat, Conversation};
-use super::error::ServeError;
-use super::pyjson::{Json, tojson_filter};
-use super::strftime::strftime;
+use crate::http::conversation::{ContentFormat, Conversation};
+use crate::http::error::ServeError;
+use crate::http::pyjson::{Json, tojson_filter};
+use crate::http::strftime::strftime;
 
 /// Where the chat template comes from.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -24,16 +24,16 @@
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::backend::{Endpoint, FinishReason, ValidRequest};
-use super::conversation::{Content, Conversation, Message, ToolCall};
-use super::error::ServeError;
-use super::format::{End, Format, sse_event};
-use super::logprobs::Rendered;
-use super::openai::Stop;
-use super::pyjson::Json;
-use super::state::HttpConfig;
-use super::tool_calls::Piece;
-use super::validate::{self, Checked, Common, PromptInput};
+use crate::http::backend::{Endpoint, FinishReason, ValidRequest};
+use crate::http::conversation::{Content, Conversation, Message, ToolCall};
+use crate::http::error::ServeError;
+use crate::http::format::{End, Format, sse_event};
+use crate::http::logprobs::Rendered;
+use crate::http::openai::Stop;
+use crate::http::pyjson::Json;
+use crate::http::state::HttpConfig;
+use crate::http::tool_calls::Piece;
+use crate::http::validate::{self, Checked, Common, PromptInput};
 
 /// `POST /v1/messages` body.
 #[derive(Debug, Deserialize)]
@@ -50,9 +50,9 @@ pub(crate) struct MessagesRequest {
     tools: Option<Vec<Json>>,
     tool_choice: Option<Json>,
     thinking: Option<Json>,
-    priority: Option<super::openai::PriorityField>,
+    priority: Option<crate::http::openai::PriorityField>,
     timeout: Option<f64>,
-    tandem: Option<super::hints::TandemField>,
+    tandem: Option<crate::http::hints::TandemField>,
     metadata: Option<Json>,
 }
 
@@ -125,7 +125,7 @@ pub(crate) fn check(req: MessagesRequest, config: &HttpConfig) -> Result<Checked
     // Anthropic's `service_tier` (`auto`, `standard_only`) names no band: not read.
     common.priority = req.priority;
     common.timeout = req.timeout;
-    common.hints = super::hints::HintFields {
+    common.hints = crate::http::hints::HintFields {
         tandem: req.tandem,
         reasoning_effort: None,
         session_field: req
@@ -135,7 +135,7 @@ pub(crate) fn check(req: MessagesRequest, config: &HttpConfig) -> Result<Checked
             .and_then(|u| u.as_str())
             .map(str::to_string),
     };
-    let model = super::models::resolve_model(common.model.as_deref(), config)?;
+    let model = crate::http::models::resolve_model(common.model.as_deref(), config)?;
     let mut checked = validate::finish_common(
         common,
         model,

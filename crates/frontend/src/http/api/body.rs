@@ -10,17 +10,17 @@ use std::sync::Arc;
 
 use axum::http::HeaderMap;
 
-use super::auth::{self, Access};
-use super::backend::{Endpoint, ValidRequest};
-use super::chat_template::ChatTemplate;
-use super::error::ServeError;
-use super::hints;
-use super::ids::unix_now;
-use super::messages;
-use super::prompt::Prompts;
-use super::state::{HttpConfig, StateError};
-use super::tokenizer::Tokenizer;
-use super::validate::{self, Checked};
+use crate::http::auth::{self, Access};
+use crate::http::backend::{Endpoint, ValidRequest};
+use crate::http::chat_template::ChatTemplate;
+use crate::http::error::ServeError;
+use crate::http::hints;
+use crate::http::ids::unix_now;
+use crate::http::messages;
+use crate::http::prompt::Prompts;
+use crate::http::state::{HttpConfig, StateError};
+use crate::http::tokenizer::Tokenizer;
+use crate::http::validate::{self, Checked};
 
 /// The API a request path names, when it is one whose prompt the picker can read: chat
 /// completions, completions, Anthropic messages. (The Responses API's `previous_response_id`
@@ -58,7 +58,7 @@ impl std::fmt::Debug for BodyCheck {
 impl BodyCheck {
     /// Loads the chat template `config` names.
     pub fn new(config: HttpConfig, tokenizer: Arc<Tokenizer>) -> Result<Self, StateError> {
-        super::state::check_adapters(&config)?;
+        crate::http::state::check_adapters(&config)?;
         let template = ChatTemplate::load(&config.chat_template)?;
         let access = Access::load(&config.access)?;
         Ok(BodyCheck {
@@ -101,7 +101,7 @@ impl BodyCheck {
             }
         };
         let custom_session = match &config.session_field {
-            super::SessionField::Field(name) => hints::session_from_body(body, name),
+            crate::http::SessionField::Field(name) => hints::session_from_body(body, name),
             _ => None,
         };
         let (checked, tokens) = self.tokenize(checked).await?;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::conversation::{Content, Message};
+use crate::http::conversation::{Content, Message};
 
 /// Bounds of the Responses store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

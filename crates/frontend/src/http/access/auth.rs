@@ -19,7 +19,7 @@
 //! # The operator's surfaces
 //!
 //! The status page (`/`, `/status`), `/status.json` and `/metrics` name every tenant and
-//! what it used: they are served on the admin listener ([`super::serve_state`]; loopback by
+//! what it used: they are served on the admin listener ([`crate::http::serve_state`]; loopback by
 //! default), not to the public. With an admin key ([`AccessConfig::admin_key`], sent as
 //! `Authorization: Bearer <key>` or `x-api-key`) they need it on both listeners, and the
 //! public one serves them to it (for a scraper that must reach them from elsewhere);
@@ -49,7 +49,7 @@
 //! whole (requests already admitted keep the tenant they had); one that fails to read or
 //! parse is refused with an error in the log and the old table stays. A file that fails at
 //! start stops the process. After every load the backend gets every named tenant's limits
-//! ([`super::Backend::set_tenants`]). Write the new file beside the old one and rename it
+//! ([`crate::http::Backend::set_tenants`]). Write the new file beside the old one and rename it
 //! over it, so that a poll never reads half a file.
 //!
 //! # Cache salts
@@ -82,7 +82,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tandem_router::TenantLimits;
 
-use super::error::ServeError;
+use crate::http::error::ServeError;
 
 /// Where API keys come from. Default: none (no key needed).
 #[derive(Clone, PartialEq, Eq)]
@@ -212,7 +212,7 @@ fn admin_digest(key: &str) -> Result<[u8; 32], AccessError> {
 /// The file's identity for change detection: modification time and length.
 type FileStamp = (Option<SystemTime>, u64);
 
-/// The live key table of an [`super::HttpState`].
+/// The live key table of an [`crate::http::HttpState`].
 pub(crate) struct Access {
     pub(crate) config: AccessConfig,
     table: RwLock<Arc<KeyTable>>,
@@ -264,7 +264,7 @@ impl Access {
         self.config.keys_required()
     }
 
-    /// Every named tenant's limits (for [`super::Backend::set_tenants`]).
+    /// Every named tenant's limits (for [`crate::http::Backend::set_tenants`]).
     pub(crate) fn tenant_limits(&self) -> Vec<(Arc<str>, TenantLimits)> {
         self.table.read().limits()
     }

@@ -3,11 +3,11 @@
 //! and the JSON and SSE helpers. The formats and the request path (`generate.rs`) both
 //! depend on this module; it depends on neither.
 
-use super::backend::FinishReason;
-use super::error::ServeError;
-use super::logprobs::Rendered;
-use super::openai::Usage;
-use super::tool_calls::Piece;
+use crate::http::backend::FinishReason;
+use crate::http::error::ServeError;
+use crate::http::logprobs::Rendered;
+use crate::http::openai::Usage;
+use crate::http::tool_calls::Piece;
 
 /// The end of a generation, as the formats need it.
 #[derive(Clone, Debug)]

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use super::backend::{FinishReason, TokenChunk};
-use super::logprobs::Rendered;
-use super::stop::StopMatcher;
-use super::tokenizer::{Detokenizer, Tokenizer};
+use crate::http::backend::{FinishReason, TokenChunk};
+use crate::http::logprobs::Rendered;
+use crate::http::stop::StopMatcher;
+use crate::http::tokenizer::{Detokenizer, Tokenizer};
 
 /// What one chunk turned into.
 #[derive(Debug, PartialEq)]

@@ -5,19 +5,19 @@
 use serde::de::DeserializeOwned;
 use tandem_router::Priority;
 
-use super::backend::{Endpoint, ValidRequest};
-use super::conversation::{Content, Conversation, Message, ToolCall};
-use super::error::ServeError;
-use super::hints::{HintFields, RoutingHints, SessionField};
-use super::models::{ModelChoice, resolve_model};
-use super::openai::{
+use crate::http::backend::{Endpoint, ValidRequest};
+use crate::http::conversation::{Content, Conversation, Message, ToolCall};
+use crate::http::error::ServeError;
+use crate::http::hints::{HintFields, RoutingHints, SessionField};
+use crate::http::models::{ModelChoice, resolve_model};
+use crate::http::openai::{
     ChatCompletionRequest, ChatMessage, CompletionRequest, MessageContent, PriorityField, Prompt,
     Stop, StreamOptions,
 };
-use super::prompt::Prompts;
-use super::pyjson::Json;
-use super::state::HttpConfig;
-use super::tokenizer::Tokenizer;
+use crate::http::prompt::Prompts;
+use crate::http::pyjson::Json;
+use crate::http::state::HttpConfig;
+use crate::http::tokenizer::Tokenizer;
 
 /// Parses a JSON body: malformed JSON is 400 (`invalid_json`), well-formed JSON of the wrong
 /// shape or types is 422.

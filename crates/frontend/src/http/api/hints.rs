@@ -8,7 +8,7 @@
 //! - `reasoning_effort` (chat completions; `reasoning.effort` on Responses): `minimal`, `low`,
 //!   `medium`, `high` map to an expected output length when `osl` is not given;
 //! - the session: the `x-session-id` header, else `tandem.session_id`, else the body field
-//!   [`super::HttpConfig::session_field`] names (`user` by default on OpenAI endpoints,
+//!   [`crate::http::HttpConfig::session_field`] names (`user` by default on OpenAI endpoints,
 //!   `metadata.user_id` on Messages).
 //!
 //! The expected output length enters the router's decode-load term in place of `max_tokens`
@@ -18,7 +18,7 @@
 use serde::Deserialize;
 use tandem_router::KvOverrides;
 
-use super::error::ServeError;
+use crate::http::error::ServeError;
 
 /// Where a request's session id comes from besides `x-session-id` and `tandem.session_id`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

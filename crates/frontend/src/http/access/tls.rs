@@ -1,5 +1,5 @@
 //! TLS on the HTTP listener: [`TlsConfig`] (PEM certificate chain and private key files,
-//! read once at start), and the listener [`super::serve_tls`] serves on.
+//! read once at start), and the listener [`crate::http::serve_tls`] serves on.
 //!
 //! rustls with its ring provider, the crypto already in the process for the NATS client (no
 //! second crypto backend), TLS 1.3 only (rustls' TLS 1.2 is a feature nothing else here
@@ -9,7 +9,7 @@
 //! and each for at most [`HANDSHAKE_TIMEOUT`], so that a slow or silent client delays no
 //! other connection; a failed handshake (a plain-HTTP client, a wrong certificate on the
 //! client's side) closes that connection and nothing else. TCP_NODELAY is set on every
-//! accepted socket, as in [`super::serve`].
+//! accepted socket, as in [`crate::http::serve`].
 
 use std::future::Future;
 use std::net::SocketAddr;

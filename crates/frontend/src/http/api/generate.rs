@@ -26,22 +26,22 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use tracing::Instrument as _;
 
-use super::backend::{Endpoint, FinishReason, RouteInfo, TokenChunk, ValidRequest};
-use super::error::ServeError;
-use super::format::{End, Format};
-use super::format_chat::ChatFormat;
-use super::hints;
-use super::ids::unix_now;
-use super::logprobs::Rendered;
-use super::messages;
-use super::metrics::RequestRecord;
-use super::openai::Usage;
-use super::output::Output;
-use super::responses;
-use super::state::HttpState;
-use super::tool_calls::{Piece, ToolCallStream};
-use super::trace;
-use super::validate::{self, Checked};
+use crate::http::backend::{Endpoint, FinishReason, RouteInfo, TokenChunk, ValidRequest};
+use crate::http::error::ServeError;
+use crate::http::format::{End, Format};
+use crate::http::format_chat::ChatFormat;
+use crate::http::hints;
+use crate::http::ids::unix_now;
+use crate::http::logprobs::Rendered;
+use crate::http::messages;
+use crate::http::metrics::RequestRecord;
+use crate::http::openai::Usage;
+use crate::http::output::Output;
+use crate::http::responses;
+use crate::http::state::HttpState;
+use crate::http::tool_calls::{Piece, ToolCallStream};
+use crate::http::trace;
+use crate::http::validate::{self, Checked};
 
 pub(crate) async fn chat_completions(
     State(state): State<HttpState>,
@@ -157,7 +157,7 @@ async fn admit(
         Endpoint::Messages => messages::check(validate::parse_json(&bytes)?, config)?,
     };
     let custom_session = match &config.session_field {
-        super::SessionField::Field(name) => hints::session_from_body(&bytes, name),
+        crate::http::SessionField::Field(name) => hints::session_from_body(&bytes, name),
         _ => None,
     };
     drop(bytes);
@@ -168,7 +168,7 @@ async fn admit(
     let ids = state.ids().next(endpoint);
     // The deadline counts from arrival, tokenization included.
     let mut req = checked.into_valid(tokens, config, ids, (unix_now(), arrived))?;
-    super::body::finish(&mut req, headers, config, arrived, custom_session, tenant)?;
+    crate::http::body::finish(&mut req, headers, config, arrived, custom_session, tenant)?;
     let format: Box<dyn Format> = match (endpoint, context) {
         (Endpoint::Responses, Some(ctx)) => Box::new(responses::ResponsesFormat::new(
             &req,

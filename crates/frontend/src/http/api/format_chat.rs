@@ -7,15 +7,15 @@
 //! chunk, `delta.tool_calls: [{"index", "id", "type": "function", "function": {"name",
 //! "arguments"}}]`, arguments complete (see `tool_calls.rs` for why calls are never partial).
 
-use super::backend::{Endpoint, FinishReason, ValidRequest};
-use super::error::ServeError;
-use super::format::{End, Format, sse_data, to_json};
-use super::logprobs::{ChatLogprobs, CompletionLogprobs, Rendered};
-use super::openai::{
+use crate::http::backend::{Endpoint, FinishReason, ValidRequest};
+use crate::http::error::ServeError;
+use crate::http::format::{End, Format, sse_data, to_json};
+use crate::http::logprobs::{ChatLogprobs, CompletionLogprobs, Rendered};
+use crate::http::openai::{
     AssistantMessage, ChatChoice, ChatChunkChoice, CompletionChoice, Delta, FunctionOut,
     ResponseObject, ToolCallDelta, ToolCallOut, Usage, UsageField,
 };
-use super::tool_calls::Piece;
+use crate::http::tool_calls::Piece;
 
 const SSE_DONE: &str = "data: [DONE]\n\n";
 

@@ -22,8 +22,8 @@
 
 use std::str::FromStr;
 
-use super::conversation::ToolCall;
-use super::pyjson::Json;
+use crate::http::conversation::ToolCall;
+use crate::http::pyjson::Json;
 
 /// Which tool-call syntax to parse out of the generated text.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

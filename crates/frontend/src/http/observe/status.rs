@@ -4,8 +4,8 @@
 //!
 //! `status.json` holds what the edge knows itself — the served model, readiness, draining,
 //! requests in flight, and the last minute of TTFT and inter-token latency
-//! ([`super::RecentLatency`], fed by `metrics.rs`) — and under `backend` what the
-//! [`super::Backend`] tells ([`super::Backend::status`]): for the cluster backend its pools,
+//! ([`crate::http::RecentLatency`], fed by `metrics.rs`) — and under `backend` what the
+//! [`crate::http::Backend`] tells ([`crate::http::Backend::status`]): for the cluster backend its pools,
 //! workers, recent routing decisions with each candidate's cost terms, migrations and
 //! rejections; `null` for a backend that tells nothing.
 //!
@@ -18,8 +18,8 @@ use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use super::recent::LatencySnapshot;
-use super::state::HttpState;
+use crate::http::recent::LatencySnapshot;
+use crate::http::state::HttpState;
 
 const PAGE: &str = include_str!("status.html");
 
@@ -98,9 +98,8 @@ pub(crate) async fn data(State(state): State<HttpState>) -> Response {
             body,
         )
             .into_response(),
-        Err(e) => {
-            super::ServeError::internal(format!("failed to encode the status: {e}")).into_response()
-        }
+        Err(e) => crate::http::ServeError::internal(format!("failed to encode the status: {e}"))
+            .into_response(),
     }
 }
 
@@ -109,7 +108,7 @@ mod tests {
     use axum::http::StatusCode;
     use serde_json::json;
 
-    use super::super::tests::{
+    use crate::http::tests::{
         FakeBackend, body_json, body_text, config, get, header, post_json, send, setup,
     };
 

@@ -1,0 +1,9 @@
+//! Text to tokens: chat templates with Hugging Face's semantics (`chat_template.rs`,
+//! `strftime.rs`), the conversation every chat API becomes (`conversation.rs`), prompts
+//! (`prompt.rs`) and the tokenizers (`tokenizer.rs`).
+
+pub(crate) mod chat_template;
+pub(crate) mod conversation;
+pub(crate) mod prompt;
+pub(crate) mod strftime;
+pub mod tokenizer;
