@@ -292,7 +292,9 @@ async fn start_with(config: HttpConfig) -> Server {
         served_model_name: "tandem-test".to_string(),
         ..config
     };
-    let state = HttpState::try_new(backend.clone(), config, tokenizer).unwrap();
+    let state = HttpState::builder(backend.clone(), config, tokenizer)
+        .build()
+        .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let stop = CancellationToken::new();

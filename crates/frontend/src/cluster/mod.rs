@@ -141,13 +141,10 @@ pub async fn run_frontend(
     )
     .await
     .map_err(|e| ServiceError::Config(e.message().to_string()))?;
-    let state = HttpState::try_with_registry(
-        Arc::new(backend),
-        cfg.http.clone(),
-        Arc::new(tokenizer),
-        registry,
-    )
-    .map_err(|e| ServiceError::Config(e.to_string()))?;
+    let state = HttpState::builder(Arc::new(backend), cfg.http.clone(), Arc::new(tokenizer))
+        .registry(registry)
+        .build()
+        .map_err(|e| ServiceError::Config(e.to_string()))?;
     let server_stop = stop.child_token();
     let addr = listener.local_addr()?;
     let admin_addr = admin.as_ref().map(TcpListener::local_addr).transpose()?;

@@ -185,7 +185,7 @@ pub use recent::{LatencySnapshot, Percentiles, RecentLatency, SlotPoint};
 pub use responses_store::ResponsesStoreConfig;
 pub use state::AdapterNameError;
 pub use state::watch_api_keys;
-pub use state::{HttpConfig, HttpState, StateError};
+pub use state::{HttpConfig, HttpState, HttpStateBuilder, StateError};
 pub use tls::{TlsConfig, TlsError};
 pub use tokenizer::{Detokenizer, Tokenizer, TokenizerError, TokenizerSpec};
 pub use tool_calls::ToolCallParser;

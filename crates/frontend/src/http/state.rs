@@ -143,89 +143,58 @@ impl fmt::Debug for HttpState {
     }
 }
 
-impl HttpState {
-    /// State with its own metrics registry, served whole at `GET /metrics`.
-    ///
-    /// # Panics
-    ///
-    /// If `config.chat_template` cannot be loaded (a file that is missing or does not
-    /// compile), or the API keys file or TLS files cannot be read; [`Self::try_new`] returns
-    /// that error instead. The default template always loads.
-    pub fn new(backend: Arc<dyn Backend>, config: HttpConfig, tokenizer: Arc<Tokenizer>) -> Self {
-        Self::with_registry(backend, config, tokenizer, Registry::default())
+/// Builds an [`HttpState`] (docs/CONVENTIONS.md §8): a backend, the config and the
+/// tokenizer, then optionally the metrics registry it joins and an already compiled chat
+/// template.
+pub struct HttpStateBuilder {
+    backend: Arc<dyn Backend>,
+    config: HttpConfig,
+    tokenizer: Arc<Tokenizer>,
+    registry: Registry,
+    template: Option<ChatTemplate>,
+}
+
+impl fmt::Debug for HttpStateBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpStateBuilder")
+            .field("config", &self.config)
+            .field("template", &self.template.as_ref().map(ChatTemplate::origin))
+            .finish_non_exhaustive()
+    }
+}
+
+impl HttpStateBuilder {
+    /// Registers the edge's metrics into `registry` (which may already hold the rest of the
+    /// process's metrics); `GET /metrics` serves all of it. Default: a registry of its own.
+    pub fn registry(mut self, registry: Registry) -> Self {
+        self.registry = registry;
+        self
     }
 
-    /// State that registers its metrics into `registry` (which may already hold the rest of
-    /// the process's metrics) and serves all of it at `GET /metrics`.
-    ///
-    /// # Panics
-    ///
-    /// As [`Self::new`]; [`Self::try_with_registry`] returns the error instead.
-    pub fn with_registry(
-        backend: Arc<dyn Backend>,
-        config: HttpConfig,
-        tokenizer: Arc<Tokenizer>,
-        registry: Registry,
-    ) -> Self {
-        match Self::try_with_registry(backend, config, tokenizer, registry) {
-            Ok(state) => state,
-            Err(e) => panic!("invalid HTTP state: {e}"),
-        }
+    /// An already compiled chat template, in place of loading `config.chat_template` (tests
+    /// use it to pin the template's clock).
+    pub fn template(mut self, template: ChatTemplate) -> Self {
+        self.template = Some(template);
+        self
     }
 
-    /// [`Self::new`], failing when the chat template cannot be loaded or compiled, or the
-    /// API keys or TLS files cannot be used.
-    pub fn try_new(
-        backend: Arc<dyn Backend>,
-        config: HttpConfig,
-        tokenizer: Arc<Tokenizer>,
-    ) -> Result<Self, StateError> {
-        Self::try_with_registry(backend, config, tokenizer, Registry::default())
-    }
-
-    /// [`Self::with_registry`], failing when the chat template cannot be loaded or compiled,
-    /// or the API keys or TLS files cannot be used (call it at startup: each should stop
-    /// the process).
-    pub fn try_with_registry(
-        backend: Arc<dyn Backend>,
-        config: HttpConfig,
-        tokenizer: Arc<Tokenizer>,
-        registry: Registry,
-    ) -> Result<Self, StateError> {
-        let template = ChatTemplate::load(&config.chat_template)?;
-        Self::try_with_template(backend, config, tokenizer, template, registry)
-    }
-
-    /// State with an already compiled chat template (`config.chat_template` is not read);
-    /// tests use it to pin the template's clock.
-    ///
-    /// # Panics
-    ///
-    /// If the API keys or TLS files cannot be used ([`Self::try_with_template`] returns the
-    /// error).
-    pub fn with_template(
-        backend: Arc<dyn Backend>,
-        config: HttpConfig,
-        tokenizer: Arc<Tokenizer>,
-        template: ChatTemplate,
-        registry: Registry,
-    ) -> Self {
-        match Self::try_with_template(backend, config, tokenizer, template, registry) {
-            Ok(state) => state,
-            Err(e) => panic!("invalid HTTP state: {e}"),
-        }
-    }
-
-    /// [`Self::with_template`], failing when the API keys or TLS files cannot be used, or
-    /// the LoRA adapter names are not valid ([`HttpConfig::lora_adapters`]). The backend is
-    /// told the tenants' limits ([`Backend::set_tenants`]) before this returns.
-    pub fn try_with_template(
-        backend: Arc<dyn Backend>,
-        config: HttpConfig,
-        tokenizer: Arc<Tokenizer>,
-        template: ChatTemplate,
-        mut registry: Registry,
-    ) -> Result<Self, StateError> {
+    /// The state; an error when the chat template cannot be loaded or compiled, the API
+    /// keys or TLS files cannot be used, or the LoRA adapter names are not valid
+    /// ([`HttpConfig::lora_adapters`]): call it at startup, where each should stop the
+    /// process. The backend is told the tenants' limits ([`Backend::set_tenants`]) before
+    /// this returns.
+    pub fn build(self) -> Result<HttpState, StateError> {
+        let HttpStateBuilder {
+            backend,
+            config,
+            tokenizer,
+            mut registry,
+            template,
+        } = self;
+        let template = match template {
+            Some(t) => t,
+            None => ChatTemplate::load(&config.chat_template)?,
+        };
         check_adapters(&config)?;
         let access = Access::load(&config.access)?;
         let tls = config.tls.as_ref().map(super::tls::load).transpose()?;
@@ -258,6 +227,36 @@ impl HttpState {
                 tls,
             }),
         })
+    }
+}
+
+impl HttpState {
+    /// A builder of the state: `backend`, `config` and `tokenizer`, then the options of
+    /// [`HttpStateBuilder`].
+    pub fn builder(
+        backend: Arc<dyn Backend>,
+        config: HttpConfig,
+        tokenizer: Arc<Tokenizer>,
+    ) -> HttpStateBuilder {
+        HttpStateBuilder {
+            backend,
+            config,
+            tokenizer,
+            registry: Registry::default(),
+            template: None,
+        }
+    }
+
+    /// `builder(…).build()` for tests and tools whose configuration is known good.
+    ///
+    /// # Panics
+    ///
+    /// Where [`HttpStateBuilder::build`] fails.
+    pub fn new(backend: Arc<dyn Backend>, config: HttpConfig, tokenizer: Arc<Tokenizer>) -> Self {
+        match Self::builder(backend, config, tokenizer).build() {
+            Ok(state) => state,
+            Err(e) => panic!("invalid HTTP state: {e}"),
+        }
     }
 
     /// From now on `GET /health` answers 503 and new generation requests get 503

@@ -462,13 +462,10 @@ async fn one_conversation_gives_the_same_prompt_tokens_through_every_api() {
         let backend = FakeBackend::text("ok");
         let state = match template {
             None => HttpState::new(backend.clone(), config(), cl100k()),
-            Some(file) => HttpState::with_template(
-                backend.clone(),
-                config(),
-                cl100k(),
-                load(file),
-                Default::default(),
-            ),
+            Some(file) => HttpState::builder(backend.clone(), config(), cl100k())
+                .template(load(file))
+                .build()
+                .unwrap(),
         };
         let app = crate::http::app(state);
         let mut prompts = Vec::new();

@@ -71,7 +71,7 @@ fn try_edge(config: HttpConfig) -> Result<Edge, crate::http::StateError> {
         fake: fake.clone(),
         calls: Mutex::new(Vec::new()),
     });
-    let state = HttpState::try_new(tenants.clone(), config, cl100k())?;
+    let state = HttpState::builder(tenants.clone(), config, cl100k()).build()?;
     Ok(Edge {
         app: crate::http::app(state.clone()),
         state,

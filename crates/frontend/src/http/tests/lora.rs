@@ -135,7 +135,9 @@ fn bad_adapter_lists_are_refused_at_start() {
             lora_adapters: adapters.iter().map(|a| a.to_string()).collect(),
             ..config()
         };
-        let e = HttpState::try_new(FakeBackend::text("ok"), cfg, cl100k()).unwrap_err();
+        let e = HttpState::builder(FakeBackend::text("ok"), cfg, cl100k())
+            .build()
+            .unwrap_err();
         assert!(e.to_string().contains(expect), "{adapters:?}: {e}");
     }
 }

@@ -31,13 +31,10 @@ pub(crate) fn load(file: &str) -> ChatTemplate {
 
 fn app_with(template: ChatTemplate) -> (Router, Arc<FakeBackend>) {
     let backend = FakeBackend::text("ok");
-    let state = HttpState::with_template(
-        backend.clone(),
-        config(),
-        cl100k(),
-        template,
-        Default::default(),
-    );
+    let state = HttpState::builder(backend.clone(), config(), cl100k())
+        .template(template)
+        .build()
+        .unwrap();
     (crate::http::app(state), backend)
 }
 
@@ -265,13 +262,19 @@ fn invalid_templates_fail_at_startup_with_a_clear_error() {
         path: path.clone(),
         tokenizer_config: None,
     };
-    let err = HttpState::try_new(FakeBackend::text("x"), cfg.clone(), cl100k()).unwrap_err();
+    let err = HttpState::builder(FakeBackend::text("x"), cfg.clone(), cl100k())
+        .build()
+        .unwrap_err();
     assert!(err.to_string().contains("broken.jinja"), "{err}");
     cfg.chat_template = ChatTemplateSpec::File {
         path: dir.join("missing.jinja"),
         tokenizer_config: None,
     };
-    assert!(HttpState::try_new(FakeBackend::text("x"), cfg, cl100k()).is_err());
+    assert!(
+        HttpState::builder(FakeBackend::text("x"), cfg, cl100k())
+            .build()
+            .is_err()
+    );
     // Named templates: tool_use when tools are given.
     let config = dir.join("tokenizer_config.json");
     std::fs::write(
