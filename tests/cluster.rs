@@ -13,9 +13,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::chat::*;
-use common::cluster::{Cluster, Options, Proc, decode_id, prefill_id, wait_for, words};
+use common::cluster::{Cluster, Options, Proc, decode_id, prefill_id, wait_for};
 use common::http::{self, StreamEnd};
 use common::openai::{Completion, ErrorResponse, ModelList};
+use common::words;
 use serde_json::{Value, json};
 
 #[test]

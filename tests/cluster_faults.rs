@@ -12,9 +12,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::chat::*;
-use common::cluster::{Cluster, Options, decode_id, wait_for, words};
+use common::cluster::{Cluster, Options, decode_id, wait_for};
 use common::http::{self, StreamEnd};
 use common::openai::ErrorResponse;
+use common::words;
 use serde_json::json;
 
 #[test]

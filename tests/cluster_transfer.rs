@@ -11,7 +11,8 @@ mod common;
 use std::time::Duration;
 
 use common::chat::*;
-use common::cluster::{Cluster, Options, prefill_id, words};
+use common::cluster::{Cluster, Options, prefill_id};
+use common::words;
 use serde_json::json;
 
 /// The mocker's tokens depend on a digest of every KV byte: a disaggregated cluster (every

@@ -15,9 +15,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::chat::*;
-use common::cluster::{Cluster, Options, Proc, decode_id, prefill_id, words};
+use common::cluster::{Cluster, Options, Proc, decode_id, prefill_id};
 use common::http::{self, StreamEnd};
 use common::openai::{ChatCompletion, Completion};
+use common::words;
 use serde_json::{Value, json};
 use tandem_runtime::external::free_port;
 

@@ -18,8 +18,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::chat::*;
-use common::cluster::{Cluster, Options, decode_id, prefill_id, wait_for, words};
+use common::cluster::{Cluster, Options, decode_id, prefill_id, wait_for};
 use common::http;
+use common::words;
 use serde_json::{Value, json};
 
 /// Long versions of the scenarios (a test-harness switch, not configuration of tandem).

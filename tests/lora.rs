@@ -22,9 +22,10 @@ mod common;
 use std::time::Duration;
 
 use common::chat::{chat, serial};
-use common::cluster::{Cluster, Options, Routed, decode_id, words};
+use common::cluster::{Cluster, Options, Routed, decode_id};
 use common::http;
 use common::openai::{ChatCompletion, ModelList};
+use common::words;
 use serde_json::{Value, json};
 
 const ADAPTERS: [&str; 2] = ["sql-lora", "chat-lora"];

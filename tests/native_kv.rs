@@ -21,9 +21,10 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use common::chat::{chunks, content, final_usage, open_stream, read_events, streamed};
-use common::cluster::{Cluster, Metrics, Options, prefill_id, wait_for, words};
+use common::cluster::{Cluster, Metrics, Options, prefill_id, wait_for};
 use common::http::{self, StreamEnd};
 use common::native::{Up, model_path, up};
+use common::words;
 use serde_json::{Value, json};
 
 /// Tokens every request generates.

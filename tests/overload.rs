@@ -15,8 +15,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::chat::*;
-use common::cluster::{Cluster, Options, wait_for, words};
+use common::cluster::{Cluster, Options, wait_for};
 use common::http;
+use common::words;
 use serde_json::{Value, json};
 
 /// What one request thread saw.

@@ -22,8 +22,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::chat::{chat, serial, streamed};
-use common::cluster::{Metrics, Proc, wait_for, words};
+use common::cluster::{Metrics, Proc, wait_for};
 use common::http::{self, Event};
+use common::words;
 use parking_lot::Mutex;
 use serde_json::Value;
 use tandem_runtime::external::{EtcdOptions, EtcdServer, NatsOptions, NatsServer, free_port};

@@ -12,9 +12,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::chat::{chat, serial, streamed};
-use common::cluster::{Cluster, Options, wait_for, words};
+use common::cluster::{Cluster, Options, wait_for};
 use common::http;
 use common::metrics::Metrics;
+use common::words;
 use serde_json::Value;
 
 /// A Prometheus server on a free loopback port; killed on drop.

@@ -16,8 +16,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::cluster::{Cluster, Options, words};
+use common::cluster::{Cluster, Options};
 use common::http;
+use common::words;
 
 /// Requests at CI size, all with distinct prompts (no two share a KV block).
 const REQUESTS: usize = 3_000;

@@ -19,8 +19,9 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use common::chat::chat;
-use common::cluster::{Proc, wait_for, words};
+use common::cluster::{Proc, wait_for};
 use common::http;
+use common::words;
 
 const MISSING: &str = "the status page test needs headless Chromium and chromedriver: \
                        `apt-get install -y chromium chromium-driver` (scripts/test.sh does)";

@@ -15,9 +15,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::chat::{chat, serial, streamed};
-use common::cluster::{Cluster, Options, words};
+use common::cluster::{Cluster, Options};
 use common::http::{self, Event};
 use common::openai::ChatCompletionChunk;
+use common::words;
 use serde_json::json;
 use tandem_engine::TimingModel;
 

@@ -12,8 +12,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::chat::{chat, chunks, final_usage, serial, streamed};
-use common::cluster::{Cluster, Options, decode_id, prefill_id, wait_for, words};
+use common::cluster::{Cluster, Options, decode_id, prefill_id, wait_for};
 use common::http;
+use common::words;
 use serde_json::Value;
 
 /// The receiver process; killed on drop.

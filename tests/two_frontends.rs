@@ -30,8 +30,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::chat::{chat, serial, streamed};
-use common::cluster::{Cluster, Metrics, Options, decode_id, wait_for, words};
+use common::cluster::{Cluster, Metrics, Options, decode_id, wait_for};
 use common::http::{self, Event};
+use common::words;
 
 const DECODE: usize = 3;
 /// Frontend indices.

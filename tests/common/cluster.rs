@@ -21,6 +21,7 @@ use tandem_runtime::external::{EtcdOptions, EtcdServer, NatsOptions, NatsServer,
 use super::http::{self, Response};
 pub use super::metrics::Metrics;
 use super::openai::ChatCompletion;
+use super::standin::Engine;
 
 /// Worker id of the `i`-th decode worker (0-based).
 pub fn decode_id(i: usize) -> u64 {
@@ -711,31 +712,6 @@ impl Cluster {
     }
 }
 
-/// A stand-in engine process behind a worker.
-#[derive(Debug)]
-pub struct Engine {
-    pub id: u64,
-    /// Its HTTP API.
-    pub addr: SocketAddr,
-    pub kv_events: String,
-    pub kv_replay: String,
-    pub proc: Proc,
-}
-
-impl Engine {
-    /// The engine's own `/metrics`.
-    pub fn metrics(&self) -> Metrics {
-        let r = http::get(self.addr, "/metrics").expect("engine /metrics");
-        Metrics::parse(&r.text())
-    }
-
-    /// Fault injection: the engine's next KV event batch is not published (only replayable).
-    pub fn drop_next_event(&self) {
-        let r = http::post_json(self.addr, "/standin/drop-next-event", "{}").unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
-}
-
 /// `/metrics` at `addr`, when it answers 200.
 fn try_metrics(addr: SocketAddr) -> Option<Metrics> {
     let r = http::get(addr, "/metrics").ok()?;
@@ -803,28 +779,4 @@ impl Drop for Cluster {
             std::fs::remove_dir_all(&self.dir).ok();
         }
     }
-}
-
-/// `n` words of English, one cl100k token each (with the leading space), chosen by `seed`:
-/// prompts of about `n` tokens that other seeds do not share a prefix with.
-pub fn words(seed: u64, n: usize) -> String {
-    const WORDS: [&str; 48] = [
-        "the", "of", "and", "to", "in", "is", "you", "that", "it", "he", "was", "for", "on", "are",
-        "as", "with", "his", "they", "at", "be", "this", "have", "from", "or", "one", "had", "by",
-        "word", "but", "not", "what", "all", "were", "we", "when", "your", "can", "said", "there",
-        "use", "an", "each", "which", "she", "do", "how", "their", "if",
-    ];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = String::with_capacity(n * 5);
-    for i in 0..n {
-        // xorshift64
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        if i > 0 {
-            out.push(' ');
-        }
-        out.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
-    }
-    out
 }

@@ -8,6 +8,7 @@ pub mod http;
 pub mod metrics;
 pub mod native;
 pub mod openai;
+pub mod standin;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -41,5 +42,29 @@ pub fn run_ok(cmd: &mut Command) -> Output {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    out
+}
+
+/// `n` words of English, one cl100k token each (with the leading space), chosen by `seed`:
+/// prompts of about `n` tokens that other seeds do not share a prefix with.
+pub fn words(seed: u64, n: usize) -> String {
+    const WORDS: [&str; 48] = [
+        "the", "of", "and", "to", "in", "is", "you", "that", "it", "he", "was", "for", "on", "are",
+        "as", "with", "his", "they", "at", "be", "this", "have", "from", "or", "one", "had", "by",
+        "word", "but", "not", "what", "all", "were", "we", "when", "your", "can", "said", "there",
+        "use", "an", "each", "which", "she", "do", "how", "their", "if",
+    ];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = String::with_capacity(n * 5);
+    for i in 0..n {
+        // xorshift64
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if i > 0 {
+            out.push(' ');
+        }
+        out.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
+    }
     out
 }

@@ -568,12 +568,6 @@ impl BlockLease {
         &self.region
     }
 
-    /// The leased block's index in its region.
-    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
-    pub(crate) fn index(&self) -> u32 {
-        self.block
-    }
-
     /// FFI address of the leased block (host or device pointer).
     #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     pub(crate) fn address(&self) -> u64 {

@@ -158,7 +158,10 @@ impl fmt::Debug for HttpStateBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HttpStateBuilder")
             .field("config", &self.config)
-            .field("template", &self.template.as_ref().map(ChatTemplate::origin))
+            .field(
+                "template",
+                &self.template.as_ref().map(ChatTemplate::origin),
+            )
             .finish_non_exhaustive()
     }
 }

@@ -543,15 +543,12 @@ impl Engine {
             PutSource::Run { leases, .. } => {
                 let Some(first) = leases.first() else {
                     w.inflight -= 1;
-                    if let Some(d) = done {
-                        d.complete(Ok(()));
-                    }
+                    let _ = done.map(|d| d.complete(Ok(())));
                     return;
                 };
                 let region = first.region();
                 let cuda = region.memory_kind() == MemoryKind::Cuda;
-                // The leases are consecutive blocks of `region` (`UcxWriter::put_region`), so
-                // their bytes are one range from the first.
+                // Consecutive blocks of `region` (`UcxWriter::put_region`): one range.
                 let address = first.address() as *const u8;
                 (
                     address,

@@ -253,9 +253,9 @@ impl Run {
             return false;
         };
         let bpb = src.bytes_per_block();
-        let next = u64::from(first.index()) + self.leases.len() as u64;
+        let next = first.address() + (self.leases.len() * bpb) as u64;
         Arc::ptr_eq(first.region(), src)
-            && u64::from(src_block) == next
+            && src.base_address() + u64::from(src_block) * bpb as u64 == next
             && remote_addr == self.remote_addr + (self.leases.len() * bpb) as u64
             && (self.leases.len() + 1) * bpb <= MAX_RUN_BYTES
     }
