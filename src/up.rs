@@ -223,6 +223,15 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
     let admin = match admin_addr(&args)? {
+        // The default address beside the port taken: one machine's laptop cluster should
+        // not fail for its status page, so any free port (printed below) serves it.
+        Some(a) if args.admin_listen.is_none() => match TcpListener::bind(&a).await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::warn!(addr = %a, error = %e, "admin listener: using a free port");
+                Some(TcpListener::bind("127.0.0.1:0").await?)
+            }
+        },
         Some(a) => Some(
             TcpListener::bind(&a)
                 .await
