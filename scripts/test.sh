@@ -26,7 +26,7 @@ ensure_apt "${APT_PACKAGES[@]}"
 # opentelemetry/proto/trace/v1/trace_pb2.py that replaces opentelemetry-proto's when both go
 # into one site-packages, and the trace receiver then decodes no spans.
 # - zmq: msgspec and pyzmq encode KV event batches the way vLLM and SGLang do (their
-#   publishers are built on them; crates/worker/tests/zmq_events.rs);
+#   publishers are built on them; crates/external/tests/zmq_events.rs);
 # - sdk: the official `openai` and `anthropic` clients talk to the frontend's Responses and
 #   Messages APIs (crates/frontend/tests/sdk_clients.rs);
 # - kubernetes: kubernetes-validate checks deploy/'s rendered manifests offline against the

@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use tandem_external::{EngineKind, SidecarConfig, sidecar};
 use tandem_protocol::{WorkerId, WorkerRole};
 use tandem_runtime::discovery::MemoryDiscovery;
 use tandem_runtime::events::MemoryEventPlane;
 use tandem_runtime::shutdown::Shutdown;
-use tandem_worker::external::{EngineKind, SidecarConfig, sidecar};
 use tokio::net::TcpListener;
 
 /// Backends the frontend routes to directly.

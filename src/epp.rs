@@ -20,17 +20,17 @@ pub struct EppArgs {
     #[command(flatten)]
     pub plane: PlaneArgs,
     #[command(flatten)]
-    pub routing: crate::routing_args::RoutingArgs,
+    pub routing: crate::args::routing::RoutingArgs,
     #[command(flatten)]
     pub http: HttpArgs,
     #[command(flatten)]
-    pub flow: crate::flow_args::FlowArgs,
+    pub flow: crate::args::flow::FlowArgs,
     /// gRPC listen address (ext_proc and grpc.health.v1; or --host and --port); GIE's default
     /// port is 9002.
     #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:9002")]
     pub listen: String,
     #[command(flatten)]
-    pub host_port: crate::listen_args::HostPort,
+    pub host_port: crate::args::listen::HostPort,
     /// Serve Prometheus `GET /metrics` on this address (unset: no metrics listener).
     #[arg(long, env = "TANDEM_METRICS_ADDR")]
     pub metrics_addr: Option<String>,

@@ -12,22 +12,17 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod access;
+mod args;
 mod backends;
 mod bench;
-mod engine_args;
 mod epp;
-mod flow_args;
-mod kv_transport_args;
-mod listen_args;
 mod model_file;
 mod models;
-mod plan;
 mod planner;
-mod routing_args;
 mod serve;
 mod sim;
+mod size;
 mod up;
-mod workload_args;
 
 use clap::{Parser, Subcommand};
 use tandem_protocol::WorkerRole;
@@ -69,8 +64,10 @@ enum Command {
     /// rate sweeps, JSON, SVG plots.
     Bench(Box<bench::BenchArgs>),
     /// How many workers a load needs to meet its SLO, aggregated and split into prefill and
-    /// decode pools: `tandem sim` over candidate clusters.
-    Plan(Box<plan::PlanArgs>),
+    /// decode pools: `tandem sim` over candidate clusters (offline; `planner` scales a live
+    /// cluster). `plan` is its former name.
+    #[command(alias = "plan")]
+    Size(Box<size::SizeArgs>),
     /// The router as a Gateway API Inference Extension endpoint picker (Envoy ext_proc) for
     /// an InferencePool: picks the model server (a sidecar's engine) for each request.
     Epp(Box<epp::EppArgs>),
@@ -93,7 +90,7 @@ fn main() -> anyhow::Result<()> {
         Command::Decode(args) => block_on(serve::run_worker(*args, WorkerRole::Decode)),
         Command::Indexer(args) => block_on(serve::run_indexer(*args)),
         Command::Bench(args) => block_on(bench::run(*args)),
-        Command::Plan(args) => plan::run(*args),
+        Command::Size(args) => size::run(*args),
         Command::Epp(args) => block_on(epp::run(*args)),
         Command::Planner(args) => block_on(planner::run(*args)),
         Command::Fetch(args) => block_on(models::run(args)),
@@ -116,6 +113,16 @@ mod tests {
     #[test]
     fn the_command_line_is_well_formed() {
         super::Cli::command().debug_assert();
+    }
+
+    /// `tandem size` answers to its former name too: scripts written for `tandem plan` work.
+    #[test]
+    fn size_keeps_plan_as_an_alias() {
+        use clap::Parser;
+        for name in ["size", "plan"] {
+            let cli = super::Cli::try_parse_from(["tandem", name, "--workers", "4"]).unwrap();
+            assert!(matches!(cli.command, super::Command::Size(_)), "{name}");
+        }
     }
 
     /// The repository stands alone (docs/CONVENTIONS.md §16): no file reads or cites what

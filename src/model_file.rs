@@ -48,6 +48,10 @@ impl ModelFile {
         } else {
             return Ok(None);
         };
+        // A process that computes with the model: its threads outnumber the cores (see
+        // tandem_native::malloc).
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tandem_native::malloc::cap_arenas(cores);
         let file = GgufFile::read(&path).with_context(|| format!("--model {model}"))?;
         let llama = tandem_native::load(&file, Precision::Quantized)
             .with_context(|| format!("--model {model}"))?;

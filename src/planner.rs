@@ -52,7 +52,7 @@ pub struct PlannerArgs {
     #[arg(long, env = "TANDEM_PLANNER_SLO_QUANTILE", default_value_t = 0.9)]
     slo_quantile: f64,
     /// Prompt tokens (not cached) one prefill worker computes per second within the TTFT
-    /// SLO: the prefill pool's goodput at the SLO over its workers, from `tandem plan` /
+    /// SLO: the prefill pool's goodput at the SLO over its workers, from `tandem size` /
     /// `tandem sim --prefill-workers P --sweep-rate …` (rate × ISL × (1 − hit rate) / P at the
     /// highest rate that meets the SLO), or measured with `tandem bench`.
     #[arg(long, env = "TANDEM_PLANNER_PREFILL_CAPACITY")]

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{ArgAction, Args};
+use tandem_external::{EngineKind, SidecarConfig};
 use tandem_frontend::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
 use tandem_frontend::http::{ChatTemplateSpec, HttpConfig, ResponsesStoreConfig, TokenizerSpec};
 use tandem_protocol::{BlockSize, WorkerId, WorkerRole};
@@ -17,11 +18,10 @@ use tandem_router::RouterId;
 use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
 use tandem_runtime::events::{EventPlane, NatsAuth, NatsConfig, NatsEventPlane};
 use tandem_runtime::shutdown::Shutdown;
-use tandem_worker::external::{EngineKind, SidecarConfig};
 use tandem_worker::{WorkerConfig, WorkerDeps};
 use tokio::net::TcpListener;
 
-use crate::engine_args::EngineArgs;
+use crate::args::engine::EngineArgs;
 
 /// Where discovery and the event plane are.
 #[derive(Args, Debug, Clone)]
@@ -204,7 +204,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: String,
     #[command(flatten)]
-    pub host_port: crate::listen_args::HostPort,
+    pub host_port: crate::args::listen::HostPort,
     /// Host other processes reach this worker at (the bound port is appended).
     #[arg(long, env = "TANDEM_ADVERTISE_HOST", default_value = "127.0.0.1")]
     pub advertise_host: String,
@@ -249,7 +249,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "TANDEM_KV_MEMORY", default_value = "host")]
     pub kv_memory: tandem_worker::KvMemory,
     #[command(flatten)]
-    pub kv: crate::kv_transport_args::KvTransportArgs,
+    pub kv: crate::args::kv_transport::KvTransportArgs,
     /// Fault injection (prefill workers): corrupt one byte of every KV transfer after its
     /// digest is taken, so decode workers must detect it and prefill locally.
     #[arg(long, hide = true, default_value_t = false)]
@@ -379,14 +379,14 @@ pub struct FrontendArgs {
     #[command(flatten)]
     pub plane: PlaneArgs,
     #[command(flatten)]
-    pub routing: crate::routing_args::RoutingArgs,
+    pub routing: crate::args::routing::RoutingArgs,
     #[command(flatten)]
     pub http: HttpArgs,
     /// HTTP listen address (or --host and --port).
     #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:8000")]
     pub listen: String,
     #[command(flatten)]
-    pub host_port: crate::listen_args::HostPort,
+    pub host_port: crate::args::listen::HostPort,
     /// Tokens per KV block (must match the workers').
     #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: u32,
@@ -399,7 +399,7 @@ pub struct FrontendArgs {
     #[command(flatten)]
     pub backends: crate::backends::BackendArgs,
     #[command(flatten)]
-    pub flow: crate::flow_args::FlowArgs,
+    pub flow: crate::args::flow::FlowArgs,
     /// API keys (tenants) and TLS on the HTTP listener.
     #[command(flatten)]
     pub access: crate::access::AccessArgs,
@@ -408,7 +408,7 @@ pub struct FrontendArgs {
 /// A frontend's config from its flags.
 pub fn frontend_config(
     namespace: &str,
-    routing: &crate::routing_args::RoutingArgs,
+    routing: &crate::args::routing::RoutingArgs,
     http: &HttpArgs,
     block_size: u32,
     indexer_url: Option<String>,
@@ -483,7 +483,7 @@ pub struct IndexerArgs {
     #[arg(long, env = "TANDEM_LISTEN", default_value = "0.0.0.0:7000")]
     pub listen: String,
     #[command(flatten)]
-    pub host_port: crate::listen_args::HostPort,
+    pub host_port: crate::args::listen::HostPort,
     /// Tokens per KV block (must match the workers').
     #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: u32,
@@ -565,7 +565,7 @@ pub async fn run_worker(args: WorkerArgs, role: WorkerRole) -> anyhow::Result<()
             .plane
             .connect(&format!("{role:?}-{}", cfg.worker_id.0))
             .await?;
-        tandem_worker::external::sidecar::run(
+        tandem_external::sidecar::run(
             cfg,
             listener,
             deps.discovery,
@@ -642,7 +642,7 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     // Both modes below (workers, --backend-url) serve HTTP with this config.
     args.access.apply(&mut cfg.http)?;
     let public = args.host_port.resolve(&args.listen)?;
-    let admin = crate::listen_args::admin_addr(args.access.admin_listen.as_deref(), &public)?;
+    let admin = crate::args::listen::admin_addr(args.access.admin_listen.as_deref(), &public)?;
     let listener = bind(&public).await?;
     let admin = match admin {
         Some(addr) => Some(bind(&addr).await?),
@@ -677,7 +677,7 @@ mod tests {
     use clap::Parser;
 
     use super::{EngineArgs, HttpArgs, frontend_config};
-    use crate::routing_args::RoutingArgs;
+    use crate::args::routing::RoutingArgs;
 
     #[derive(Parser)]
     struct Cli {

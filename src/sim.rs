@@ -8,12 +8,12 @@ use tandem_workload::plot::write_json;
 
 use tandem_workload::parse_rates;
 
-use crate::workload_args::ms_to_us;
+use crate::args::workload::ms_to_us;
 
 #[derive(Args, Debug)]
 pub struct SimArgs {
     #[command(flatten)]
-    workload: crate::workload_args::WorkloadArgs,
+    workload: crate::args::workload::WorkloadArgs,
     /// Aggregated workers, or decode workers with --prefill-workers.
     #[arg(long, env = "TANDEM_SIM_WORKERS", default_value_t = 8)]
     workers: u32,
@@ -27,7 +27,7 @@ pub struct SimArgs {
     #[arg(long, env = "TANDEM_SIM_REPLICA_SYNC", default_value_t = true, action = ArgAction::Set)]
     replica_sync: bool,
     #[command(flatten)]
-    routing: crate::routing_args::RoutingArgs,
+    routing: crate::args::routing::RoutingArgs,
     /// Device KV blocks per worker.
     #[arg(long, env = "TANDEM_SIM_DEVICE_BLOCKS", default_value_t = 16_384)]
     device_blocks: u32,
@@ -97,7 +97,7 @@ pub struct SimArgs {
     #[arg(long, env = "TANDEM_SIM_SAMPLE_INTERVAL_MS", default_value_t = 1000.0)]
     sample_interval_ms: f64,
     #[command(flatten)]
-    pub(crate) out: crate::workload_args::OutputArgs,
+    pub(crate) out: crate::args::workload::OutputArgs,
 }
 
 impl SimArgs {

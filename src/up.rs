@@ -20,9 +20,9 @@ use tandem_runtime::shutdown::Shutdown;
 use tandem_worker::WorkerDeps;
 use tokio::net::TcpListener;
 
-use crate::engine_args::EngineArgs;
+use crate::args::engine::EngineArgs;
+use crate::args::routing::RoutingArgs;
 use crate::model_file::{ModelFile, available_cores};
-use crate::routing_args::RoutingArgs;
 use crate::serve::{HttpArgs, frontend_config};
 
 #[derive(Args, Debug, Clone)]
@@ -65,13 +65,13 @@ pub struct UpArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
-    pub flow: crate::flow_args::FlowArgs,
+    pub flow: crate::args::flow::FlowArgs,
     /// How KV moves from prefill to decode workers. In one process the default is `local`
     /// (an in-process copy) and `tcp`, `ucx` or `inline` run the path separate machines
     /// take; with `--processes` each worker gets the flag (unset: ucx where UCX initialises,
     /// else tcp).
     #[command(flatten)]
-    pub kv: crate::kv_transport_args::KvTransportArgs,
+    pub kv: crate::args::kv_transport::KvTransportArgs,
     /// Fault injection: the prefill workers corrupt one byte of every KV transfer after its
     /// digest is taken (as `tandem prefill --inject-kv-corruption`).
     #[arg(long, hide = true, default_value_t = false)]
@@ -263,6 +263,17 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     // cache by now) and the frontend takes the served name, tokenizer and context length from
     // it.
     let model = model_file(&mut args).await?;
+    // The default admin address beside a taken port: a free one instead, as in process (the
+    // child frontend is told which; another process could still take it before the child
+    // binds it).
+    if args.admin_listen.is_none()
+        && let Some(a) = admin_addr(&args)?
+        && std::net::TcpListener::bind(&a).is_err()
+    {
+        let free = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        tracing::warn!(addr = %a, free = %free, "admin listener: using a free port");
+        args.admin_listen = Some(free.to_string());
+    }
     let gguf = model.as_ref().map(|m| m.flag.clone());
     let worker_model = match gguf {
         Some(gguf) => ["--engine=native".to_string(), format!("--model={gguf}")]
@@ -335,7 +346,7 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
 
 /// The frontend's admin listener (`--admin-listen`, else beside --port).
 fn admin_addr(args: &UpArgs) -> anyhow::Result<Option<String>> {
-    crate::listen_args::admin_addr(
+    crate::args::listen::admin_addr(
         args.admin_listen.as_deref(),
         &format!("{}:{}", args.host, args.port),
     )
@@ -394,7 +405,7 @@ mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::*;
-    use crate::flow_args::FlowArgs;
+    use crate::args::flow::FlowArgs;
     use crate::serve::FrontendArgs;
 
     #[derive(Parser)]
@@ -583,8 +594,8 @@ mod tests {
             assert_eq!(child.inject_kv_corruption, role == "prefill");
             assert_eq!(child.model, "m");
             let mut groups = [
-                longs::<crate::engine_args::EngineArgs>(),
-                longs::<crate::kv_transport_args::KvTransportArgs>(),
+                longs::<crate::args::engine::EngineArgs>(),
+                longs::<crate::args::kv_transport::KvTransportArgs>(),
             ]
             .concat();
             // Each worker's own listener.

@@ -397,7 +397,9 @@ fn alive(pid: u32) -> bool {
 fn tandem_up_processes_serves_and_stops_everything() {
     let _serial = serial();
     let dir = common::temp_dir("up");
-    let port = tandem_runtime::external::free_port().unwrap();
+    let free = || tandem_runtime::external::free_port().unwrap();
+    let (port, admin_port) = (free(), free());
+    let admin_listen = format!("--admin-listen=127.0.0.1:{admin_port}");
     let args: Vec<String> = [
         "up",
         "--processes",
@@ -405,6 +407,7 @@ fn tandem_up_processes_serves_and_stops_everything() {
         "mocker",
         "--port",
         &port.to_string(),
+        &admin_listen,
         "--prefill",
         "1",
         "--decode",
@@ -422,6 +425,20 @@ fn tandem_up_processes_serves_and_stops_everything() {
             .is_ok_and(|r| r.status == 200)
             .then_some(())
     });
+    // Healthy is one decode worker; a request sent before the prefill worker registers is
+    // prefilled locally whatever the rule says.
+    let admin = std::net::SocketAddr::from(([127, 0, 0, 1], admin_port));
+    wait_for(
+        "the frontend to see the prefill worker",
+        Duration::from_secs(60),
+        || {
+            let m = http::get(admin, "/metrics")
+                .ok()
+                .filter(|r| r.status == 200)?;
+            let m = common::metrics::Metrics::parse(&m.text());
+            (m.0.get("tandem_workers{role=\"prefill\"}") == Some(&1.0)).then_some(())
+        },
+    );
     let ask = |body: &serde_json::Value| {
         let r = http::post_json(addr, "/v1/chat/completions", &body.to_string()).unwrap();
         assert_eq!(r.status, 200, "{}", r.text());

@@ -447,6 +447,51 @@ fn a_client_that_goes_away_aborts_the_request_on_the_engine() {
     );
 }
 
+/// A server with no `/health` (llama.cpp's Python server, Ollama, LM Studio answer 404 there)
+/// is watched through `GET /v1/models`: it is served, and it leaves the pool and comes back
+/// as that answers 503 and then 200 again.
+#[test]
+fn a_server_without_health_is_watched_through_its_model_list() {
+    let _serial = serial();
+    let d = direct_with(
+        "no-health",
+        1,
+        &["--no-health", "--text-only"],
+        &["--backend-engine=openai"],
+    );
+    let body = json!({"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 3});
+    let r = http::post_json(d.addr, "/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        d.frontend.log().contains("liveness is GET /v1/models"),
+        "{}",
+        d.frontend.log()
+    );
+    let engine = d.engines[0].0;
+    let set = |state: &str| {
+        let r = http::request(
+            engine,
+            "POST",
+            &format!("/standin/health/{state}"),
+            None,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(r.status, 200);
+    };
+    set("fail");
+    let pool_is = |n: u64, what: &str| {
+        common::cluster::wait_for(what, Duration::from_secs(30), || {
+            (d.metrics().decode_workers() == n).then_some(())
+        })
+    };
+    pool_is(0, "the server out of the pool");
+    set("ok");
+    pool_is(1, "the server back in the pool");
+    let r = http::post_json(d.addr, "/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
 #[test]
 fn a_plain_openai_server_that_answers_text_only_is_served_through_backend_url() {
     let _serial = serial();

@@ -263,9 +263,13 @@ fn nats_then_etcd_restarted_under_load() {
     std::thread::sleep(Duration::from_secs(2));
     c.rt.block_on(c.etcd.restart()).expect("restarting etcd");
     let restarted = Instant::now();
-    // KV-aware again: a new prompt, sent twice, is routed to the worker that cached it.
-    let probe = chat(&words(77, 400), "Probe.", 4);
+    // KV-aware again: a new prompt, sent twice, is routed to the worker that cached it. A
+    // fresh prompt each try: once a retried one is cached on both workers, the second send
+    // is a coin toss however aware the routing is.
+    let mut tries = 0;
     let aware = wait_for("KV-aware routing", Duration::from_secs(15), || {
+        tries += 1;
+        let probe = chat(&words(77 + tries, 400), "Probe.", 4);
         let first = c.chat(&probe);
         std::thread::sleep(Duration::from_millis(300));
         let again = c.chat(&probe);

@@ -6,6 +6,7 @@
 mod common;
 
 use std::path::Path;
+use std::time::Duration;
 
 use common::http;
 use common::native::{Up, model_path, up};
@@ -188,6 +189,9 @@ fn a_gpu_device_is_refused_at_start_by_a_build_without_gpu_support() {
 /// announced to its router (the decision shows the blocks on disk), and gives the same answer.
 #[test]
 fn the_disk_tier_survives_a_restart_and_the_router_sees_it() {
+    // Alone: a first run that cannot stop in time (the other tests' models computing beside
+    // it) is killed, and spills nothing.
+    let _serial = common::chat::serial();
     let dir = common::temp_dir("kv-disk-restart");
     let disk = dir.join("kv");
     let disk = disk.to_str().unwrap();
@@ -220,6 +224,18 @@ fn the_disk_tier_survives_a_restart_and_the_router_sees_it() {
         v
     }; // stopped: its decode worker spills its cache to disk as it goes
     let up = up("kv-disk-second", model.to_str().unwrap(), &flags);
+    // The restarted worker announces its disk tier after it joins: wait until the router
+    // has it (600 tokens: 37 full blocks) before asking.
+    common::cluster::wait_for(
+        "the disk tier in the router's index",
+        Duration::from_secs(60),
+        || {
+            let m = http::get(up.admin, "/metrics")
+                .ok()
+                .filter(|r| r.status == 200)?;
+            (common::metrics::Metrics::parse(&m.text()).index_entries() >= 37).then_some(())
+        },
+    );
     let again = ask(&up);
     let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()

@@ -56,10 +56,15 @@ fn sim_writes_table_json_and_plots() {
     );
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(v["completed"], 60);
+    // Latencies as the bench report writes them: one summary per latency.
+    for (latency, figure) in [("ttft_ms", "p90"), ("itl_ms", "p99"), ("e2e_ms", "max")] {
+        assert!(v[latency][figure].is_number(), "{latency}.{figure}");
+    }
+    // One TTFT and one E2E per request; one ITL per gap between tokens.
+    assert_eq!(v["ttft_ms"]["count"], 60);
+    assert_eq!(v["e2e_ms"]["count"], 60);
+    assert!(v["itl_ms"]["count"].as_u64().unwrap() > 60);
     for key in [
-        "ttft_p90_ms",
-        "itl_p99_ms",
-        "e2e_max_ms",
         "goodput_rps",
         "prefix_hit_rate",
         "inflight_imbalance_max_minus_min_mean",
@@ -185,7 +190,7 @@ fn arrival_jitter_zero_is_byte_identical_to_no_flag_and_positive_is_repeatable()
     );
 }
 
-/// `tandem plan`: the fewest workers meeting the SLO, aggregated (by bisection) and split;
+/// `tandem size`: the fewest workers meeting the SLO, aggregated (by bisection) and split;
 /// the smallest answer is consistent with the runs it lists, and a load no cluster up to the
 /// limit can carry is said to be so.
 #[test]
@@ -194,7 +199,7 @@ fn plan_finds_the_smallest_clusters_that_meet_the_slo() {
     let json = dir.join("plan.json");
     let plan = |workers: &str, rate: &str, extra: &[&str]| {
         let mut args = vec![
-            "plan",
+            "size",
             "--workers",
             workers,
             "--rate",

@@ -25,8 +25,9 @@ use tandem_engine::TimingModel;
 const KEY_A: &str = "sk-tenant-a-0123456789abcdef";
 const KEY_B: &str = "sk-tenant-b-0123456789abcdef";
 const KEY_C: &str = "sk-tenant-c-0123456789abcdef";
-/// Slower than a GPU, so that a prefill is long next to the processes' own overheads.
-const SPEEDUP: f64 = 0.5;
+/// Slower than a GPU, so that a prefill (~0.6 s) is long next to the processes' own overheads
+/// and to a loaded machine's stalls: the comparisons below have ~0.5 s of margin.
+const SPEEDUP: f64 = 0.25;
 const PROMPT_WORDS: usize = 7000;
 
 /// What one streamed request saw.
@@ -149,8 +150,8 @@ fn a_tenants_cached_prefix_gives_another_tenant_no_hit_and_no_speedup() {
     assert!(b.ttft >= floor.mul_f64(0.9), "B prefilled it all: {seen}");
     assert!(b.ttft > a2.ttft, "B is not sped up by A's cache: {seen}");
     assert!(
-        b.ttft + floor / 2 > a1.ttft,
-        "B is no faster than A's uncached first: {seen}"
+        b.ttft * 2 > a1.ttft,
+        "B is no faster than A's uncached first (a hit is ~5× faster): {seen}"
     );
     // C shares A's cache_salt, so it shares A's blocks.
     assert!(same_salt.cached >= a1.prompt_tokens - 64, "{seen}");

@@ -68,11 +68,14 @@ impl Receiver {
         r
     }
 
+    /// The spans written so far: whole lines only (the receiver's buffered writer may have
+    /// flushed part of a batch's last line when this reads the file).
     fn spans(&self) -> Vec<Value> {
-        std::fs::read_to_string(&self.spans)
-            .unwrap_or_default()
+        let text = std::fs::read_to_string(&self.spans).unwrap_or_default();
+        let whole = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+        whole
             .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
+            .map(|l| serde_json::from_str(l).expect("a span as one JSON line"))
             .collect()
     }
 }

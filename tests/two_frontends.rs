@@ -283,7 +283,13 @@ fn synced_frontends_share_one_view_and_one_cache() {
 /// `second`: the same worker serves both, from its cache.
 fn same_worker_for_a_prefix(c: &Cluster, seed: u64, first: usize, second: usize) {
     let system = words(seed, 300);
-    let indexed = c.metrics_of(second).index_entries();
+    // The gauge is refreshed every 250 ms: a baseline read before the last refresh would
+    // let the wait below pass before this prefix is indexed. Two equal reads 300 ms apart.
+    let indexed = wait_for("the index gauge to settle", Duration::from_secs(10), || {
+        let before = c.metrics_of(second).index_entries();
+        std::thread::sleep(Duration::from_millis(300));
+        (c.metrics_of(second).index_entries() == before).then_some(before)
+    });
     let one = c.chat_via(first, &chat(&system, "What is the first thing?", 8));
     let prompt_blocks = u64::from(one.completion.usage.prompt_tokens / 16);
     // The second frontend must know where the prefix is (the KV events) and that the first

@@ -7,7 +7,7 @@ use tandem_workload::plot::write_json;
 
 use tandem_workload::parse_rates;
 
-use crate::workload_args::{OutputArgs, WorkloadArgs};
+use crate::args::workload::{OutputArgs, WorkloadArgs};
 
 /// Which API the prompts go to (`tandem_bench::Api`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -2,8 +2,8 @@
 //! benchmarks without a GPU (see the `tandem-standin` crate).
 
 use clap::Parser;
+use tandem_external::events::WireShape;
 use tandem_standin::StandinConfig;
-use tandem_worker::external::events::WireShape;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -46,6 +46,10 @@ struct Args {
     /// Answer text only, as a plain OpenAI server does (no `return_token_ids`).
     #[arg(long, default_value_t = false)]
     text_only: bool,
+    /// No GET /health (404), as llama.cpp's Python server or Ollama: GET /v1/models answers
+    /// 503 while told unhealthy instead.
+    #[arg(long, default_value_t = false)]
+    no_health: bool,
     /// LoRA adapters served, comma-separated, as vLLM's --lora-modules (`NAME` or
     /// `NAME=PATH`; the path is not read).
     #[arg(long, value_delimiter = ',')]
@@ -80,6 +84,7 @@ fn main() -> anyhow::Result<()> {
     };
     c.advertise_host = args.advertise_host;
     c.text_only = args.text_only;
+    c.no_health = args.no_health;
     c.lora_modules = args
         .lora_modules
         .iter()

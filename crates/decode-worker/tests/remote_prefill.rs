@@ -294,9 +294,9 @@ async fn a_client_gone_mid_transfer_frees_the_blocks_on_both_workers() {
         .subscribe(&subjects::load_reports("default"))
         .await
         .unwrap();
-    // A slow prefill worker: 12 chunks of 256 tokens, about 0.2 s each.
+    // A slow prefill worker: 12 chunks of 256 tokens, about 0.4 s each.
     let mut pcfg = config(1, WorkerRole::Prefill);
-    pcfg.engine.mocker.speedup_ratio = 0.1;
+    pcfg.engine.mocker.speedup_ratio = 0.05;
     pcfg.engine.scheduler.max_num_batched_tokens = 256;
     let p = start_with(pcfg, &deps).await;
     let d = start(2, WorkerRole::Decode, &deps).await;
@@ -316,9 +316,9 @@ async fn a_client_gone_mid_transfer_frees_the_blocks_on_both_workers() {
     })
     .await;
     drop(stream);
-    // Long before the prefill would have finished (~2.4 s), both are empty again.
+    // Long before the prefill would have finished (~4.8 s), both are empty again.
     for w in [1, 2] {
-        report_where(&mut loads, w, Duration::from_millis(1500), |r| {
+        report_where(&mut loads, w, Duration::from_secs(3), |r| {
             r.kv_active_blocks == 0 && r.running_requests == 0 && r.waiting_requests == 0
         })
         .await;
@@ -591,19 +591,19 @@ async fn unconfirmed_transfer_blocks_come_back_after_the_fence_timeout() {
     let (p, _) = start_rogue(rogue.clone()).await;
     let mut dcfg = config(2, WorkerRole::Decode);
     dcfg.prefill_timeout = Duration::from_millis(200);
-    dcfg.transfer_fence_timeout = Duration::from_millis(1500);
+    dcfg.transfer_fence_timeout = Duration::from_secs(4);
     let d = start_with(dcfg, &deps).await;
     let mut c = client(&d.addr).await;
     let got = generate(&mut c, request(90, prompt(13, 300), Some(&p))).await;
     assert_eq!(got[0].prefill, PrefillOutcome::Fallback as i32);
     // The request is over; its 19 destination blocks are still held (the prompt's own
     // blocks are cached, not active).
-    report_where(&mut loads, 2, Duration::from_secs(1), |r| {
+    report_where(&mut loads, 2, Duration::from_secs(3), |r| {
         r.running_requests == 0 && r.kv_active_blocks == 19
     })
     .await;
     assert!(rogue.aborts.load(std::sync::atomic::Ordering::SeqCst) >= 1);
-    report_where(&mut loads, 2, Duration::from_secs(3), |r| {
+    report_where(&mut loads, 2, Duration::from_secs(8), |r| {
         r.running_requests == 0 && r.kv_active_blocks == 0
     })
     .await;

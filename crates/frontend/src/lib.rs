@@ -19,6 +19,8 @@
 pub mod cluster;
 pub mod epp;
 pub mod http;
+#[cfg(any(test, feature = "test-support"))]
+pub mod testing;
 
 pub use cluster::{
     BackendConfig, ClusterBackend, ClusterDeps, ClusterView, FrontendConfig, ServiceError,

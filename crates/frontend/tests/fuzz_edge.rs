@@ -37,9 +37,9 @@ use serde_json::{Map, Value, json};
 use tower::ServiceExt;
 
 use tandem_frontend::http::{
-    self, Backend, FinishReason, Generation, HttpConfig, HttpState, RouteInfo, ServeError,
-    TokenChunk, Tokenizer, TokenizerSpec, ValidRequest,
+    self, FinishReason, HttpConfig, HttpState, ServeError, Tokenizer, TokenizerSpec, ValidRequest,
 };
+use tandem_frontend::testing::{Chunks, FnBackend, token_chunks};
 use tandem_protocol::Rng;
 
 const MODEL: &str = "fuzz-model";
@@ -62,48 +62,45 @@ const REPLIES: [&str; 5] = [
     "a\nb\nc\nd",
 ];
 
-/// Streams a reply in two or three chunks; records contract violations of what it is given.
-struct FakeBackend {
-    tokenizer: Arc<Tokenizer>,
-    violations: Mutex<Vec<String>>,
+/// What `req` breaks of the edge's contract with its backend (empty: nothing).
+fn contract_violations(req: &ValidRequest) -> Vec<&'static str> {
+    let mut bad = Vec::new();
+    if req.prompt_tokens.is_empty() {
+        bad.push("empty prompt");
+    }
+    if req.max_tokens < 1 {
+        bad.push("max_tokens < 1");
+    }
+    if req.prompt_tokens.len() as u64 + u64::from(req.max_tokens) > u64::from(CONTEXT) {
+        bad.push("prompt + max_tokens over the context");
+    }
+    if !(0.0..=2.0).contains(&req.temperature) {
+        bad.push("temperature out of [0, 2]");
+    }
+    if !(0.0..=1.0).contains(&req.top_p) {
+        bad.push("top_p out of [0, 1]");
+    }
+    if req.stop.iter().any(String::is_empty) {
+        bad.push("an empty stop string");
+    }
+    if req.model != MODEL {
+        bad.push("another model");
+    }
+    bad
 }
 
-impl FakeBackend {
-    fn check(&self, req: &ValidRequest) {
-        let mut bad = Vec::new();
-        if req.prompt_tokens.is_empty() {
-            bad.push("empty prompt");
-        }
-        if req.max_tokens < 1 {
-            bad.push("max_tokens < 1");
-        }
-        if req.prompt_tokens.len() as u64 + u64::from(req.max_tokens) > u64::from(CONTEXT) {
-            bad.push("prompt + max_tokens over the context");
-        }
-        if !(0.0..=2.0).contains(&req.temperature) {
-            bad.push("temperature out of [0, 2]");
-        }
-        if !(0.0..=1.0).contains(&req.top_p) {
-            bad.push("top_p out of [0, 1]");
-        }
-        if req.stop.iter().any(String::is_empty) {
-            bad.push("an empty stop string");
-        }
-        if req.model != MODEL {
-            bad.push("another model");
-        }
+/// Streams a reply in two or three chunks (every seventh as engine text, not token ids);
+/// records in `violations` what breaks the edge's contract with its backend.
+fn replies(
+    violations: Arc<Mutex<Vec<String>>>,
+) -> impl Fn(&ValidRequest) -> Result<Chunks, ServeError> + Send + Sync + 'static {
+    move |req: &ValidRequest| {
+        let bad = contract_violations(req);
         if !bad.is_empty() {
-            self.violations
+            violations
                 .lock()
                 .push(format!("ValidRequest invariants broken ({bad:?}): {req:?}"));
         }
-    }
-}
-
-#[async_trait::async_trait]
-impl Backend for FakeBackend {
-    async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError> {
-        self.check(&req);
         let reply = REPLIES[req.id as usize % REPLIES.len()];
         let finish = if req.id.is_multiple_of(3) {
             FinishReason::Length
@@ -111,47 +108,25 @@ impl Backend for FakeBackend {
             FinishReason::Stop
         };
         let as_text = req.id.is_multiple_of(7);
-        let tokens = self
-            .tokenizer
+        let tokens = tokenizer()
             .encode(reply)
             .map_err(|e| ServeError::internal(e.to_string()))?;
         let parts = 2 + req.id as usize % 2;
-        let per = tokens.len().div_ceil(parts).max(1);
-        let pieces: Vec<Vec<u32>> = tokens.chunks(per).map(<[u32]>::to_vec).collect();
-        let n = pieces.len();
-        let chunks = pieces.into_iter().enumerate().map(move |(i, tokens)| {
-            let finish = (i + 1 == n).then_some(finish);
-            Ok(if as_text {
-                TokenChunk {
-                    text: Some(self_decode(&tokens)),
-                    text_tokens: tokens.len() as u32,
-                    logprobs: Vec::new(),
-                    tokens: Vec::new(),
-                    finish,
-                    cached_tokens: 3,
-                }
-            } else {
-                TokenChunk {
-                    tokens,
-                    finish,
-                    cached_tokens: 3,
-                    text: None,
-                    text_tokens: 0,
-                    logprobs: Vec::new(),
-                }
+        let chunks = token_chunks(&tokens, tokens.len().div_ceil(parts), finish);
+        Ok(chunks
+            .into_iter()
+            .map(|c| {
+                c.map(|mut c| {
+                    c.cached_tokens = 3;
+                    if as_text {
+                        c.text = Some(self_decode(&c.tokens));
+                        c.text_tokens = c.tokens.len() as u32;
+                        c.tokens.clear();
+                    }
+                    c
+                })
             })
-        });
-        Ok(Generation {
-            route: RouteInfo {
-                decode_worker: 1,
-                prefill_worker: None,
-            },
-            chunks: futures::stream::iter(chunks.collect::<Vec<_>>()).boxed(),
-        })
-    }
-
-    fn ready(&self) -> bool {
-        true
+            .collect())
     }
 }
 
@@ -167,11 +142,10 @@ fn tokenizer() -> Arc<Tokenizer> {
     TOK.clone()
 }
 
-fn app() -> (Router, Arc<FakeBackend>) {
-    let backend = Arc::new(FakeBackend {
-        tokenizer: tokenizer(),
-        violations: Mutex::new(Vec::new()),
-    });
+/// The edge over the fake, and the violations the fake records.
+fn app() -> (Router, Arc<Mutex<Vec<String>>>) {
+    let violations = Arc::new(Mutex::new(Vec::new()));
+    let backend = Arc::new(FnBackend::new(replies(violations.clone())));
     let config = HttpConfig {
         served_model_name: MODEL.to_string(),
         context_length: CONTEXT,
@@ -179,8 +153,8 @@ fn app() -> (Router, Arc<FakeBackend>) {
         max_body_bytes: MAX_BODY,
         ..HttpConfig::default()
     };
-    let state = HttpState::new(backend.clone(), config, tokenizer());
-    (http::app(state), backend)
+    let state = HttpState::new(backend, config, tokenizer());
+    (http::app(state), violations)
 }
 
 // --- the generator ------------------------------------------------------------------------
@@ -815,7 +789,7 @@ fn env_u64(name: &str) -> Option<u64> {
 async fn generated_requests_get_200_or_4xx_in_the_api_shape() {
     let cases = env_u64("PROPTEST_CASES").unwrap_or(1500);
     let seed = env_u64("TANDEM_FUZZ_SEED").unwrap_or(0x7a6e_ed9e);
-    let (app, backend) = app();
+    let (app, recorded) = app();
     let response_ids: Arc<Mutex<Vec<String>>> = Arc::default();
     let started = std::time::Instant::now();
     // Each case is kept only as its status and, when it broke something, its description.
@@ -846,7 +820,7 @@ async fn generated_requests_get_200_or_4xx_in_the_api_shape() {
         *statuses.entry(status).or_default() += 1;
         violations.extend(violation);
     }
-    violations.extend(backend.violations.lock().iter().cloned());
+    violations.extend(recorded.lock().iter().cloned());
     eprintln!(
         "{cases} cases (seed {seed:#x}) in {:.1} s; statuses: {statuses:?}; {} stored responses \
          reused",

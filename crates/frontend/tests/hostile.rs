@@ -28,16 +28,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use tandem_frontend::http::{
-    self, Backend, FinishReason, Generation, HttpConfig, HttpState, RouteInfo, ServeError,
-    TokenChunk, Tokenizer, TokenizerSpec, ValidRequest,
+    self, FinishReason, HttpConfig, HttpState, ServeError, Tokenizer, TokenizerSpec, ValidRequest,
 };
+use tandem_frontend::testing::{Chunks, FnBackend, token_chunks};
 use tandem_protocol::Rng;
 
 const MAX_BODY: usize = 64 * 1024;
@@ -45,39 +44,20 @@ const MODEL: &str = "hostile-model";
 /// How long a complete request may go unanswered before it counts as a hang.
 const ANSWER_WITHIN: Duration = Duration::from_secs(10);
 
-struct TextBackend(Arc<Tokenizer>);
-
-#[async_trait::async_trait]
-impl Backend for TextBackend {
-    async fn generate(&self, _req: ValidRequest) -> Result<Generation, ServeError> {
-        let tokens = self
-            .0
+/// The edge's answer to every request that gets through: a short text in two chunks.
+fn text_backend(
+    tokenizer: Arc<Tokenizer>,
+) -> FnBackend<impl Fn(&ValidRequest) -> Result<Chunks, ServeError> + Send + Sync + 'static> {
+    FnBackend::new(move |_req: &ValidRequest| {
+        let tokens = tokenizer
             .encode("Hello there, client.")
             .map_err(|e| ServeError::internal(e.to_string()))?;
-        let (a, b) = tokens.split_at(tokens.len() / 2);
-        let chunks =
-            [(a.to_vec(), None), (b.to_vec(), Some(FinishReason::Stop))].map(|(tokens, finish)| {
-                Ok(TokenChunk {
-                    tokens,
-                    finish,
-                    cached_tokens: 0,
-                    text: None,
-                    text_tokens: 0,
-                    logprobs: Vec::new(),
-                })
-            });
-        Ok(Generation {
-            route: RouteInfo {
-                decode_worker: 1,
-                prefill_worker: None,
-            },
-            chunks: futures::stream::iter(chunks).boxed(),
-        })
-    }
-
-    fn ready(&self) -> bool {
-        true
-    }
+        Ok(token_chunks(
+            &tokens,
+            tokens.len().div_ceil(2),
+            FinishReason::Stop,
+        ))
+    })
 }
 
 // --- raw HTTP ---------------------------------------------------------------------------------
@@ -588,7 +568,7 @@ async fn start() -> Server {
         context_length: 4096,
         ..HttpConfig::default()
     };
-    let state = HttpState::new(Arc::new(TextBackend(tokenizer.clone())), config, tokenizer);
+    let state = HttpState::new(Arc::new(text_backend(tokenizer.clone())), config, tokenizer);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

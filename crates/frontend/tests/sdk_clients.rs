@@ -14,15 +14,14 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use parking_lot::Mutex;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use tandem_frontend::http::{
-    self, Backend, FinishReason, Generation, HttpConfig, HttpState, RouteInfo, ServeError,
-    TokenChunk, Tokenizer, TokenizerSpec, ValidRequest,
+    self, FinishReason, HttpConfig, HttpState, ServeError, Tokenizer, TokenizerSpec, ValidRequest,
 };
+use tandem_frontend::testing::{Chunks, FnBackend, token_chunks};
 
 const HELLO: &str = "Hello from tandem!";
 const RESULT: &str = "It is 21 C in Paris.";
@@ -30,17 +29,14 @@ const TOOL_CALL: &str =
     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
 
 /// Answers from the prompt: after a tool result the result, when the weather is asked a tool
-/// call, else a greeting; one token per chunk.
-struct ScriptedBackend {
+/// call, else a greeting; one token per chunk. Records every prompt in `prompts`.
+fn scripted(
     tokenizer: Arc<Tokenizer>,
-    prompts: Mutex<Vec<Vec<u32>>>,
-}
-
-#[async_trait::async_trait]
-impl Backend for ScriptedBackend {
-    async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError> {
-        let prompt = self.tokenizer.decode(&req.prompt_tokens);
-        self.prompts.lock().push(req.prompt_tokens.clone());
+    prompts: Arc<Mutex<Vec<Vec<u32>>>>,
+) -> impl Fn(&ValidRequest) -> Result<Chunks, ServeError> + Send + Sync + 'static {
+    move |req: &ValidRequest| {
+        let prompt = tokenizer.decode(&req.prompt_tokens);
+        prompts.lock().push(req.prompt_tokens.clone());
         let reply = if prompt.contains("<|im_start|>tool") {
             RESULT
         } else if prompt.contains("Weather") {
@@ -48,32 +44,10 @@ impl Backend for ScriptedBackend {
         } else {
             HELLO
         };
-        let tokens = self
-            .tokenizer
+        let tokens = tokenizer
             .encode(reply)
             .map_err(|e| ServeError::internal(e.to_string()))?;
-        let n = tokens.len();
-        let chunks = tokens.into_iter().enumerate().map(move |(i, t)| {
-            Ok(TokenChunk {
-                tokens: vec![t],
-                finish: (i + 1 == n).then_some(FinishReason::Stop),
-                cached_tokens: 0,
-                text: None,
-                text_tokens: 0,
-                logprobs: Vec::new(),
-            })
-        });
-        Ok(Generation {
-            route: RouteInfo {
-                decode_worker: 1,
-                prefill_worker: None,
-            },
-            chunks: futures::stream::iter(chunks).boxed(),
-        })
-    }
-
-    fn ready(&self) -> bool {
-        true
+        Ok(token_chunks(&tokens, 1, FinishReason::Stop))
     }
 }
 
@@ -274,7 +248,9 @@ async fn require_sdks() {
 
 struct Server {
     url: String,
-    backend: Arc<ScriptedBackend>,
+    tokenizer: Arc<Tokenizer>,
+    /// Every prompt the backend was asked, in order.
+    prompts: Arc<Mutex<Vec<Vec<u32>>>>,
     stop: CancellationToken,
 }
 
@@ -284,22 +260,25 @@ async fn start() -> Server {
 
 async fn start_with(config: HttpConfig) -> Server {
     let tokenizer = Arc::new(Tokenizer::load(&TokenizerSpec::default()).unwrap());
-    let backend = Arc::new(ScriptedBackend {
-        tokenizer: tokenizer.clone(),
-        prompts: Mutex::new(Vec::new()),
-    });
+    let prompts = Arc::new(Mutex::new(Vec::new()));
+    let backend = Arc::new(FnBackend::new(scripted(tokenizer.clone(), prompts.clone())));
     let config = HttpConfig {
         served_model_name: "tandem-test".to_string(),
         ..config
     };
-    let state = HttpState::builder(backend.clone(), config, tokenizer)
+    let state = HttpState::builder(backend, config, tokenizer.clone())
         .build()
         .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let stop = CancellationToken::new();
     tokio::spawn(http::serve(listener, http::app(state), stop.clone()));
-    Server { url, backend, stop }
+    Server {
+        url,
+        tokenizer,
+        prompts,
+        stop,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -307,13 +286,13 @@ async fn openai_sdk_responses() {
     require_sdks().await;
     let server = start().await;
     let out = run_python(OPENAI_SCRIPT, &server.url).await;
-    let prompts = server.backend.prompts.lock().clone();
+    let prompts = server.prompts.lock().clone();
 
     let whole = &out["whole"];
     assert_eq!(whole["text"], HELLO);
     assert!(whole["id"].as_str().unwrap().starts_with("resp_"));
     assert_eq!(whole["input_tokens"], prompts[0].len() as u64);
-    let hello_tokens = server.backend.tokenizer.encode(HELLO).unwrap().len() as u64;
+    let hello_tokens = server.tokenizer.encode(HELLO).unwrap().len() as u64;
     assert_eq!(whole["output_tokens"], hello_tokens);
     assert_eq!(
         whole["total_tokens"],
@@ -348,7 +327,7 @@ async fn openai_sdk_responses() {
         ]
     );
     // previous_response_id: the first turn is in the second prompt.
-    let second = server.backend.tokenizer.decode(&prompts[1]);
+    let second = server.tokenizer.decode(&prompts[1]);
     assert!(second.contains("Hi") && second.contains(HELLO), "{second}");
 
     assert_eq!(out["helper"]["text"], HELLO);
@@ -373,7 +352,7 @@ async fn anthropic_sdk_messages() {
     require_sdks().await;
     let server = start().await;
     let out = run_python(ANTHROPIC_SCRIPT, &server.url).await;
-    let prompts = server.backend.prompts.lock().clone();
+    let prompts = server.prompts.lock().clone();
 
     let whole = &out["whole"];
     assert_eq!(whole["text"], HELLO);
@@ -381,7 +360,7 @@ async fn anthropic_sdk_messages() {
     assert!(whole["id"].as_str().unwrap().starts_with("msg_"));
     // Nothing cached here: input_tokens is the whole prompt.
     assert_eq!(whole["input_tokens"], prompts[0].len() as u64);
-    let first = server.backend.tokenizer.decode(&prompts[0]);
+    let first = server.tokenizer.decode(&prompts[0]);
     assert_eq!(
         first,
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\

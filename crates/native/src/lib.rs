@@ -31,10 +31,10 @@
 //!   pass on an NVIDIA GPU, its kernels compiled at run time (see its docs).
 //!
 //! **Invariants.**
-//! - `unsafe` lives in three audited modules, each block with a `// SAFETY:`: `kernels/simd/`
+//! - `unsafe` lives in four audited modules, each block with a `// SAFETY:`: `kernels/simd/`
 //!   (the SIMD intrinsics and prefetches), [`team`] (a parallel region's closure called through a
-//!   pointer by the worker's threads, which `Team::run` outlives) and, with the `cuda` feature,
-//!   `gpu/device.rs` (kernel launches). The file is read into a
+//!   pointer by the worker's threads, which `Team::run` outlives), [`malloc`] (one `mallopt`)
+//!   and, with the `cuda` feature, `gpu/device.rs` (kernel launches). The file is read into a
 //!   `Vec<u8>` (no memory mapping).
 //! - Bounds are checked at parse time, once: every length and count against the bytes left
 //!   (a hostile count never sizes an allocation beyond what the remaining bytes could hold),
@@ -64,6 +64,7 @@ pub mod kernels;
 pub mod kv;
 pub mod llama;
 pub mod load;
+pub mod malloc;
 pub mod model;
 pub mod quant;
 pub mod sampling;

@@ -13,9 +13,18 @@
 //! variable: on a worker with nothing to do it costs nothing, and workers sharing cores give
 //! way to each other while they linger.
 //!
+//! A region waits for its work, not for its members: a member joins a region only while it is
+//! open, and the caller closes it when its own share is done (with [`Team::for_each`], when
+//! every item is taken), then waits only for the members inside. On a machine whose cores
+//! the serving threads share, a member the scheduler has preempted used to hold every region
+//! until it ran again, and the others waited at each of a step's ~150 joins; now the threads
+//! that run take its share (a served decode at batch 1 on two cores: see
+//! crates/native/BENCHMARKS.md).
+//!
 //! The one `unsafe` of this crate outside the kernels is here: a region's closure lives on
 //! the caller's stack and the members call it through a pointer; [`Team::run`] returns only
-//! after every member has finished with it (see the SAFETY note there).
+//! after every member that joined has finished with it, and none joins after (see the SAFETY
+//! note there).
 #![allow(unsafe_code)]
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -48,11 +57,15 @@ struct JobPtr(*const Job);
 unsafe impl Send for JobPtr {}
 
 struct Shared {
-    /// Bumped once per region: a member runs each epoch's job once.
+    /// Bumped once per region: a member runs each epoch's job at most once.
     epoch: AtomicU64,
-    job: Mutex<Option<JobPtr>>,
-    /// Members still running the current region's job.
-    remaining: AtomicUsize,
+    /// The current region's job and its epoch.
+    job: Mutex<Option<(u64, JobPtr)>>,
+    /// The current region takes members (set by `run` once its job is published, cleared
+    /// when the caller's own call returns).
+    open: AtomicBool,
+    /// Members that joined the current region and have not finished its job.
+    inside: AtomicUsize,
     /// Members asleep on `wake` (the tests wait on it).
     asleep: AtomicUsize,
     /// A member's job panicked.
@@ -83,7 +96,8 @@ impl Team {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             job: Mutex::new(None),
-            remaining: AtomicUsize::new(0),
+            open: AtomicBool::new(false),
+            inside: AtomicUsize::new(0),
             asleep: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
@@ -106,26 +120,33 @@ impl Team {
         self.members.len() + 1
     }
 
-    /// Calls `f(i)` once for every member index `i` in `0..threads()`, the caller itself
-    /// being 0, and returns when all have returned. A panic in any of them is raised here.
+    /// Calls `f(0)` on the caller and `f(i)` on each member `i` that is free while the caller's
+    /// call runs (at most once each), and returns when every call has returned: `f` must
+    /// leave no work to a member that never comes ([`for_each`](Self::for_each) hands its
+    /// items to whoever asks). A panic in any of them is raised here.
     pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
         let s = &*self.shared;
-        // SAFETY: the pointer's lifetime is erased so the members can hold it; they call it
-        // only after the epoch below is published and before they decrement `remaining`, and
-        // this function does not return (nor unwind: the caller's own call is caught) until
-        // `remaining` is back at 0, so `f` outlives every call through the pointer.
+        // SAFETY: the pointer's lifetime is erased so the members can hold it. A member calls
+        // it only after joining the region (`inside` incremented, then `open` seen true, both
+        // SeqCst) and before leaving it (`inside` decremented). This function clears `open`
+        // (SeqCst) after its own call and then does not return (nor unwind: its own call is
+        // caught) until `inside` is 0: a member whose increment came before the clear is
+        // waited for, and one whose increment came after sees `open` false and leaves
+        // without calling. So `f` outlives every call through the pointer.
         let ptr: *const Job =
             unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), &'static Job>(f) };
-        *lock(&s.job) = Some(JobPtr(ptr));
-        s.remaining.store(self.members.len(), Ordering::SeqCst);
-        s.epoch.fetch_add(1, Ordering::SeqCst);
+        let epoch = s.epoch.load(Ordering::SeqCst) + 1;
+        *lock(&s.job) = Some((epoch, JobPtr(ptr)));
+        s.open.store(true, Ordering::SeqCst);
+        s.epoch.store(epoch, Ordering::SeqCst);
         {
             let _guard = lock(&s.sleeping);
             s.wake.notify_all();
         }
         let own = catch_unwind(AssertUnwindSafe(|| f(0)));
+        s.open.store(false, Ordering::SeqCst);
         let mut spins = 0u32;
-        while s.remaining.load(Ordering::Acquire) > 0 {
+        while s.inside.load(Ordering::SeqCst) > 0 {
             spins += 1;
             if spins < 1 << 12 {
                 std::hint::spin_loop();
@@ -177,7 +198,8 @@ fn lock<T>(m: &Mutex<T>) -> parking_lot::MutexGuard<'_, T> {
 }
 
 fn member(s: &Shared, i: usize) {
-    let mut seen = 0u64;
+    // The last region seen, and the last whose job this member ran.
+    let (mut seen, mut ran) = (0u64, 0u64);
     loop {
         // Spin a little for the next region, then sleep until one comes.
         let start = Instant::now();
@@ -209,16 +231,23 @@ fn member(s: &Shared, i: usize) {
             return;
         }
         seen = epoch;
-        let job = *lock(&s.job);
-        if let Some(JobPtr(ptr)) = job {
-            // SAFETY: see `Team::run`: the job is alive until `remaining` reaches 0, which
-            // needs this member's decrement below.
+        // Join the region if it still takes members (see the SAFETY note in `Team::run`),
+        // and run its job unless this member already ran that one.
+        s.inside.fetch_add(1, Ordering::SeqCst);
+        if s.open.load(Ordering::SeqCst)
+            && let Some((job_epoch, JobPtr(ptr))) = *lock(&s.job)
+            && job_epoch > ran
+        {
+            ran = job_epoch;
+            seen = seen.max(job_epoch);
+            // SAFETY: see `Team::run`: this member is inside an open region, so the caller
+            // waits for the decrement below before its job can go.
             let f = unsafe { &*ptr };
             if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
                 s.panicked.store(true, Ordering::SeqCst);
             }
         }
-        s.remaining.fetch_sub(1, Ordering::Release);
+        s.inside.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -227,14 +256,26 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicU32;
 
+    /// A region whose caller waits until every member has come: each runs it exactly once.
+    fn everyone(team: &Team, calls: &[AtomicU32]) {
+        let came = AtomicUsize::new(0);
+        team.run(&|i| {
+            calls[i].fetch_add(1, Ordering::Relaxed);
+            came.fetch_add(1, Ordering::SeqCst);
+            if i == 0 {
+                while came.load(Ordering::SeqCst) < calls.len() {
+                    std::thread::yield_now();
+                }
+            }
+        });
+    }
+
     #[test]
     fn every_member_runs_every_region_once() {
         let team = Team::new(3).unwrap();
         let calls: Vec<AtomicU32> = (0..3).map(|_| AtomicU32::new(0)).collect();
         for _ in 0..1000 {
-            team.run(&|i| {
-                calls[i].fetch_add(1, Ordering::Relaxed);
-            });
+            everyone(&team, &calls);
         }
         // Regions far apart: every member has gone to sleep in between.
         for _ in 0..3 {
@@ -243,26 +284,49 @@ mod tests {
                 assert!(Instant::now() < deadline, "the members never went to sleep");
                 std::thread::yield_now();
             }
-            team.run(&|i| {
-                calls[i].fetch_add(1, Ordering::Relaxed);
-            });
+            everyone(&team, &calls);
         }
         for c in &calls {
             assert_eq!(c.load(Ordering::Relaxed), 1003);
         }
     }
 
+    /// Items go to whoever asks, each exactly once, whether the member joins a region early,
+    /// late or not at all (the caller's share done, a region closes without it).
     #[test]
-    fn a_panic_in_a_member_reaches_the_caller_and_the_team_goes_on() {
+    fn every_item_once_whoever_comes() {
         let team = Team::new(2).unwrap();
-        let r = catch_unwind(AssertUnwindSafe(|| {
-            team.run(&|i| assert!(i != 1, "member 1 fails"));
-        }));
-        assert!(r.is_err());
+        for round in 0..2000 {
+            let mut items = vec![0u32; 7];
+            team.for_each(&mut items, |i, x| *x += i as u32 + round);
+            let want: Vec<u32> = (0..7).map(|i| i + round).collect();
+            assert_eq!(items, want);
+        }
         let n = AtomicU32::new(0);
         team.run(&|_| {
             n.fetch_add(1, Ordering::Relaxed);
         });
-        assert_eq!(n.load(Ordering::Relaxed), 2);
+        assert!((1..=2).contains(&n.load(Ordering::Relaxed)));
+    }
+
+    #[test]
+    fn a_panic_in_a_member_reaches_the_caller_and_the_team_goes_on() {
+        let team = Team::new(2).unwrap();
+        let came = AtomicBool::new(false);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            team.run(&|i| {
+                if i == 1 {
+                    came.store(true, Ordering::SeqCst);
+                    panic!("member 1 fails");
+                }
+                while !came.load(Ordering::SeqCst) {
+                    std::thread::yield_now();
+                }
+            });
+        }));
+        assert!(r.is_err());
+        let calls: Vec<AtomicU32> = (0..2).map(|_| AtomicU32::new(0)).collect();
+        everyone(&team, &calls);
+        assert!(calls.iter().all(|c| c.load(Ordering::Relaxed) == 1));
     }
 }

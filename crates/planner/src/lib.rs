@@ -1,5 +1,5 @@
 //! `tandem planner`: the online loop that sizes the prefill and decode pools from the
-//! cluster's live metrics (`tandem plan` is its offline counterpart, from simulator runs).
+//! cluster's live metrics (`tandem size` is its offline counterpart, from simulator runs).
 //!
 //! Every interval it scrapes each frontend's `/metrics`, turns counter and histogram deltas
 //! into an [`Observation`] (request rate, ISL, OSL, prefix hit rate, the pools' loads, TTFT

@@ -155,7 +155,7 @@ pub struct DisaggConfig {
     pub prefill_busy_tokens: u64,
     /// `kv` knobs for the decode pool (credit removed under `always`).
     pub decode_kv: KvConfig,
-    /// `kv` knobs for the prefill pool.
+    /// `kv` knobs for the prefill pool ([`KvConfig::prefill_pool`] by default).
     pub prefill_kv: KvConfig,
     pub decode_pool: PoolConfig,
     pub prefill_pool: PoolConfig,
@@ -175,7 +175,7 @@ impl Default for DisaggConfig {
             // local one takes on a decode worker.
             prefill_busy_tokens: 8192,
             decode_kv: KvConfig::default(),
-            prefill_kv: KvConfig::default(),
+            prefill_kv: KvConfig::prefill_pool(),
             decode_pool: PoolConfig::default(),
             prefill_pool: PoolConfig::default(),
             transfer: TransferCosts::default(),

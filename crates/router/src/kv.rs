@@ -59,10 +59,23 @@ pub struct KvConfig {
 }
 
 impl Default for KvConfig {
-    /// Dynamo's configuration (overlap weight 1, prefill and decode blocks weighed alike,
-    /// temperature 0), the baseline of crates/router/EXPERIMENTS.md. The `tandem` binary's
-    /// flags default to `prefill_load_scale` 2, measured better on both bundled traces.
+    /// tandem's defaults, the `tandem` binary's flags' too: Dynamo's configuration
+    /// ([`KvConfig::dynamo`]) with the prefill term weighed twice (`prefill_load_scale` 2),
+    /// which lifted capacity under the SLO on both bundled traces (conversation ×0.85 →
+    /// ×0.95, the oracle's; crates/router/EXPERIMENTS.md).
     fn default() -> Self {
+        KvConfig {
+            prefill_load_scale: 2.0,
+            ..KvConfig::dynamo()
+        }
+    }
+}
+
+impl KvConfig {
+    /// Dynamo's configuration (overlap weight 1, prefill and decode blocks weighed alike,
+    /// temperature 0), the baseline of crates/router/EXPERIMENTS.md, and of the tests that
+    /// check the cost formula term by term.
+    pub fn dynamo() -> Self {
         KvConfig {
             overlap_credit: 1.0,
             host_weight: 0.85,
@@ -75,9 +88,17 @@ impl Default for KvConfig {
             batch_decode_weight: 0.5,
         }
     }
-}
 
-impl KvConfig {
+    /// How the prefill pool is scored under disaggregation: its workers decode nothing, so
+    /// the prefill term is their whole load, and its scale only weighs a block to prefill
+    /// against a block to move (the transfer term): one to one.
+    pub fn prefill_pool() -> Self {
+        KvConfig {
+            prefill_load_scale: 1.0,
+            ..KvConfig::default()
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         non_negative("kv overlap credit", self.overlap_credit)?;
         non_negative("kv host weight", self.host_weight)?;

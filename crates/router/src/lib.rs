@@ -52,12 +52,12 @@
 //! - `pool.rs`: busy thresholds and warm-up ([`PoolConfig`]), and [`Router`].
 //! - `tracker.rs`: [`ActiveSequences`] and replica sync. `disagg.rs`: conditional
 //!   disaggregation.
-//! - Admission (what waits, what is refused): `flow/` ([`FlowQueue`]: the bounded queue with
-//!   priority bands and tenant fairness, `buckets.rs` the per-tenant rate limits),
-//!   `saturation.rs` ([`SaturationConfig`]: when a decode worker takes no more), and
+//! - [`admission`] (what waits, what is refused): `flow/` ([`FlowQueue`]: the bounded queue
+//!   with priority bands and tenant fairness, `buckets.rs` the per-tenant rate limits),
+//!   `saturation.rs` ([`SaturationConfig`]: when a decode worker takes no more); with
 //!   `replica/admit.rs` (routing a queued request only to unsaturated workers).
-//! - Resilience (what happens when workers fail): `breaker.rs` ([`Breakers`] per worker and
-//!   the [`RetryBudget`]), `hedge.rs` ([`TtftHistory`], when a second attempt starts).
+//! - [`resilience`] (what happens when workers fail): `breaker.rs` ([`Breakers`] per worker
+//!   and the [`RetryBudget`]), `hedge.rs` ([`TtftHistory`], when a second attempt starts).
 //! - `error.rs`: [`RouteError`], [`ConfigError`]. [`Rng`] is `tandem_protocol::Rng`.
 //!
 //! # Invariants
@@ -76,20 +76,18 @@
 //!   approximate workers are never asked for dumps or repairs.
 
 pub mod adapters;
-pub mod breaker;
+pub mod admission;
 pub mod cache_aware;
 pub mod capacity;
 pub mod disagg;
 mod error;
-pub mod flow;
-mod hedge;
 pub mod kv;
 mod policy;
 mod pool;
 pub mod prefix_hash;
 mod registry;
 mod replica;
-mod saturation;
+pub mod resilience;
 pub mod sessions;
 // The policies name it `crate::rng::Rng`; it lives in tandem-protocol.
 use tandem_protocol::rng;
@@ -101,6 +99,10 @@ mod view;
 mod tests;
 
 pub use adapters::{AdapterConfig, AdapterFit, Adapters};
+// The admission and resilience modules under their own names too (`tandem_router::flow`, …).
+pub use admission::{flow, saturation};
+pub use resilience::{breaker, hedge};
+
 pub use breaker::{BreakerConfig, BreakerState, Breakers, RetryBudget, RetryBudgetConfig};
 pub use cache_aware::{CacheAwareConfig, CacheAwarePolicy};
 pub use capacity::{Capacity, CapacityConfig};
@@ -114,7 +116,8 @@ pub use pool::{Candidates, PoolConfig, Router, RouterConfig, prepare_candidates}
 pub use prefix_hash::{PrefixHashConfig, PrefixHashPolicy};
 pub use registry::{PolicyConfig, PolicyKind};
 pub use replica::{
-    InFlight, Input, KvSource, Plan, ReplicaConfig, RouteInput, RoutingConfig, RoutingReplica,
+    FedIndex, InFlight, Input, KvSource, Plan, ReplicaConfig, RouteInput, RoutingConfig,
+    RoutingReplica,
 };
 pub use saturation::SaturationConfig;
 pub use sessions::{SessionConfig, SessionKey, SessionOutcome, SessionStats, Sessions};

@@ -23,7 +23,9 @@ fn config(server: &NatsServer) -> NatsConfig {
         url: server.url(),
         name: Some("tandem-runtime-test".into()),
         connect_timeout: Duration::from_secs(2),
-        publish_timeout: Duration::from_millis(300),
+        // Also the bound on the round trip after a subscribe: on a loaded machine 300 ms could
+        // pass before the server knows the subscription, and a message right after is lost.
+        publish_timeout: Duration::from_secs(1),
         max_reconnect_delay: Duration::from_millis(250),
         ..NatsConfig::default()
     }

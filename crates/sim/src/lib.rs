@@ -23,7 +23,7 @@
 //! - `queue.rs`: the event heap. `sim.rs`: the event loop and the request lifecycle.
 //!   `replica.rs`: what the event plane delivers to a replica, and its repairs answered.
 //!   `stats.rs`, `metrics.rs`: counters, the run's plain outcome, and [`SimReport`].
-//! - `sweep.rs`: rate sweeps. `plan.rs`: `tandem plan`'s search for the smallest cluster
+//! - `sweep.rs`: rate sweeps. `plan.rs`: `tandem size`'s search for the smallest cluster
 //!   meeting an SLO. Plots: [`tandem_workload::plot`] over [`SimReport::ttft_cdf_ms`] and
 //!   [`SweepReport::goodput_points`].
 //!

@@ -5,7 +5,8 @@
 //! - ITL: the gap between two consecutive tokens of a request; every gap of every request is
 //!   one sample. TPOT: a request's mean ITL, `(last − first token) / (tokens − 1)`.
 //! - E2E: arrival to the last token.
-//! - Percentiles (`*_p50_ms` … `*_p99_ms`, `ttft_cdf_ms`, `transfer_p50_ms`) are nearest-rank
+//! - Latencies (`ttft_ms`, `tpot_ms`, `itl_ms`, `e2e_ms`) are [`LatencySummary`]s, as in the
+//!   bench report. Percentiles (their `p50` … `p99`, `ttft_cdf_ms`, `transfer_p50_ms`) are nearest-rank
 //!   over every sample, from a [`tandem_workload::LatencyHistogram`]: within 0.1 % of the
 //!   exact value (the top of its 1 µs … 1/1,024-wide bucket); means, maxima and counts are
 //!   exact.
@@ -44,6 +45,7 @@
 //!   sample as a `(virtual second, value)` series. Prefill workers are not sampled.
 
 use serde::Serialize;
+use tandem_workload::LatencySummary;
 
 use tandem_workload::Slo;
 
@@ -98,30 +100,14 @@ pub struct SimReport {
     pub virtual_seconds: f64,
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
-    pub ttft_p50_ms: f64,
-    pub ttft_p90_ms: f64,
-    pub ttft_p95_ms: f64,
-    pub ttft_p99_ms: f64,
-    pub ttft_max_ms: f64,
-    pub ttft_mean_ms: f64,
-    pub tpot_p50_ms: f64,
-    pub tpot_p90_ms: f64,
-    pub tpot_p95_ms: f64,
-    pub tpot_p99_ms: f64,
-    pub tpot_max_ms: f64,
-    pub tpot_mean_ms: f64,
-    pub itl_p50_ms: f64,
-    pub itl_p90_ms: f64,
-    pub itl_p95_ms: f64,
-    pub itl_p99_ms: f64,
-    pub itl_max_ms: f64,
-    pub itl_mean_ms: f64,
-    pub e2e_p50_ms: f64,
-    pub e2e_p90_ms: f64,
-    pub e2e_p95_ms: f64,
-    pub e2e_p99_ms: f64,
-    pub e2e_max_ms: f64,
-    pub e2e_mean_ms: f64,
+    /// Time to first token, ms: count, mean, p50, p90, p95, p99 and max.
+    pub ttft_ms: LatencySummary,
+    /// Time per output token after the first, per request, ms: count, mean, p50, p90, p95, p99 and max.
+    pub tpot_ms: LatencySummary,
+    /// Gaps between consecutive output tokens, over all tokens, ms: count, mean, p50, p90, p95, p99 and max.
+    pub itl_ms: LatencySummary,
+    /// Arrival to last token, ms: count, mean, p50, p90, p95, p99 and max.
+    pub e2e_ms: LatencySummary,
     pub slo_ttft_ms: f64,
     pub slo_itl_ms: f64,
     /// Requests meeting the SLO, over all requests.
@@ -225,51 +211,18 @@ impl SimReport {
                 self.virtual_seconds
             ),
         );
-        let lat = |p50: f64, p90: f64, p95: f64, p99: f64, max: f64| {
-            format!("{p50:.1} / {p90:.1} / {p95:.1} / {p99:.1} / {max:.1}")
+        let lat = |l: &LatencySummary| {
+            format!(
+                "{:.1} / {:.1} / {:.1} / {:.1} / {:.1}",
+                l.p50, l.p90, l.p95, l.p99, l.max
+            )
         };
         s.push_str("| **latency, ms** | **p50 / p90 / p95 / p99 / max** |\n");
         let mut row = |k: &str, v: String| s.push_str(&format!("| {k} | {v} |\n"));
-        row(
-            "TTFT",
-            lat(
-                self.ttft_p50_ms,
-                self.ttft_p90_ms,
-                self.ttft_p95_ms,
-                self.ttft_p99_ms,
-                self.ttft_max_ms,
-            ),
-        );
-        row(
-            "TPOT",
-            lat(
-                self.tpot_p50_ms,
-                self.tpot_p90_ms,
-                self.tpot_p95_ms,
-                self.tpot_p99_ms,
-                self.tpot_max_ms,
-            ),
-        );
-        row(
-            "ITL",
-            lat(
-                self.itl_p50_ms,
-                self.itl_p90_ms,
-                self.itl_p95_ms,
-                self.itl_p99_ms,
-                self.itl_max_ms,
-            ),
-        );
-        row(
-            "E2E",
-            lat(
-                self.e2e_p50_ms,
-                self.e2e_p90_ms,
-                self.e2e_p95_ms,
-                self.e2e_p99_ms,
-                self.e2e_max_ms,
-            ),
-        );
+        row("TTFT", lat(&self.ttft_ms));
+        row("TPOT", lat(&self.tpot_ms));
+        row("ITL", lat(&self.itl_ms));
+        row("E2E", lat(&self.e2e_ms));
         row(
             "goodput",
             format!(

@@ -1,4 +1,4 @@
-//! `tandem plan`'s search: how many workers a load needs to meet its SLO, aggregated and split
+//! `tandem size`'s search: how many workers a load needs to meet its SLO, aggregated and split
 //! into prefill and decode pools, found by simulating candidate clusters.
 //!
 //! Aggregated: the fewest workers (1 to `max_workers`) whose run meets the SLO, by bisection
@@ -41,8 +41,8 @@ impl Candidate {
             meets_slo,
             slo_attainment: r.slo_attainment,
             goodput_rps: r.goodput_rps,
-            ttft_p99_ms: r.ttft_p99_ms,
-            tpot_p99_ms: r.tpot_p99_ms,
+            ttft_p99_ms: r.ttft_ms.p99,
+            tpot_p99_ms: r.tpot_ms.p99,
         }
     }
 

@@ -61,8 +61,8 @@ impl SweepReport {
                 p.rate,
                 r.goodput_rps,
                 100.0 * r.slo_attainment,
-                r.ttft_p90_ms,
-                r.itl_p90_ms,
+                r.ttft_ms.p90,
+                r.itl_ms.p90,
                 100.0 * r.prefix_hit_rate,
                 if p.meets_slo { "yes" } else { "no" }
             ));

@@ -113,7 +113,7 @@ fn trace_workload_with_limit_and_speedup() {
     });
     let r = run(cfg).unwrap();
     assert_eq!((r.requests, r.completed), (60, 60));
-    assert!(r.ttft_p50_ms > 0.0 && r.ttft_p50_ms <= r.ttft_p99_ms);
+    assert!(r.ttft_ms.p50 > 0.0 && r.ttft_ms.p50 <= r.ttft_ms.p99);
     assert_eq!(r.ttft_cdf_ms.len(), 101);
 }
 
@@ -315,10 +315,10 @@ fn capacity_weights_send_more_work_to_faster_workers_and_cut_latency() {
         off.worker_requests
     );
     assert!(
-        on.e2e_mean_ms < off.e2e_mean_ms,
+        on.e2e_ms.mean < off.e2e_ms.mean,
         "on {} vs off {}",
-        on.e2e_mean_ms,
-        off.e2e_mean_ms
+        on.e2e_ms.mean,
+        off.e2e_ms.mean
     );
 }
 
@@ -348,7 +348,7 @@ fn transfer_aware_prefill_choice_keeps_kv_within_the_rack() {
         aware.transfer_p50_ms,
         blind.transfer_p50_ms
     );
-    assert!(aware.ttft_mean_ms < blind.ttft_mean_ms);
+    assert!(aware.ttft_ms.mean < blind.ttft_ms.mean);
 }
 
 #[test]
@@ -427,7 +427,7 @@ fn session_affinity_keeps_conversations_on_their_worker() {
         off.miss_escaped_tokens
     );
     assert!(on.prefix_hit_rate > off.prefix_hit_rate + 0.1);
-    assert!(on.e2e_mean_ms < off.e2e_mean_ms);
+    assert!(on.e2e_ms.mean < off.e2e_ms.mean);
 }
 
 #[test]
@@ -472,9 +472,9 @@ fn lora_aware_routing_gathers_adapters_and_loads_fewer() {
         blind.adapter_loads
     );
     assert!(
-        2.0 * aware.ttft_p90_ms < blind.ttft_p90_ms,
+        2.0 * aware.ttft_ms.p90 < blind.ttft_ms.p90,
         "{} vs {}",
-        aware.ttft_p90_ms,
-        blind.ttft_p90_ms
+        aware.ttft_ms.p90,
+        blind.ttft_ms.p90
     );
 }

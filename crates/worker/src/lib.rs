@@ -2,10 +2,10 @@
 //! `tandem.v1.Worker` service ([`served`]: register, serve, load reports, health, drain), for
 //! tandem's own engine in this process (the mocker or the native model, stepped in real time
 //! by [`host::EngineHost`], its KV events on the event plane) and for an external engine
-//! behind the sidecar ([`external`]). The role crates (`tandem-prefill-worker`,
+//! behind the sidecar (the `tandem-external` crate). The role crates (`tandem-prefill-worker`,
 //! `tandem-decode-worker`) add their request handlers on top of [`WorkerContext`].
 //!
-//! Layout: `served.rs` (the engine interfaces, the gRPC service, the lifecycle), `host.rs`
+//! Layout: `served.rs` (the engine interfaces, the gRPC service, the lifecycle), `host/`
 //! (engine driver, event publisher, request handles), `context.rs` (config, the in-process
 //! engine's side of the lifecycle), `metrics.rs` (the worker's own
 //! `/metrics`, vLLM's names where the meaning is the same), `arena.rs` (the engine's arena in a
@@ -22,7 +22,6 @@ pub mod context;
 pub mod digest;
 pub mod disk;
 pub mod error;
-pub mod external;
 pub mod host;
 pub mod metrics;
 pub mod sampling;

@@ -1,7 +1,7 @@
 //! The one worker lifecycle and the one `tandem.v1.Worker` service, whatever computes the
 //! answers: tandem's own engine in this process (the mocker or the native model, behind
 //! [`crate::WorkerContext`] and the role crates' request handlers) and an external engine
-//! behind the sidecar ([`crate::external::sidecar`]) each implement [`ServedEngine`] (what the
+//! behind the sidecar (`tandem_external::sidecar`) each implement [`ServedEngine`] (what the
 //! lifecycle needs: the record, KV events, load, in-flight count, health) and [`WorkerCalls`]
 //! (the request side: `Generate`, `Prefill`, `AbortPrefill`). [`serve`] registers the worker,
 //! answers its gRPC through [`WorkerService`], publishes a load report every interval, takes

@@ -1,6 +1,6 @@
 //! tandem's workloads and their figures: what requests to make and when, what an SLO is, how
 //! latencies are summarized, how the results are drawn. `tandem sim` (through `tandem-sim`),
-//! `tandem plan` and `tandem bench` (through `tandem-bench`) all take these from here, so a
+//! `tandem size` and `tandem bench` (through `tandem-bench`) all take these from here, so a
 //! simulated cluster and a real one see the same requests and are judged the same way.
 //!
 //! # Layout

@@ -1,4 +1,4 @@
-//! [`Slo`]: the service-level objective behind goodput, in `tandem sim`, `tandem plan` and
+//! [`Slo`]: the service-level objective behind goodput, in `tandem sim`, `tandem size` and
 //! `tandem bench` alike.
 
 use serde::Serialize;
@@ -11,7 +11,7 @@ use crate::error::WorkloadError;
 /// A request *meets* the SLO when it completed, its TTFT ≤ `ttft_ms` and its TPOT (mean time
 /// per output token after the first) ≤ `tpot_ms`; a request with a single output token has no
 /// TPOT and is judged on its TTFT. A run *attains* the SLO when at least `attainment` of its
-/// requests meet it (sweeps' capacity, `tandem plan`).
+/// requests meet it (sweeps' capacity, `tandem size`).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Slo {
     pub ttft_ms: f64,

@@ -6,6 +6,8 @@ use tandem_protocol::SequenceHash;
 use tandem_protocol::grpc::{FindMatchesReply, FindMatchesRequest, WorkerOverlap, indexer_server};
 use tonic::{Request, Response, Status};
 
+use tandem_router::FedIndex;
+
 use super::view::ClusterView;
 
 /// Longest query accepted, in blocks (a 1M-token prompt of 16-token blocks).
@@ -14,11 +16,11 @@ const MAX_QUERY_BLOCKS: usize = 65_536;
 /// `Indexer` over a fed index.
 #[derive(Debug, Clone)]
 pub struct IndexerService {
-    view: Arc<ClusterView>,
+    view: Arc<ClusterView<FedIndex>>,
 }
 
 impl IndexerService {
-    pub fn new(view: Arc<ClusterView>) -> Self {
+    pub fn new(view: Arc<ClusterView<FedIndex>>) -> Self {
         IndexerService { view }
     }
 }

@@ -7,7 +7,9 @@
 //!
 //! Layout: `view.rs` (discovery → workers, gRPC clients and the replica's membership; event
 //! plane → the replica; the repairs it asks for), `backend/` (the replica's plans → gRPC
-//! calls to decode workers, migration, streaming, replica sync; `attempts.rs`: re-routing under the retry budget, hedging, outcomes to the breakers), `indexer.rs`
+//! calls to decode workers, replica sync; one file per stage of a request: `admission.rs`,
+//! `attempt.rs` with re-routing under the retry budget, hedging and outcomes to the breakers,
+//! `stream.rs` with migration), `indexer.rs`
 //! (the `Indexer` gRPC service), `metrics.rs` (the view's gauges on `/metrics`, and what the
 //! replica's tracker counts per worker, read at scrape time), `recent.rs` (bounded rings of
 //! recent decisions, migrations and rejections) and `status.rs` (pools, workers and those
@@ -37,7 +39,7 @@ pub use metrics::RouteCounters;
 pub use tandem_indexer::FeedStats;
 pub use view::{ClusterView, Registry, ViewConfig, WorkerEntry};
 
-use tandem_router::{ReplicaConfig, RouterId, RoutingConfig, RoutingReplica};
+use tandem_router::{FedIndex, RoutingReplica};
 
 use crate::http::{self, HttpConfig, HttpState, Tokenizer, TokenizerSpec};
 
@@ -203,16 +205,10 @@ pub async fn run_indexer(
     cfg.embedded_index = true;
     let tasks = TaskTracker::new();
     let stop = shutdown.stop_token().child_token();
-    // A replica that never routes: its index and feed rules are all the indexer uses.
-    let replica = RoutingReplica::new(ReplicaConfig {
-        router_id: RouterId(0),
-        seed: 0,
-        routing: RoutingConfig::default(),
-    })
-    .map_err(|e| ServiceError::Config(format!("index: {e}")))?;
+    // The index and its feed rules: the indexer routes nothing.
     let view = ClusterView::start(
         cfg,
-        replica,
+        FedIndex::new(),
         deps.discovery,
         deps.events,
         tasks.clone(),

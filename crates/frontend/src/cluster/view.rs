@@ -1,11 +1,11 @@
-//! [`ClusterView`]: the I/O around the frontend's [`RoutingReplica`] (and the standalone
-//! indexer's) — discovery → the workers with a gRPC client each, and the replica's membership;
-//! the event plane → KV events and load reports into the replica; the repairs the replica's
-//! index asks for → `KvEvents` calls to the workers, whose answers go back into it.
+//! [`ClusterView`]: the I/O around the frontend's [`RoutingReplica`] (or, in the standalone
+//! indexer, around only the index: a [`FedIndex`]) — discovery → the workers with a gRPC
+//! client each, and the membership; the event plane → KV events and load reports; the repairs
+//! the index asks for → `KvEvents` calls to the workers, whose answers go back into it.
 //!
 //! The rules that keep the index true (dump at join, never past a gap, trailing loss shown by
-//! load reports, purge at leave) are the replica's ([`tandem_indexer::IndexFeed`]); this file
-//! only moves bytes. Workers of another model are ignored, workers announcing another block
+//! load reports, purge at leave) are the router's ([`FedIndex`], over
+//! [`tandem_indexer::IndexFeed`]); this file only moves bytes. Workers of another model are ignored, workers announcing another block
 //! size refused, loudly (docs/ARCHITECTURE.md §3).
 
 use std::collections::BTreeMap;
@@ -13,13 +13,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
-use tandem_indexer::{FeedStats, OverlapScores, Repair, RepairReply};
+use tandem_indexer::{FeedError, FeedStats, IndexFeed, OverlapScores, Repair, RepairReply};
 use tandem_protocol::grpc::{KvEventsRequest, kv_events_reply, worker_client::WorkerClient};
 use tandem_protocol::{
     BlockSize, Envelope, KvDump, KvEvent, LoadReport, SequenceHash, WorkerId, WorkerRecord,
     WorkerRole,
 };
-use tandem_router::{Input, KvSource, RoutingReplica};
+use tandem_router::{FedIndex, Input, KvSource, RoutingReplica};
 use tandem_runtime::discovery::{Discovery, DiscoveryEvent};
 use tandem_runtime::events::{EventPlane, subjects};
 use tokio_util::sync::CancellationToken;
@@ -126,12 +126,49 @@ impl ReportRates {
     }
 }
 
-/// The frontend's view of the cluster. Shared by `Arc`; its tasks stop on the cancel token.
+/// What a [`ClusterView`] feeds: the frontend's routing replica, or the standalone indexer's
+/// index alone.
+pub trait Fed: std::fmt::Debug + Send + Sync + 'static {
+    /// Applies what the cluster says; returns the repairs the index needs.
+    fn apply(&mut self, input: Input<'_>, now_ms: u64) -> Result<Vec<Repair>, FeedError>;
+    /// The exact index with its feed rules.
+    fn feed(&self) -> &IndexFeed;
+    /// A member's latest load report, where it is kept.
+    fn report(&self, worker: WorkerId) -> Option<&LoadReport>;
+}
+
+impl Fed for RoutingReplica {
+    fn apply(&mut self, input: Input<'_>, now_ms: u64) -> Result<Vec<Repair>, FeedError> {
+        RoutingReplica::apply(self, input, now_ms)
+    }
+    fn feed(&self) -> &IndexFeed {
+        RoutingReplica::feed(self)
+    }
+    fn report(&self, worker: WorkerId) -> Option<&LoadReport> {
+        RoutingReplica::report(self, worker)
+    }
+}
+
+impl Fed for FedIndex {
+    fn apply(&mut self, input: Input<'_>, _now_ms: u64) -> Result<Vec<Repair>, FeedError> {
+        FedIndex::apply(self, input)
+    }
+    fn feed(&self) -> &IndexFeed {
+        FedIndex::feed(self)
+    }
+    /// An index routes nothing: it keeps no reports (their event ids reach its feed).
+    fn report(&self, _: WorkerId) -> Option<&LoadReport> {
+        None
+    }
+}
+
+/// The frontend's (or the indexer's) view of the cluster, feeding `S`. Shared by `Arc`; its
+/// tasks stop on the cancel token.
 #[derive(Debug)]
-pub struct ClusterView {
+pub struct ClusterView<S: Fed = RoutingReplica> {
     cfg: ViewConfig,
     registry: RwLock<Registry>,
-    replica: RwLock<RoutingReplica>,
+    fed: RwLock<S>,
     /// When each registered worker's latest load report arrived (the status page's "last
     /// seen") and its token rates from its reports; entries leave with their worker.
     reported: RwLock<BTreeMap<WorkerId, Seen>>,
@@ -140,12 +177,12 @@ pub struct ClusterView {
     cancel: CancellationToken,
 }
 
-impl ClusterView {
-    /// Starts watching discovery and subscribing to the event plane, feeding `replica`.
+impl<S: Fed> ClusterView<S> {
+    /// Starts watching discovery and subscribing to the event plane, feeding `fed`.
     /// Subscriptions are in place when this returns; workers appear as the watch reports them.
     pub async fn start(
         cfg: ViewConfig,
-        replica: RoutingReplica,
+        fed: S,
         discovery: Arc<dyn Discovery>,
         events: Arc<dyn EventPlane>,
         tasks: TaskTracker,
@@ -154,7 +191,7 @@ impl ClusterView {
         let view = Arc::new(ClusterView {
             cfg,
             registry: RwLock::default(),
-            replica: RwLock::new(replica),
+            fed: RwLock::new(fed),
             reported: RwLock::default(),
             started: Instant::now(),
             tasks,
@@ -235,13 +272,8 @@ impl ClusterView {
         self.registry.read()
     }
 
-    /// The routing replica this view feeds.
-    pub fn replica(&self) -> &RwLock<RoutingReplica> {
-        &self.replica
-    }
-
     pub fn report(&self, id: WorkerId) -> Option<LoadReport> {
-        self.replica.read().report(id).cloned()
+        self.fed.read().report(id).cloned()
     }
 
     /// How long ago the worker's latest load report arrived (`None`: none yet).
@@ -276,29 +308,29 @@ impl ClusterView {
     /// Per worker, the leading blocks of `hashes` it holds, by tier (empty without an
     /// embedded index).
     pub fn find_matches(&self, hashes: &[SequenceHash]) -> OverlapScores {
-        self.replica.read().feed().find_matches(hashes)
+        self.fed.read().feed().find_matches(hashes)
     }
 
     pub fn feed_stats(&self) -> FeedStats {
-        self.replica.read().feed().stats()
+        self.fed.read().feed().stats()
     }
 
     /// Workers the index tracks (with or without blocks), and (block, worker) entries.
     pub fn index_size(&self) -> (usize, usize) {
-        let replica = self.replica.read();
-        let index = replica.feed().index();
+        let fed = self.fed.read();
+        let index = fed.feed().index();
         (index.workers().len(), index.num_entries())
     }
 
     /// The id of the last event applied for `worker`, when the index knows it.
     pub fn last_event_id(&self, worker: WorkerId) -> Option<u64> {
-        self.replica.read().feed().index().last_event_id(worker)
+        self.fed.read().feed().index().last_event_id(worker)
     }
 
-    /// Hands `input` to the replica and starts the repairs it asks for.
+    /// Hands `input` to what this view feeds and starts the repairs it asks for.
     fn feed(self: &Arc<Self>, input: Input<'_>) {
         let now = self.now_ms();
-        let outcome = self.replica.write().apply(input, now);
+        let outcome = self.fed.write().apply(input, now);
         match outcome {
             Ok(repairs) => {
                 for r in repairs {
@@ -392,7 +424,7 @@ impl ClusterView {
         });
     }
 
-    /// Asks the worker for what `r` names and hands the answer to the replica.
+    /// Asks the worker for what `r` names and hands the answer to what this view feeds.
     fn repair(self: &Arc<Self>, r: Repair) {
         if !self.cfg.embedded_index {
             return; // no index to repair: the standalone indexer keeps its own
@@ -428,6 +460,13 @@ impl ClusterView {
                 }
             }
         });
+    }
+}
+
+impl ClusterView<RoutingReplica> {
+    /// The routing replica this view feeds.
+    pub fn replica(&self) -> &RwLock<RoutingReplica> {
+        &self.fed
     }
 }
 

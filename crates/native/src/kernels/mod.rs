@@ -107,20 +107,28 @@ pub enum Isa {
     Portable,
     /// x86-64 AVX2 with FMA.
     Avx2,
-    /// AVX2 with AVX-VNNI's 8-bit dot-product instruction (`vpdpbusd`) in the quantized
-    /// kernels: the same integer sums in fewer instructions, so the same bits.
+    /// AVX2 with the 8-bit dot-product instruction (`vpdpbusd`) in the quantized kernels:
+    /// the same integer sums in fewer instructions, so the same bits. AVX-VNNI's form, or
+    /// AVX-512 VL's on CPUs with AVX-512 VNNI and no AVX-VNNI (AMD Zen 4, Intel Cascade Lake
+    /// and Ice Lake servers).
     AvxVnni,
-    /// AVX-VNNI, and AVX-512 with its VNNI for Q4_1 and Q8_0 weights: two weight rows in one
-    /// 512-bit register, each half the 8 lanes the 256-bit kernels keep (the same bits).
+    /// AVX-512 (F, BW, VL) with its VNNI: for Q4_1 and Q8_0 weights two weight rows in one
+    /// 512-bit register, each half the 8 lanes the 256-bit kernels keep (the same bits); the
+    /// 256-bit kernels as [`Isa::AvxVnni`].
     Avx512Vnni,
 }
 
 impl Isa {
-    /// The best the CPU supports.
+    /// The best the CPU supports. The 512-bit kernels only where the CPU also has AVX-VNNI
+    /// (Intel Sapphire Rapids on, AMD Zen 5): there they took 16 streams from 352 to 403
+    /// tok/s at the same batch-1 rate. A Zen 4 splits each 512-bit operation in two, and
+    /// there they lose to the 256-bit `vpdpbusd` kernels everywhere (batch 1 at context
+    /// 512: 137–143 against 159–185 tok/s; 16 streams 347–355 against 342–401;
+    /// crates/native/BENCHMARKS.md).
     pub fn detect() -> Isa {
         if simd::avx512_available() && simd::vnni_available() {
             Isa::Avx512Vnni
-        } else if simd::vnni_available() {
+        } else if simd::vnni_available() || simd::avx512_available() {
             Isa::AvxVnni
         } else if simd::avx2_available() {
             Isa::Avx2
@@ -134,20 +142,29 @@ impl Isa {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Kernels {
     isa: Isa,
+    /// The instruction the 256-bit kernels sum a block's byte products with.
+    lanes: simd::Lanes,
 }
 
 impl Kernels {
     /// Kernels for `isa`, or the portable ones where the CPU lacks it.
     pub fn new(isa: Isa) -> Kernels {
         let isa = match isa {
-            Isa::Avx512Vnni if simd::avx512_available() && simd::vnni_available() => {
-                Isa::Avx512Vnni
+            Isa::Avx512Vnni if simd::avx512_available() => Isa::Avx512Vnni,
+            Isa::AvxVnni | Isa::Avx512Vnni
+                if simd::vnni_available() || simd::avx512_available() =>
+            {
+                Isa::AvxVnni
             }
-            Isa::AvxVnni | Isa::Avx512Vnni if simd::vnni_available() => Isa::AvxVnni,
             Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni if simd::avx2_available() => Isa::Avx2,
             _ => Isa::Portable,
         };
-        Kernels { isa }
+        let lanes = match isa {
+            Isa::AvxVnni | Isa::Avx512Vnni if simd::vnni_available() => simd::Lanes::AvxVnni,
+            Isa::AvxVnni | Isa::Avx512Vnni => simd::Lanes::Avx512Vl,
+            Isa::Avx2 | Isa::Portable => simd::Lanes::Avx2,
+        };
+        Kernels { isa, lanes }
     }
 
     pub fn isa(&self) -> Isa {
@@ -159,9 +176,8 @@ impl Kernels {
         self.isa != Isa::Portable
     }
 
-    /// Whether the 256-bit kernels take VNNI's instruction.
-    fn vnni(&self) -> bool {
-        matches!(self.isa, Isa::AvxVnni | Isa::Avx512Vnni)
+    fn lanes(&self) -> simd::Lanes {
+        self.lanes
     }
 
     /// `Σ a[i]·b[i]` of two f32 slices of a multiple of 8 values: 8 lanes of fused
@@ -368,7 +384,7 @@ impl Kernels {
         match (self.simd(), format) {
             (true, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => {
                 debug_assert_eq!(scales.len(), out.len() / GROUP_ROWS * blocks);
-                simd::dot_many(format, w, xq, scales, blocks, out, self.vnni())
+                simd::dot_many(format, w, xq, scales, blocks, out, self.lanes())
             }
             _ => {
                 for (r, o) in out.iter_mut().enumerate() {
@@ -439,7 +455,7 @@ impl Kernels {
                 if self.isa == Isa::Avx512Vnni {
                     simd::dot_rows_avx512(format, w, row_bytes, xq, out)
                 } else {
-                    simd::dot_rows(format, w, row_bytes, xq, out, self.vnni())
+                    simd::dot_rows(format, w, row_bytes, xq, out, self.lanes())
                 }
             }
             _ => {
@@ -456,7 +472,7 @@ impl Kernels {
         match (self.simd(), format) {
             (true, WeightFormat::F32) => simd::dot_f32(w, x),
             (false, WeightFormat::F32) => portable::dot_f32(w, x),
-            (true, _) => simd::dot_one(format, w, xq, self.vnni()),
+            (true, _) => simd::dot_one(format, w, xq, self.lanes()),
             (false, WeightFormat::Q4_0) => portable::dot_q4_0(w, xq),
             (false, WeightFormat::Q4_1) => portable::dot_q4_1(w, xq),
             (false, WeightFormat::Q8_0) => portable::dot_q8_0(w, xq),

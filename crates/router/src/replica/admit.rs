@@ -78,8 +78,7 @@ impl RoutingReplica {
     pub fn is_saturated(&self, worker: WorkerId) -> bool {
         let load = self.tracker.load(worker).to_worker_load();
         let (capacity, waiting) = self
-            .reports
-            .get(&worker)
+            .report(worker)
             .map_or((0, 0), |r| (r.kv_total_blocks, r.waiting_requests));
         self.config
             .routing
@@ -93,15 +92,22 @@ impl RoutingReplica {
         let mut dirty = std::mem::take(&mut self.dirty);
         self.tracker.take_dirty(&mut dirty);
         for &w in &dirty {
-            self.update_saturated(w);
-            self.order.touch(w);
+            self.member_changed(w);
         }
         dirty.clear();
         self.dirty = dirty;
     }
 
-    /// Re-checks whether `worker` (a decode member or not) is saturated.
-    pub(super) fn update_saturated(&mut self, worker: WorkerId) {
+    /// Derives what the replica keeps across its members from `worker`'s record and load, in
+    /// this one place: its key in the decode pool's load order (re-keyed at the next use; out
+    /// of it when it is not a decode member) and its place in the saturated set. Called when a
+    /// member joins, leaves, reports, or its tracked load moves.
+    pub(super) fn member_changed(&mut self, worker: WorkerId) {
+        if self.decode.contains_key(&worker) {
+            self.order.touch(worker);
+        } else {
+            self.order.remove(worker);
+        }
         if self.decode.contains_key(&worker) && self.is_saturated(worker) {
             self.saturated.insert(worker);
         } else {

@@ -166,7 +166,7 @@ impl RoutingReplica {
         now_ms: u64,
     ) -> WorkerView {
         let mut load = self.tracker.load(id).to_worker_load();
-        if let Some(r) = self.reports.get(&id) {
+        if let Some(r) = &m.report {
             if self.config.routing.merge_load_reports {
                 load.merge_report(r);
             } else {

@@ -2,7 +2,7 @@
 //! machine shared by the frontend and `tandem sim` — so the simulator runs the production
 //! router, not a copy of it.
 //!
-//! It owns the KV index with its feed rules ([`IndexFeed`]), the active-sequence tracker, the
+//! It owns the KV index with its feed rules ([`FedIndex`]), the active-sequence tracker, the
 //! policy and the pool rules, the random generator, the pools' members and their latest load
 //! reports. The shell feeds it with [`RoutingReplica::apply`] (membership changes, KV events
 //! and repair answers, load reports, peers' sync messages) and performs the [`Repair`]s that
@@ -39,10 +39,10 @@
 mod admit;
 mod candidates;
 mod config;
+mod fed_index;
 
 use std::collections::BTreeMap;
 
-use hashbrown::HashMap;
 use tandem_indexer::{ApproxIndex, FeedError, IndexFeed, OverlapScores, Repair, RepairReply};
 use tandem_protocol::{
     AdapterId, Distance, KvEvent, LoadReport, Placement, RequestId, SequenceHash, WorkerId,
@@ -50,6 +50,7 @@ use tandem_protocol::{
 };
 
 pub use config::{ReplicaConfig, RoutingConfig};
+pub use fed_index::FedIndex;
 
 use crate::adapters::Adapters;
 use crate::breaker::{BreakerState, Breakers, RetryBudget};
@@ -103,8 +104,9 @@ pub enum Input<'a> {
         worker: WorkerId,
     },
     LoadReport(&'a LoadReport),
-    /// Where a member runs (from its record), for the KV transfer cost of a remote prefill.
-    /// Unknown until given: every pair then counts as [`tandem_protocol::Distance::Other`].
+    /// Where a member runs (from its record), for the KV transfer cost of a remote prefill;
+    /// given after its `Joined` (ignored for a worker that is not a member). Unknown until
+    /// given: every pair then counts as [`tandem_protocol::Distance::Other`].
     Placed {
         worker: WorkerId,
         placement: &'a Placement,
@@ -183,14 +185,28 @@ impl Plan {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+/// A pool member: what the replica keeps of a worker itself. Joining is one insert into its
+/// pool, leaving one remove; the structures that keep their own per-worker state by id (the
+/// tracker, the index, breakers, sessions, capacity, adapters, the load order and the
+/// saturated set) are cleared in one place ([`RoutingReplica::forget_process`],
+/// [`RoutingReplica::apply`]'s `Left`).
+#[derive(Clone, Debug)]
 struct Member {
     /// When the worker joined, for warm-up.
     joined_ms: u64,
     kv: KvSource,
+    /// Its latest load report.
+    report: Option<LoadReport>,
+    /// Where it runs (from its record), for the KV transfer cost of a remote prefill.
+    placement: Option<Placement>,
 }
 
 type Pool = BTreeMap<WorkerId, Member>;
+
+/// `worker`'s record in whichever pool holds it.
+fn member_of<'a>(decode: &'a Pool, prefill: &'a Pool, worker: WorkerId) -> Option<&'a Member> {
+    decode.get(&worker).or_else(|| prefill.get(&worker))
+}
 
 /// A prompt's overlap, by source: each candidate reads the one of its [`KvSource`].
 #[derive(Clone, Copy)]
@@ -204,7 +220,8 @@ struct Overlaps<'a> {
 pub struct RoutingReplica {
     config: ReplicaConfig,
     router: Router,
-    feed: IndexFeed,
+    /// The exact index and its feed rules.
+    index: FedIndex,
     /// The decisions committed to [`KvSource::Approximate`] members, and only those.
     approx: ApproxIndex,
     tracker: ActiveSequences,
@@ -212,14 +229,12 @@ pub struct RoutingReplica {
     /// Decode and aggregated workers, by id.
     decode: Pool,
     prefill: Pool,
-    reports: HashMap<WorkerId, LoadReport>,
     breakers: Breakers,
     retry_budget: RetryBudget,
     sessions: Sessions,
     /// Speed estimates of the decode (aggregated) pool and of the prefill pool.
     capacity_decode: Capacity,
     capacity_prefill: Capacity,
-    placements: HashMap<WorkerId, Placement>,
     adapters: Adapters,
     /// The decode pool by load, for decisions that need not score every member
     /// ([`candidates`]).
@@ -245,19 +260,17 @@ impl RoutingReplica {
         })?;
         Ok(RoutingReplica {
             router,
-            feed: IndexFeed::new(),
+            index: FedIndex::new(),
             approx: ApproxIndex::new(r.approx),
             tracker: ActiveSequences::new(config.router_id, r.tracker),
             rng: Rng::seed_from_u64(config.seed),
             decode: Pool::new(),
             prefill: Pool::new(),
-            reports: HashMap::new(),
             breakers: Breakers::new(r.breaker),
             retry_budget: RetryBudget::new(r.retry_budget),
             sessions: Sessions::new(r.sessions),
             capacity_decode: Capacity::new(r.capacity),
             capacity_prefill: Capacity::new(r.capacity),
-            placements: HashMap::new(),
             adapters: Adapters::new(r.adapters),
             order: candidates::LoadOrder::default(),
             joins: candidates::Joins::default(),
@@ -281,90 +294,65 @@ impl RoutingReplica {
                 } else {
                     kv
                 };
-                let joined_ms = self.pool_of(worker).map_or(now_ms, |m| m.joined_ms);
-                self.decode.remove(&worker);
-                self.prefill.remove(&worker);
-                let pool = match role {
-                    WorkerRole::Prefill => &mut self.prefill,
-                    WorkerRole::Decode | WorkerRole::Aggregated => &mut self.decode,
+                // A re-join keeps when it first joined, its latest report and its placement.
+                let old = self
+                    .decode
+                    .remove(&worker)
+                    .or_else(|| self.prefill.remove(&worker));
+                let member = match old {
+                    Some(m) => Member { kv, ..m },
+                    None => Member {
+                        joined_ms: now_ms,
+                        kv,
+                        report: None,
+                        placement: None,
+                    },
                 };
-                pool.insert(worker, Member { joined_ms, kv });
+                let joined_ms = member.joined_ms;
                 match role {
-                    WorkerRole::Prefill => self.order.remove(worker),
+                    WorkerRole::Prefill => {
+                        self.prefill.insert(worker, member);
+                    }
                     WorkerRole::Decode | WorkerRole::Aggregated => {
-                        self.order.touch(worker);
+                        self.decode.insert(worker, member);
                         self.joins.joined(joined_ms);
                     }
                 }
-                self.update_saturated(worker);
-                // Whatever the source, a (re-)join is a new cache: what was assumed of the old
-                // one goes; and a new process (a restart), whose breaker starts closed.
-                self.approx.remove_worker(worker);
-                self.breakers.remove(worker);
-                self.sessions.remove_worker(worker);
-                self.capacity_decode.remove(worker);
-                self.capacity_prefill.remove(worker);
-                self.adapters.remove(worker);
-                match kv {
-                    KvSource::Events => self.feed.join(worker).into_iter().collect(),
-                    KvSource::Approximate => {
-                        // Not (or no longer) a feed member: no dump, no repairs, and the
-                        // blocks it had as an event worker leave the exact index.
-                        self.feed.leave(worker);
-                        Vec::new()
-                    }
-                }
+                self.member_changed(worker);
+                self.forget_process(worker);
+                self.index.apply(Input::Joined { worker, role, kv })?
             }
             Input::Left { worker } => {
-                self.order.remove(worker);
-                self.saturated.remove(&worker);
                 self.decode.remove(&worker);
                 self.prefill.remove(&worker);
-                self.reports.remove(&worker);
-                self.breakers.remove(worker);
-                self.feed.leave(worker);
-                self.approx.remove_worker(worker);
+                self.forget_process(worker);
+                self.member_changed(worker);
                 self.tracker.remove_worker(worker);
-                self.sessions.remove_worker(worker);
-                self.capacity_decode.remove(worker);
-                self.capacity_prefill.remove(worker);
-                self.placements.remove(&worker);
-                self.adapters.remove(worker);
-                Vec::new()
+                self.index.apply(input)?
             }
-            Input::KvEvents(batch) => self.feed.apply(batch),
-            Input::Repaired { worker, reply } => {
-                self.feed.repaired(worker, reply)?;
-                Vec::new()
-            }
-            Input::RepairFailed { worker } => {
-                self.feed.repair_failed(worker);
-                Vec::new()
+            Input::KvEvents(_) | Input::Repaired { .. } | Input::RepairFailed { .. } => {
+                self.index.apply(input)?
             }
             Input::LoadReport(r) => {
-                let Some(kv) = self.pool_of(r.worker_id).map(|m| m.kv) else {
+                if self.pool_of(r.worker_id).is_none() {
                     return Ok(Vec::new());
-                };
+                }
                 self.adapters.report(r.worker_id, &r.adapters);
-                self.reports.insert(r.worker_id, (*r).clone());
-                self.update_saturated(r.worker_id);
+                if let Some(m) = self.member_mut(r.worker_id) {
+                    m.report = Some((*r).clone());
+                }
+                self.member_changed(r.worker_id);
                 if self.prefill.contains_key(&r.worker_id) {
                     self.capacity_prefill.report(r);
                 } else {
                     self.capacity_decode.report(r);
                 }
-                match kv {
-                    KvSource::Events => self
-                        .feed
-                        .report(r.worker_id, r.last_kv_event_id)
-                        .into_iter()
-                        .collect(),
-                    // It publishes no events: its event id says nothing.
-                    KvSource::Approximate => Vec::new(),
-                }
+                self.index.apply(input)?
             }
             Input::Placed { worker, placement } => {
-                self.placements.insert(worker, placement.clone());
+                if let Some(m) = self.member_mut(worker) {
+                    m.placement = Some(placement.clone());
+                }
                 Vec::new()
             }
             Input::PeerSync(msg) => {
@@ -417,7 +405,7 @@ impl RoutingReplica {
             Some(s) => s,
             None => {
                 let started = std::time::Instant::now();
-                own = self.feed.find_matches(input.hashes);
+                own = self.index.feed().find_matches(input.hashes);
                 self.last_lookup = started.elapsed();
                 &own
             }
@@ -490,8 +478,9 @@ impl RoutingReplica {
             }
         } else {
             let cfg = &self.config.routing;
-            let places = &self.placements;
-            let distance = |a: WorkerId, b: WorkerId| match (places.get(&a), places.get(&b)) {
+            let (decode_pool, prefill_pool) = (&self.decode, &self.prefill);
+            let place = |w: WorkerId| member_of(decode_pool, prefill_pool, w)?.placement.as_ref();
+            let distance = |a: WorkerId, b: WorkerId| match (place(a), place(b)) {
                 (Some(a), Some(b)) => a.distance(b),
                 _ => Distance::Other,
             };
@@ -680,7 +669,7 @@ impl RoutingReplica {
     }
 
     pub fn feed(&self) -> &IndexFeed {
-        &self.feed
+        self.index.feed()
     }
 
     /// The approximate index: the decisions committed to approximate workers.
@@ -697,7 +686,7 @@ impl RoutingReplica {
     /// standalone indexer or a debug endpoint): event members' from the exact index,
     /// approximate members' from the approximate index at `now_ms`.
     pub fn overlap(&mut self, hashes: &[SequenceHash], now_ms: u64) -> OverlapScores {
-        let exact = self.feed.find_matches(hashes);
+        let exact = self.index.feed().find_matches(hashes);
         let approx = self.approx_matches(hashes, now_ms);
         let is_approx = |w: WorkerId| self.kv_source(w) == Some(KvSource::Approximate);
         let mut scores: Vec<_> = exact
@@ -717,7 +706,7 @@ impl RoutingReplica {
 
     /// The latest load report of a member.
     pub fn report(&self, worker: WorkerId) -> Option<&LoadReport> {
-        self.reports.get(&worker)
+        self.pool_of(worker)?.report.as_ref()
     }
 
     /// Members of the decode (aggregated) pool, by id.
@@ -748,8 +737,25 @@ impl RoutingReplica {
     }
 
     fn pool_of(&self, worker: WorkerId) -> Option<&Member> {
-        self.decode
-            .get(&worker)
-            .or_else(|| self.prefill.get(&worker))
+        member_of(&self.decode, &self.prefill, worker)
+    }
+
+    fn member_mut(&mut self, worker: WorkerId) -> Option<&mut Member> {
+        match self.decode.get_mut(&worker) {
+            Some(m) => Some(m),
+            None => self.prefill.get_mut(&worker),
+        }
+    }
+
+    /// Forgets what was assumed of a worker's process and cache: at a (re-)join, whatever the
+    /// source, the cache is new (its approximate entries go) and so is the process (its
+    /// breaker starts closed, its sessions, speed estimates and adapters go); at a leave too.
+    fn forget_process(&mut self, worker: WorkerId) {
+        self.approx.remove_worker(worker);
+        self.breakers.remove(worker);
+        self.sessions.remove_worker(worker);
+        self.capacity_decode.remove(worker);
+        self.capacity_prefill.remove(worker);
+        self.adapters.remove(worker);
     }
 }

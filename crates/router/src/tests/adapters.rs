@@ -90,7 +90,7 @@ fn the_kv_cost_adds_the_adapter_term_after_the_speed() {
     v[1].speed = 2.0;
     v[0].adapter_cost = 32.0;
     v[1].adapter_cost = 160.0;
-    let t = kv_terms(&KvConfig::default(), &r, &v);
+    let t = kv_terms(&KvConfig::dynamo(), &r, &v);
     assert!(close(t[0].cost, 10.0 + 32.0), "{}", t[0].cost);
     assert!(close(t[1].cost, 10.0 / 2.0 + 160.0), "{}", t[1].cost);
     assert!(close(t[0].adapter, 32.0) && close(t[1].adapter, 160.0));

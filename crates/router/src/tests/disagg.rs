@@ -3,15 +3,23 @@ use tandem_protocol::{Distance, WorkerId};
 use super::{req, tiers, view};
 use crate::disagg::{decide, effective_prompt_tokens};
 use crate::{
-    ConfigError, DisaggConfig, DisaggDecision, DisaggMode, DisaggReason, Rng, RouteError,
+    ConfigError, DisaggConfig, DisaggDecision, DisaggMode, DisaggReason, KvConfig, Rng, RouteError,
     RouteRequest, WorkerView,
 };
 
-fn run(mode: DisaggMode, r: &RouteRequest, d: &[WorkerView], p: &[WorkerView]) -> DisaggDecision {
-    let cfg = DisaggConfig {
+/// `mode` with both pools scored by Dynamo's configuration (prefill and decode blocks weighed
+/// alike), the costs these tests spell out.
+fn dynamo(mode: DisaggMode) -> DisaggConfig {
+    DisaggConfig {
         mode,
+        decode_kv: KvConfig::dynamo(),
+        prefill_kv: KvConfig::dynamo(),
         ..DisaggConfig::default()
-    };
+    }
+}
+
+fn run(mode: DisaggMode, r: &RouteRequest, d: &[WorkerView], p: &[WorkerView]) -> DisaggDecision {
+    let cfg = dynamo(mode);
     cfg.validate().unwrap();
     decide(&cfg, r, d, p, &near, &mut Rng::seed_from_u64(5)).unwrap()
 }
@@ -282,10 +290,7 @@ fn the_prefill_choice_counts_the_transfer_to_the_decode_worker() {
     // 1,024-token prompt: 64 blocks, nothing cached on D1. P8 holds 16 of them and sits in
     // another rack (0.5 per moved block); P9 holds none and shares D1's host (0.06).
     // P8: (64 − 16) + 64 × 0.5 = 80; P9: 64 + 64 × 0.06 = 67.84 → P9, though P8 caches more.
-    let cfg = DisaggConfig {
-        mode: DisaggMode::Always,
-        ..DisaggConfig::default()
-    };
+    let cfg = dynamo(DisaggMode::Always);
     let pool = [view(8, tiers(16, 0, 0), 0, 0, 0), prefill(9, 0)];
     let distance = |p: WorkerId, _d: WorkerId| {
         if p == WorkerId(9) {

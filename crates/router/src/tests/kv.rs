@@ -25,7 +25,7 @@ fn tier_credits_match_the_formula() {
         view(5, tiers(0, 0, 0), 32, 0, 0), // raw 6, credit 0    → prefill 6, cost 6
     ];
     let d = kv_decide(
-        &KvConfig::default(),
+        &KvConfig::dynamo(),
         &req(64, 16),
         &ws,
         &mut Rng::seed_from_u64(1),
@@ -61,11 +61,11 @@ fn decay_shrinks_the_device_credit_of_a_backlogged_worker() {
         view(2, tiers(0, 2, 0), 0, 0, 0),
     ];
     let r = req(64, 16);
-    let plain = kv_decide(&KvConfig::default(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
+    let plain = kv_decide(&KvConfig::dynamo(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
     assert!(close(cost_of(&plain, 1), 12.0 - 4.0));
     let cfg = KvConfig {
         decay: 1.0,
-        ..KvConfig::default()
+        ..KvConfig::dynamo()
     };
     let d = kv_decide(&cfg, &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
     let t1 = d.explain[0];
@@ -84,7 +84,7 @@ fn decay_shrinks_the_device_credit_of_a_backlogged_worker() {
 fn active_request_weight_and_decode_blocks_add_up() {
     let cfg = KvConfig {
         active_request_weight: 2.0,
-        ..KvConfig::default()
+        ..KvConfig::dynamo()
     };
     // raw (16 + 32) / 16 = 3, credit 1 → 2; + 7 decode blocks + 2 × 3 requests = 15.
     let ws = [
@@ -106,21 +106,21 @@ fn overrides_replace_credit_scale_and_temperature() {
     let mut r = req(64, 16);
     r.overrides.overlap_credit = Some(0.5);
     r.overrides.prefill_load_scale = Some(2.0);
-    let d = kv_decide(&KvConfig::default(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
+    let d = kv_decide(&KvConfig::dynamo(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
     // Worker 1: credit 2, prefill 4 − 2 = 2, cost 2·2 + 1 = 5. Worker 2: 2·4 = 8.
     assert!(close(d.explain[0].credit, 2.0));
     assert!(close(cost_of(&d, 1), 5.0));
     assert!(close(cost_of(&d, 2), 8.0));
     // A credit above 1 cannot push the prefill term below zero.
     r.overrides.overlap_credit = Some(2.0);
-    let d = kv_decide(&KvConfig::default(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
+    let d = kv_decide(&KvConfig::dynamo(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
     assert!(close(d.explain[0].prefill_blocks, 0.0));
     assert!(close(cost_of(&d, 1), 1.0));
     r.overrides.temperature = Some(1.0);
-    let d = kv_decide(&KvConfig::default(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
+    let d = kv_decide(&KvConfig::dynamo(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
     assert_eq!(d.rule, Rule::Sampled);
     r.overrides.temperature = Some(-1.0);
-    let e = kv_decide(&KvConfig::default(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap_err();
+    let e = kv_decide(&KvConfig::dynamo(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap_err();
     assert!(matches!(
         e,
         RouteError::InvalidOverride {
@@ -130,7 +130,7 @@ fn overrides_replace_credit_scale_and_temperature() {
     ));
     assert_eq!(e.class(), ErrorClass::InvalidRequest);
     r.overrides.temperature = Some(f64::NAN);
-    assert!(kv_decide(&KvConfig::default(), &r, &ws, &mut Rng::seed_from_u64(1)).is_err());
+    assert!(kv_decide(&KvConfig::dynamo(), &r, &ws, &mut Rng::seed_from_u64(1)).is_err());
 }
 
 #[test]
@@ -142,7 +142,7 @@ fn argmin_breaks_ties_uniformly_and_never_picks_worse() {
         view(3, tiers(0, 0, 0), 0, 0, 5),
         view(4, tiers(0, 0, 0), 1, 0, 0),
     ];
-    let mut policy = KvPolicy::new(KvConfig::default()).unwrap();
+    let mut policy = KvPolicy::new(KvConfig::dynamo()).unwrap();
     let mut counts: HashMap<WorkerId, u32> = HashMap::new();
     for seed in 0..600 {
         let d = policy
@@ -175,7 +175,7 @@ fn temperature_samples_the_range_normalised_softmax() {
     ];
     let cfg = KvConfig {
         temperature: 1.0,
-        ..KvConfig::default()
+        ..KvConfig::dynamo()
     };
     let w = [1.0, (-0.5f64).exp(), (-1.0f64).exp()];
     let total: f64 = w.iter().sum();
@@ -210,7 +210,7 @@ fn temperature_with_equal_costs_is_uniform() {
     ];
     let cfg = KvConfig {
         temperature: 2.0,
-        ..KvConfig::default()
+        ..KvConfig::dynamo()
     };
     let mut seen = [false; 2];
     for seed in 0..50 {
@@ -225,23 +225,23 @@ fn temperature_with_equal_costs_is_uniform() {
 fn bad_candidate_lists_and_configs_are_errors() {
     let r = req(16, 16);
     let mut rng = Rng::seed_from_u64(0);
-    let e = kv_decide(&KvConfig::default(), &r, &[], &mut rng).unwrap_err();
+    let e = kv_decide(&KvConfig::dynamo(), &r, &[], &mut rng).unwrap_err();
     assert_eq!(e, RouteError::NoWorkers);
     assert_eq!(e.class(), ErrorClass::Unavailable);
     let w = view(9, tiers(0, 0, 0), 0, 0, 0);
-    let e = kv_decide(&KvConfig::default(), &r, &[w, w], &mut rng).unwrap_err();
+    let e = kv_decide(&KvConfig::dynamo(), &r, &[w, w], &mut rng).unwrap_err();
     assert_eq!(e, RouteError::DuplicateWorker(WorkerId(9)));
     assert!(
         KvPolicy::new(KvConfig {
             decay: -1.0,
-            ..KvConfig::default()
+            ..KvConfig::dynamo()
         })
         .is_err()
     );
     assert!(
         KvPolicy::new(KvConfig {
             temperature: f64::INFINITY,
-            ..KvConfig::default()
+            ..KvConfig::dynamo()
         })
         .is_err()
     );
@@ -251,7 +251,7 @@ fn bad_candidate_lists_and_configs_are_errors() {
 fn a_prompt_under_one_block_has_no_excess_division() {
     let cfg = KvConfig {
         decay: 5.0,
-        ..KvConfig::default()
+        ..KvConfig::dynamo()
     };
     let ws = [
         view(1, tiers(0, 0, 0), 100, 0, 0),
@@ -280,7 +280,7 @@ fn capacity_weights_divide_the_load_terms() {
     ws[2].speed = 0.5;
     let cfg = KvConfig {
         active_request_weight: 2.0,
-        ..KvConfig::default()
+        ..KvConfig::dynamo()
     };
     let d = kv_decide(&cfg, &req(64, 16), &ws, &mut Rng::seed_from_u64(1)).unwrap();
     assert!(close(cost_of(&d, 1), 6.0));
@@ -307,7 +307,7 @@ fn the_band_weighs_the_decode_term() {
     let pick = |p: crate::Priority| {
         let mut r = req(64, 16);
         r.priority = p;
-        let d = kv_decide(&KvConfig::default(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
+        let d = kv_decide(&KvConfig::dynamo(), &r, &ws, &mut Rng::seed_from_u64(1)).unwrap();
         (d.worker.0, cost_of(&d, 1), cost_of(&d, 2))
     };
     assert_eq!(pick(crate::Priority::Standard), (1, 6.0, 7.0));

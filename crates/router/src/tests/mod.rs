@@ -3,6 +3,7 @@
 mod adapters;
 mod approx;
 mod disagg;
+mod fed_index;
 mod flow;
 mod kv;
 mod policies;

@@ -98,9 +98,14 @@ pub(super) fn input<'a>(id: u64, tokens: &[u32], hashes: &'a [SequenceHash]) -> 
     }
 }
 
+/// The kv policy in Dynamo's configuration (prefill and decode blocks weighed alike), the
+/// costs these tests spell out.
 pub(super) fn kv_only() -> RoutingConfig {
     RoutingConfig {
-        policy: PolicyConfig::new(PolicyKind::Kv),
+        policy: PolicyConfig {
+            kv: crate::KvConfig::dynamo(),
+            ..PolicyConfig::new(PolicyKind::Kv)
+        },
         ..RoutingConfig::default()
     }
 }
@@ -382,4 +387,65 @@ fn a_peers_add_for_a_worker_that_left_is_not_load() {
     // It rejoins under the same id: it starts with no phantom load.
     join(&mut r, 1, WorkerRole::Aggregated, 4, &[]);
     assert_eq!(r.tracker().load(WorkerId(1)).active_requests, 0);
+}
+
+/// A worker is one record in its pool: a leave takes all the replica kept of it (its report,
+/// placement, breaker, tracked load, index entries), and a re-join keeps what outlives a
+/// restart (when it first joined, its latest report, where it runs) and forgets the rest.
+#[test]
+fn a_leave_takes_everything_a_rejoin_keeps_the_record() {
+    let mut r = replica(kv_only());
+    let (tokens, hashes) = prompt(8 * BS, 1);
+    join(&mut r, 1, WorkerRole::Decode, 0, &hashes);
+    join(&mut r, 2, WorkerRole::Decode, 0, &[]);
+    let report = LoadReport {
+        worker_id: WorkerId(1),
+        kv_total_blocks: 100,
+        ..LoadReport::default()
+    };
+    r.apply(Input::LoadReport(&report), 1).unwrap();
+    let here = tandem_protocol::Placement::here("h1", "r1");
+    let placed = Input::Placed {
+        worker: WorkerId(1),
+        placement: &here,
+    };
+    r.apply(placed, 1).unwrap();
+    let plan = r.route(&input(7, &tokens, &hashes), &[], 2).unwrap();
+    assert_eq!(plan.decode_worker(), WorkerId(1), "it holds the prompt");
+    for _ in 0..20 {
+        r.worker_failed(WorkerId(1), 2);
+    }
+    assert_ne!(r.breaker(WorkerId(1), 2), crate::BreakerState::Closed);
+    // A re-join (a restart): the record stays, the process's state goes.
+    let rejoin = Input::Joined {
+        worker: WorkerId(1),
+        role: WorkerRole::Decode,
+        kv: KvSource::Events,
+    };
+    r.apply(rejoin.clone(), 3).unwrap();
+    assert_eq!(r.report(WorkerId(1)), Some(&report));
+    assert_eq!(r.breaker(WorkerId(1), 3), crate::BreakerState::Closed);
+    // A leave: nothing of it is left.
+    r.apply(
+        Input::Left {
+            worker: WorkerId(1),
+        },
+        4,
+    )
+    .unwrap();
+    assert_eq!(r.report(WorkerId(1)), None);
+    assert_eq!(r.kv_source(WorkerId(1)), None);
+    assert_eq!(r.decode_workers().collect::<Vec<_>>(), vec![WorkerId(2)]);
+    assert!(r.feed().find_matches(&hashes).iter().next().is_none());
+    assert_eq!(
+        r.tracker()
+            .load(WorkerId(1))
+            .to_worker_load()
+            .active_requests,
+        0
+    );
+    // Back under the same id: a new record, no report until one comes.
+    r.apply(rejoin, 5).unwrap();
+    assert_eq!(r.report(WorkerId(1)), None);
+    r.finish(plan.flight, 6);
 }

@@ -44,8 +44,35 @@ fn unique_name(base: &str) -> String {
     format!("{base}-{}-{n}", std::process::id())
 }
 
-/// A free TCP port on 127.0.0.1. Another process may take it before we use it; starts retry.
+/// Ports [`free_port`] hands out: below Linux's default ephemeral range (32768–60999), from
+/// which the kernel picks the source port of every outgoing connection and the port of every
+/// `bind(…:0)`. A port taken from that range and released could be reused by either before the
+/// server meant for it binds it (a connection a test makes meanwhile, a worker binding port 0);
+/// one from here can only be taken by a process that names it.
+const PICKED_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A free TCP port on 127.0.0.1, for a server that binds it later (a child process started
+/// with it on its command line). Each call in a process gets another port (a counter walks
+/// [`PICKED_PORTS`] from a place set by the process id, so concurrent test processes start far
+/// apart) that binds at the moment of the call. Another process may still take it before the
+/// server binds it; starts retry.
 pub fn free_port() -> Result<u16, RuntimeError> {
+    static NEXT: AtomicU64 = AtomicU64::new(u64::MAX);
+    let span = u64::from(PICKED_PORTS.end - PICKED_PORTS.start);
+    let _ = NEXT.compare_exchange(
+        u64::MAX,
+        u64::from(std::process::id()).wrapping_mul(2_654_435_761) % span,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let port = PICKED_PORTS.start + n as u16;
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    // Every port of the range in use: let the kernel pick one.
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())
@@ -228,4 +255,23 @@ async fn tcp_accepts(port: u16) -> Option<tokio::net::TcpStream> {
     .await
     .ok()
     .and_then(Result::ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picked_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..64).map(|_| free_port().unwrap()).collect();
+        let mut unique = ports.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), ports.len(), "{ports:?}");
+        for p in ports {
+            assert!(PICKED_PORTS.contains(&p), "{p}");
+        }
+        let held = TcpListener::bind((Ipv4Addr::LOCALHOST, free_port().unwrap())).unwrap();
+        assert!(PICKED_PORTS.contains(&held.local_addr().unwrap().port()));
+    }
 }

@@ -475,32 +475,15 @@ async fn backend_error_after_the_first_token() {
 #[tokio::test]
 async fn a_stream_that_ends_without_finish_is_an_error_event() {
     // A backend whose stream ends after one chunk without a finish reason.
-    #[derive(Debug)]
-    struct NoFinish;
-    #[async_trait::async_trait]
-    impl Backend for NoFinish {
-        async fn generate(&self, _req: ValidRequest) -> Result<Generation, ServeError> {
-            let chunk = TokenChunk {
-                tokens: cl100k().encode("half").unwrap(),
-                finish: None,
-                cached_tokens: 0,
-                text: None,
-                text_tokens: 0,
-                logprobs: Vec::new(),
-            };
-            Ok(Generation {
-                route: RouteInfo {
-                    decode_worker: 1,
-                    prefill_worker: None,
-                },
-                chunks: futures::stream::iter([Ok(chunk)]).boxed(),
-            })
+    let no_finish = crate::testing::FnBackend::new(|_: &ValidRequest| {
+        let tokens = cl100k().encode("half").unwrap();
+        let mut chunks = crate::testing::token_chunks(&tokens, tokens.len(), FinishReason::Stop);
+        if let Some(Ok(last)) = chunks.last_mut() {
+            last.finish = None;
         }
-        fn ready(&self) -> bool {
-            true
-        }
-    }
-    let state = HttpState::new(Arc::new(NoFinish), config(), cl100k());
+        Ok(chunks)
+    });
+    let state = HttpState::new(Arc::new(no_finish), config(), cl100k());
     let app = crate::http::app(state);
     let resp = send(
         &app,

@@ -170,21 +170,12 @@ impl Drop for DropFlag {
 
 fn chunks_of(text: &str, finish: Option<FinishReason>) -> Vec<Result<TokenChunk, ServeError>> {
     let tokens = cl100k().encode(text).unwrap();
-    let n = tokens.len();
-    tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| {
-            Ok(TokenChunk {
-                tokens: vec![t],
-                finish: if i + 1 == n { finish } else { None },
-                cached_tokens: CACHED,
-                text: None,
-                text_tokens: 0,
-                logprobs: Vec::new(),
-            })
-        })
-        .collect()
+    let mut chunks = crate::testing::token_chunks(&tokens, 1, finish.unwrap_or(FinishReason::Stop));
+    for c in chunks.iter_mut().flatten() {
+        c.cached_tokens = CACHED;
+        c.finish = c.finish.and(finish);
+    }
+    chunks
 }
 
 #[async_trait::async_trait]

@@ -80,7 +80,7 @@ fn spread(v: __m256, i: i32, j: i32) -> __m512 {
 
 /// Weight rows `w` (`out.len()`, `row_bytes` apart) against one activation row, two at
 /// a time (Q4_1 and Q8_0; others, and a last odd row, take the 256-bit kernels).
-#[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) fn weight_rows(
     format: WeightFormat,
     w: &[u8],
@@ -89,7 +89,7 @@ pub(super) fn weight_rows(
     out: &mut [f32],
 ) {
     if !matches!(format, WeightFormat::Q4_1 | WeightFormat::Q8_0) {
-        return super::vnni::weight_rows(format, w, row_bytes, xq, out);
+        return super::vnni512::weight_rows(format, w, row_bytes, xq, out);
     }
     let mut o = 0;
     while o + 2 <= out.len() {
@@ -105,12 +105,12 @@ pub(super) fn weight_rows(
     }
     if o < out.len() {
         let rest = &w[o * row_bytes..];
-        super::vnni::weight_rows(format, rest, row_bytes, xq, &mut out[o..]);
+        super::vnni512::weight_rows(format, rest, row_bytes, xq, &mut out[o..]);
     }
 }
 
 /// Two weight rows against one activation row.
-#[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 fn pair(format: WeightFormat, a: &[u8], b: &[u8], xq: &[BlockQ8]) -> [f32; 2] {
     let mut acc = _mm512_setzero_ps();
     let mut extra = _mm_setzero_ps();
@@ -161,7 +161,7 @@ fn pair(format: WeightFormat, a: &[u8], b: &[u8], xq: &[BlockQ8]) -> [f32; 2] {
 /// rows (`xq`: `rows` of `blocks` blocks; `scales`: their [`GroupScales`]):
 /// `out[r * out_stride + o]`, two weight rows and a group at a time (Q4_1 and Q8_0;
 /// others, and a last odd row, take the 256-bit kernels).
-#[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn grid(
     format: WeightFormat,
@@ -209,7 +209,7 @@ pub(super) fn grid(
     let mut sums = vec![0.0f32; rows];
     for o in paired..m {
         let row = &w[o * row_bytes..(o + 1) * row_bytes];
-        super::vnni::many(format, row, xq, scales, blocks, &mut sums);
+        super::vnni512::many(format, row, xq, scales, blocks, &mut sums);
         for (r, v) in sums.iter().enumerate() {
             out[r * out_stride + o] = *v;
         }
@@ -217,9 +217,9 @@ pub(super) fn grid(
 }
 
 /// Two weight rows against the `G` groups of activation rows from group `g0` (`scales`:
-/// every group's): for each group `[row a's, row b's]`, as `vnni::group` computes each.
+/// every group's): for each group `[row a's, row b's]`, as `vnni512::group` computes each.
 /// Each weight block is unpacked once for all `G · GROUP` rows.
-#[target_feature(enable = "avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
 fn groups_pair<const G: usize>(
     format: WeightFormat,

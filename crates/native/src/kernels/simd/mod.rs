@@ -33,7 +33,8 @@ pub(super) fn vnni_available() -> bool {
     }
 }
 
-/// Whether the CPU has AVX-512 (F, BW, VL) with its VNNI (on top of [`avx2_available`]).
+/// Whether the CPU has AVX-512 (F, BW, VL) with its VNNI (on top of [`avx2_available`]);
+/// AVX-VNNI is not needed (the 256-bit kernels take `vpdpbusd`'s EVEX form then).
 pub(super) fn avx512_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -340,10 +341,21 @@ fn f16_pair(b: &[u8]) -> (f32, f32) {
     (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)))
 }
 
+/// The instruction the 256-bit kernels sum a block's byte products with: all three give the
+/// same exact sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Lanes {
+    /// AVX2's `maddubs` + `madd` (callers checked [`avx2_available`]).
+    Avx2,
+    /// AVX-VNNI's `vpdpbusd` (callers checked [`vnni_available`]).
+    AvxVnni,
+    /// AVX-512 VL's `vpdpbusd` on 256-bit registers (callers checked [`avx512_available`]).
+    Avx512Vl,
+}
+
 /// One weight row against several activation rows (see `Kernels::dot_many`): each weight
 /// block is unpacked and its scales converted once, then met with every row's block; each
 /// row's sum still runs over the blocks in order, with the portable path's f32 operations.
-/// `vnni`: with AVX-VNNI's dot-product instruction (the same sums).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn dot_many(
     format: super::WeightFormat,
@@ -352,14 +364,13 @@ pub(super) fn dot_many(
     scales: &[GroupScales],
     blocks: usize,
     out: &mut [f32],
-    vnni: bool,
+    lanes: Lanes,
 ) {
-    if vnni {
-        // SAFETY: see the module's contract (callers checked `vnni_available`).
-        unsafe { vnni::many(format, w, xq, scales, blocks, out) }
-    } else {
-        // SAFETY: see the module's contract (callers checked `avx2_available`).
-        unsafe { avx2::many(format, w, xq, scales, blocks, out) }
+    // SAFETY (each arm): see the module's contract; `lanes` names what the callers checked.
+    match lanes {
+        Lanes::Avx2 => unsafe { avx2::many(format, w, xq, scales, blocks, out) },
+        Lanes::AvxVnni => unsafe { vnni::many(format, w, xq, scales, blocks, out) },
+        Lanes::Avx512Vl => unsafe { vnni512::many(format, w, xq, scales, blocks, out) },
     }
 }
 
@@ -371,11 +382,11 @@ const GROUP: usize = super::GROUP_ROWS;
 #[cfg(target_arch = "x86_64")]
 const QUAD: usize = 4;
 
-/// The 256-bit row kernels, AVX2 and AVX-VNNI (`rows.rs`).
+/// The 256-bit row kernels, AVX2, AVX-VNNI and AVX-512 VL (`rows.rs`).
 #[cfg(target_arch = "x86_64")]
 mod rows;
 #[cfg(target_arch = "x86_64")]
-use rows::{avx2, vnni};
+use rows::{avx2, vnni, vnni512};
 
 /// AVX-512 with VNNI: two weight rows in one 512-bit register, each half a row's 8 lanes
 /// exactly as the 256-bit kernels keep them (the halves never mix until each is reduced on
@@ -420,7 +431,7 @@ pub(super) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
 }
 
 /// Weight rows `w` (`out.len()`, `row_bytes` apart) against one activation row (see
-/// `Kernels::dot_rows`; `vnni` as in [`dot_many`]).
+/// `Kernels::dot_rows`).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn dot_rows(
     format: super::WeightFormat,
@@ -428,22 +439,21 @@ pub(super) fn dot_rows(
     row_bytes: usize,
     xq: &[BlockQ8],
     out: &mut [f32],
-    vnni: bool,
+    lanes: Lanes,
 ) {
-    if vnni {
-        // SAFETY: see the module's contract (callers checked `vnni_available`).
-        unsafe { vnni::weight_rows(format, w, row_bytes, xq, out) }
-    } else {
-        // SAFETY: see the module's contract (callers checked `avx2_available`).
-        unsafe { avx2::weight_rows(format, w, row_bytes, xq, out) }
+    // SAFETY (each arm): see the module's contract; `lanes` names what the callers checked.
+    match lanes {
+        Lanes::Avx2 => unsafe { avx2::weight_rows(format, w, row_bytes, xq, out) },
+        Lanes::AvxVnni => unsafe { vnni::weight_rows(format, w, row_bytes, xq, out) },
+        Lanes::Avx512Vl => unsafe { vnni512::weight_rows(format, w, row_bytes, xq, out) },
     }
 }
 
-/// One weight row with one activation row (`vnni` as in [`dot_many`]).
+/// One weight row with one activation row.
 #[cfg(target_arch = "x86_64")]
-pub(super) fn dot_one(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], vnni: bool) -> f32 {
+pub(super) fn dot_one(format: super::WeightFormat, w: &[u8], xq: &[BlockQ8], lanes: Lanes) -> f32 {
     let mut out = [0.0f32];
-    dot_many(format, w, xq, &[], xq.len(), &mut out, vnni);
+    dot_many(format, w, xq, &[], xq.len(), &mut out, lanes);
     out[0]
 }
 
@@ -457,7 +467,7 @@ pub(super) fn dot_many(
     _: &[GroupScales],
     _: usize,
     _: &mut [f32],
-    _: bool,
+    _: Lanes,
 ) {
     unreachable!("no SIMD kernels on this target: avx2_available is false")
 }
@@ -468,7 +478,7 @@ pub(super) fn dot_rows(
     _: usize,
     _: &[BlockQ8],
     _: &mut [f32],
-    _: bool,
+    _: Lanes,
 ) {
     unreachable!("no SIMD kernels on this target: avx2_available is false")
 }
@@ -498,7 +508,7 @@ pub(super) fn dot_grid_avx512(
     unreachable!("no SIMD kernels on this target: avx2_available is false")
 }
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) fn dot_one(_: super::WeightFormat, _: &[u8], _: &[BlockQ8], _: bool) -> f32 {
+pub(super) fn dot_one(_: super::WeightFormat, _: &[u8], _: &[BlockQ8], _: Lanes) -> f32 {
     unreachable!("no SIMD kernels on this target: avx2_available is false")
 }
 #[cfg(not(target_arch = "x86_64"))]

@@ -1,8 +1,9 @@
 //! The 256-bit row kernels: one weight row against a group of activation rows, or a few
-//! weight rows against one activation row, generated once for AVX2 and once for AVX-VNNI.
+//! weight rows against one activation row, generated for AVX2, for AVX-VNNI and for AVX-512
+//! VL with its VNNI.
 
 /// `many` and `rows` for one set of target features and one block-lanes instruction: the
-/// AVX2 pair (`maddubs` + `madd`) or AVX-VNNI's `vpdpbusd`. Generated twice so that each
+/// AVX2 pair (`maddubs` + `madd`) or `vpdpbusd` (VEX or EVEX). Generated per set so that each
 /// copy is compiled (and its lanes function inlined) with its own features.
 macro_rules! row_kernels {
     ($module:ident, $features:literal, $lanes:path) => {
@@ -339,4 +340,9 @@ row_kernels!(
     vnni,
     "avx2,fma,f16c,avxvnni",
     crate::kernels::simd::x86::lanes_vnni
+);
+row_kernels!(
+    vnni512,
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    crate::kernels::simd::x86::lanes_vnni512
 );

@@ -17,6 +17,13 @@ pub(super) fn lanes_vnni(u: __m256i, s: __m256i) -> __m256i {
     _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
 }
 
+/// [`lanes_vnni`] in its EVEX form (AVX-512 VL with VNNI, on CPUs without AVX-VNNI): the
+/// same instruction, the same sums.
+#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+pub(super) fn lanes_vnni512(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+}
+
 /// 16 bytes of packed nibbles as 32 bytes: the low nibbles, then the high ones (ggml's
 /// element order within a 4-bit block).
 #[target_feature(enable = "avx2")]

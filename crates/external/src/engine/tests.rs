@@ -1,0 +1,316 @@
+//! Tests of the engine client: SSE framing, each API's deltas and request bodies.
+
+use super::*;
+
+fn events_of(chunks: &[&'static str]) -> Vec<Result<String, String>> {
+    let body = futures::stream::iter(
+        chunks
+            .iter()
+            .map(|c| Ok::<_, reqwest::Error>(Bytes::from_static(c.as_bytes())))
+            .collect::<Vec<_>>(),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(
+        sse_events(body)
+            .map(|r| r.map_err(|e| e.to_string()))
+            .collect(),
+    )
+}
+
+#[test]
+fn sse_events_split_across_chunks_and_line_endings() {
+    let got = events_of(&[
+        "data: {\"a\"",
+        ":1}\n\n: a comment\n\nevent: x\r\ndata: 2\r\n\r\ndata: 3\ndata: 4\n\n",
+        "data: [DONE]",
+    ]);
+    let want: Vec<Result<String, String>> = vec![
+        Ok("{\"a\":1}".into()),
+        Ok("2".into()),
+        Ok("3\n4".into()),
+        Ok("[DONE]".into()),
+    ];
+    assert_eq!(got, want);
+}
+
+#[test]
+fn vllm_chunks_carry_token_ids_usage_and_handshake() {
+    let chunk: Value = serde_json::from_str(
+        r#"{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"Hi",
+        "token_ids":[17, 4],"finish_reason":null}],"usage":null}"#,
+    )
+    .unwrap();
+    let d = vllm_delta(&chunk, false, None).unwrap();
+    assert_eq!(d.tokens, vec![17, 4]);
+    assert_eq!(d.finish, None);
+    let last: Value = serde_json::from_str(
+        r#"{"choices":[{"index":0,"text":"","token_ids":[9],"finish_reason":"length"}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        vllm_delta(&last, false, None).unwrap().finish,
+        Some(EngineFinish::Length)
+    );
+    let usage: Value = serde_json::from_str(
+        r#"{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":3,
+        "prompt_tokens_details":{"cached_tokens":32}},
+        "kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2]}}"#,
+    )
+    .unwrap();
+    let d = vllm_delta(&usage, false, None).unwrap();
+    assert_eq!((d.prompt_tokens, d.cached_tokens), (Some(40), Some(32)));
+    assert_eq!(
+        d.kv_transfer_params.unwrap()["remote_block_ids"],
+        json!([1, 2])
+    );
+    // llama.cpp's server: the cache in `timings`, usage without details (or none at all).
+    let llama: Value = serde_json::from_str(
+        r#"{"choices":[{"text":"","finish_reason":"stop","index":0}],
+        "usage":{"prompt_tokens":40,"completion_tokens":3,"total_tokens":43},
+        "timings":{"cache_n":32,"prompt_n":8,"prompt_ms":1.5,"predicted_n":3}}"#,
+    )
+    .unwrap();
+    let d = vllm_delta(&llama, true, None).unwrap();
+    assert_eq!(
+        (d.prompt_tokens, d.cached_tokens, d.completion_tokens),
+        (Some(40), Some(32), Some(3))
+    );
+    let bare: Value = serde_json::from_str(
+        r#"{"choices":[],"timings":{"cache_n":30,"prompt_n":10,"predicted_n":4}}"#,
+    )
+    .unwrap();
+    let d = vllm_delta(&bare, true, None).unwrap();
+    assert_eq!(
+        (d.prompt_tokens, d.cached_tokens, d.completion_tokens),
+        (Some(40), Some(30), Some(4))
+    );
+    // The usage's own figures win over the timings'.
+    let both: Value = serde_json::from_str(
+        r#"{"choices":[],"usage":{"prompt_tokens":50,"prompt_tokens_details":{"cached_tokens":48}},
+        "timings":{"cache_n":1,"prompt_n":1}}"#,
+    )
+    .unwrap();
+    let d = vllm_delta(&both, true, None).unwrap();
+    assert_eq!((d.prompt_tokens, d.cached_tokens), (Some(50), Some(48)));
+}
+
+#[test]
+fn text_without_token_ids_is_refused_clearly() {
+    let chunk: Value =
+        serde_json::from_str(r#"{"choices":[{"index":0,"text":"Hi","finish_reason":null}]}"#)
+            .unwrap();
+    let e = vllm_delta(&chunk, false, None).unwrap_err().to_string();
+    assert!(e.contains("return_token_ids"), "{e}");
+    // A plain OpenAI server (`openai`): its text passes on.
+    let d = vllm_delta(&chunk, true, None).unwrap();
+    assert_eq!((d.text.as_deref(), d.tokens.len()), (Some("Hi"), 0));
+}
+
+#[test]
+fn sglang_cumulative_and_incremental_output_ids() {
+    let a: Value = serde_json::from_str(
+        r#"{"text":"a","output_ids":[5],"meta_info":{"prompt_tokens":8,"cached_tokens":0,
+        "finish_reason":null}}"#,
+    )
+    .unwrap();
+    let b: Value = serde_json::from_str(
+        r#"{"text":"ab","output_ids":[5,6,7],"meta_info":{"prompt_tokens":8,
+        "cached_tokens":0,"finish_reason":{"type":"length","length":3}}}"#,
+    )
+    .unwrap();
+    let mut seen = 0;
+    assert_eq!(
+        sglang_delta(&a, false, &mut seen, None).unwrap().tokens,
+        vec![5]
+    );
+    let d = sglang_delta(&b, false, &mut seen, None).unwrap();
+    assert_eq!(d.tokens, vec![6, 7]);
+    assert_eq!(d.finish, Some(EngineFinish::Length));
+    let mut seen = 0;
+    assert_eq!(
+        sglang_delta(&b, true, &mut seen, None).unwrap().tokens,
+        vec![5, 6, 7]
+    );
+    // Cumulative mode fed increments: the ids shrink, which is refused with a hint.
+    let mut seen = 3;
+    let e = sglang_delta(&a, false, &mut seen, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("incremental"), "{e}");
+    let abort: Value = serde_json::from_str(
+        r#"{"output_ids":[],"meta_info":{"finish_reason":{"type":"abort","message":"oom"}}}"#,
+    )
+    .unwrap();
+    assert!(sglang_delta(&abort, true, &mut 0, None).is_err());
+}
+
+#[test]
+fn request_bodies_follow_each_api() {
+    let req = EngineGenerate {
+        request_id: "tandem-7".into(),
+        prompt: vec![1, 2, 3],
+        max_tokens: 4,
+        temperature: 0.5,
+        top_p: Some(0.9),
+        top_k: Some(40),
+        min_p: Some(0.05),
+        seed: Some(11),
+        stop_token: Some(2),
+        ignore_eos: true,
+        cache_salt: Some("tenant".into()),
+        kv_transfer_params: Some(json!({"do_remote_decode": true})),
+        bootstrap: None,
+        lora_adapter: None,
+        logprobs: Some(2),
+    };
+    let v = EngineApi::new(EngineKind::Vllm, "http://h:1/v1/", "m").unwrap();
+    assert_eq!(v.base_url(), "http://h:1");
+    let b = v.body(&req, true);
+    assert_eq!(b["prompt"], json!([1, 2, 3]));
+    assert_eq!(b["return_token_ids"], json!(true));
+    assert_eq!(b["stop_token_ids"], json!([2]));
+    assert_eq!(b["cache_salt"], json!("tenant"));
+    assert_eq!(b["stream_options"]["include_usage"], json!(true));
+    assert_eq!(b["kv_transfer_params"]["do_remote_decode"], json!(true));
+    assert_eq!((&b["top_k"], &b["min_p"]), (&json!(40), &json!(0.05f32)));
+    assert_eq!(b["logprobs"], json!(2));
+    assert_eq!(b["return_tokens_as_token_ids"], json!(true));
+    let s = EngineApi::new(EngineKind::Sglang, "http://h:2", "m").unwrap();
+    let b = s.body(&req, false);
+    assert_eq!(b["input_ids"], json!([1, 2, 3]));
+    assert_eq!(b["sampling_params"]["max_new_tokens"], json!(4));
+    assert_eq!(b["sampling_params"]["stop_token_ids"], json!([2]));
+    assert_eq!(b["sampling_params"]["top_k"], json!(40));
+    assert_eq!(b["sampling_params"]["min_p"], json!(0.05f32));
+    assert_eq!(b["return_logprob"], json!(true));
+    assert_eq!(b["top_logprobs_num"], json!(2));
+    assert_eq!(b["logprob_start_len"], json!(-1));
+    assert!(b.get("prompt").is_none());
+    assert!(b.get("lora_path").is_none());
+    assert!(EngineApi::new(EngineKind::Vllm, "h:1", "m").is_err());
+}
+
+#[test]
+fn a_lora_request_names_its_adapter() {
+    let base = EngineGenerate {
+        prompt: vec![1, 2, 3],
+        max_tokens: 4,
+        ..EngineGenerate::default()
+    };
+    let lora = EngineGenerate {
+        lora_adapter: Some("sql-lora".into()),
+        ..base.clone()
+    };
+    for kind in [EngineKind::Vllm, EngineKind::Openai] {
+        let api = EngineApi::new(kind, "http://h:1", "base-model").unwrap();
+        assert_eq!(api.body(&base, true)["model"], json!("base-model"));
+        let b = api.body(&lora, true);
+        assert_eq!(b["model"], json!("sql-lora"), "{kind:?}");
+        assert!(b.get("lora_path").is_none());
+    }
+    let s = EngineApi::new(EngineKind::Sglang, "http://h:2", "base-model").unwrap();
+    assert_eq!(s.body(&lora, false)["lora_path"], json!("sql-lora"));
+    assert!(s.body(&base, false).get("lora_path").is_none());
+}
+
+/// vLLM's completions logprobs with `return_tokens_as_token_ids`, as its
+/// `_create_completion_logprobs` writes them: per token, the sampled token's value and a map
+/// holding it and the `N` most likely (here N = 2, the sampled token third).
+#[test]
+fn vllm_logprobs_come_back_as_ids_ranked() {
+    let chunk: Value = serde_json::from_str(
+        r#"{"choices":[{"index":0,"text":"ab","token_ids":[17,4],"finish_reason":null,
+        "logprobs":{"text_offset":[0,1],"token_logprobs":[-0.25,-9999.0],
+        "tokens":["token_id:17","token_id:4"],
+        "top_logprobs":[{"token_id:17":-0.25,"token_id:3":-1.5},
+                        {"token_id:4":-9999.0,"token_id:8":-0.5,"token_id:2":-0.5}]}}]}"#,
+    )
+    .unwrap();
+    let d = vllm_delta(&chunk, false, Some(2)).unwrap();
+    assert_eq!(d.tokens, vec![17, 4]);
+    let l = &d.logprobs;
+    assert_eq!(l.len(), 2);
+    assert_eq!((l[0].logprob, &l[0].top_tokens[..]), (-0.25, &[17, 3][..]));
+    assert_eq!(l[0].top_logprobs, vec![-0.25, -1.5]);
+    // Ranked by value, ties by id; the sampled token outside the top two is cut.
+    assert_eq!((l[1].logprob, &l[1].top_tokens[..]), (-9999.0, &[2, 8][..]));
+    // Not asked: not read.
+    assert!(vllm_delta(&chunk, false, None).unwrap().logprobs.is_empty());
+    // Asked and missing, misaligned, or named by text: out of protocol.
+    let bare: Value = serde_json::from_str(
+        r#"{"choices":[{"index":0,"text":"a","token_ids":[17],"logprobs":null}]}"#,
+    )
+    .unwrap();
+    assert!(vllm_delta(&bare, false, Some(0)).is_err());
+    let short: Value = serde_json::from_str(
+        r#"{"choices":[{"index":0,"text":"ab","token_ids":[17,4],
+        "logprobs":{"token_logprobs":[-0.25],"top_logprobs":[null]}}]}"#,
+    )
+    .unwrap();
+    assert!(vllm_delta(&short, false, Some(0)).is_err());
+    let text: Value = serde_json::from_str(
+        r#"{"choices":[{"index":0,"text":"a","token_ids":[17],
+        "logprobs":{"token_logprobs":[-0.25],"top_logprobs":[{"a":-0.25}]}}]}"#,
+    )
+    .unwrap();
+    let e = vllm_delta(&text, false, Some(1)).unwrap_err().to_string();
+    assert!(e.contains("return_tokens_as_token_ids"), "{e}");
+    // The usage chunk has no choices and needs none.
+    let usage: Value =
+        serde_json::from_str(r#"{"choices":[],"usage":{"prompt_tokens":4}}"#).unwrap();
+    assert!(
+        vllm_delta(&usage, false, Some(2))
+            .unwrap()
+            .logprobs
+            .is_empty()
+    );
+}
+
+/// SGLang's `meta_info` logprobs: `[logprob, id, text]` triples, cumulative like
+/// `output_ids` unless the server streams increments; a null value is minus infinity.
+#[test]
+fn sglang_logprobs_follow_the_output_ids() {
+    let a: Value = serde_json::from_str(
+        r#"{"output_ids":[5],"meta_info":{"output_token_logprobs":[[-0.5,5,null]],
+        "output_top_logprobs":[[[-0.5,5,null],[-1.0,9,null]]]}}"#,
+    )
+    .unwrap();
+    let b: Value = serde_json::from_str(
+        r#"{"output_ids":[5,6],"meta_info":{"output_token_logprobs":[[-0.5,5,null],[null,6,null]],
+        "output_top_logprobs":[[[-0.5,5,null],[-1.0,9,null]],[[-0.1,7,null],[-3.0,1,null]]]}}"#,
+    )
+    .unwrap();
+    let mut seen = 0;
+    let d = sglang_delta(&a, false, &mut seen, Some(1)).unwrap();
+    assert_eq!(d.logprobs[0].logprob, -0.5);
+    assert_eq!(d.logprobs[0].top_tokens, vec![5]);
+    let d = sglang_delta(&b, false, &mut seen, Some(2)).unwrap();
+    assert_eq!(d.tokens, vec![6]);
+    assert_eq!(d.logprobs.len(), 1);
+    assert_eq!(d.logprobs[0].logprob, -9999.0);
+    assert_eq!(d.logprobs[0].top_tokens, vec![7, 1]);
+    assert_eq!(d.logprobs[0].top_logprobs, vec![-0.1, -3.0]);
+    // Incremental: the lists hold this object's tokens only.
+    let inc: Value = serde_json::from_str(
+        r#"{"output_ids":[6],"meta_info":{"output_token_logprobs":[[-2.0,6,null]]}}"#,
+    )
+    .unwrap();
+    let d = sglang_delta(&inc, true, &mut 0, Some(0)).unwrap();
+    assert_eq!(
+        (d.logprobs[0].logprob, d.logprobs[0].top_tokens.len()),
+        (-2.0, 0)
+    );
+    // A list shorter than the ids, or naming another token, is out of protocol.
+    let short: Value = serde_json::from_str(
+        r#"{"output_ids":[5,6],"meta_info":{"output_token_logprobs":[[-0.5,5,null]]}}"#,
+    )
+    .unwrap();
+    assert!(sglang_delta(&short, false, &mut 0, Some(0)).is_err());
+    let other: Value = serde_json::from_str(
+        r#"{"output_ids":[5],"meta_info":{"output_token_logprobs":[[-0.5,4,null]]}}"#,
+    )
+    .unwrap();
+    assert!(sglang_delta(&other, false, &mut 0, Some(0)).is_err());
+}

@@ -1,0 +1,103 @@
+use tandem_engine::{BlockPoolConfig, MockEngine, MockEngineConfig, MockerConfig};
+use tandem_runtime::events::MemoryEventPlane;
+
+use super::*;
+
+fn host(output_buffer: usize, tasks: &TaskTracker, stop: &CancellationToken) -> EngineHost {
+    let mut cfg = MockEngineConfig::new(BlockPoolConfig::new(WorkerId(1), 64));
+    cfg.mocker.kv_shape = tandem_engine::KvShape::TIMING_ONLY;
+    let publishing = HostPublishing {
+        events: Arc::new(MemoryEventPlane::new()),
+        kv_subject: "kv".into(),
+        metrics: Arc::default(),
+    };
+    let engine = MockEngine::new(cfg).expect("engine");
+    EngineHost::start(
+        engine.into_dyn(),
+        publishing,
+        output_buffer,
+        tasks,
+        stop.clone(),
+    )
+}
+
+fn request(id: u64, max_tokens: u32) -> EngineRequest {
+    let mut r = EngineRequest::new(RequestId(id), (0..40).collect(), max_tokens);
+    r.ignore_eos = true;
+    r
+}
+
+/// Steps end at their start plus their modelled duration: a lone request's first token
+/// comes after exactly its prefill step, each later one exactly one decode step after the
+/// previous (on paused time the host's own work takes none, so any gap is the driver's).
+#[tokio::test(start_paused = true)]
+async fn steps_take_their_modelled_time_and_no_more() {
+    let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+    let host = host(64, &tasks, &stop);
+    let timing = MockerConfig::default().timing;
+    let t0 = tokio::time::Instant::now();
+    let mut h = host.submit(request(1, 4)).expect("submitted");
+    let mut at = Vec::new();
+    let mut ttft = None;
+    while let Some(out) = h.next().await {
+        let Ok(HostOutput::Token(o)) = out else {
+            panic!("{out:?}")
+        };
+        ttft = ttft.or(o.time_to_first_token_us);
+        at.push(t0.elapsed().as_micros() as u64);
+    }
+    let us = |ms: f64| (ms * 1000.0).round() as u64;
+    let prefill = us(timing.prefill_ms(40));
+    assert_eq!(ttft, Some(prefill), "the engine's TTFT is the modelled one");
+    // Each step's outputs arrive when its timer fires: at its modelled end, rounded up to
+    // the timer's millisecond; the rounding never carries over to the next step.
+    let ms_up = |us: u64| us.div_ceil(1000) * 1000;
+    let mut end = prefill;
+    let mut expected = vec![ms_up(end)];
+    for i in 1..at.len() {
+        // A decode step attends over the prompt and the tokens so far.
+        end += us(timing.decode_ms((40 + i) as f64 / (64.0 * 16.0)));
+        expected.push(ms_up(end));
+    }
+    assert_eq!(at, expected);
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
+}
+
+/// A consumer that stops reading holds at most `output_buffer` outputs: then its request
+/// is aborted, its blocks freed, and its handle says why.
+#[tokio::test(start_paused = true)]
+async fn a_consumer_that_falls_behind_loses_its_request_not_memory() {
+    let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+    let host = host(4, &tasks, &stop);
+    let mut slow = host.submit(request(1, 500)).expect("submitted");
+    let mut fast = host.submit(request(2, 20)).expect("submitted");
+    let mut fast_tokens = 0;
+    while let Some(out) = fast.next().await {
+        assert!(matches!(out, Ok(HostOutput::Token(_))), "{out:?}");
+        fast_tokens += 1;
+    }
+    assert_eq!(fast_tokens, 20, "a consumer that keeps up gets everything");
+    assert!(
+        host.wait_idle(Duration::from_secs(60)).await,
+        "the slow request ended"
+    );
+    assert_eq!(host.with_engine(|e| e.num_running() + e.num_waiting()), 0);
+    let mut buffered = 0;
+    let end = loop {
+        match slow.next().await {
+            Some(Ok(HostOutput::Token(_))) => buffered += 1,
+            other => break other,
+        }
+    };
+    assert_eq!(buffered, 4);
+    assert!(
+        matches!(&end, Some(Err(WorkerError::Overloaded(m))) if m.contains("fell 4 outputs behind")),
+        "{end:?}"
+    );
+    assert!(slow.next().await.is_none());
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
+}

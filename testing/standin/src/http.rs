@@ -1,0 +1,800 @@
+//! The stand-in's HTTP API (see the crate doc for the vLLM fields it follows).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use hashbrown::HashMap;
+use serde_json::{Value, json};
+use tandem_engine::{EngineRequest, ExportedBlock, FinishReason, SamplingParams};
+use tandem_protocol::{HashSeed, RequestId};
+use tandem_worker::{HostOutput, RequestHandle};
+
+use crate::Shared;
+use crate::text::token_text;
+
+/// Prefilled KV kept for a decode stand-in to pull, by `remote_request_id`.
+#[derive(Debug, Default)]
+pub(crate) struct Exports {
+    by_id: HashMap<String, Export>,
+}
+
+#[derive(Debug)]
+struct Export {
+    blocks: Vec<ExportedBlock>,
+    first_token: u32,
+    made: Instant,
+}
+
+/// Exports no decode stand-in pulled are dropped after this long (vLLM's NIXL connector
+/// frees them after `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`).
+const EXPORT_TTL: Duration = Duration::from_secs(120);
+const MAX_EXPORTS: usize = 4096;
+
+impl Exports {
+    fn put(&mut self, id: String, export: Export) {
+        self.by_id.retain(|_, e| e.made.elapsed() < EXPORT_TTL);
+        if self.by_id.len() >= MAX_EXPORTS {
+            return;
+        }
+        self.by_id.insert(id, export);
+    }
+}
+
+pub(crate) fn app(shared: Arc<Shared>) -> Router {
+    let router = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/standin/kv/{id}", get(pull_kv))
+        .route("/standin/drop-next-event", post(drop_next_event))
+        .route("/standin/health/{state}", post(set_health));
+    match shared.config.no_health {
+        true => router,
+        false => router.route("/health", get(health)),
+    }
+    .with_state(shared)
+}
+
+/// vLLM's error body (`ErrorResponse`: `object`, `message`, `type`, `param`, `code`).
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let body = json!({
+        "object": "error",
+        "message": message.into(),
+        "type": if status.is_client_error() { "BadRequestError" } else { "InternalServerError" },
+        "param": null,
+        "code": status.as_u16(),
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn health(State(s): State<Arc<Shared>>) -> Response {
+    if s.healthy.load(Ordering::Acquire) {
+        StatusCode::OK.into_response()
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE.into_response()
+    }
+}
+
+async fn set_health(State(s): State<Arc<Shared>>, Path(state): Path<String>) -> Response {
+    s.healthy.store(state == "ok", Ordering::Release);
+    StatusCode::OK.into_response()
+}
+
+async fn drop_next_event(State(s): State<Arc<Shared>>) -> Response {
+    match &s.publisher {
+        Some(p) => {
+            p.drop_next();
+            StatusCode::OK.into_response()
+        }
+        None => error(StatusCode::BAD_REQUEST, "no KV event publisher configured"),
+    }
+}
+
+/// vLLM's `show_available_models`: the base model, then each LoRA adapter with `parent`.
+async fn models(State(s): State<Arc<Shared>>) -> Response {
+    // Without /health, the model list is how a client sees the server is up.
+    if s.config.no_health && !s.healthy.load(Ordering::Acquire) {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the server is not ready");
+    }
+    let created = now_s();
+    let base = &s.config.model;
+    let mut data = vec![json!({
+        "id": base, "object": "model", "created": created, "owned_by": "tandem-standin",
+        "root": base, "parent": null, "max_model_len": s.config.max_model_len,
+    })];
+    data.extend(s.config.lora_modules.iter().map(|l| {
+        json!({
+            "id": l, "object": "model", "created": created, "owned_by": "tandem-standin",
+            "root": l, "parent": base, "max_model_len": null,
+        })
+    }));
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let now = s.host.now_us();
+    let load = s.host.with_engine(|e| e.load_report(now));
+    let labels = format!("engine=\"0\",model_name=\"{}\"", s.config.model);
+    let usage = load.kv_usage();
+    let c = &s.counters;
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, v: f64| {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {v}\n"
+        ));
+    };
+    gauge(
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        f64::from(load.running_requests),
+    );
+    gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        f64::from(load.waiting_requests),
+    );
+    gauge(
+        "vllm:kv_cache_usage_perc",
+        "KV-cache usage. 1 means 100 percent usage.",
+        usage,
+    );
+    let counters = [
+        (
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            c.prompt_tokens.load(Ordering::Relaxed),
+        ),
+        (
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            c.cached_tokens.load(Ordering::Relaxed),
+        ),
+        (
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            c.prompt_tokens.load(Ordering::Relaxed),
+        ),
+        (
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            c.finished.load(Ordering::Relaxed),
+        ),
+    ];
+    for (name, help, v) in counters {
+        out.push_str(&format!(
+            "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{{{labels}}} {v}\n"
+        ));
+    }
+    out.push_str(&format!(
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+         # TYPE vllm:cache_config_info gauge\n\
+         vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",\
+         enable_prefix_caching=\"True\",engine=\"0\",num_cpu_blocks=\"None\",\
+         num_gpu_blocks=\"{}\"}} 1.0\n",
+        s.config.block_size, s.config.device_blocks
+    ));
+    if !s.config.lora_modules.is_empty() {
+        out.push_str(&lora_info(s.config.max_loras, &load.adapters.resident));
+    }
+    out.push_str(&format!(
+        "# TYPE standin:untranslated_blocks_total counter\nstandin:untranslated_blocks_total {}\n\
+         # TYPE standin:kv_pulls_total counter\nstandin:kv_pulls_total {}\n\
+         # TYPE standin:kv_pull_failures_total counter\nstandin:kv_pull_failures_total {}\n",
+        c.untranslated_blocks.load(Ordering::Relaxed),
+        c.kv_pulls.load(Ordering::Relaxed),
+        c.kv_pull_failures.load(Ordering::Relaxed),
+    ));
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
+}
+
+/// vLLM's `vllm:lora_requests_info` (`vllm/v1/metrics/loggers.py`): labels `max_lora`,
+/// `running_lora_adapters`, `waiting_lora_adapters` (comma-joined names), the value the time
+/// it was set. The stand-in lists the adapters its engine holds as running (vLLM lists
+/// those of its running requests) and none waiting.
+fn lora_info(max_loras: usize, resident: &[String]) -> String {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    format!(
+        "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+         # TYPE vllm:lora_requests_info gauge\n\
+         vllm:lora_requests_info{{max_lora=\"{max_loras}\",running_lora_adapters=\"{}\",\
+         waiting_lora_adapters=\"\"}} {now:e}\n",
+        resident.join(",")
+    )
+}
+
+/// A parsed `/v1/completions` request.
+struct Completion {
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    seed: u64,
+    stop_token: Option<u32>,
+    ignore_eos: bool,
+    stream: bool,
+    include_usage: bool,
+    return_token_ids: bool,
+    cache_salt: Option<String>,
+    kv: Option<Value>,
+    /// The LoRA adapter `model` names (vLLM's `_maybe_get_adapters`); None: the base model.
+    lora: Option<String>,
+    /// `logprobs`: the completions API's count of alternatives per token.
+    logprobs: Option<u8>,
+    /// `return_tokens_as_token_ids`: logprobs name tokens `token_id:<id>`.
+    tokens_as_ids: bool,
+}
+
+fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
+    let lora = match v.get("model").and_then(Value::as_str) {
+        None => None,
+        Some(m) if m == s.config.model => None,
+        Some(m) if s.config.lora_modules.iter().any(|l| l == m) => Some(m.to_string()),
+        Some(m) => return Err(format!("The model `{m}` does not exist.")),
+    };
+    let ids = |p: &Value| -> Option<Vec<u32>> {
+        p.as_array()?
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect()
+    };
+    let prompt = match v.get("prompt") {
+        Some(p)
+            if p.as_array()
+                .is_some_and(|a| a.len() == 1 && a[0].is_array()) =>
+        {
+            ids(&p[0])
+        }
+        Some(p) => ids(p),
+        None => None,
+    }
+    .ok_or("the stand-in takes `prompt` as a list of token ids")?;
+    if prompt.is_empty() {
+        return Err("empty prompt".into());
+    }
+    let max_tokens = v
+        .get("max_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(16)
+        .clamp(1, u64::from(u32::MAX)) as u32;
+    if prompt.len() as u64 + u64::from(max_tokens) > u64::from(s.config.max_model_len) {
+        return Err(format!(
+            "This model's maximum context length is {} tokens. However, you requested {} \
+             tokens ({} in the messages, {max_tokens} in the completion).",
+            s.config.max_model_len,
+            prompt.len() as u64 + u64::from(max_tokens),
+            prompt.len()
+        ));
+    }
+    Ok(Completion {
+        prompt,
+        max_tokens,
+        seed: v.get("seed").and_then(Value::as_u64).unwrap_or(0),
+        stop_token: v
+            .get("stop_token_ids")
+            .and_then(|s| s.get(0))
+            .and_then(Value::as_u64)
+            .and_then(|t| u32::try_from(t).ok()),
+        ignore_eos: v
+            .get("ignore_eos")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        include_usage: v
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        // A text-only stand-in plays a plain OpenAI server: it knows no `return_token_ids`.
+        return_token_ids: !s.config.text_only
+            && v.get("return_token_ids")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        cache_salt: v
+            .get("cache_salt")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        lora,
+        kv: v
+            .get("kv_transfer_params")
+            .filter(|k| k.is_object())
+            .cloned(),
+        logprobs: match v.get("logprobs") {
+            None | Some(Value::Null) => None,
+            // vLLM's default `--max-logprobs` is 20.
+            Some(n) => Some(
+                n.as_u64()
+                    .filter(|&n| n <= 20)
+                    .ok_or("logprobs must be an integer from 0 to 20")? as u8,
+            ),
+        },
+        tokens_as_ids: v
+            .get("return_tokens_as_token_ids")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+    })
+}
+
+async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")),
+    };
+    let c = match parse(&s, &v) {
+        Ok(c) => c,
+        Err(m) => return error(StatusCode::BAD_REQUEST, m),
+    };
+    let flag = |k: &str| {
+        c.kv.as_ref()
+            .and_then(|p| p.get(k))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let req = EngineRequest {
+        id: RequestId(id),
+        prompt: c.prompt.clone(),
+        max_tokens: c.max_tokens,
+        hash_seed: HashSeed::for_request(
+            c.cache_salt.as_deref().map(str::as_bytes),
+            c.lora.as_deref(),
+        ),
+        sampling_seed: c.seed,
+        // The stand-in's engine is the mocker, whose tokens ignore the sampling parameters;
+        // it reports logprobs when asked (every token certain).
+        sampling: SamplingParams {
+            logprobs: c.logprobs,
+            ..SamplingParams::default()
+        },
+        stop_token: c.stop_token,
+        ignore_eos: c.ignore_eos,
+        adapter: c.lora.clone(),
+    };
+    s.registry
+        .lock()
+        .learn(&c.prompt, c.cache_salt.as_deref(), c.lora.as_deref());
+    if flag("do_remote_decode") {
+        return prefill_for_remote(s, c, req).await;
+    }
+    let handle = if flag("do_remote_prefill") {
+        match decode_from_remote(&s, &c, req) {
+            Ok(h) => h,
+            Err(r) => return *r,
+        }
+    } else {
+        match s.host.submit(req) {
+            Ok(h) => h,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        }
+    };
+    let meta = Meta {
+        id: format!("cmpl-standin-{id}"),
+        // vLLM answers with the name asked for: the adapter's, on one.
+        model: c.lora.clone().unwrap_or_else(|| s.config.model.clone()),
+        created: now_s(),
+    };
+    if c.stream {
+        stream_response(s, c, meta, handle)
+    } else {
+        whole_response(s, c, meta, handle).await
+    }
+}
+
+struct Meta {
+    id: String,
+    model: String,
+    created: u64,
+}
+
+/// Follows a request's outputs, learning the blocks its generated tokens fill.
+struct Follow {
+    s: Arc<Shared>,
+    all: Vec<u32>,
+    salt: Option<String>,
+    lora: Option<String>,
+    prompt_len: usize,
+    cached: Option<usize>,
+    completion: u32,
+    /// Bytes of text answered so far (`text_offset`).
+    text_len: usize,
+}
+
+impl Follow {
+    fn new(s: Arc<Shared>, c: &Completion) -> Self {
+        Follow {
+            s,
+            all: c.prompt.clone(),
+            salt: c.cache_salt.clone(),
+            lora: c.lora.clone(),
+            prompt_len: c.prompt.len(),
+            cached: None,
+            completion: 0,
+            text_len: 0,
+        }
+    }
+
+    /// Takes one token output; returns (token, finish).
+    fn token(&mut self, o: &tandem_engine::RequestOutput) -> Option<&'static str> {
+        if self.cached.is_none() {
+            self.cached = Some(o.cached_tokens);
+            let c = &self.s.counters;
+            c.prompt_tokens
+                .fetch_add(self.prompt_len as u64, Ordering::Relaxed);
+            c.cached_tokens
+                .fetch_add(o.cached_tokens as u64, Ordering::Relaxed);
+        }
+        self.completion = o.completion_tokens;
+        self.all.push(o.token);
+        let bs = self.s.config.block_size as usize;
+        if self.all.len().is_multiple_of(bs) {
+            self.s
+                .registry
+                .lock()
+                .learn(&self.all, self.salt.as_deref(), self.lora.as_deref());
+        }
+        let finish = o.finish.map(|f| match f {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+        });
+        if finish.is_some() {
+            self.s.counters.finished.fetch_add(1, Ordering::Relaxed);
+        }
+        finish
+    }
+
+    fn usage(&self) -> Value {
+        let p = self.prompt_len as u64;
+        let c = u64::from(self.completion);
+        json!({
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": self.cached.unwrap_or(0)},
+        })
+    }
+}
+
+fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHandle) -> Response {
+    let include_usage = c.include_usage;
+    let return_ids = c.return_token_ids;
+    let prompt = c.prompt.clone();
+    let follow = Follow::new(s, &c);
+    let c = Arc::new(c);
+    let state = (handle, follow, meta, false, false);
+    let events = futures::stream::unfold(state, move |(mut h, mut f, meta, first_sent, done)| {
+        let prompt = prompt.clone();
+        let c = c.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let chunk = |choices: Value, usage: Value| {
+                json!({
+                    "id": meta.id, "object": "text_completion", "created": meta.created,
+                    "model": meta.model, "choices": choices, "usage": usage,
+                })
+            };
+            loop {
+                match h.next().await {
+                    Some(Ok(HostOutput::Token(o))) => {
+                        let finish = f.token(&o);
+                        let text = token_text(&[o.token]);
+                        let logprobs = crate::logprobs::completion_logprobs(
+                            c.logprobs,
+                            c.tokens_as_ids,
+                            &[&o],
+                            f.text_len,
+                        );
+                        f.text_len += text.len();
+                        let mut choice = json!({
+                            "index": 0, "text": text, "logprobs": logprobs,
+                            "finish_reason": finish, "stop_reason": null,
+                        });
+                        if return_ids {
+                            choice["token_ids"] = json!([o.token]);
+                            if !first_sent {
+                                choice["prompt_token_ids"] = json!(prompt);
+                            }
+                        }
+                        let mut text = format!("data: {}\n\n", chunk(json!([choice]), Value::Null));
+                        let done = finish.is_some();
+                        if done {
+                            if include_usage {
+                                text.push_str(&format!(
+                                    "data: {}\n\n",
+                                    chunk(json!([]), f.usage())
+                                ));
+                            }
+                            text.push_str("data: [DONE]\n\n");
+                        }
+                        return Some((
+                            Ok::<_, Infallible>(Bytes::from(text)),
+                            (h, f, meta, true, done),
+                        ));
+                    }
+                    Some(Ok(HostOutput::Blocks(_))) => continue,
+                    Some(Err(e)) => {
+                        let text = format!(
+                            "data: {}\n\ndata: [DONE]\n\n",
+                            json!({"error": {"message": e.to_string(), "code": 500}})
+                        );
+                        return Some((Ok(Bytes::from(text)), (h, f, meta, true, true)));
+                    }
+                    None => return None,
+                }
+            }
+        }
+    });
+    (
+        [(header::CONTENT_TYPE, "text/event-stream")],
+        Body::from_stream(events),
+    )
+        .into_response()
+}
+
+async fn whole_response(
+    s: Arc<Shared>,
+    c: Completion,
+    meta: Meta,
+    mut handle: RequestHandle,
+) -> Response {
+    let mut follow = Follow::new(s, &c);
+    let mut tokens = Vec::new();
+    let mut outs = Vec::new();
+    let mut finish = None;
+    while let Some(out) = handle.next().await {
+        match out {
+            Ok(HostOutput::Token(o)) => {
+                tokens.push(o.token);
+                finish = follow.token(&o);
+                outs.push(o);
+                if finish.is_some() {
+                    break;
+                }
+            }
+            Ok(HostOutput::Blocks(_)) => {}
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+    let outs: Vec<&tandem_engine::RequestOutput> = outs.iter().collect();
+    let mut choice = json!({
+        "index": 0, "text": token_text(&tokens), "logprobs": crate::logprobs::completion_logprobs(c.logprobs, c.tokens_as_ids, &outs, 0),
+        "finish_reason": finish, "stop_reason": null,
+    });
+    if c.return_token_ids {
+        choice["token_ids"] = json!(tokens);
+        choice["prompt_token_ids"] = json!(c.prompt);
+    }
+    axum::Json(json!({
+        "id": meta.id, "object": "text_completion", "created": meta.created,
+        "model": meta.model, "choices": [choice], "usage": follow.usage(),
+        "kv_transfer_params": null,
+    }))
+    .into_response()
+}
+
+/// The prefill side of vLLM's connector protocol: compute the prompt, keep its KV for the
+/// decode engine to pull, answer with the handshake.
+async fn prefill_for_remote(s: Arc<Shared>, c: Completion, mut req: EngineRequest) -> Response {
+    req.max_tokens = 1;
+    let id = req.id;
+    let mut handle = match s.host.submit_exporting(req, 0, false) {
+        Ok(h) => h,
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    };
+    let mut follow = Follow::new(s.clone(), &c);
+    let mut blocks = Vec::new();
+    let mut first = None;
+    while let Some(out) = handle.next().await {
+        match out {
+            Ok(HostOutput::Blocks(b)) => blocks.extend(b),
+            Ok(HostOutput::Token(o)) => {
+                first = Some(o.token);
+                follow.token(&o);
+                break;
+            }
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+    drop(handle);
+    let Some(first) = first else {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "prefill ended without a token",
+        );
+    };
+    s.host.release_export(id);
+    blocks.sort_by_key(|b| b.index);
+    let remote_request_id = format!("standin-{}-{}", s.port, id.0);
+    let block_ids: Vec<u32> = blocks.iter().map(|b| b.block).collect();
+    s.exports.lock().put(
+        remote_request_id.clone(),
+        Export {
+            blocks,
+            first_token: first,
+            made: Instant::now(),
+        },
+    );
+    let mut choice = json!({
+        "index": 0, "text": "", "logprobs": null, "finish_reason": "length", "stop_reason": null,
+    });
+    if c.return_token_ids {
+        choice["token_ids"] = json!([first]);
+    }
+    axum::Json(json!({
+        "id": format!("cmpl-standin-{}", id.0), "object": "text_completion",
+        "created": now_s(), "model": s.config.model, "choices": [choice],
+        "usage": follow.usage(),
+        "kv_transfer_params": {
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_block_ids": block_ids,
+            "remote_engine_id": s.config.engine_id,
+            "remote_request_id": remote_request_id,
+            "remote_host": s.config.advertise_host,
+            "remote_port": s.port,
+            "tp_size": 1,
+        },
+    }))
+    .into_response()
+}
+
+/// The side channel: the exported blocks of `id`, once. Body: u32 LE count, u32 LE bytes
+/// per block, u32 LE first token, then each block's bytes in prompt order.
+async fn pull_kv(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    let Some(export) = s.exports.lock().by_id.remove(&id) else {
+        return error(StatusCode::NOT_FOUND, format!("no prefilled KV for {id}"));
+    };
+    let per = export.blocks.first().map_or(0, |b| b.bytes.len());
+    let mut out = Vec::with_capacity(12 + per * export.blocks.len());
+    out.extend_from_slice(&(export.blocks.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(per as u32).to_le_bytes());
+    out.extend_from_slice(&export.first_token.to_le_bytes());
+    for b in &export.blocks {
+        out.extend_from_slice(&b.bytes);
+    }
+    ([(header::CONTENT_TYPE, "application/octet-stream")], out).into_response()
+}
+
+/// The decode side: reserve blocks, pull the prefilled KV into them, continue from the
+/// prefill's first token; a pull that fails prefills here instead (as vLLM does when a
+/// NIXL read fails and the request is recomputed).
+fn decode_from_remote(
+    s: &Arc<Shared>,
+    c: &Completion,
+    req: EngineRequest,
+) -> Result<RequestHandle, Box<Response>> {
+    let kv = c.kv.clone().unwrap_or(Value::Null);
+    let host_port = kv
+        .get("remote_host")
+        .and_then(Value::as_str)
+        .zip(kv.get("remote_port").and_then(Value::as_u64));
+    let remote_id = kv.get("remote_request_id").and_then(Value::as_str);
+    let (Some((host, port)), Some(remote_id)) = (host_port, remote_id) else {
+        return Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "kv_transfer_params with do_remote_prefill needs remote_host, remote_port and \
+             remote_request_id",
+        )));
+    };
+    let id = req.id;
+    let (handle, rp) = match s.host.begin_remote(req, false) {
+        Ok(x) => x,
+        Err(e) => {
+            return Err(Box::new(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                e.to_string(),
+            )));
+        }
+    };
+    let url = format!("http://{host}:{port}/standin/kv/{remote_id}");
+    let shared = s.clone();
+    s.tasks.spawn(async move {
+        shared.counters.kv_pulls.fetch_add(1, Ordering::Relaxed);
+        let pulled = pull(&shared, &url, id, rp.cached_tokens, &rp.blocks).await;
+        let host = &shared.host;
+        let result = match pulled {
+            Ok(first) => host.finish_remote(id, first, None),
+            Err(why) => {
+                tracing::warn!(%why, "stand-in: KV pull failed, prefilling locally");
+                shared
+                    .counters
+                    .kv_pull_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                host.fail_remote(id)
+            }
+        };
+        if let Err(e) = result {
+            tracing::debug!(error = %e, "stand-in: remote prefill settled after the request ended");
+        }
+    });
+    Ok(handle)
+}
+
+async fn pull(
+    s: &Shared,
+    url: &str,
+    id: RequestId,
+    cached_tokens: usize,
+    blocks: &[u32],
+) -> Result<u32, String> {
+    let body = s
+        .http
+        .get(url)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?
+        .error_for_status()
+        .map_err(|e| e.to_string())?
+        .bytes()
+        .await
+        .map_err(|e| e.to_string())?;
+    let word = |i: usize| -> Result<u32, String> {
+        body.get(i * 4..i * 4 + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .ok_or_else(|| "truncated KV header".to_string())
+    };
+    let (count, per, first) = (word(0)? as usize, word(1)? as usize, word(2)?);
+    if body.len() != 12 + count * per {
+        return Err(format!(
+            "KV body of {} bytes for {count} × {per}",
+            body.len()
+        ));
+    }
+    let skip = cached_tokens / s.config.block_size as usize;
+    for (k, dest) in blocks.iter().enumerate() {
+        let i = skip + k;
+        if i >= count {
+            return Err(format!("block {i} not in the {count} pulled"));
+        }
+        let bytes = &body[12 + i * per..12 + (i + 1) * per];
+        s.host
+            .write_block(id, *dest, bytes)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_external::prom;
+    use tandem_protocol::AdapterLoad;
+
+    #[test]
+    fn lora_info_reads_back_as_vllm_s() {
+        let text = super::lora_info(2, &["sql-lora".into(), "chat-lora".into()]);
+        assert_eq!(
+            prom::adapters(&prom::parse(&text)),
+            Some(AdapterLoad {
+                max_loaded: 2,
+                resident: vec!["sql-lora".into(), "chat-lora".into()],
+            })
+        );
+        let idle = super::lora_info(1, &[]);
+        assert_eq!(
+            prom::adapters(&prom::parse(&idle)).map(|a| a.resident),
+            Some(Vec::new())
+        );
+    }
+}
