@@ -73,6 +73,7 @@ async fn run(client: &mut WorkerClient<tonic::transport::Channel>, id: u64, toke
         remote_prefill: None,
         cache_salt: String::new(),
         lora_adapter: String::new(),
+        text: None,
     };
     let mut stream = client.generate(req).await.unwrap().into_inner();
     while stream.message().await.unwrap().is_some() {}

@@ -8,7 +8,8 @@
 //! cached-token count and its prefix-cache metric); P/D through the connector handshake gives
 //! the tokens an aggregated run gives, and logprobs come through it; a dropped ZMQ batch is repaired from the replay
 //! socket; an engine killed mid-stream takes its worker out of the pool and the index while
-//! the stream migrates.
+//! the stream migrates; plain OpenAI-compatible servers behind `--backend-url`: one without
+//! `/health`, one answering text only, one taking prompts only as text (and chats as messages).
 
 mod common;
 
@@ -490,6 +491,96 @@ fn a_server_without_health_is_watched_through_its_model_list() {
     pool_is(1, "the server back in the pool");
     let r = http::post_json(d.addr, "/v1/completions", &body.to_string()).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// A server that takes prompts as text only (llama.cpp's Python server answers token ids with
+/// 422) and has neither `/health` nor `/v1/models`: its sidecar watches it with a one-token
+/// completion, finds at start that it refuses ids, and from then on sends it the client's
+/// prompt text, and a chat's messages for its own template; the usage is the server's own
+/// count of what it read. A prompt of token ids cannot reach it and is refused clearly.
+#[test]
+fn a_server_that_takes_only_text_gets_the_clients_prompt_and_messages() {
+    let _serial = serial();
+    let d = direct_with(
+        "text-prompts",
+        1,
+        &["--no-health", "--no-models", "--text-prompts"],
+        &["--backend-engine=openai"],
+    );
+    let log = d.frontend.log();
+    assert!(
+        log.contains("liveness is POST /v1/completions (one token)"),
+        "{log}"
+    );
+    assert!(log.contains("refuses token-id prompts"), "{log}");
+
+    // A completion: the server reads the text with its own tokenizer (a token a byte).
+    let prompt = "Say hello to the stand-in.";
+    let body = json!({"prompt": prompt, "max_tokens": 4, "seed": 1});
+    let r = http::post_json(d.addr, "/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let c: Completion = r.json();
+    assert_eq!(
+        c.choices[0].text.split_whitespace().count(),
+        4,
+        "{:?}",
+        c.choices[0].text
+    );
+    let usage = c.usage.expect("usage");
+    assert_eq!(usage.prompt_tokens as usize, prompt.len());
+    assert_eq!(usage.completion_tokens, 4);
+
+    // A chat: its messages, rendered by the server's template, not tandem's.
+    let messages = json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Name three colors."}]},
+    ]);
+    let rendered = "<|system|>\nBe brief.\n<|user|>\nName three colors.\n<|assistant|>\n";
+    let r = http::post_json(
+        d.addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 5, "seed": 2}).to_string(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let chat: ChatCompletion = r.json();
+    let answer = chat.choices[0].message.content.clone().unwrap_or_default();
+    let words: Vec<&str> = answer.split_whitespace().collect();
+    assert_eq!(words.len(), 5, "{answer:?}");
+    assert!(words.iter().all(|w| w.starts_with('t')), "{words:?}");
+    assert_eq!(chat.usage.prompt_tokens as usize, rendered.len());
+
+    // Streamed, the same answer for the same seed, and the same usage.
+    let mut s = http::post_stream(
+        d.addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 5, "seed": 2, "stream": true,
+                "stream_options": {"include_usage": true}})
+        .to_string(),
+    )
+    .unwrap();
+    let (events, end) = s.collect();
+    assert!(matches!(end, StreamEnd::Done), "{end:?}");
+    let chunks: Vec<Value> = events
+        .iter()
+        .filter_map(|e| serde_json::from_str(e).ok())
+        .collect();
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed.split_whitespace().collect::<Vec<_>>(), words);
+    let usage = chunks
+        .iter()
+        .rev()
+        .find_map(|v| v["usage"]["prompt_tokens"].as_u64());
+    assert_eq!(usage, Some(rendered.len() as u64));
+
+    // Token ids have no text to send: refused with why, and the server never sees them.
+    let body = json!({"prompt": [5, 6, 7, 8], "max_tokens": 2});
+    let r = http::post_json(d.addr, "/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("takes prompts as text"), "{}", r.text());
 }
 
 #[test]

@@ -50,6 +50,13 @@ struct Args {
     /// 503 while told unhealthy instead.
     #[arg(long, default_value_t = false)]
     no_health: bool,
+    /// No GET /v1/models either (404): the server is seen up only by completing.
+    #[arg(long, default_value_t = false)]
+    no_models: bool,
+    /// Take prompts as text only, as llama.cpp's Python server: token-id prompts get 422,
+    /// text and chat messages are read with the stand-in's own tokenizer and template.
+    #[arg(long, default_value_t = false)]
+    text_prompts: bool,
     /// LoRA adapters served, comma-separated, as vLLM's --lora-modules (`NAME` or
     /// `NAME=PATH`; the path is not read).
     #[arg(long, value_delimiter = ',')]
@@ -85,6 +92,8 @@ fn main() -> anyhow::Result<()> {
     c.advertise_host = args.advertise_host;
     c.text_only = args.text_only;
     c.no_health = args.no_health;
+    c.no_models = args.no_models;
+    c.text_prompts = args.text_prompts;
     c.lora_modules = args
         .lora_modules
         .iter()

@@ -215,6 +215,7 @@ mod tests {
             },
             kv_events: true,
             placement: Default::default(),
+            takes_text: false,
         };
         assert_eq!(WorkerRecord::decode(&rec.encode().unwrap()).unwrap(), rec);
     }

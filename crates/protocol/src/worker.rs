@@ -108,6 +108,10 @@ pub struct WorkerRecord {
     pub kv_events: bool,
     /// Where it runs (KV transfer cost between workers).
     pub placement: Placement,
+    /// The engine takes its prompt as text, not token ids (a plain OpenAI-compatible server
+    /// that refuses token prompts, found out by its sidecar at start): requests to it carry
+    /// the client's prompt text or chat messages (`GenerateRequest.text`).
+    pub takes_text: bool,
 }
 
 /// The LoRA adapters a worker holds, for LoRA-aware routing. vLLM reports the same in its

@@ -134,27 +134,30 @@ fn worker_record() -> impl Strategy<Value = WorkerRecord> {
         any::<[u64; 3]>(),
         ".{0,24}",
         proptest::option::of(".{0,24}"),
-        any::<bool>(),
+        any::<[bool; 2]>(),
     )
         .prop_map(
-            |(id, role, model, bs, [d, h, k], grpc, kv_transfer, kv_events)| WorkerRecord {
-                id: WorkerId(id),
-                role,
-                model,
-                block_size: BlockSize::new(bs).expect("non-zero"),
-                kv_capacity: TierCapacity {
-                    device_blocks: d,
-                    host_blocks: h,
-                    disk_blocks: k,
-                },
-                addresses: WorkerAddresses {
-                    grpc,
-                    kv_transfer,
-                    metrics: None,
-                    http: None,
-                },
-                kv_events,
-                placement: Default::default(),
+            |(id, role, model, bs, [d, h, k], grpc, kv_transfer, [kv_events, takes_text])| {
+                WorkerRecord {
+                    id: WorkerId(id),
+                    role,
+                    model,
+                    block_size: BlockSize::new(bs).expect("non-zero"),
+                    kv_capacity: TierCapacity {
+                        device_blocks: d,
+                        host_blocks: h,
+                        disk_blocks: k,
+                    },
+                    addresses: WorkerAddresses {
+                        grpc,
+                        kv_transfer,
+                        metrics: None,
+                        http: None,
+                    },
+                    kv_events,
+                    placement: Default::default(),
+                    takes_text,
+                }
             },
         )
 }
@@ -459,6 +462,7 @@ fn large_valid_messages_decode_in_every_size_class() {
             addresses: WorkerAddresses::default(),
             kv_events: true,
             placement: Default::default(),
+            takes_text: false,
         };
         let bytes = record.encode().unwrap();
         assert_eq!(

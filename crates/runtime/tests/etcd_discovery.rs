@@ -46,6 +46,7 @@ fn record(id: u64, role: WorkerRole) -> WorkerRecord {
         },
         kv_events: true,
         placement: Default::default(),
+        takes_text: false,
     }
 }
 

@@ -347,6 +347,7 @@ impl WorkerContext {
             },
             kv_events: true,
             placement: self.config.placement(),
+            takes_text: false,
         }
     }
 

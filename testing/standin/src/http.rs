@@ -3,7 +3,7 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -11,60 +11,40 @@ use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use hashbrown::HashMap;
 use serde_json::{Value, json};
-use tandem_engine::{EngineRequest, ExportedBlock, FinishReason, SamplingParams};
+use tandem_engine::{EngineRequest, FinishReason, SamplingParams};
 use tandem_protocol::{HashSeed, RequestId};
 use tandem_worker::{HostOutput, RequestHandle};
 
 use crate::Shared;
+use crate::connector::{decode_from_remote, prefill_for_remote, pull_kv};
 use crate::text::token_text;
-
-/// Prefilled KV kept for a decode stand-in to pull, by `remote_request_id`.
-#[derive(Debug, Default)]
-pub(crate) struct Exports {
-    by_id: HashMap<String, Export>,
-}
-
-#[derive(Debug)]
-struct Export {
-    blocks: Vec<ExportedBlock>,
-    first_token: u32,
-    made: Instant,
-}
-
-/// Exports no decode stand-in pulled are dropped after this long (vLLM's NIXL connector
-/// frees them after `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`).
-const EXPORT_TTL: Duration = Duration::from_secs(120);
-const MAX_EXPORTS: usize = 4096;
-
-impl Exports {
-    fn put(&mut self, id: String, export: Export) {
-        self.by_id.retain(|_, e| e.made.elapsed() < EXPORT_TTL);
-        if self.by_id.len() >= MAX_EXPORTS {
-            return;
-        }
-        self.by_id.insert(id, export);
-    }
-}
 
 pub(crate) fn app(shared: Arc<Shared>) -> Router {
     let router = Router::new()
         .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/standin/kv/{id}", get(pull_kv))
         .route("/standin/drop-next-event", post(drop_next_event))
         .route("/standin/health/{state}", post(set_health));
-    match shared.config.no_health {
+    let c = &shared.config;
+    let router = match c.no_health {
         true => router,
         false => router.route("/health", get(health)),
+    };
+    let router = match c.no_models {
+        true => router,
+        false => router.route("/v1/models", get(models)),
+    };
+    match c.text_prompts {
+        true => router.route("/v1/chat/completions", post(chat_completions)),
+        false => router,
     }
     .with_state(shared)
 }
 
 /// vLLM's error body (`ErrorResponse`: `object`, `message`, `type`, `param`, `code`).
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     let body = json!({
         "object": "error",
         "message": message.into(),
@@ -75,7 +55,7 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-fn now_s() -> u64 {
+pub(crate) fn now_s() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -226,23 +206,25 @@ fn lora_info(max_loras: usize, resident: &[String]) -> String {
 }
 
 /// A parsed `/v1/completions` request.
-struct Completion {
-    prompt: Vec<u32>,
-    max_tokens: u32,
-    seed: u64,
-    stop_token: Option<u32>,
-    ignore_eos: bool,
-    stream: bool,
-    include_usage: bool,
-    return_token_ids: bool,
-    cache_salt: Option<String>,
-    kv: Option<Value>,
+pub(crate) struct Completion {
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) max_tokens: u32,
+    pub(crate) seed: u64,
+    pub(crate) stop_token: Option<u32>,
+    pub(crate) ignore_eos: bool,
+    pub(crate) stream: bool,
+    pub(crate) include_usage: bool,
+    pub(crate) return_token_ids: bool,
+    pub(crate) cache_salt: Option<String>,
+    pub(crate) kv: Option<Value>,
     /// The LoRA adapter `model` names (vLLM's `_maybe_get_adapters`); None: the base model.
-    lora: Option<String>,
+    pub(crate) lora: Option<String>,
     /// `logprobs`: the completions API's count of alternatives per token.
-    logprobs: Option<u8>,
+    pub(crate) logprobs: Option<u8>,
     /// `return_tokens_as_token_ids`: logprobs name tokens `token_id:<id>`.
-    tokens_as_ids: bool,
+    pub(crate) tokens_as_ids: bool,
+    /// Came in as a chat: answered in chat completions' shape.
+    pub(crate) chat: bool,
 }
 
 fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
@@ -259,6 +241,7 @@ fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
             .collect()
     };
     let prompt = match v.get("prompt") {
+        Some(Value::String(text)) if s.config.text_prompts => Some(crate::text::tokenize(text)),
         Some(p)
             if p.as_array()
                 .is_some_and(|a| a.len() == 1 && a[0].is_array()) =>
@@ -307,6 +290,7 @@ fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
             .unwrap_or(false),
         // A text-only stand-in plays a plain OpenAI server: it knows no `return_token_ids`.
         return_token_ids: !s.config.text_only
+            && !s.config.text_prompts
             && v.get("return_token_ids")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
@@ -332,6 +316,7 @@ fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
             .get("return_tokens_as_token_ids")
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        chat: false,
     })
 }
 
@@ -340,10 +325,34 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
         Ok(v) => v,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")),
     };
-    let c = match parse(&s, &v) {
-        Ok(c) => c,
-        Err(m) => return error(StatusCode::BAD_REQUEST, m),
+    if s.config.text_prompts && !v.get("prompt").is_some_and(Value::is_string) {
+        return crate::text::not_a_string(v.get("prompt"));
+    }
+    match parse(&s, &v) {
+        Ok(c) => complete(s, c).await,
+        Err(m) => error(StatusCode::BAD_REQUEST, m),
+    }
+}
+
+/// A chat, for a stand-in that takes text (`text_prompts`): its messages rendered with the
+/// stand-in's own template, then answered as a completion in chat completions' shape.
+async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    let mut v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")),
     };
+    let prompt = match crate::text::render_chat(v.get("messages")) {
+        Ok(p) => p,
+        Err(r) => return *r,
+    };
+    v["prompt"] = Value::String(prompt);
+    match parse(&s, &v) {
+        Ok(c) => complete(s, Completion { chat: true, ..c }).await,
+        Err(m) => error(StatusCode::BAD_REQUEST, m),
+    }
+}
+
+async fn complete(s: Arc<Shared>, c: Completion) -> Response {
     let flag = |k: &str| {
         c.kv.as_ref()
             .and_then(|p| p.get(k))
@@ -407,7 +416,7 @@ struct Meta {
 }
 
 /// Follows a request's outputs, learning the blocks its generated tokens fill.
-struct Follow {
+pub(crate) struct Follow {
     s: Arc<Shared>,
     all: Vec<u32>,
     salt: Option<String>,
@@ -420,7 +429,7 @@ struct Follow {
 }
 
 impl Follow {
-    fn new(s: Arc<Shared>, c: &Completion) -> Self {
+    pub(crate) fn new(s: Arc<Shared>, c: &Completion) -> Self {
         Follow {
             s,
             all: c.prompt.clone(),
@@ -434,7 +443,7 @@ impl Follow {
     }
 
     /// Takes one token output; returns (token, finish).
-    fn token(&mut self, o: &tandem_engine::RequestOutput) -> Option<&'static str> {
+    pub(crate) fn token(&mut self, o: &tandem_engine::RequestOutput) -> Option<&'static str> {
         if self.cached.is_none() {
             self.cached = Some(o.cached_tokens);
             let c = &self.s.counters;
@@ -462,7 +471,7 @@ impl Follow {
         finish
     }
 
-    fn usage(&self) -> Value {
+    pub(crate) fn usage(&self) -> Value {
         let p = self.prompt_len as u64;
         let c = u64::from(self.completion);
         json!({
@@ -488,9 +497,14 @@ fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHan
             if done {
                 return None;
             }
+            let object = if c.chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            };
             let chunk = |choices: Value, usage: Value| {
                 json!({
-                    "id": meta.id, "object": "text_completion", "created": meta.created,
+                    "id": meta.id, "object": object, "created": meta.created,
                     "model": meta.model, "choices": choices, "usage": usage,
                 })
             };
@@ -506,10 +520,17 @@ fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHan
                             f.text_len,
                         );
                         f.text_len += text.len();
-                        let mut choice = json!({
-                            "index": 0, "text": text, "logprobs": logprobs,
-                            "finish_reason": finish, "stop_reason": null,
-                        });
+                        let mut choice = if c.chat {
+                            json!({
+                                "index": 0, "delta": {"content": text}, "logprobs": null,
+                                "finish_reason": finish,
+                            })
+                        } else {
+                            json!({
+                                "index": 0, "text": text, "logprobs": logprobs,
+                                "finish_reason": finish, "stop_reason": null,
+                            })
+                        };
                         if return_ids {
                             choice["token_ids"] = json!([o.token]);
                             if !first_sent {
@@ -577,6 +598,17 @@ async fn whole_response(
         }
     }
     let outs: Vec<&tandem_engine::RequestOutput> = outs.iter().collect();
+    if c.chat {
+        return axum::Json(json!({
+            "id": meta.id, "object": "chat.completion", "created": meta.created,
+            "model": meta.model, "usage": follow.usage(),
+            "choices": [{
+                "index": 0, "finish_reason": finish, "logprobs": null,
+                "message": {"role": "assistant", "content": token_text(&tokens)},
+            }],
+        }))
+        .into_response();
+    }
     let mut choice = json!({
         "index": 0, "text": token_text(&tokens), "logprobs": crate::logprobs::completion_logprobs(c.logprobs, c.tokens_as_ids, &outs, 0),
         "finish_reason": finish, "stop_reason": null,
@@ -591,189 +623,6 @@ async fn whole_response(
         "kv_transfer_params": null,
     }))
     .into_response()
-}
-
-/// The prefill side of vLLM's connector protocol: compute the prompt, keep its KV for the
-/// decode engine to pull, answer with the handshake.
-async fn prefill_for_remote(s: Arc<Shared>, c: Completion, mut req: EngineRequest) -> Response {
-    req.max_tokens = 1;
-    let id = req.id;
-    let mut handle = match s.host.submit_exporting(req, 0, false) {
-        Ok(h) => h,
-        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
-    };
-    let mut follow = Follow::new(s.clone(), &c);
-    let mut blocks = Vec::new();
-    let mut first = None;
-    while let Some(out) = handle.next().await {
-        match out {
-            Ok(HostOutput::Blocks(b)) => blocks.extend(b),
-            Ok(HostOutput::Token(o)) => {
-                first = Some(o.token);
-                follow.token(&o);
-                break;
-            }
-            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-        }
-    }
-    drop(handle);
-    let Some(first) = first else {
-        return error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "prefill ended without a token",
-        );
-    };
-    s.host.release_export(id);
-    blocks.sort_by_key(|b| b.index);
-    let remote_request_id = format!("standin-{}-{}", s.port, id.0);
-    let block_ids: Vec<u32> = blocks.iter().map(|b| b.block).collect();
-    s.exports.lock().put(
-        remote_request_id.clone(),
-        Export {
-            blocks,
-            first_token: first,
-            made: Instant::now(),
-        },
-    );
-    let mut choice = json!({
-        "index": 0, "text": "", "logprobs": null, "finish_reason": "length", "stop_reason": null,
-    });
-    if c.return_token_ids {
-        choice["token_ids"] = json!([first]);
-    }
-    axum::Json(json!({
-        "id": format!("cmpl-standin-{}", id.0), "object": "text_completion",
-        "created": now_s(), "model": s.config.model, "choices": [choice],
-        "usage": follow.usage(),
-        "kv_transfer_params": {
-            "do_remote_prefill": true,
-            "do_remote_decode": false,
-            "remote_block_ids": block_ids,
-            "remote_engine_id": s.config.engine_id,
-            "remote_request_id": remote_request_id,
-            "remote_host": s.config.advertise_host,
-            "remote_port": s.port,
-            "tp_size": 1,
-        },
-    }))
-    .into_response()
-}
-
-/// The side channel: the exported blocks of `id`, once. Body: u32 LE count, u32 LE bytes
-/// per block, u32 LE first token, then each block's bytes in prompt order.
-async fn pull_kv(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
-    let Some(export) = s.exports.lock().by_id.remove(&id) else {
-        return error(StatusCode::NOT_FOUND, format!("no prefilled KV for {id}"));
-    };
-    let per = export.blocks.first().map_or(0, |b| b.bytes.len());
-    let mut out = Vec::with_capacity(12 + per * export.blocks.len());
-    out.extend_from_slice(&(export.blocks.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(per as u32).to_le_bytes());
-    out.extend_from_slice(&export.first_token.to_le_bytes());
-    for b in &export.blocks {
-        out.extend_from_slice(&b.bytes);
-    }
-    ([(header::CONTENT_TYPE, "application/octet-stream")], out).into_response()
-}
-
-/// The decode side: reserve blocks, pull the prefilled KV into them, continue from the
-/// prefill's first token; a pull that fails prefills here instead (as vLLM does when a
-/// NIXL read fails and the request is recomputed).
-fn decode_from_remote(
-    s: &Arc<Shared>,
-    c: &Completion,
-    req: EngineRequest,
-) -> Result<RequestHandle, Box<Response>> {
-    let kv = c.kv.clone().unwrap_or(Value::Null);
-    let host_port = kv
-        .get("remote_host")
-        .and_then(Value::as_str)
-        .zip(kv.get("remote_port").and_then(Value::as_u64));
-    let remote_id = kv.get("remote_request_id").and_then(Value::as_str);
-    let (Some((host, port)), Some(remote_id)) = (host_port, remote_id) else {
-        return Err(Box::new(error(
-            StatusCode::BAD_REQUEST,
-            "kv_transfer_params with do_remote_prefill needs remote_host, remote_port and \
-             remote_request_id",
-        )));
-    };
-    let id = req.id;
-    let (handle, rp) = match s.host.begin_remote(req, false) {
-        Ok(x) => x,
-        Err(e) => {
-            return Err(Box::new(error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                e.to_string(),
-            )));
-        }
-    };
-    let url = format!("http://{host}:{port}/standin/kv/{remote_id}");
-    let shared = s.clone();
-    s.tasks.spawn(async move {
-        shared.counters.kv_pulls.fetch_add(1, Ordering::Relaxed);
-        let pulled = pull(&shared, &url, id, rp.cached_tokens, &rp.blocks).await;
-        let host = &shared.host;
-        let result = match pulled {
-            Ok(first) => host.finish_remote(id, first, None),
-            Err(why) => {
-                tracing::warn!(%why, "stand-in: KV pull failed, prefilling locally");
-                shared
-                    .counters
-                    .kv_pull_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                host.fail_remote(id)
-            }
-        };
-        if let Err(e) = result {
-            tracing::debug!(error = %e, "stand-in: remote prefill settled after the request ended");
-        }
-    });
-    Ok(handle)
-}
-
-async fn pull(
-    s: &Shared,
-    url: &str,
-    id: RequestId,
-    cached_tokens: usize,
-    blocks: &[u32],
-) -> Result<u32, String> {
-    let body = s
-        .http
-        .get(url)
-        .timeout(Duration::from_secs(30))
-        .send()
-        .await
-        .map_err(|e| e.to_string())?
-        .error_for_status()
-        .map_err(|e| e.to_string())?
-        .bytes()
-        .await
-        .map_err(|e| e.to_string())?;
-    let word = |i: usize| -> Result<u32, String> {
-        body.get(i * 4..i * 4 + 4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .ok_or_else(|| "truncated KV header".to_string())
-    };
-    let (count, per, first) = (word(0)? as usize, word(1)? as usize, word(2)?);
-    if body.len() != 12 + count * per {
-        return Err(format!(
-            "KV body of {} bytes for {count} × {per}",
-            body.len()
-        ));
-    }
-    let skip = cached_tokens / s.config.block_size as usize;
-    for (k, dest) in blocks.iter().enumerate() {
-        let i = skip + k;
-        if i >= count {
-            return Err(format!("block {i} not in the {count} pulled"));
-        }
-        let bytes = &body[12 + i * per..12 + (i + 1) * per];
-        s.host
-            .write_block(id, *dest, bytes)
-            .map_err(|e| e.to_string())?;
-    }
-    Ok(first)
 }
 
 #[cfg(test)]

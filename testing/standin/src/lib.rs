@@ -33,8 +33,13 @@
 //!   hashed apart from the base model's, and its KV events carry `lora_name` and the LoRA
 //!   name in every block's `extra_keys`, as vLLM's do.
 //! - Fault injection for tests: `POST /standin/drop-next-event` (the next event batch is
-//!   kept for replay but not published), `POST /standin/health/{ok|fail}`; with `no_health`, no `GET /health`.
+//!   kept for replay but not published), `POST /standin/health/{ok|fail}`; with `no_health`, no `GET /health`;
+//!   with `no_models`, no `GET /v1/models` either.
+//! - Playing a server that takes text only (`text_prompts`): token-id prompts refused with
+//!   422, text prompts and `POST /v1/chat/completions` read with a tokenizer and template of
+//!   the stand-in's own.
 
+mod connector;
 mod events;
 mod http;
 mod logprobs;
@@ -85,6 +90,13 @@ pub struct StandinConfig {
     /// No `GET /health` (404), as llama.cpp's Python server, Ollama or a hosted API: then
     /// `GET /v1/models` answers 503 while the stand-in is told it is unhealthy.
     pub no_health: bool,
+    /// No `GET /v1/models` either (404): a client sees the server up only by completing.
+    pub no_models: bool,
+    /// Take prompts as text only, as llama.cpp's Python server: a prompt of token ids is
+    /// refused with 422 (pydantic's validation error), text is read with the stand-in's own
+    /// tokenizer, and `POST /v1/chat/completions` renders messages with its own template
+    /// (`text.rs`). Answers are text only, as with `text_only`.
+    pub text_prompts: bool,
     /// LoRA adapters served, by name (vLLM's `--lora-modules NAME=PATH`; only the names
     /// matter here): a request whose `model` names one runs on it. Empty: LoRA off.
     pub lora_modules: Vec<String>,
@@ -109,6 +121,8 @@ impl StandinConfig {
             advertise_host: "127.0.0.1".into(),
             text_only: false,
             no_health: false,
+            no_models: false,
+            text_prompts: false,
             lora_modules: Vec::new(),
             max_loras: 1,
         }
@@ -142,7 +156,7 @@ pub(crate) struct Shared {
     pub host: EngineHost,
     pub registry: Mutex<BlockRegistry>,
     pub publisher: Option<ZmqPublisher>,
-    pub exports: Mutex<http::Exports>,
+    pub exports: Mutex<connector::Exports>,
     pub counters: Counters,
     pub next_id: AtomicU64,
     pub healthy: AtomicBool,
@@ -216,7 +230,7 @@ pub async fn run(
         config,
         host,
         publisher,
-        exports: Mutex::new(http::Exports::default()),
+        exports: Mutex::new(connector::Exports::default()),
         counters: Counters::default(),
         next_id: AtomicU64::new(1),
         healthy: AtomicBool::new(true),

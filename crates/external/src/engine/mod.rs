@@ -45,7 +45,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -54,6 +54,7 @@ use serde_json::{Value, json};
 
 use logprobs::{sglang_logprobs, vllm_logprobs};
 use tandem_protocol::grpc::TokenLogprobs;
+pub use text::TextPrompt;
 
 /// Which API the engine speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -156,6 +157,9 @@ pub struct EngineGenerate {
     /// Report each token's log-probability and this many most likely alternatives'
     /// (OpenAI's `top_logprobs`); `None`: none.
     pub logprobs: Option<u32>,
+    /// The prompt as text, for an engine that takes no token ids (`openai` only): sent in
+    /// place of `prompt`, a chat to `/v1/chat/completions`.
+    pub text: Option<TextPrompt>,
 }
 
 /// Where an SGLang decode engine meets its prefill engine for one request.
@@ -209,9 +213,11 @@ pub struct EngineApi {
     /// SGLang: `output_ids` are increments (`--incremental-streaming-output`).
     incremental_output: bool,
     http: reqwest::Client,
-    /// Liveness is `GET /v1/models`: the engine answered `GET /health` with 404 (llama.cpp's
-    /// Python server, Ollama, LM Studio, hosted APIs have none). Shared by the clones.
-    models_probe: Arc<AtomicBool>,
+    /// How liveness is asked (`probe.rs`): `/health`, else `/v1/models`, else a one-token
+    /// completion, as the engine has them. Shared by the clones.
+    liveness: Arc<AtomicU8>,
+    /// The engine refuses token-id prompts and takes text (`probe.rs`). Shared by the clones.
+    takes_text: Arc<AtomicBool>,
 }
 
 impl EngineApi {
@@ -237,7 +243,8 @@ impl EngineApi {
             model: model.to_string(),
             incremental_output: false,
             http,
-            models_probe: Arc::new(AtomicBool::new(false)),
+            liveness: Arc::new(AtomicU8::new(0)),
+            takes_text: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -257,6 +264,9 @@ impl EngineApi {
 
     /// The JSON body sent for `req`.
     pub fn body(&self, req: &EngineGenerate, stream: bool) -> Value {
+        if let Some(text) = &req.text {
+            return self.text_body(req, text, stream);
+        }
         match self.kind {
             EngineKind::Vllm | EngineKind::Openai => {
                 let model = req.lora_adapter.as_deref().unwrap_or(&self.model);
@@ -344,7 +354,10 @@ impl EngineApi {
         }
     }
 
-    fn generate_url(&self) -> String {
+    fn generate_url(&self, req: &EngineGenerate) -> String {
+        if let Some(TextPrompt::Chat { .. }) = req.text {
+            return format!("{}/v1/chat/completions", self.base);
+        }
         match self.kind {
             EngineKind::Vllm | EngineKind::Openai => format!("{}/v1/completions", self.base),
             EngineKind::Sglang => format!("{}/generate", self.base),
@@ -361,7 +374,7 @@ impl EngineApi {
         tandem_runtime::telemetry::inject_headers(&tracing::Span::current(), &mut trace);
         let resp = self
             .http
-            .post(self.generate_url())
+            .post(self.generate_url(req))
             .header("x-request-id", &req.request_id)
             .headers(trace)
             .json(&self.body(req, stream))
@@ -459,81 +472,6 @@ impl EngineApi {
         }
         Ok(d)
     }
-
-    /// Whether the engine is up: `GET /health` answers 200. A server without that route (404)
-    /// is asked `GET /v1/models` instead, from the first time that answers 200 on (said once
-    /// in the log): what every OpenAI-compatible server has.
-    pub async fn health(&self, timeout: Duration) -> Result<(), EngineError> {
-        if self.models_probe.load(Ordering::Relaxed) {
-            return self.get_ok("/v1/models", timeout).await;
-        }
-        match self.get_ok("/health", timeout).await {
-            Err(EngineError::Refused { status: 404, .. }) => {
-                self.get_ok("/v1/models", timeout).await?;
-                if !self.models_probe.swap(true, Ordering::Relaxed) {
-                    tracing::info!(
-                        url = %self.base,
-                        "the engine has no /health (404): its liveness is GET /v1/models"
-                    );
-                }
-                Ok(())
-            }
-            r => r,
-        }
-    }
-
-    /// The path [`health`](Self::health) asks now.
-    pub fn health_path(&self) -> &'static str {
-        if self.models_probe.load(Ordering::Relaxed) {
-            "/v1/models"
-        } else {
-            "/health"
-        }
-    }
-
-    /// `GET path`: Ok when the engine answers 2xx.
-    async fn get_ok(&self, path: &str, timeout: Duration) -> Result<(), EngineError> {
-        let resp = self
-            .http
-            .get(format!("{}{path}", self.base))
-            .timeout(timeout)
-            .send()
-            .await
-            .map_err(|e| EngineError::Unreachable(e.to_string()))?;
-        check_status(resp).await.map(|_| ())
-    }
-
-    /// `GET /metrics`: the engine's Prometheus text.
-    pub async fn metrics(&self, timeout: Duration) -> Result<String, EngineError> {
-        let resp = self
-            .http
-            .get(format!("{}/metrics", self.base))
-            .timeout(timeout)
-            .send()
-            .await
-            .map_err(|e| EngineError::Unreachable(e.to_string()))?;
-        check_status(resp)
-            .await?
-            .text()
-            .await
-            .map_err(|e| EngineError::Unreachable(e.to_string()))
-    }
-
-    /// SGLang's `GET /get_server_info` (its server args: `page_size`, `max_total_num_tokens`,
-    /// `disaggregation_bootstrap_port`, …); None for other engines or when it does not answer.
-    pub async fn server_info(&self, timeout: Duration) -> Option<Value> {
-        if self.kind != EngineKind::Sglang {
-            return None;
-        }
-        let resp = self
-            .http
-            .get(format!("{}/get_server_info", self.base))
-            .timeout(timeout)
-            .send()
-            .await
-            .ok()?;
-        check_status(resp).await.ok()?.json().await.ok()
-    }
 }
 
 async fn check_status(resp: reqwest::Response) -> Result<reqwest::Response, EngineError> {
@@ -580,8 +518,11 @@ fn vllm_delta(v: &Value, text_ok: bool, top: Option<u32>) -> Result<EngineDelta,
     if let Some(choices) = v.get("choices").and_then(Value::as_array) {
         for c in choices {
             let toks = c.get("token_ids").unwrap_or(&Value::Null);
+            // A chat answer's text is its message's (streamed: its delta's) `content`.
             let text = c
                 .get("text")
+                .or_else(|| c.get("delta").and_then(|d| d.get("content")))
+                .or_else(|| c.get("message").and_then(|m| m.get("content")))
                 .and_then(Value::as_str)
                 .filter(|t| !t.is_empty());
             if toks.is_null()
@@ -782,5 +723,7 @@ fn tokio_stream_from<T: Send + 'static>(
 }
 
 mod logprobs;
+mod probe;
 #[cfg(test)]
 mod tests;
+mod text;

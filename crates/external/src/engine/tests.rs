@@ -164,6 +164,7 @@ fn request_bodies_follow_each_api() {
         bootstrap: None,
         lora_adapter: None,
         logprobs: Some(2),
+        text: None,
     };
     let v = EngineApi::new(EngineKind::Vllm, "http://h:1/v1/", "m").unwrap();
     assert_eq!(v.base_url(), "http://h:1");
@@ -190,6 +191,100 @@ fn request_bodies_follow_each_api() {
     assert!(b.get("prompt").is_none());
     assert!(b.get("lora_path").is_none());
     assert!(EngineApi::new(EngineKind::Vllm, "h:1", "m").is_err());
+}
+
+/// A server that takes text: a completion's prompt and a chat's messages go as text, in
+/// OpenAI's own fields only, a chat to its own endpoint; its answers' text is read back from
+/// either shape.
+#[test]
+fn text_prompts_go_in_openais_own_fields() {
+    use tandem_protocol::grpc::{ChatText, PromptText, prompt_text::Kind};
+    let api = EngineApi::new(EngineKind::Openai, "http://h:1", "m").unwrap();
+    let completion = TextPrompt::from_proto(&PromptText {
+        kind: Some(Kind::Completion("Say hi".into())),
+    })
+    .unwrap();
+    let req = EngineGenerate {
+        prompt: vec![1, 2, 3],
+        max_tokens: 4,
+        seed: Some(3),
+        stop_token: Some(2),
+        cache_salt: Some("tenant".into()),
+        text: completion,
+        ..EngineGenerate::default()
+    };
+    let b = api.body(&req, true);
+    assert_eq!(b["prompt"], json!("Say hi"));
+    assert_eq!(b["seed"], json!(3));
+    assert_eq!(b["stream_options"]["include_usage"], json!(true));
+    for extension in [
+        "return_token_ids",
+        "stop_token_ids",
+        "cache_salt",
+        "ignore_eos",
+    ] {
+        assert!(b.get(extension).is_none(), "{extension} in {b}");
+    }
+    assert_eq!(api.generate_url(&req), "http://h:1/v1/completions");
+
+    let chat = PromptText {
+        kind: Some(Kind::Chat(ChatText {
+            messages_json: r#"[{"role":"user","content":"Hi"}]"#.into(),
+            tools_json: String::new(),
+        })),
+    };
+    let req = EngineGenerate {
+        text: TextPrompt::from_proto(&chat).unwrap(),
+        ..req
+    };
+    let b = api.body(&req, false);
+    assert_eq!(b["messages"], json!([{"role": "user", "content": "Hi"}]));
+    assert!(b.get("prompt").is_none() && b.get("tools").is_none(), "{b}");
+    assert_eq!(api.generate_url(&req), "http://h:1/v1/chat/completions");
+
+    // Conversations that are not JSON lists are refused with why.
+    for (messages, tools, why) in [
+        ("{", "", "messages are not JSON"),
+        ("{}", "", "messages are not a JSON list"),
+        ("[]", "{}", "tools are not a JSON list"),
+    ] {
+        let bad = PromptText {
+            kind: Some(Kind::Chat(ChatText {
+                messages_json: messages.into(),
+                tools_json: tools.into(),
+            })),
+        };
+        let e = TextPrompt::from_proto(&bad).unwrap_err();
+        assert!(e.contains(why), "{e}");
+    }
+
+    // A chat's answers: streamed deltas and a whole message.
+    let delta: Value = serde_json::from_str(
+        r#"{"choices":[{"index":0,"delta":{"content":" t5"},"finish_reason":null}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        vllm_delta(&delta, true, None).unwrap().text.as_deref(),
+        Some(" t5")
+    );
+    let whole: Value = serde_json::from_str(
+        r#"{"choices":[{"index":0,"message":{"role":"assistant","content":" t5 t6"},
+            "finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":2}}"#,
+    )
+    .unwrap();
+    let d = vllm_delta(&whole, true, None).unwrap();
+    assert_eq!(d.text.as_deref(), Some(" t5 t6"));
+    assert_eq!(
+        (d.prompt_tokens, d.finish),
+        (Some(9), Some(EngineFinish::Length))
+    );
+    // A role-only first delta carries nothing.
+    let role: Value =
+        serde_json::from_str(r#"{"choices":[{"index":0,"delta":{"role":"assistant"}}]}"#).unwrap();
+    assert_eq!(
+        vllm_delta(&role, true, None).unwrap(),
+        EngineDelta::default()
+    );
 }
 
 #[test]

@@ -276,12 +276,20 @@ impl Sidecar {
             .map_err(|e| WorkerError::InvalidRequest(e.to_string()))?
             .with_incremental_output(config.incremental_output);
         wait_for_engine(&api, config.startup_timeout, shutdown).await?;
+        api.probe_prompts(Duration::from_secs(30))
+            .await
+            .map_err(|e| WorkerError::InvalidRequest(e.to_string()))?;
         let shape = engine_shape(&api, &config).await?;
         tracing::info!(
             engine = config.engine.as_str(),
             url = api.base_url(),
             block_size = shape.block_size.get(),
             device_blocks = shape.device_blocks,
+            prompts = if api.takes_text() {
+                "text"
+            } else {
+                "token ids"
+            },
             "engine found"
         );
         let relay = config.kv_events.as_ref().map(|endpoint| {
@@ -371,6 +379,7 @@ impl ServedEngine for Sidecar {
             },
             kv_events: self.inner.relay.is_some(),
             placement: tandem_protocol::Placement::here(&c.advertise_host, &c.rack),
+            takes_text: self.inner.api.takes_text(),
         }
     }
 

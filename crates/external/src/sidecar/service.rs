@@ -13,7 +13,7 @@ use tandem_protocol::grpc::{
 use tandem_protocol::{ErrorClass, HashSeed, TokenBlockHasher};
 use tonic::Status;
 
-use super::super::engine::{EngineError, EngineFinish, EngineGenerate, EngineKind};
+use super::super::engine::{EngineError, EngineFinish, EngineGenerate, EngineKind, TextPrompt};
 use super::Sidecar;
 use tandem_worker::error::WorkerError;
 use tandem_worker::served::{ChunkStream, ServedEngine, WorkerCalls};
@@ -33,6 +33,18 @@ impl Sidecar {
             )
             .into());
         }
+        let text = match &req.text {
+            Some(t) => TextPrompt::from_proto(t).map_err(WorkerError::InvalidRequest)?,
+            None => None,
+        };
+        let api = &self.inner.api;
+        if api.takes_text() && text.is_none() {
+            return Err(WorkerError::InvalidRequest(format!(
+                "the engine at {} takes prompts as text, and this request has token ids only                  (a prompt given as token ids cannot reach it; send text or messages)",
+                api.base_url()
+            ))
+            .into());
+        }
         Ok(EngineGenerate {
             request_id: format!("tandem-{}", req.request_id),
             prompt: req.prompt.clone(),
@@ -49,6 +61,8 @@ impl Sidecar {
             bootstrap: None,
             lora_adapter: Some(req.lora_adapter.clone()).filter(|a| !a.is_empty()),
             logprobs: s.logprobs,
+            // Only a text engine gets text: another prefills exactly the routed tokens.
+            text: text.filter(|_| api.takes_text()),
         })
     }
 
@@ -171,6 +185,7 @@ impl Sidecar {
             bootstrap: Some(bootstrap),
             lora_adapter: Some(req.lora_adapter).filter(|a| !a.is_empty()),
             logprobs: None,
+            text: None,
         };
         let flight = self.begin(engine_req.prompt.len() as u64);
         let api = self.inner.api.clone();
@@ -521,6 +536,7 @@ impl Sidecar {
             bootstrap: None,
             lora_adapter: Some(req.lora_adapter).filter(|a| !a.is_empty()),
             logprobs: None,
+            text: None,
         };
         let answer = self
             .inner

@@ -74,6 +74,9 @@ pub struct ValidRequest {
     pub adapter: Option<String>,
     /// The prompt after the chat template and tokenization; never empty.
     pub prompt_tokens: Vec<u32>,
+    /// The prompt as the client wrote it (text or a conversation; `None` for token ids), for
+    /// a worker whose engine takes text.
+    pub source: Option<PromptSource>,
     /// Most tokens to generate, `>= 1`. The edge also enforces it on what the backend sends.
     pub max_tokens: u32,
     /// Sampling temperature in `[0, 2]`; 0 is greedy.
@@ -117,6 +120,44 @@ pub struct ValidRequest {
     /// capped by [`super::HttpConfig::request_timeout`]. Past it the request leaves the queue
     /// (429) or is cancelled on the workers.
     pub deadline: Instant,
+}
+
+/// A prompt as the client wrote it, kept (shared, not copied) for an engine that takes text
+/// instead of token ids; rendered only when one is asked ([`PromptSource::text`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptSource(Arc<Source>);
+
+#[derive(Debug, PartialEq)]
+enum Source {
+    Completion(String),
+    Chat(crate::http::text::conversation::Conversation),
+}
+
+impl PromptSource {
+    pub(crate) fn completion(text: String) -> Self {
+        PromptSource(Arc::new(Source::Completion(text)))
+    }
+
+    pub(crate) fn chat(conversation: crate::http::text::conversation::Conversation) -> Self {
+        PromptSource(Arc::new(Source::Chat(conversation)))
+    }
+
+    /// The prompt as the request plane carries it: a completions prompt as is, a
+    /// conversation as chat completions' `messages` and `tools` JSON.
+    pub fn text(&self) -> tandem_protocol::grpc::PromptText {
+        use tandem_protocol::grpc::{ChatText, prompt_text::Kind};
+        let kind = match &*self.0 {
+            Source::Completion(t) => Kind::Completion(t.clone()),
+            Source::Chat(c) => {
+                let (messages_json, tools_json) = c.chat_json();
+                Kind::Chat(ChatText {
+                    messages_json,
+                    tools_json,
+                })
+            }
+        };
+        tandem_protocol::grpc::PromptText { kind: Some(kind) }
+    }
 }
 
 /// What the engine reported about a request, filled in by the backend while it streams (for

@@ -172,8 +172,8 @@ mod tests;
 
 pub use auth::{AccessConfig, AccessError, Listener};
 pub use backend::{
-    Backend, Endpoint, EngineReport, FinishReason, Generation, RouteInfo, TokenChunk, TokenLogprob,
-    ValidRequest,
+    Backend, Endpoint, EngineReport, FinishReason, Generation, PromptSource, RouteInfo, TokenChunk,
+    TokenLogprob, ValidRequest,
 };
 pub use body::{BodyCheck, endpoint_of};
 pub use chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec, Clock};

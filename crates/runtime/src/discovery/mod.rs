@@ -323,6 +323,7 @@ pub(crate) mod tests {
             },
             kv_events: true,
             placement: Default::default(),
+            takes_text: false,
         }
     }
 

@@ -173,6 +173,13 @@ impl ClusterBackend {
             }),
             cache_salt: job.req.cache_salt.clone().unwrap_or_default(),
             lora_adapter: job.req.adapter.clone().unwrap_or_default(),
+            // Rendered only for an engine that takes text (a plain OpenAI-compatible server).
+            text: plan
+                .decode
+                .record
+                .takes_text
+                .then(|| job.req.source.as_ref().map(|s| s.text()))
+                .flatten(),
         };
         let span = tracing::info_span!(
             "tandem.v1.Worker/Generate",

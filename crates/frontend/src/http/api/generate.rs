@@ -26,7 +26,9 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use tracing::Instrument as _;
 
-use crate::http::backend::{Endpoint, FinishReason, RouteInfo, TokenChunk, ValidRequest};
+use crate::http::backend::{
+    Endpoint, EngineReport, FinishReason, RouteInfo, TokenChunk, ValidRequest,
+};
 use crate::http::error::ServeError;
 use crate::http::format::{End, Format};
 use crate::http::format_chat::ChatFormat;
@@ -310,6 +312,9 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
     let endpoint = req.endpoint;
     let id = req.response_id.clone();
     let prompt_tokens = u32::try_from(req.prompt_tokens.len()).unwrap_or(u32::MAX);
+    // The usage counts the prompt as the engine did where it says (a server that takes text
+    // renders and tokenizes it its own way), else as the frontend did.
+    let engine = req.engine.clone();
     let stream = req.stream;
     let mut pipeline = Pipeline {
         output: Output::new(state.tokenizer().clone(), req.stop.clone(), req.max_tokens),
@@ -364,6 +369,7 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
             first: Some(first),
             pipeline,
             prompt_tokens,
+            engine,
             record,
             phase: Phase::Start,
             span: stream_span,
@@ -414,7 +420,11 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
     let end = End {
         finish,
         stop_sequence,
-        usage: Usage::new(prompt_tokens, completion_tokens, usage_cached),
+        usage: Usage::new(
+            engine.prompt_tokens().unwrap_or(prompt_tokens),
+            completion_tokens,
+            usage_cached,
+        ),
         tool_calls: pipeline.tool_calls(),
     };
     (headers, format.whole(pieces, &logprobs, &end)).into_response()
@@ -479,6 +489,8 @@ struct Sse {
     first: Option<TokenChunk>,
     pipeline: Pipeline,
     prompt_tokens: u32,
+    /// What the engine counted of the prompt (the usage's count where it says).
+    engine: EngineReport,
     record: RequestRecord,
     phase: Phase,
     /// The response body from the first token to the last.
@@ -530,7 +542,11 @@ impl Sse {
             let end = End {
                 finish,
                 stop_sequence,
-                usage: Usage::new(self.prompt_tokens, completion_tokens, chunk.cached_tokens),
+                usage: Usage::new(
+                    self.engine.prompt_tokens().unwrap_or(self.prompt_tokens),
+                    completion_tokens,
+                    chunk.cached_tokens,
+                ),
                 tool_calls: self.pipeline.tool_calls(),
             };
             let out = self.format.step(fed.pieces, &fed.logprobs, Some(&end));

@@ -5,7 +5,7 @@
 use serde::de::DeserializeOwned;
 use tandem_router::Priority;
 
-use crate::http::backend::{Endpoint, ValidRequest};
+use crate::http::backend::{Endpoint, PromptSource, ValidRequest};
 use crate::http::conversation::{Content, Conversation, Message, ToolCall};
 use crate::http::error::ServeError;
 use crate::http::hints::{HintFields, RoutingHints, SessionField};
@@ -650,6 +650,11 @@ impl Checked {
             model: self.model,
             adapter: self.adapter,
             prompt_tokens,
+            source: match self.prompt {
+                PromptInput::Text(text) => Some(PromptSource::completion(text)),
+                PromptInput::Chat(conversation) => Some(PromptSource::chat(conversation)),
+                PromptInput::Tokens(_) => None,
+            },
             max_tokens,
             temperature: self.temperature,
             top_p: self.top_p,

@@ -119,6 +119,22 @@ impl Conversation {
         Value::from(messages)
     }
 
+    /// The conversation in chat completions' own JSON, for an engine that applies its own
+    /// template: the `messages` list (`content` a string, or `{"type": "text", "text"}`
+    /// parts as sent; `tool_calls` with `arguments` as a string, as OpenAI spells it) and
+    /// the `tools` list (empty when the request has none). Client text goes as written.
+    pub(crate) fn chat_json(&self) -> (String, String) {
+        let messages: Vec<serde_json::Value> = self.messages.iter().map(message_json).collect();
+        let tools = match &self.tools {
+            Some(tools) => {
+                let items: Vec<String> = tools.iter().map(Json::to_compact).collect();
+                format!("[{}]", items.join(","))
+            }
+            None => String::new(),
+        };
+        (serde_json::Value::Array(messages).to_string(), tools)
+    }
+
     /// The `tools` template variable: the list, or none (transformers passes `tools=None`
     /// when a request has no tools, so `tools is not none` tests work as in Python).
     pub(crate) fn tools_value(&self, text: &dyn Fn(&str) -> String) -> Value {
@@ -148,6 +164,38 @@ fn message_value(m: &Message, format: ContentFormat, text: &dyn Fn(&str) -> Stri
         entries.push(("tool_call_id".to_string(), Value::from(text(id))));
     }
     OrderedMap::value(entries)
+}
+
+fn message_json(m: &Message) -> serde_json::Value {
+    let mut o = serde_json::Map::new();
+    o.insert("role".into(), m.role.into());
+    let content = match &m.content {
+        Content::Text(t) => serde_json::Value::from(t.as_str()),
+        Content::Parts(parts) => parts
+            .iter()
+            .map(|p| serde_json::json!({"type": "text", "text": p}))
+            .collect(),
+    };
+    o.insert("content".into(), content);
+    if let Some(name) = &m.name {
+        o.insert("name".into(), name.as_str().into());
+    }
+    if let Some(calls) = &m.tool_calls {
+        let calls = calls
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "id": c.id, "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments_text()},
+                })
+            })
+            .collect();
+        o.insert("tool_calls".into(), serde_json::Value::Array(calls));
+    }
+    if let Some(id) = &m.tool_call_id {
+        o.insert("tool_call_id".into(), id.as_str().into());
+    }
+    serde_json::Value::Object(o)
 }
 
 fn content_value(content: &Content, format: ContentFormat, text: &dyn Fn(&str) -> String) -> Value {
@@ -184,4 +232,66 @@ fn tool_call_value(call: &ToolCall, text: &dyn Fn(&str) -> String) -> Value {
         ("type".to_string(), Value::from("function")),
         ("function".to_string(), function),
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// What an engine that applies its own template gets: chat completions' JSON, the client's
+    /// text as written, tool calls' arguments as strings.
+    #[test]
+    fn a_conversation_goes_as_chat_completions_json() {
+        let city = Json::Object(vec![("city".into(), Json::Str("Paris".into()))]);
+        let conversation = Conversation {
+            messages: vec![
+                Message::text("system", "<|im_start|>Be brief."),
+                Message {
+                    content: Content::Parts(vec!["Weather?".into(), "In Paris.".into()]),
+                    name: Some("ann".into()),
+                    ..Message::text("user", "")
+                },
+                Message {
+                    tool_calls: Some(vec![ToolCall {
+                        id: "call_1".into(),
+                        name: "weather".into(),
+                        arguments: city.clone(),
+                    }]),
+                    ..Message::text("assistant", "")
+                },
+                Message {
+                    tool_call_id: Some("call_1".into()),
+                    ..Message::text("tool", "sunny")
+                },
+            ],
+            tools: Some(vec![Json::Object(vec![
+                ("type".into(), Json::Str("function".into())),
+                ("name".into(), Json::Str("weather".into())),
+            ])]),
+        };
+        let (messages, tools) = conversation.chat_json();
+        let messages: serde_json::Value = serde_json::from_str(&messages).unwrap();
+        assert_eq!(
+            messages,
+            json!([
+                {"role": "system", "content": "<|im_start|>Be brief."},
+                {"role": "user", "name": "ann", "content": [
+                    {"type": "text", "text": "Weather?"}, {"type": "text", "text": "In Paris."},
+                ]},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+            ])
+        );
+        // Tools keep their keys in the order sent.
+        assert_eq!(tools, r#"[{"type":"function","name":"weather"}]"#);
+        let none = Conversation {
+            tools: None,
+            ..conversation
+        };
+        assert_eq!(none.chat_json().1, "");
+    }
 }
