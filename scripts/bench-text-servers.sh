@@ -9,11 +9,11 @@
 # `vllm:prefix_cache_queries_total`). Prints one table row per policy.
 #
 #   bash scripts/bench-text-servers.sh
-#   GROUPS=12 REQUESTS=400 BLOCKS=400 bash scripts/bench-text-servers.sh
+#   PREFIXES=12 REQUESTS=400 BLOCKS=400 bash scripts/bench-text-servers.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-GROUPS_N=${GROUPS:-8}
+GROUPS_N=${PREFIXES:-8}
 REQUESTS=${REQUESTS:-240}
 BLOCKS=${BLOCKS:-320}
 CONCURRENCY=${CONCURRENCY:-4}
