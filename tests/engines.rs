@@ -583,6 +583,62 @@ fn a_server_that_takes_only_text_gets_the_clients_prompt_and_messages() {
     assert!(r.text().contains("takes prompts as text"), "{}", r.text());
 }
 
+/// The cache health names why a worker's cache does not hit. A server behind `--backend-url`
+/// without events is routed approximately (said from its first request); while its cache
+/// holds what the router remembers sending it, nothing else is found; once two prompts that
+/// do not fit together take turns, the engine serves a fraction of what the router predicts,
+/// and the status page, `/metrics` and (once) the log say so.
+#[test]
+fn a_cache_that_serves_less_than_the_router_predicts_is_named() {
+    let _serial = serial();
+    // 40 blocks of 16 tokens: one 560-token prompt (35 blocks) fits, two do not.
+    let d = direct_with("cache-health", 1, &["--device-blocks", "40"], &[]);
+    let prompt = |first: u32| -> Vec<u32> { (first..first + 560).collect() };
+    let complete = |p: &Vec<u32>| {
+        let body = json!({"prompt": p, "max_tokens": 2});
+        let r = http::post_json(d.addr, "/v1/completions", &body.to_string()).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    };
+    let findings = || -> Vec<(String, String)> {
+        let s: Value = http::get(d.admin, "/status.json").unwrap().json();
+        s["backend"]["cache_health"]
+            .as_array()
+            .expect("cache_health in status.json")
+            .iter()
+            .map(|f| {
+                (
+                    f["cause"].as_str().unwrap().to_string(),
+                    f["detail"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    let (a, b) = (prompt(1000), prompt(5000));
+    for _ in 0..3 {
+        complete(&a);
+    }
+    let causes: Vec<String> = findings().into_iter().map(|f| f.0).collect();
+    assert_eq!(causes, ["no_events"]);
+    for _ in 0..10 {
+        complete(&b);
+        complete(&a);
+    }
+    let found = findings();
+    let below = found
+        .iter()
+        .find(|f| f.0 == "hits_below_prediction")
+        .unwrap_or_else(|| panic!("{found:?}"));
+    assert!(below.1.contains("the index predicted"), "{}", below.1);
+    let metrics = http::get(d.admin, "/metrics").unwrap().text();
+    for cause in ["no_events", "hits_below_prediction"] {
+        let series = format!("cause=\"{cause}\"}} 1");
+        assert!(metrics.contains(&series), "{series} not in:\n{metrics}");
+    }
+    assert!(metrics.contains("tandem_cache_served_tokens{"), "{metrics}");
+    let log = d.frontend.log();
+    assert_eq!(log.matches("cache health: served").count(), 1, "{log}");
+}
+
 #[test]
 fn a_plain_openai_server_that_answers_text_only_is_served_through_backend_url() {
     let _serial = serial();

@@ -189,6 +189,7 @@ return {
   ttft_p50: text('#ttft-p50'),
   itl_count: text('#itl-count'),
   ttft_shapes: q('#ttft-spark polyline, #ttft-spark circle').length,
+  cache_health: text('#cache-health tbody'),
   workers: q('#workers tbody tr[data-worker-id]').map((r) => ({
     id: Number(r.dataset.workerId), pool: r.dataset.pool,
     state: r.cells[3].textContent, kv: r.cells[4].textContent,
@@ -382,6 +383,14 @@ fn the_status_page_shows_the_cluster_and_follows_traffic() {
         }
         assert!(!d["rule"].as_str().unwrap().is_empty(), "{d}");
     }
+    // Every worker publishes events and served what the index predicted: no cause found.
+    assert!(
+        after["cache_health"]
+            .as_str()
+            .unwrap()
+            .starts_with("no cause found"),
+        "{after}"
+    );
     // The router's index saw the shared prefix: some prompt tokens were cached.
     let s: Value = http::get(admin, "/status.json").unwrap().json();
     assert!(

@@ -84,6 +84,8 @@ pub struct RouteCounters {
     hedges: Family<OutcomeLabel, Counter>,
     overhead: Family<PhaseLabel, Histogram>,
     pub(crate) flow: Arc<FlowMetrics>,
+    /// Why workers' caches may not hit (`cache_health.rs`).
+    pub(crate) cache: Arc<super::cache_health::CacheHealth>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -189,7 +191,11 @@ impl RouteCounters {
                 Histogram::new(exponential_buckets(1e-6, 2.0, 18))
             }),
             flow: Arc::new(FlowMetrics::register(registry)),
+            cache: Arc::default(),
         });
+        registry.register_collector(Box::new(super::cache_health::CacheHealthMetrics(
+            c.cache.clone(),
+        )));
         for phase in ["hash", "index", "score", "total"] {
             let _ = c.overhead.get_or_create(&PhaseLabel { phase });
         }

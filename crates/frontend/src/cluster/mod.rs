@@ -16,6 +16,7 @@
 //! rings for the status page).
 
 mod backend;
+pub mod cache_health;
 pub(crate) mod flow;
 mod indexer;
 pub(crate) mod metrics;

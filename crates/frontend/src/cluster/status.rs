@@ -7,6 +7,7 @@ use serde::Serialize;
 use tandem_protocol::{WorkerId, WorkerRole};
 use tandem_router::BreakerState;
 
+use super::cache_health::{CacheHealth, Finding};
 use super::recent::{ActivitySnapshot, RecentActivity};
 use super::view::{ClusterView, WorkerEntry};
 
@@ -62,6 +63,8 @@ pub struct ClusterStatus {
     pub router_id: u64,
     pub pools: Vec<PoolStatus>,
     pub workers: Vec<WorkerStatus>,
+    /// Why registered workers' caches may not hit (`cache_health.rs`), worker by worker.
+    pub cache_health: Vec<Finding>,
     #[serde(flatten)]
     pub activity: ActivitySnapshot,
 }
@@ -79,7 +82,11 @@ fn usage(active: u64, total: u64) -> Option<f64> {
 }
 
 /// The view's workers and `activity`, now.
-pub(crate) fn cluster_status(view: &ClusterView, activity: &RecentActivity) -> ClusterStatus {
+pub(crate) fn cluster_status(
+    view: &ClusterView,
+    activity: &RecentActivity,
+    cache: &CacheHealth,
+) -> ClusterStatus {
     let now = view.now_ms();
     // The registry first, then the replica: the order the view itself locks them in.
     let entries: Vec<(&'static str, WorkerId, WorkerRole, bool)> = {
@@ -161,11 +168,17 @@ pub(crate) fn cluster_status(view: &ClusterView, activity: &RecentActivity) -> C
             p
         })
         .collect();
+    let cache_health = cache
+        .findings()
+        .into_iter()
+        .filter(|f| workers.iter().any(|w| w.id == f.worker))
+        .collect();
     ClusterStatus {
         kind: "cluster",
         router_id: router_id.0,
         pools,
         workers,
+        cache_health,
         activity: activity.snapshot(),
     }
 }

@@ -114,6 +114,20 @@ impl ClusterBackend {
             worker: plan.decode_worker(),
             inner: plan.flight,
         };
+        // What the index says the decode worker holds, when it prefills there (the cache
+        // health's prediction).
+        let predicted = match plan.decision.prefill {
+            Some(_) => 0,
+            None => {
+                let blocks = plan
+                    .decision
+                    .decode
+                    .chosen_terms()
+                    .map_or(0, |t| u64::from(t.overlap.total()));
+                let tokens = blocks.saturating_mul(u64::from(p.route.block_size.get()));
+                u32::try_from(tokens.min(p.route.prompt_tokens)).unwrap_or(u32::MAX)
+            }
+        };
         let entry = |id: WorkerId| registry.get(id).cloned();
         // Discovery may have removed it between the replica's decision and here (the flight
         // is released as it drops).
@@ -122,6 +136,7 @@ impl ClusterBackend {
             decode,
             prefill: plan.prefill_worker().and_then(entry),
             flight,
+            predicted,
         })
     }
 
@@ -465,8 +480,14 @@ impl ClusterBackend {
                     decode_worker: decode.0,
                     prefill_worker: plan.prefill.as_ref().map(|p| p.record.id.0),
                 };
+                let check = HitCheck {
+                    predicted: plan.predicted,
+                    kv_events: plan.decode.record.kv_events,
+                    text: plan.decode.record.takes_text,
+                };
                 Ok(Started {
                     route,
+                    check,
                     decode: RemotePrefillTarget {
                         worker_id: decode.0,
                         address: plan.decode.record.addresses.grpc.clone(),
@@ -527,6 +548,17 @@ pub(super) struct Plan {
     pub(super) decode: WorkerEntry,
     pub(super) prefill: Option<WorkerEntry>,
     pub(super) flight: Flight,
+    /// Prompt tokens the index says the decode worker holds (0 with a remote prefill).
+    pub(super) predicted: u32,
+}
+
+/// What the cache health compares a finished request with (`cache_health.rs`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct HitCheck {
+    pub(super) predicted: u32,
+    pub(super) kv_events: bool,
+    /// The engine reads the prompt as text, with its own tokenizer: its count is not ours.
+    pub(super) text: bool,
 }
 
 /// What routing a request needs, computed once per job (and held while it waits in the
@@ -550,6 +582,7 @@ pub(super) struct Prepared {
 /// A request started on a decode worker, its first chunk in hand.
 pub(super) struct Started {
     pub(super) route: RouteInfo,
+    pub(super) check: HitCheck,
     /// The decode worker streaming it (the source of a handover's KV).
     pub(super) decode: RemotePrefillTarget,
     pub(super) first: GenerateChunk,

@@ -283,6 +283,7 @@ impl Backend for ClusterBackend {
         s.gate.begin(&admission.tenant);
         usage.begun = true;
         let route = started.route;
+        let check = route.prefill_worker.is_none().then_some(started.check);
         let run = Run {
             backend: self.clone(),
             job,
@@ -296,6 +297,7 @@ impl Backend for ClusterBackend {
             engine,
             migrated: false,
             text_only: false,
+            check,
             usage,
             _session: session,
             _call: started.span,
@@ -319,6 +321,7 @@ impl Backend for ClusterBackend {
         serde_json::to_value(super::status::cluster_status(
             &s.view,
             &s.counters.flow.recent,
+            &s.counters.cache,
         ))
         .ok()
     }

@@ -6,7 +6,9 @@ use tandem_protocol::WorkerId;
 use tandem_protocol::grpc::{self, GenerateChunk, RemotePrefillTarget};
 
 use super::admission::TenantUse;
+use super::attempt::HitCheck;
 use super::{ClusterBackend, Flight, Job};
+use crate::cluster::cache_health::Observation;
 use crate::cluster::sessions::SessionPermit;
 use crate::http::{EngineReport, FinishReason, ServeError, TokenChunk, TokenLogprob};
 
@@ -30,6 +32,9 @@ pub(super) struct Run {
     pub(super) migrated: bool,
     /// The engine answers text, not token ids: no migration (nothing to continue from).
     pub(super) text_only: bool,
+    /// What the cache health compares it with at its end, when it was prefilled where it
+    /// decodes (`None` with a remote prefill).
+    pub(super) check: Option<HitCheck>,
     pub(super) usage: TenantUse,
     /// Its place under the session's cap, held until the stream ends.
     pub(super) _session: Option<SessionPermit>,
@@ -61,12 +66,33 @@ impl Run {
                     if !run.migrated {
                         run.engine.set_prompt_tokens(c.prompt_tokens);
                     }
+                    if last {
+                        run.observe_cache(&c);
+                    }
                     Some((Ok(token_chunk(&c)), (!last).then_some(run)))
                 }
                 Err(e) => Some((Err(e), None)),
             }
         })
         .boxed()
+    }
+
+    /// The finished request, for the cache health: what the engine served from its cache
+    /// (its last chunk carries its own count) against the index's prediction. Not for a
+    /// migrated request (another worker, a longer prompt).
+    fn observe_cache(&self, last: &GenerateChunk) {
+        let Some(check) = self.check.filter(|_| !self.migrated) else {
+            return;
+        };
+        let sent = u32::try_from(self.job.req.prompt_tokens.len()).unwrap_or(u32::MAX);
+        self.backend.shared.counters.cache.observe(Observation {
+            worker: WorkerId(self.decode.worker_id),
+            kv_events: check.kv_events,
+            predicted: check.predicted,
+            served: last.cached_tokens,
+            prompt: (!check.text && !self.text_only && last.prompt_tokens > 0)
+                .then_some((sent, last.prompt_tokens)),
+        });
     }
 
     async fn next_chunk(&mut self) -> Result<GenerateChunk, ServeError> {
