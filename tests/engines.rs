@@ -494,7 +494,7 @@ fn a_server_without_health_is_watched_through_its_model_list() {
 }
 
 /// A server that takes prompts as text only (llama.cpp's Python server answers token ids with
-/// 422) and has neither `/health` nor `/v1/models`: its sidecar watches it with a one-token
+/// a 500) and has neither `/health` nor `/v1/models`: its sidecar watches it with a one-token
 /// completion, finds at start that it refuses ids, and from then on sends it the client's
 /// prompt text, and a chat's messages for its own template; the usage is the server's own
 /// count of what it read. A prompt of token ids cannot reach it and is refused clearly.
@@ -504,7 +504,12 @@ fn a_server_that_takes_only_text_gets_the_clients_prompt_and_messages() {
     let d = direct_with(
         "text-prompts",
         1,
-        &["--no-health", "--no-models", "--text-prompts"],
+        &[
+            "--no-health",
+            "--no-models",
+            "--text-prompts",
+            "--interrupting",
+        ],
         &["--backend-engine=openai"],
     );
     let log = d.frontend.log();
@@ -575,6 +580,21 @@ fn a_server_that_takes_only_text_gets_the_clients_prompt_and_messages() {
         .rev()
         .find_map(|v| v["usage"]["prompt_tokens"].as_u64());
     assert_eq!(usage, Some(rendered.len() as u64));
+
+    // Like llama.cpp's Python server, this one ends the stream it serves when another request
+    // arrives: the sidecar's liveness probe (a completion every 100 ms) waits while one runs.
+    let started = Instant::now();
+    let body = json!({"prompt": "Count slowly.", "max_tokens": 2000, "seed": 4});
+    let r = http::post_json(d.addr, "/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let c: Completion = r.json();
+    assert_eq!(c.choices[0].text.split_whitespace().count(), 2000);
+    assert_eq!(c.choices[0].finish_reason.as_deref(), Some("length"));
+    let took = started.elapsed();
+    assert!(
+        took > Duration::from_millis(300),
+        "not long enough to meet a probe: {took:?}"
+    );
 
     // Token ids have no text to send: refused with why, and the server never sees them.
     let body = json!({"prompt": [5, 6, 7, 8], "max_tokens": 2});

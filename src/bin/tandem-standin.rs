@@ -53,10 +53,14 @@ struct Args {
     /// No GET /v1/models either (404): the server is seen up only by completing.
     #[arg(long, default_value_t = false)]
     no_models: bool,
-    /// Take prompts as text only, as llama.cpp's Python server: token-id prompts get 422,
+    /// Take prompts as text only, as llama.cpp's Python server: token-id prompts get its 500,
     /// text and chat messages are read with the stand-in's own tokenizer and template.
     #[arg(long, default_value_t = false)]
     text_prompts: bool,
+    /// A request that arrives while a stream runs ends that stream, as llama.cpp's Python
+    /// server does (its `interrupt_requests`, on by default).
+    #[arg(long, default_value_t = false)]
+    interrupting: bool,
     /// LoRA adapters served, comma-separated, as vLLM's --lora-modules (`NAME` or
     /// `NAME=PATH`; the path is not read).
     #[arg(long, value_delimiter = ',')]
@@ -94,6 +98,7 @@ fn main() -> anyhow::Result<()> {
     c.no_health = args.no_health;
     c.no_models = args.no_models;
     c.text_prompts = args.text_prompts;
+    c.interrupting = args.interrupting;
     c.lora_modules = args
         .lora_modules
         .iter()

@@ -86,6 +86,7 @@ async fn drop_next_event(State(s): State<Arc<Shared>>) -> Response {
 
 /// vLLM's `show_available_models`: the base model, then each LoRA adapter with `parent`.
 async fn models(State(s): State<Arc<Shared>>) -> Response {
+    s.interrupts.fetch_add(1, Ordering::AcqRel);
     // Without /health, the model list is how a client sees the server is up.
     if s.config.no_health && !s.healthy.load(Ordering::Acquire) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the server is not ready");
@@ -353,6 +354,7 @@ async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response
 }
 
 async fn complete(s: Arc<Shared>, c: Completion) -> Response {
+    s.interrupts.fetch_add(1, Ordering::AcqRel);
     let flag = |k: &str| {
         c.kv.as_ref()
             .and_then(|p| p.get(k))
@@ -487,6 +489,12 @@ fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHan
     let include_usage = c.include_usage;
     let return_ids = c.return_token_ids;
     let prompt = c.prompt.clone();
+    // With `interrupting`: the count of requests at this one's start; another one arriving
+    // ends this stream.
+    let epoch = s
+        .config
+        .interrupting
+        .then(|| s.interrupts.load(Ordering::Acquire));
     let follow = Follow::new(s, &c);
     let c = Arc::new(c);
     let state = (handle, follow, meta, false, false);
@@ -496,6 +504,11 @@ fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHan
         async move {
             if done {
                 return None;
+            }
+            if epoch.is_some_and(|e| f.s.interrupts.load(Ordering::Acquire) != e) {
+                // llama-cpp-python's `get_event_publisher`: `[DONE]`, then it stops.
+                let done = Bytes::from_static(b"data: [DONE]\n\n");
+                return Some((Ok(done), (h, f, meta, true, true)));
             }
             let object = if c.chat {
                 "chat.completion.chunk"

@@ -36,8 +36,8 @@
 //!   kept for replay but not published), `POST /standin/health/{ok|fail}`; with `no_health`, no `GET /health`;
 //!   with `no_models`, no `GET /v1/models` either.
 //! - Playing a server that takes text only (`text_prompts`): token-id prompts refused with
-//!   422, text prompts and `POST /v1/chat/completions` read with a tokenizer and template of
-//!   the stand-in's own.
+//!   a 500, as llama.cpp's Python server answers them; text prompts and `POST
+//!   /v1/chat/completions` read with a tokenizer and template of the stand-in's own.
 
 mod connector;
 mod events;
@@ -93,10 +93,15 @@ pub struct StandinConfig {
     /// No `GET /v1/models` either (404): a client sees the server up only by completing.
     pub no_models: bool,
     /// Take prompts as text only, as llama.cpp's Python server: a prompt of token ids is
-    /// refused with 422 (pydantic's validation error), text is read with the stand-in's own
-    /// tokenizer, and `POST /v1/chat/completions` renders messages with its own template
-    /// (`text.rs`). Answers are text only, as with `text_only`.
+    /// refused with a 500 wrapping pydantic's validation error (what llama-cpp-python
+    /// answers), text is read with the stand-in's own tokenizer, and `POST
+    /// /v1/chat/completions` renders messages with its own template (`text.rs`). Answers are
+    /// text only, as with `text_only`.
     pub text_prompts: bool,
+    /// A request to the API (`/v1/models`, completions) that arrives while a stream runs ends
+    /// that stream at its next token with `[DONE]` and no finish reason, as llama.cpp's Python
+    /// server does with its `interrupt_requests` (on by default).
+    pub interrupting: bool,
     /// LoRA adapters served, by name (vLLM's `--lora-modules NAME=PATH`; only the names
     /// matter here): a request whose `model` names one runs on it. Empty: LoRA off.
     pub lora_modules: Vec<String>,
@@ -123,6 +128,7 @@ impl StandinConfig {
             no_health: false,
             no_models: false,
             text_prompts: false,
+            interrupting: false,
             lora_modules: Vec::new(),
             max_loras: 1,
         }
@@ -160,6 +166,8 @@ pub(crate) struct Shared {
     pub counters: Counters,
     pub next_id: AtomicU64,
     pub healthy: AtomicBool,
+    /// Requests to the API so far (`interrupting`).
+    pub interrupts: AtomicU64,
     pub port: u16,
     pub http: reqwest::Client,
     pub tasks: TaskTracker,
@@ -234,6 +242,7 @@ pub async fn run(
         counters: Counters::default(),
         next_id: AtomicU64::new(1),
         healthy: AtomicBool::new(true),
+        interrupts: AtomicU64::new(0),
         port,
         http,
         tasks: tasks.clone(),

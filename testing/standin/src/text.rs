@@ -19,11 +19,11 @@ pub(crate) fn tokenize(text: &str) -> Vec<u32> {
     text.bytes().map(u32::from).collect()
 }
 
-/// A chat's `messages` rendered with the stand-in's template; a 422 when they are not a
-/// non-empty list of `{role, content}` with text content (a string, or `{"type": "text",
-/// "text"}` parts).
+/// A chat's `messages` rendered with the stand-in's template; refused (as [`not_a_string`])
+/// when they are not a non-empty list of `{role, content}` with text content (a string, or
+/// `{"type": "text", "text"}` parts).
 pub(crate) fn render_chat(messages: Option<&Value>) -> Result<String, Box<Response>> {
-    let invalid = |msg: &str| Box::new(unprocessable("messages", msg, messages));
+    let invalid = |msg: &str| Box::new(validation_error("messages", msg, messages));
     let list = messages
         .and_then(Value::as_array)
         .filter(|m| !m.is_empty())
@@ -50,20 +50,26 @@ pub(crate) fn render_chat(messages: Option<&Value>) -> Result<String, Box<Respon
     Ok(out)
 }
 
-/// What a server that validates `prompt` as a string (llama.cpp's Python server, through
-/// FastAPI and pydantic) answers a prompt of token ids: 422 and pydantic's error list.
+/// What llama.cpp's Python server (llama-cpp-python 0.3.36) answers a prompt of token ids: it
+/// validates `prompt` as text (pydantic), and its route handler wraps the validation error
+/// as an internal error (`llama_cpp/server/errors.py`, `RouteErrorHandler`): 500 and
+/// `{"error": {"message", "type": "internal_server_error", "param": null, "code": null}}`.
 pub(crate) fn not_a_string(prompt: Option<&Value>) -> Response {
-    unprocessable("prompt", "Input should be a valid string", prompt)
+    validation_error("prompt", "Input should be a valid string", prompt)
 }
 
-fn unprocessable(field: &str, msg: &str, input: Option<&Value>) -> Response {
-    let detail = json!([{
+fn validation_error(field: &str, msg: &str, input: Option<&Value>) -> Response {
+    let detail = json!({
         "type": "string_type", "loc": ["body", field], "msg": msg,
         "input": input.cloned().unwrap_or(Value::Null),
-    }]);
+    });
+    let error = json!({
+        "message": format!("1 validation error:\n  {detail}\n"),
+        "type": "internal_server_error", "param": null, "code": null,
+    });
     (
-        StatusCode::UNPROCESSABLE_ENTITY,
-        axum::Json(json!({ "detail": detail })),
+        StatusCode::INTERNAL_SERVER_ERROR,
+        axum::Json(json!({ "error": error })),
     )
         .into_response()
 }

@@ -364,6 +364,28 @@ impl EngineApi {
         }
     }
 
+    /// The `X-Request-Id` sent: the request id itself to vLLM and SGLang; to a plain server,
+    /// a UUID made from it, since some refuse any other form (llama.cpp's Python server
+    /// answers 400 with no body: starlette-context's `RequestIdPlugin` validates the header
+    /// as a UUID).
+    fn request_id_header(&self, id: &str) -> String {
+        if self.kind != EngineKind::Openai {
+            return id.to_string();
+        }
+        let h = xxhash_rust::xxh3::xxh3_128(id.as_bytes());
+        // Version 4, RFC 4122 variant.
+        let h = (h & !(0xf << 76) | (0x4 << 76)) & !(0x3 << 62) | (0x2 << 62);
+        let x = format!("{h:032x}");
+        format!(
+            "{}-{}-{}-{}-{}",
+            &x[..8],
+            &x[8..12],
+            &x[12..16],
+            &x[16..20],
+            &x[20..]
+        )
+    }
+
     async fn post(
         &self,
         req: &EngineGenerate,
@@ -375,7 +397,7 @@ impl EngineApi {
         let resp = self
             .http
             .post(self.generate_url(req))
-            .header("x-request-id", &req.request_id)
+            .header("x-request-id", self.request_id_header(&req.request_id))
             .headers(trace)
             .json(&self.body(req, stream))
             .send()

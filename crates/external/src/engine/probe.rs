@@ -8,7 +8,10 @@
 //! that has neither.
 //!
 //! Prompts: vLLM and SGLang take token ids. An `openai` server may not: llama.cpp's Python
-//! server validates `prompt` as text and answers a list of ids with 422. The sidecar asks once,
+//! server (llama-cpp-python 0.3.36) validates `prompt` as text, and its route handler turns
+//! the validation error into a 500 (`llama_cpp/server/errors.py`, `RouteErrorHandler`:
+//! `{"error": {"message": "… validation errors …", "type": "internal_server_error"}}`); other
+//! servers answer 400 or 422. So the answer's status says little: the sidecar asks once,
 //! at start ([`EngineApi::probe_prompts`]); a server that refuses ids and takes text gets
 //! every prompt as text from then on (the frontend sends the client's prompt or messages to a
 //! worker whose record says so), and renders chats with its own template.
@@ -62,6 +65,12 @@ impl EngineApi {
         }
     }
 
+    /// Liveness is the engine's own `GET /health`, not a request of its API (which some
+    /// servers let interrupt the one they are serving).
+    pub fn has_health_route(&self) -> bool {
+        self.liveness.load(Ordering::Relaxed) == HEALTH
+    }
+
     /// The way [`health`](Self::health) asks now.
     pub fn health_path(&self) -> &'static str {
         health_path_of(self.liveness.load(Ordering::Relaxed))
@@ -99,17 +108,20 @@ impl EngineApi {
     }
 
     /// Finds out, once, whether an `openai` engine takes token ids: a one-token completion of
-    /// a token-id prompt; refused (4xx), the same as text. Ids refused and text taken: every
-    /// prompt goes as text from here on ([`takes_text`](Self::takes_text)). Both refused: an
-    /// error naming both answers (the engine cannot serve). vLLM and SGLang take ids; an engine
-    /// that fails otherwise (5xx, unreachable) is taken to take ids, with a warning.
+    /// a token-id prompt; refused (any 4xx or 5xx but 429 and 503), the same as text. Ids
+    /// refused and text taken: every prompt goes as text from here on
+    /// ([`takes_text`](Self::takes_text)). Both refused: an error naming both answers (the
+    /// engine cannot serve). vLLM and SGLang take ids; an engine that cannot be asked
+    /// (unreachable, overloaded) is taken to take ids, with a warning.
     pub async fn probe_prompts(&self, timeout: Duration) -> Result<(), EngineError> {
         if self.kind != EngineKind::Openai {
             return Ok(());
         }
         let ids = match self.one_token(json!([1]), timeout).await {
             Ok(()) => return Ok(()),
-            Err(EngineError::Refused { status, body }) => format!("{status}: {body}"),
+            Err(EngineError::Refused { status, body } | EngineError::Failed { status, body }) => {
+                format!("{status}: {body}")
+            }
             Err(e) => {
                 tracing::warn!(
                     url = %self.base, error = %e,

@@ -287,6 +287,26 @@ fn text_prompts_go_in_openais_own_fields() {
     );
 }
 
+/// vLLM and SGLang get the request id as is; a plain server a UUID made from it (llama.cpp's
+/// Python server refuses any other form with 400).
+#[test]
+fn a_plain_server_gets_its_request_id_as_a_uuid() {
+    let vllm = EngineApi::new(EngineKind::Vllm, "http://h:1", "m").unwrap();
+    assert_eq!(vllm.request_id_header("tandem-7"), "tandem-7");
+    let plain = EngineApi::new(EngineKind::Openai, "http://h:1", "m").unwrap();
+    let id = plain.request_id_header("tandem-7");
+    let groups: Vec<usize> = id.split('-').map(str::len).collect();
+    assert_eq!(groups, [8, 4, 4, 4, 12], "{id}");
+    assert!(
+        id.chars().all(|c| c == '-' || c.is_ascii_hexdigit()),
+        "{id}"
+    );
+    assert_eq!(&id[14..15], "4", "version 4: {id}");
+    assert!("89ab".contains(&id[19..20]), "RFC 4122 variant: {id}");
+    assert_eq!(id, plain.request_id_header("tandem-7"));
+    assert_ne!(id, plain.request_id_header("tandem-8"));
+}
+
 #[test]
 fn a_lora_request_names_its_adapter() {
     let base = EngineGenerate {

@@ -467,6 +467,13 @@ impl ServedEngine for Sidecar {
     }
 
     async fn probe(&self, timeout: Duration) -> Result<(), String> {
+        // Without `/health` the probe is a request of the engine's API, and llama.cpp's Python
+        // server ends the stream it is serving when another request arrives
+        // (`interrupt_requests`, on by default: `llama_cpp/server/app.py`,
+        // `get_event_publisher`). While requests are in flight, their progress stands for it.
+        if !self.inner.api.has_health_route() && self.in_flight() > 0 {
+            return Ok(());
+        }
         self.inner
             .api
             .health(timeout)

@@ -40,7 +40,8 @@ impl Sidecar {
         let api = &self.inner.api;
         if api.takes_text() && text.is_none() {
             return Err(WorkerError::InvalidRequest(format!(
-                "the engine at {} takes prompts as text, and this request has token ids only                  (a prompt given as token ids cannot reach it; send text or messages)",
+                "the engine at {} takes prompts as text, and this request has token ids only \
+                 (a prompt given as token ids cannot reach it; send text or messages)",
                 api.base_url()
             ))
             .into());
