@@ -11,6 +11,10 @@
 //! - [`Cause::HitsBelowPrediction`]: over its recent requests that expected a hit, the engine
 //!   served less than half of what the index predicted (events hashed with another seed or
 //!   block size, events lagging behind evictions, or a cache smaller than it says);
+//! - [`Cause::UnpredictedHits`]: a worker that publishes events serves from its cache, over
+//!   its recent requests that hit, more than twice what the index predicted (its events do
+//!   not match the prompts the frontend hashes: another hash seed or block size, a tokenizer
+//!   that differs, or the events of another engine relayed under its name);
 //! - [`Cause::PromptMismatch`]: the engine counts the prompts it is sent differently (a
 //!   tokenizer or template that differs from the engine's), on a tenth of requests or more.
 //!
@@ -32,8 +36,10 @@ use tandem_protocol::WorkerId;
 
 /// Requests per worker the hit check looks back over (those that expected a hit).
 const WINDOW: usize = 32;
-/// Predicted tokens the window must hold before it judges (a few blocks' worth).
+/// Tokens (a few blocks' worth) and requests a window must hold before it judges: a burst of
+/// repeats that outruns its own events is not a finding.
 const MIN_PREDICTED: u64 = 256;
+const MIN_REQUESTS: usize = 8;
 /// Served below this share of the prediction is a finding.
 const SERVED_SHARE: f64 = 0.5;
 /// Workers kept (the least recently seen go first): memory stays bounded as workers come
@@ -46,6 +52,7 @@ const MAX_WORKERS: usize = 1024;
 pub enum Cause {
     NoEvents,
     HitsBelowPrediction,
+    UnpredictedHits,
     PromptMismatch,
 }
 
@@ -54,6 +61,7 @@ impl Cause {
         match self {
             Cause::NoEvents => "no_events",
             Cause::HitsBelowPrediction => "hits_below_prediction",
+            Cause::UnpredictedHits => "unpredicted_hits",
             Cause::PromptMismatch => "prompt_mismatch",
         }
     }
@@ -87,6 +95,8 @@ struct Stats {
     kv_events: bool,
     /// (predicted, served) of recent requests that expected a hit.
     window: VecDeque<(u32, u32)>,
+    /// (predicted, served) of recent requests the engine served from its cache.
+    served_window: VecDeque<(u32, u32)>,
     predicted_total: u64,
     served_total: u64,
     compared: u64,
@@ -112,10 +122,11 @@ impl Stats {
                     .to_string(),
             ));
         }
-        let (predicted, served) = self.window.iter().fold((0u64, 0u64), |(p, s), &(a, b)| {
-            (p + u64::from(a), s + u64::from(b))
-        });
-        if predicted >= MIN_PREDICTED && (served as f64) < SERVED_SHARE * predicted as f64 {
+        let (predicted, served) = sums(&self.window);
+        if self.window.len() >= MIN_REQUESTS
+            && predicted >= MIN_PREDICTED
+            && (served as f64) < SERVED_SHARE * predicted as f64
+        {
             out.push(finding(
                 Cause::HitsBelowPrediction,
                 format!(
@@ -124,6 +135,23 @@ impl Stats {
                      with another seed or block size, events behind evictions, or a smaller \
                      cache than reported",
                     self.window.len()
+                ),
+            ));
+        }
+        let (predicted, served) = sums(&self.served_window);
+        if self.kv_events
+            && self.served_window.len() >= MIN_REQUESTS
+            && served >= MIN_PREDICTED
+            && (predicted as f64) < SERVED_SHARE * served as f64
+        {
+            out.push(finding(
+                Cause::UnpredictedHits,
+                format!(
+                    "served {served} prompt tokens from its cache over its last {} requests \
+                     that hit, where the index predicted {predicted}: its events do not match \
+                     the prompts the frontend hashes (another hash seed or block size, another \
+                     tokenizer, or another engine's events relayed as its own)",
+                    self.served_window.len()
                 ),
             ));
         }
@@ -139,6 +167,19 @@ impl Stats {
         }
         out
     }
+}
+
+fn sums(window: &VecDeque<(u32, u32)>) -> (u64, u64) {
+    window.iter().fold((0, 0), |(p, s), &(a, b)| {
+        (p + u64::from(a), s + u64::from(b))
+    })
+}
+
+fn push(window: &mut VecDeque<(u32, u32)>, entry: (u32, u32)) {
+    if window.len() == WINDOW {
+        window.pop_front();
+    }
+    window.push_back(entry);
 }
 
 /// The per-worker hit check.
@@ -169,10 +210,10 @@ impl CacheHealth {
         s.predicted_total += u64::from(o.predicted);
         s.served_total += u64::from(o.served);
         if o.predicted > 0 {
-            if s.window.len() == WINDOW {
-                s.window.pop_front();
-            }
-            s.window.push_back((o.predicted, o.served));
+            push(&mut s.window, (o.predicted, o.served));
+        }
+        if o.served > 0 {
+            push(&mut s.served_window, (o.predicted, o.served));
         }
         if let Some((sent, counted)) = o.prompt {
             s.compared += 1;
@@ -233,7 +274,9 @@ impl Collector for CacheHealthMetrics {
             "tandem_cache_health",
             "1 for each reason a worker's prefix cache may not hit: no_events (routed \
              approximately), hits_below_prediction (the engine served under half of what the \
-             index predicted), prompt_mismatch (the engine counts prompts differently)",
+             index predicted), unpredicted_hits (it served over twice what the index \
+             predicted: its events do not match), prompt_mismatch (the engine counts prompts \
+             differently)",
             None,
             MetricType::Gauge,
         )?;
@@ -300,14 +343,19 @@ mod tests {
             h.observe(obs(1, 512, 500));
         }
         assert!(causes(&h, 1).is_empty());
-        // Too little predicted to judge yet on a new worker.
+        // Too little predicted, or too few requests, to judge yet on a new worker.
         h.observe(obs(2, 128, 0));
+        for _ in 0..MIN_REQUESTS - 2 {
+            h.observe(obs(2, 4096, 0));
+        }
         assert!(causes(&h, 2).is_empty());
+        h.observe(obs(2, 4096, 0));
+        assert_eq!(causes(&h, 2), vec![Cause::HitsBelowPrediction]);
         // The engine stops serving what the index says it holds.
         for _ in 0..WINDOW {
             h.observe(obs(1, 512, 16));
         }
-        let f = h.findings();
+        let f: Vec<Finding> = h.findings().into_iter().filter(|f| f.worker == 1).collect();
         assert_eq!(f.len(), 1, "{f:?}");
         assert_eq!(f[0].cause, Cause::HitsBelowPrediction);
         assert!(
@@ -326,6 +374,35 @@ mod tests {
             h.observe(obs(1, 0, 0));
         }
         assert_eq!(causes(&h, 1), vec![Cause::HitsBelowPrediction]);
+    }
+
+    /// An engine that serves what the index never saw: its events do not match. Not said of
+    /// a worker without events (the router's memory is expected to miss some).
+    #[test]
+    fn hits_the_index_did_not_predict_are_found_for_workers_with_events() {
+        let h = CacheHealth::default();
+        for _ in 0..10 {
+            h.observe(obs(6, 0, 480));
+        }
+        assert_eq!(causes(&h, 6), vec![Cause::UnpredictedHits]);
+        let f = &h.findings()[0];
+        assert!(
+            f.detail.contains("where the index predicted 0"),
+            "{}",
+            f.detail
+        );
+        // Predicted again: the window moves on.
+        for _ in 0..WINDOW {
+            h.observe(obs(6, 480, 480));
+        }
+        assert!(causes(&h, 6).is_empty());
+        for _ in 0..10 {
+            h.observe(Observation {
+                kv_events: false,
+                ..obs(7, 0, 480)
+            });
+        }
+        assert_eq!(causes(&h, 7), vec![Cause::NoEvents]);
     }
 
     #[test]
