@@ -300,6 +300,13 @@ fn direct(name: &str, n: usize) -> Direct {
 
 /// `direct` with more stand-in and frontend flags.
 fn direct_with(name: &str, n: usize, engine_flags: &[&str], frontend_flags: &[&str]) -> Direct {
+    let d = spawn_direct(name, n, engine_flags, frontend_flags);
+    d.wait_backends(n);
+    d
+}
+
+/// [`direct_with`] without waiting for the servers to join the pool.
+fn spawn_direct(name: &str, n: usize, engine_flags: &[&str], frontend_flags: &[&str]) -> Direct {
     let dir = common::temp_dir(&format!("direct-{name}"));
     let mut engines = Vec::new();
     for i in 0..n {
@@ -339,14 +346,12 @@ fn direct_with(name: &str, n: usize, engine_flags: &[&str], frontend_flags: &[&s
     let log = dir.join("frontend.log");
     let frontend = Proc::spawn("frontend", "frontend", &args, &log);
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let d = Direct {
+    Direct {
         frontend,
         addr,
         admin: std::net::SocketAddr::from(([127, 0, 0, 1], admin_port)),
         engines,
-    };
-    d.wait_backends(n);
-    d
+    }
 }
 
 impl Direct {
@@ -657,6 +662,44 @@ fn a_cache_that_serves_less_than_the_router_predicts_is_named() {
     assert!(metrics.contains("tandem_cache_served_tokens{"), "{metrics}");
     let log = d.frontend.log();
     assert_eq!(log.matches("cache health: served").count(), 1, "{log}");
+}
+
+/// A server whose KV blocks are of another size than the frontend's is refused (its cache
+/// could never match the frontend's block hashes), and the cache health says so by name.
+#[test]
+fn a_server_with_another_block_size_is_refused_and_named() {
+    let _serial = serial();
+    let d = spawn_direct("block-size", 1, &["--block-size", "32"], &[]);
+    let finding = common::cluster::wait_for(
+        "the refusal in the cache health",
+        Duration::from_secs(30),
+        || {
+            let s: Value = http::get(d.admin, "/status.json").ok()?.json();
+            s["backend"]["cache_health"]
+                .as_array()?
+                .iter()
+                .find(|f| f["cause"] == "block_size_mismatch")
+                .cloned()
+        },
+    );
+    let detail = finding["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("blocks of 32 tokens") && detail.contains("blocks of 16"),
+        "{detail}"
+    );
+    assert_eq!(d.metrics().decode_workers(), 0);
+    let metrics = http::get(d.admin, "/metrics").unwrap().text();
+    assert!(
+        metrics.contains("cause=\"block_size_mismatch\"} 1"),
+        "{metrics}"
+    );
+    let r = http::post_json(
+        d.addr,
+        "/v1/completions",
+        &json!({"prompt": [1, 2], "max_tokens": 1}).to_string(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 503, "{}", r.text());
 }
 
 #[test]

@@ -5,6 +5,8 @@
 //! the engine says it served from its cache, and the prompt length the engine counted against
 //! the one sent. Per worker, a [`Finding`] names a cause:
 //!
+//! - [`Cause::BlockSizeMismatch`]: the worker announced another KV block size than the
+//!   frontend's and was refused (its cache could never match the frontend's block hashes);
 //! - [`Cause::NoEvents`]: the worker publishes no KV events (events not enabled on the engine,
 //!   or a server that has none), so the router routes it on its memory of where it sent
 //!   prompts (approximate), blind to evictions;
@@ -25,6 +27,7 @@
 //! engine that takes token ids).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 use prometheus_client::collector::Collector;
@@ -33,6 +36,8 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::gauge::ConstGauge;
 use serde::Serialize;
 use tandem_protocol::WorkerId;
+
+use super::view::ClusterView;
 
 /// Requests per worker the hit check looks back over (those that expected a hit).
 const WINDOW: usize = 32;
@@ -50,6 +55,7 @@ const MAX_WORKERS: usize = 1024;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Cause {
+    BlockSizeMismatch,
     NoEvents,
     HitsBelowPrediction,
     UnpredictedHits,
@@ -59,6 +65,7 @@ pub enum Cause {
 impl Cause {
     pub fn as_str(self) -> &'static str {
         match self {
+            Cause::BlockSizeMismatch => "block_size_mismatch",
             Cause::NoEvents => "no_events",
             Cause::HitsBelowPrediction => "hits_below_prediction",
             Cause::UnpredictedHits => "unpredicted_hits",
@@ -253,6 +260,21 @@ impl CacheHealth {
     }
 }
 
+/// The workers refused for their block size (`refused`: theirs, by worker), as findings.
+pub fn block_size_findings(refused: &[(WorkerId, u32)], ours: u32) -> Vec<Finding> {
+    refused
+        .iter()
+        .map(|&(w, theirs)| Finding {
+            worker: w.0,
+            cause: Cause::BlockSizeMismatch,
+            detail: format!(
+                "refused: it announces KV blocks of {theirs} tokens, the frontend hashes \
+                 blocks of {ours} (--block-size), so its cache could never match"
+            ),
+        })
+        .collect()
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CauseLabel {
     worker: u64,
@@ -264,15 +286,19 @@ struct WorkerLabel {
     worker: u64,
 }
 
-/// The findings and totals, read at scrape time.
+/// The findings (the refused workers' too) and totals, read at scrape time.
 #[derive(Debug)]
-pub(crate) struct CacheHealthMetrics(pub(crate) std::sync::Arc<CacheHealth>);
+pub(crate) struct CacheHealthMetrics {
+    pub(crate) health: Arc<CacheHealth>,
+    pub(crate) view: Arc<ClusterView>,
+}
 
 impl Collector for CacheHealthMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let mut metric = encoder.encode_descriptor(
             "tandem_cache_health",
-            "1 for each reason a worker's prefix cache may not hit: no_events (routed \
+            "1 for each reason a worker's prefix cache may not hit: block_size_mismatch (the \
+             worker was refused), no_events (routed \
              approximately), hits_below_prediction (the engine served under half of what the \
              index predicted), unpredicted_hits (it served over twice what the index \
              predicted: its events do not match), prompt_mismatch (the engine counts prompts \
@@ -280,14 +306,19 @@ impl Collector for CacheHealthMetrics {
             None,
             MetricType::Gauge,
         )?;
-        for f in self.0.findings() {
+        let refused = self.view.refused_block_sizes();
+        let ours = self.view.block_size().get();
+        let findings = block_size_findings(&refused, ours)
+            .into_iter()
+            .chain(self.health.findings());
+        for f in findings {
             let label = CauseLabel {
                 worker: f.worker,
                 cause: f.cause.as_str(),
             };
             ConstGauge::new(1i64).encode(metric.encode_family(&label)?)?;
         }
-        let totals = self.0.totals();
+        let totals = self.health.totals();
         for (name, help, pick) in [
             (
                 "tandem_cache_predicted_tokens",

@@ -193,9 +193,6 @@ impl RouteCounters {
             flow: Arc::new(FlowMetrics::register(registry)),
             cache: Arc::default(),
         });
-        registry.register_collector(Box::new(super::cache_health::CacheHealthMetrics(
-            c.cache.clone(),
-        )));
         for phase in ["hash", "index", "score", "total"] {
             let _ = c.overhead.get_or_create(&PhaseLabel { phase });
         }

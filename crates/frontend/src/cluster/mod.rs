@@ -113,6 +113,10 @@ pub(crate) async fn start_view(
     let mut registry = prometheus_client::registry::Registry::default();
     metrics::register(&mut registry, view.clone(), tasks, stop.clone());
     let counters = metrics::RouteCounters::register(&mut registry);
+    registry.register_collector(Box::new(cache_health::CacheHealthMetrics {
+        health: counters.cache.clone(),
+        view: view.clone(),
+    }));
     Ok((view, registry, counters))
 }
 

@@ -7,7 +7,7 @@ use serde::Serialize;
 use tandem_protocol::{WorkerId, WorkerRole};
 use tandem_router::BreakerState;
 
-use super::cache_health::{CacheHealth, Finding};
+use super::cache_health::{CacheHealth, Finding, block_size_findings};
 use super::recent::{ActivitySnapshot, RecentActivity};
 use super::view::{ClusterView, WorkerEntry};
 
@@ -168,10 +168,15 @@ pub(crate) fn cluster_status(
             p
         })
         .collect();
-    let cache_health = cache
-        .findings()
+    let refused = block_size_findings(&view.refused_block_sizes(), view.block_size().get());
+    let cache_health = refused
         .into_iter()
-        .filter(|f| workers.iter().any(|w| w.id == f.worker))
+        .chain(
+            cache
+                .findings()
+                .into_iter()
+                .filter(|f| workers.iter().any(|w| w.id == f.worker)),
+        )
         .collect();
     ClusterStatus {
         kind: "cluster",

@@ -172,6 +172,9 @@ pub struct ClusterView<S: Fed = RoutingReplica> {
     /// When each registered worker's latest load report arrived (the status page's "last
     /// seen") and its token rates from its reports; entries leave with their worker.
     reported: RwLock<BTreeMap<WorkerId, Seen>>,
+    /// Workers refused for announcing another block size, with theirs, until they leave (the
+    /// cache health names them).
+    refused: RwLock<BTreeMap<WorkerId, u32>>,
     started: Instant,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -193,6 +196,7 @@ impl<S: Fed> ClusterView<S> {
             registry: RwLock::default(),
             fed: RwLock::new(fed),
             reported: RwLock::default(),
+            refused: RwLock::default(),
             started: Instant::now(),
             tasks,
             cancel,
@@ -277,6 +281,16 @@ impl<S: Fed> ClusterView<S> {
     }
 
     /// How long ago the worker's latest load report arrived (`None`: none yet).
+    /// Workers refused for another block size than [`ViewConfig::block_size`], with theirs.
+    pub fn refused_block_sizes(&self) -> Vec<(WorkerId, u32)> {
+        self.refused.read().iter().map(|(w, b)| (*w, *b)).collect()
+    }
+
+    /// The block size workers must announce.
+    pub fn block_size(&self) -> BlockSize {
+        self.cfg.block_size
+    }
+
     pub fn last_report_age(&self, id: WorkerId) -> Option<Duration> {
         self.reported.read().get(&id).map(|s| s.at.elapsed())
     }
@@ -345,6 +359,7 @@ impl<S: Fed> ClusterView<S> {
         match ev {
             DiscoveryEvent::Added(record) => self.on_added(record),
             DiscoveryEvent::Removed { id, role } => {
+                self.refused.write().remove(&id);
                 let gone = self.registry.write().pool_mut(role).remove(&id).is_some();
                 if gone {
                     self.reported.write().remove(&id);
@@ -370,8 +385,12 @@ impl<S: Fed> ClusterView<S> {
                 "REFUSING worker: its KV block size differs from the frontend's; its cache \
                  can never match our block hashes"
             );
+            self.refused
+                .write()
+                .insert(record.id, record.block_size.get());
             return;
         }
+        self.refused.write().remove(&record.id);
         let channel = match tandem_runtime::grpc::lazy_channel(
             &record.addresses.grpc,
             self.cfg.connect_timeout,
