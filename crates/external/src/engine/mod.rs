@@ -279,21 +279,7 @@ impl EngineApi {
                     "return_token_ids": true,
                     "stream": stream,
                 });
-                if stream {
-                    b["stream_options"] = json!({"include_usage": true});
-                }
-                if let Some(p) = req.top_p {
-                    b["top_p"] = json!(p);
-                }
-                if let Some(k) = req.top_k {
-                    b["top_k"] = json!(k);
-                }
-                if let Some(p) = req.min_p {
-                    b["min_p"] = json!(p);
-                }
-                if let Some(s) = req.seed {
-                    b["seed"] = json!(s);
-                }
+                openai_sampling(&mut b, req, stream);
                 if let Some(t) = req.stop_token {
                     b["stop_token_ids"] = json!([t]);
                 }
@@ -493,6 +479,26 @@ impl EngineApi {
             d.finish = Some(EngineFinish::Length);
         }
         Ok(d)
+    }
+}
+
+/// The fields an OpenAI-style body sets only when the request does: the usage with a stream,
+/// `top_p`, `top_k`, `min_p`, `seed`.
+fn openai_sampling(b: &mut Value, req: &EngineGenerate, stream: bool) {
+    if stream {
+        b["stream_options"] = json!({"include_usage": true});
+    }
+    if let Some(p) = req.top_p {
+        b["top_p"] = json!(p);
+    }
+    if let Some(k) = req.top_k {
+        b["top_k"] = json!(k);
+    }
+    if let Some(p) = req.min_p {
+        b["min_p"] = json!(p);
+    }
+    if let Some(s) = req.seed {
+        b["seed"] = json!(s);
     }
 }
 

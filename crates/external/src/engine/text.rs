@@ -70,21 +70,7 @@ impl EngineApi {
                 }
             }
         }
-        if stream {
-            b["stream_options"] = json!({"include_usage": true});
-        }
-        if let Some(p) = req.top_p {
-            b["top_p"] = json!(p);
-        }
-        if let Some(k) = req.top_k {
-            b["top_k"] = json!(k);
-        }
-        if let Some(p) = req.min_p {
-            b["min_p"] = json!(p);
-        }
-        if let Some(s) = req.seed {
-            b["seed"] = json!(s);
-        }
+        super::openai_sampling(&mut b, req, stream);
         if req.ignore_eos {
             b["ignore_eos"] = json!(true);
         }
