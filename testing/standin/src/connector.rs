@@ -18,7 +18,7 @@ use tandem_protocol::RequestId;
 use tandem_worker::{HostOutput, RequestHandle};
 
 use crate::Shared;
-use crate::http::{Completion, Follow, error, now_s};
+use crate::request::{Completion, Follow, error, now_s};
 
 /// Prefilled KV kept for a decode stand-in to pull, by `remote_request_id`.
 #[derive(Debug, Default)]

@@ -43,6 +43,7 @@ mod connector;
 mod events;
 mod http;
 mod logprobs;
+mod request;
 mod text;
 
 use std::sync::Arc;
