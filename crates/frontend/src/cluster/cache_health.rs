@@ -113,66 +113,82 @@ struct Stats {
     logged: Vec<Cause>,
 }
 
+/// The causes a request's observation can show, in the order they are listed.
+const OBSERVED: [Cause; 4] = [
+    Cause::NoEvents,
+    Cause::HitsBelowPrediction,
+    Cause::UnpredictedHits,
+    Cause::PromptMismatch,
+];
+
 impl Stats {
-    fn causes(&self, worker: WorkerId) -> Vec<Finding> {
-        let mut out = Vec::new();
-        let finding = |cause, detail| Finding {
-            worker: worker.0,
-            cause,
-            detail,
-        };
-        if !self.kv_events {
-            out.push(finding(
-                Cause::NoEvents,
-                "publishes no KV events: routed on where the router sent prompts \
-                 (approximate), blind to what the engine evicts"
-                    .to_string(),
-            ));
+    /// Whether `cause` holds now: cheap, for every request (no text is made).
+    fn holds(&self, cause: Cause) -> bool {
+        match cause {
+            Cause::BlockSizeMismatch => false,
+            Cause::NoEvents => !self.kv_events,
+            Cause::HitsBelowPrediction => {
+                let (predicted, served) = sums(&self.window);
+                self.window.len() >= MIN_REQUESTS
+                    && predicted >= MIN_PREDICTED
+                    && (served as f64) < SERVED_SHARE * predicted as f64
+            }
+            Cause::UnpredictedHits => {
+                let (predicted, served) = sums(&self.served_window);
+                self.kv_events
+                    && self.served_window.len() >= MIN_REQUESTS
+                    && served >= MIN_PREDICTED
+                    && (predicted as f64) < SERVED_SHARE * served as f64
+            }
+            Cause::PromptMismatch => self.mismatches > 0 && self.mismatches * 10 >= self.compared,
         }
-        let (predicted, served) = sums(&self.window);
-        if self.window.len() >= MIN_REQUESTS
-            && predicted >= MIN_PREDICTED
-            && (served as f64) < SERVED_SHARE * predicted as f64
-        {
-            out.push(finding(
-                Cause::HitsBelowPrediction,
+    }
+
+    /// What shows `cause`, in words.
+    fn detail(&self, cause: Cause) -> String {
+        match cause {
+            Cause::BlockSizeMismatch => String::new(),
+            Cause::NoEvents => "publishes no KV events: routed on where the router sent prompts \
+                                (approximate), blind to what the engine evicts"
+                .to_string(),
+            Cause::HitsBelowPrediction => {
+                let (predicted, served) = sums(&self.window);
                 format!(
                     "served {served} of the {predicted} prompt tokens the index predicted from \
                      its cache over its last {} requests that expected a hit: events hashed \
                      with another seed or block size, events behind evictions, or a smaller \
                      cache than reported",
                     self.window.len()
-                ),
-            ));
-        }
-        let (predicted, served) = sums(&self.served_window);
-        if self.kv_events
-            && self.served_window.len() >= MIN_REQUESTS
-            && served >= MIN_PREDICTED
-            && (predicted as f64) < SERVED_SHARE * served as f64
-        {
-            out.push(finding(
-                Cause::UnpredictedHits,
+                )
+            }
+            Cause::UnpredictedHits => {
+                let (predicted, served) = sums(&self.served_window);
                 format!(
                     "served {served} prompt tokens from its cache over its last {} requests \
                      that hit, where the index predicted {predicted}: its events do not match \
                      the prompts the frontend hashes (another hash seed or block size, another \
                      tokenizer, or another engine's events relayed as its own)",
                     self.served_window.len()
-                ),
-            ));
+                )
+            }
+            Cause::PromptMismatch => format!(
+                "counted {} of {} prompts at another length than sent: its tokenizer or chat \
+                 template differs from the frontend's",
+                self.mismatches, self.compared
+            ),
         }
-        if self.mismatches > 0 && self.mismatches * 10 >= self.compared {
-            out.push(finding(
-                Cause::PromptMismatch,
-                format!(
-                    "counted {} of {} prompts at another length than sent: its tokenizer or \
-                     chat template differs from the frontend's",
-                    self.mismatches, self.compared
-                ),
-            ));
-        }
-        out
+    }
+
+    fn causes(&self, worker: WorkerId) -> Vec<Finding> {
+        OBSERVED
+            .into_iter()
+            .filter(|&c| self.holds(c))
+            .map(|cause| Finding {
+                worker: worker.0,
+                cause,
+                detail: self.detail(cause),
+            })
+            .collect()
     }
 }
 
@@ -226,14 +242,14 @@ impl CacheHealth {
             s.compared += 1;
             s.mismatches += u64::from(sent != counted);
         }
-        for f in s.causes(o.worker) {
-            if !s.logged.contains(&f.cause) {
-                s.logged.push(f.cause);
+        for cause in OBSERVED {
+            if !s.logged.contains(&cause) && s.holds(cause) {
+                s.logged.push(cause);
                 tracing::warn!(
-                    worker = f.worker,
-                    cause = f.cause.as_str(),
+                    worker = o.worker.0,
+                    cause = cause.as_str(),
                     "cache health: {}",
-                    f.detail
+                    s.detail(cause)
                 );
             }
         }
