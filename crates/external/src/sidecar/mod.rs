@@ -207,6 +207,9 @@ struct Inner {
     >,
     /// Prefill requests running on the engine after their handshake was answered (SGLang).
     tasks: TaskTracker,
+    /// Held by a probe that is a request of the engine's API, and by a request while it
+    /// starts: neither happens during the other (`probe`).
+    probe_gate: tokio::sync::Mutex<()>,
 }
 
 /// The sidecar's shared state and its `Worker` service. Cheap to clone.
@@ -322,6 +325,7 @@ impl Sidecar {
                 started: Instant::now(),
                 prefill_clients: Default::default(),
                 tasks: tasks.clone(),
+                probe_gate: tokio::sync::Mutex::new(()),
             }),
         })
     }
@@ -470,8 +474,13 @@ impl ServedEngine for Sidecar {
         // Without `/health` the probe is a request of the engine's API, and llama.cpp's Python
         // server ends the stream it is serving when another request arrives
         // (`interrupt_requests`, on by default: `llama_cpp/server/app.py`,
-        // `get_event_publisher`). While requests are in flight, their progress stands for it.
-        if !self.inner.api.has_health_route() && self.in_flight() > 0 {
+        // `get_event_publisher`). While requests are in flight, their progress stands for it;
+        // none starts while the probe runs.
+        let gate = match self.inner.api.has_health_route() {
+            true => None,
+            false => Some(self.inner.probe_gate.lock().await),
+        };
+        if gate.is_some() && self.in_flight() > 0 {
             return Ok(());
         }
         self.inner

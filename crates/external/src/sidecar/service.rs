@@ -240,6 +240,18 @@ impl Sidecar {
         Ok(client)
     }
 
+    /// [`Self::begin`] for a generation. Against an engine probed with requests of its API,
+    /// it does not start while a probe runs (the probe sees it in flight or not at all:
+    /// `Sidecar::probe`).
+    async fn begin_generation(&self, prompt_tokens: u64) -> FlightGuard {
+        let _gate = match self.inner.api.has_health_route() {
+            true => None,
+            false => Some(self.inner.probe_gate.lock().await),
+        };
+        self.begin(prompt_tokens)
+    }
+
+    /// Counts a request in flight.
     fn begin(&self, prompt_tokens: u64) -> FlightGuard {
         self.inner.in_flight.fetch_add(1, Ordering::AcqRel);
         self.inner
@@ -344,7 +356,7 @@ impl Sidecar {
         // come in (a fast engine's, on a loaded machine), and its own blocks would count as
         // cached.
         let estimate = self.cached_estimate(&req);
-        let mut flight = self.begin(req.prompt.len() as u64);
+        let mut flight = self.begin_generation(req.prompt.len() as u64).await;
         let mut outcome = PrefillOutcome::Local;
         if let Some(target) = &req.remote_prefill {
             self.inner
