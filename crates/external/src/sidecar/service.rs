@@ -171,22 +171,8 @@ impl Sidecar {
             room,
         };
         let engine_req = EngineGenerate {
-            request_id: format!("tandem-{}", req.request_id),
-            prompt: req.prompt,
-            max_tokens: 1,
-            temperature: 0.0,
-            top_p: None,
-            top_k: None,
-            min_p: None,
-            seed: Some(req.sampling_seed),
-            stop_token: None,
-            ignore_eos: true,
-            cache_salt: None,
-            kv_transfer_params: None,
             bootstrap: Some(bootstrap),
-            lora_adapter: Some(req.lora_adapter).filter(|a| !a.is_empty()),
-            logprobs: None,
-            text: None,
+            ..connector_prefill(req)
         };
         let flight = self.begin(engine_req.prompt.len() as u64);
         let api = self.inner.api.clone();
@@ -502,7 +488,7 @@ impl Sidecar {
 
     async fn prefill_inner(
         &self,
-        req: PrefillRequest,
+        mut req: PrefillRequest,
     ) -> Result<ChunkStream<PrefillChunk>, Status> {
         if !req.engine_handshake {
             return Err(WorkerError::InvalidRequest(
@@ -526,18 +512,9 @@ impl Sidecar {
         let _flight = self.begin(req.prompt.len() as u64);
         // vLLM's connector protocol, as its disaggregated proxy uses it: the prefill request
         // asks to keep the KV for a remote decode and generates one token.
+        let cache_salt = Some(std::mem::take(&mut req.cache_salt)).filter(|s| !s.is_empty());
         let engine_req = EngineGenerate {
-            request_id: format!("tandem-{}", req.request_id),
-            prompt: req.prompt,
-            max_tokens: 1,
-            temperature: 0.0,
-            top_p: None,
-            top_k: None,
-            min_p: None,
-            seed: Some(req.sampling_seed),
-            stop_token: None,
-            ignore_eos: true,
-            cache_salt: Some(req.cache_salt).filter(|s| !s.is_empty()),
+            cache_salt,
             kv_transfer_params: Some(serde_json::json!({
                 "do_remote_decode": true,
                 "do_remote_prefill": false,
@@ -546,10 +523,7 @@ impl Sidecar {
                 "remote_host": null,
                 "remote_port": null,
             })),
-            bootstrap: None,
-            lora_adapter: Some(req.lora_adapter).filter(|a| !a.is_empty()),
-            logprobs: None,
-            text: None,
+            ..connector_prefill(req)
         };
         let answer = self
             .inner
@@ -575,5 +549,20 @@ impl Sidecar {
             item: Some(grpc::prefill_chunk::Item::Done(done)),
         };
         Ok(Box::pin(futures::stream::once(async move { Ok(chunk) })))
+    }
+}
+
+/// The engine request of a prefill for a connector handshake (vLLM's and SGLang's alike): the
+/// prompt, one greedy token past the end of sequence, on the request's adapter.
+fn connector_prefill(req: PrefillRequest) -> EngineGenerate {
+    EngineGenerate {
+        request_id: format!("tandem-{}", req.request_id),
+        prompt: req.prompt,
+        max_tokens: 1,
+        temperature: 0.0,
+        seed: Some(req.sampling_seed),
+        ignore_eos: true,
+        lora_adapter: Some(req.lora_adapter).filter(|a| !a.is_empty()),
+        ..EngineGenerate::default()
     }
 }
