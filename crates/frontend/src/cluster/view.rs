@@ -22,9 +22,9 @@ use tandem_protocol::{
 use tandem_router::{FedIndex, Input, KvSource, RoutingReplica};
 use tandem_runtime::discovery::{Discovery, DiscoveryEvent};
 use tandem_runtime::events::{EventPlane, subjects};
+use tandem_runtime::grpc::Transport;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::transport::Channel;
 
 /// What a [`ClusterView`] accepts and how it connects.
 #[derive(Clone, Debug)]
@@ -44,7 +44,8 @@ pub struct ViewConfig {
 #[derive(Clone, Debug)]
 pub struct WorkerEntry {
     pub record: WorkerRecord,
-    pub client: WorkerClient<Channel>,
+    /// In-process when this process serves the worker (`tandem_runtime::grpc::transport`).
+    pub client: WorkerClient<Transport>,
 }
 
 /// The decode pool (decode and aggregated workers) and the prefill pool, by id.
@@ -391,16 +392,15 @@ impl<S: Fed> ClusterView<S> {
             return;
         }
         self.refused.write().remove(&record.id);
-        let channel = match tandem_runtime::grpc::lazy_channel(
-            &record.addresses.grpc,
-            self.cfg.connect_timeout,
-        ) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::error!(worker = record.id.0, error = %e, "unusable worker address");
-                return;
-            }
-        };
+        let channel =
+            match tandem_runtime::grpc::transport(&record.addresses.grpc, self.cfg.connect_timeout)
+            {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(worker = record.id.0, error = %e, "unusable worker address");
+                    return;
+                }
+            };
         let (id, role) = (record.id, record.role);
         let placement = record.placement.clone();
         // A worker whose engine's events are not relayed is routed on the router's own

@@ -1,5 +1,6 @@
 //! gRPC plumbing for the request plane: serving a tonic router on a listener the caller bound
-//! (tests bind `127.0.0.1:0`), and opening channels to peers.
+//! (tests bind `127.0.0.1:0`), opening channels to peers, and calling a peer that this process
+//! serves itself without a socket (`local.rs`).
 
 use std::time::Duration;
 
@@ -11,6 +12,10 @@ use tonic::transport::server::Router;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{RuntimeError, with_timeout};
+
+mod local;
+
+pub use local::{LocalRegistration, Transport, register_local, transport};
 
 /// HTTP/2 ping period on client channels: notices a dead peer under an idle stream.
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);

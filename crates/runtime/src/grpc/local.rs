@@ -1,0 +1,231 @@
+//! In-process calls: a gRPC service served in this process (the sidecars of `tandem frontend
+//! --backend-url`, the workers of `tandem up`) is also registered here under the address it
+//! advertises, and a client made with [`transport`] for that address calls the service
+//! itself. The call runs the same generated service with the same protobuf encoding, but
+//! without a socket, HTTP/2 framing or the wake-ups between a connection's tasks (on the
+//! gateway path, the loopback hop cost about as much CPU as the rest of the frontend's work).
+//! Any other address gets a [`Channel`].
+//!
+//! Stopping mirrors a server's graceful shutdown: once the registration's stop token is
+//! cancelled, new calls through an existing transport answer `UNAVAILABLE` (as a closed port
+//! would) and new transports for the address use the network; calls already running finish.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use parking_lot::RwLock;
+use tokio_util::sync::CancellationToken;
+use tonic::body::Body;
+use tonic::transport::Channel;
+use tower::util::BoxCloneSyncService;
+use tower::{BoxError, Service};
+
+use crate::error::RuntimeError;
+
+type LocalService = BoxCloneSyncService<http::Request<Body>, http::Response<Body>, Infallible>;
+
+struct Entry {
+    id: u64,
+    service: LocalService,
+    stop: CancellationToken,
+}
+
+/// The services of this process, by the address they advertise (`host:port`).
+static LOCAL: LazyLock<RwLock<HashMap<String, Entry>>> = LazyLock::new(Default::default);
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// `host:port` of an address given as `host:port` or as a URL.
+fn authority(addr: &str) -> &str {
+    let rest = addr.split_once("://").map_or(addr, |(_, rest)| rest);
+    rest.trim_end_matches('/')
+}
+
+/// Keeps a service reachable in-process until dropped (or until its stop token is cancelled).
+#[derive(Debug)]
+#[must_use = "the service is reachable in-process only while the registration lives"]
+pub struct LocalRegistration {
+    key: String,
+    id: u64,
+}
+
+impl Drop for LocalRegistration {
+    fn drop(&mut self) {
+        let mut local = LOCAL.write();
+        if local.get(&self.key).is_some_and(|e| e.id == self.id) {
+            local.remove(&self.key);
+        }
+    }
+}
+
+/// Makes `service` the one clients of `advertised` (`host:port`, as peers are told) in this
+/// process call directly, until the registration is dropped or `stop` is cancelled.
+pub fn register_local<S>(advertised: &str, service: S, stop: CancellationToken) -> LocalRegistration
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let key = authority(advertised).to_string();
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let entry = Entry {
+        id,
+        service: BoxCloneSyncService::new(service),
+        stop,
+    };
+    LOCAL.write().insert(key.clone(), entry);
+    LocalRegistration { key, id }
+}
+
+/// Where a client's calls go: a connection, or a service of this process.
+#[derive(Clone)]
+pub enum Transport {
+    Net(Channel),
+    Local {
+        service: LocalService,
+        stop: CancellationToken,
+    },
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Transport::Net(c) => f.debug_tuple("Net").field(c).finish(),
+            Transport::Local { .. } => f.write_str("Local"),
+        }
+    }
+}
+
+impl Transport {
+    /// Whether calls stay in this process.
+    pub fn is_local(&self) -> bool {
+        matches!(self, Transport::Local { .. })
+    }
+}
+
+/// A transport to `addr` (`host:port` or a URL): the service itself when this process serves
+/// it, else a channel that connects on first use (see [`super::lazy_channel`]).
+pub fn transport(addr: &str, timeout: Duration) -> Result<Transport, RuntimeError> {
+    if let Some(e) = LOCAL.read().get(authority(addr))
+        && !e.stop.is_cancelled()
+    {
+        return Ok(Transport::Local {
+            service: e.service.clone(),
+            stop: e.stop.clone(),
+        });
+    }
+    super::lazy_channel(addr, timeout).map(Transport::Net)
+}
+
+type ResponseFuture =
+    Pin<Box<dyn Future<Output = Result<http::Response<Body>, BoxError>> + Send + 'static>>;
+
+impl Service<http::Request<Body>> for Transport {
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        match self {
+            Transport::Net(channel) => channel.poll_ready(cx).map_err(Into::into),
+            Transport::Local { service, .. } => service.poll_ready(cx).map_err(|e| match e {}),
+        }
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> ResponseFuture {
+        match self {
+            Transport::Net(channel) => {
+                let call = channel.call(request);
+                Box::pin(async move { call.await.map_err(Into::into) })
+            }
+            Transport::Local { stop, .. } if stop.is_cancelled() => {
+                let status = tonic::Status::unavailable("the service stopped serving");
+                Box::pin(std::future::ready(Ok(status.into_http())))
+            }
+            Transport::Local { service, .. } => {
+                let call = service.call(request);
+                Box::pin(async move { Ok(call.await.unwrap_or_else(|e| match e {})) })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+
+    async fn check(t: Transport) -> Result<i32, tonic::Status> {
+        let reply = HealthClient::new(t)
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await?;
+        Ok(reply.into_inner().status)
+    }
+
+    #[test]
+    fn addresses_are_keyed_by_host_and_port() {
+        assert_eq!(authority("http://127.0.0.1:5/"), "127.0.0.1:5");
+        assert_eq!(authority("10.0.0.1:7"), "10.0.0.1:7");
+    }
+
+    #[tokio::test]
+    async fn a_registered_service_is_called_in_process_until_it_stops() {
+        let (reporter, service) = tonic_health::server::health_reporter();
+        reporter
+            .set_service_status("", tonic_health::ServingStatus::Serving)
+            .await;
+        // Nothing listens on this address: only the in-process call can answer.
+        let addr = "127.0.0.1:1";
+        let stop = CancellationToken::new();
+        let registration = register_local(addr, service, stop.clone());
+
+        let t = transport(&format!("http://{addr}"), Duration::from_secs(1)).expect("transport");
+        assert!(t.is_local());
+        assert_eq!(
+            check(t.clone()).await.expect("answered"),
+            ServingStatus::Serving as i32
+        );
+
+        stop.cancel();
+        let err = check(t).await.expect_err("stopped");
+        assert_eq!(err.code(), tonic::Code::Unavailable);
+        let t = transport(addr, Duration::from_secs(1)).expect("transport");
+        assert!(!t.is_local(), "a stopped service is not handed out");
+
+        drop(registration);
+        assert!(!LOCAL.read().contains_key(addr));
+    }
+
+    #[tokio::test]
+    async fn dropping_an_old_registration_keeps_a_newer_one() {
+        let (_r1, s1) = tonic_health::server::health_reporter();
+        let (_r2, s2) = tonic_health::server::health_reporter();
+        let addr = "127.0.0.1:2";
+        let old = register_local(addr, s1, CancellationToken::new());
+        let new = register_local(addr, s2, CancellationToken::new());
+        drop(old);
+        assert!(
+            transport(addr, Duration::from_secs(1))
+                .expect("t")
+                .is_local()
+        );
+        drop(new);
+        assert!(
+            !transport(addr, Duration::from_secs(1))
+                .expect("t")
+                .is_local()
+        );
+    }
+}
