@@ -37,11 +37,9 @@ pub(crate) fn app(shared: Arc<Shared>) -> Router {
         true => router,
         false => router.route("/v1/models", get(models)),
     };
-    match c.text_prompts {
-        true => router.route("/v1/chat/completions", post(chat_completions)),
-        false => router,
-    }
-    .with_state(shared)
+    router
+        .route("/v1/chat/completions", post(chat_completions))
+        .with_state(shared)
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {
@@ -296,8 +294,9 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     }
 }
 
-/// A chat, for a stand-in that takes text (`text_prompts`): its messages rendered with the
-/// stand-in's own template, then answered as a completion in chat completions' shape.
+/// A chat (served in every mode, as vLLM does): its messages rendered with the stand-in's own
+/// template and read with its own tokenizer, then answered as a completion in chat
+/// completions' shape.
 async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     let mut v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
@@ -307,7 +306,13 @@ async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response
         Ok(p) => p,
         Err(r) => return *r,
     };
-    v["prompt"] = Value::String(prompt);
+    v["prompt"] = Value::from(crate::text::tokenize(&prompt));
+    // Chat's `logprobs` is a flag and `top_logprobs` the count (OpenAI's chat API); the
+    // completion the chat becomes takes the count in `logprobs`.
+    v["logprobs"] = match v.get("logprobs") {
+        Some(Value::Bool(true)) => v.get("top_logprobs").cloned().unwrap_or(Value::from(0)),
+        _ => Value::Null,
+    };
     match parse(&s, &v) {
         Ok(c) => complete(s, Completion { chat: true, ..c }).await,
         Err(m) => error(StatusCode::BAD_REQUEST, m),

@@ -35,9 +35,11 @@
 //! - Fault injection for tests: `POST /standin/drop-next-event` (the next event batch is
 //!   kept for replay but not published), `POST /standin/health/{ok|fail}`; with `no_health`, no `GET /health`;
 //!   with `no_models`, no `GET /v1/models` either.
+//! - `POST /v1/chat/completions`, in every mode, as vLLM serves it: messages rendered and read
+//!   with a template and tokenizer of the stand-in's own (`text.rs`), not the frontend's.
 //! - Playing a server that takes text only (`text_prompts`): token-id prompts refused with
-//!   a 500, as llama.cpp's Python server answers them; text prompts and `POST
-//!   /v1/chat/completions` read with a tokenizer and template of the stand-in's own.
+//!   a 500, as llama.cpp's Python server answers them; text prompts read with the stand-in's
+//!   own tokenizer.
 
 mod connector;
 mod events;
@@ -95,8 +97,7 @@ pub struct StandinConfig {
     pub no_models: bool,
     /// Take prompts as text only, as llama.cpp's Python server: a prompt of token ids is
     /// refused with a 500 wrapping pydantic's validation error (what llama-cpp-python
-    /// answers), text is read with the stand-in's own tokenizer, and `POST
-    /// /v1/chat/completions` renders messages with its own template (`text.rs`). Answers are
+    /// answers) and text is read with the stand-in's own tokenizer (`text.rs`). Answers are
     /// text only, as with `text_only`.
     pub text_prompts: bool,
     /// A request to the API (`/v1/models`, completions) that arrives while a stream runs ends

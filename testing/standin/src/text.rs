@@ -1,8 +1,8 @@
 //! The stand-in's text. It has no tokenizer of the model's: token `t` reads ` t<t>` (a plain
 //! server's text, for clients that take text only; logprobs' text offsets count it too). A
 //! stand-in that takes prompts as text (`text_prompts`, as llama.cpp's Python server) reads
-//! them with a tokenizer and a chat template of its own, which are not the frontend's: each
-//! byte of the text is a token, and a chat renders as `<|role|>\ncontent\n` per message, then
+//! them, and every stand-in reads chats, with a tokenizer and a chat template of its own, which
+//! are not the frontend's: each byte of the text is a token, and a chat renders as `<|role|>\ncontent\n` per message, then
 //! `<|assistant|>\n`.
 
 use axum::http::StatusCode;
