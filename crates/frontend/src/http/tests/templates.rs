@@ -391,3 +391,139 @@ fn whitespace_control_matches_transformers() {
          <|user|>\nHow many helicopters can a human eat in one sitting?</s>\n<|assistant|>\n"
     );
 }
+
+/// Text that stresses where a prompt may be cut: newlines after spaces, before spaces, `/`,
+/// digits, apostrophes, tabs, CRLF, letters of several scripts, emoji, special-token strings.
+fn stress_text(seed: u64, len: usize) -> String {
+    const FRAGMENTS: [&str; 24] = [
+        "word",
+        " word",
+        "\n",
+        "\n\n",
+        " \n",
+        "  \n",
+        "\r\n",
+        "\t",
+        "/path",
+        "\n/",
+        "123",
+        "4567",
+        "'s",
+        "'ll",
+        " ",
+        "  ",
+        ".\n",
+        "Éclair",
+        "日本語",
+        "🙂",
+        "<|im_end|>",
+        "<|im_start|>",
+        "x/y",
+        ",\n",
+    ];
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = String::new();
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.push_str(FRAGMENTS[(state % FRAGMENTS.len() as u64) as usize]);
+    }
+    out
+}
+
+#[test]
+fn prompts_tokenized_in_remembered_pieces_get_the_ids_of_the_whole() {
+    let o200k = Arc::new(Tokenizer::load(&TokenizerSpec::Tiktoken("o200k_base".into())).unwrap());
+    let chatml = || {
+        ChatTemplate::from_source(
+            "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}\
+             <|im_end|>\n{% endfor %}<|im_start|>assistant\n",
+            &[("bos_token", "<s>")],
+            fixed_clock(),
+        )
+        .unwrap()
+    };
+    let builtin = || ChatTemplate::load(&ChatTemplateSpec::Default).unwrap();
+    let cases = [
+        (
+            "cl100k, built-in",
+            crate::http::prompt::Prompts::new(builtin(), cl100k()),
+        ),
+        (
+            "o200k, built-in",
+            crate::http::prompt::Prompts::new(builtin(), o200k),
+        ),
+        (
+            "cl100k, template",
+            crate::http::prompt::Prompts::new(chatml(), cl100k()),
+        ),
+        (
+            "hf, template",
+            crate::http::prompt::Prompts::new(chatml(), special_hf()),
+        ),
+    ];
+    for (name, prompts) in &cases {
+        for seed in 0..150 {
+            let text = stress_text(seed, 300 + (seed as usize * 37) % 2_500);
+            let whole = prompts.encode_whole(&text).unwrap();
+            // Twice: pieces tokenized, then pieces found.
+            assert_eq!(
+                prompts.encode_rendered(&text).unwrap(),
+                whole,
+                "{name}, seed {seed}"
+            );
+            assert_eq!(
+                prompts.encode_rendered(&text).unwrap(),
+                whole,
+                "{name}, seed {seed}"
+            );
+        }
+        let (hits, misses) = prompts.piece_counts();
+        assert!(hits >= misses, "{name}: {hits} pieces found, {misses} not");
+    }
+}
+
+#[test]
+fn a_conversations_next_turn_tokenizes_only_what_is_new() {
+    use crate::http::conversation::{Conversation, Message};
+    let prompts = crate::http::prompt::Prompts::new(
+        ChatTemplate::load(&ChatTemplateSpec::Default).unwrap(),
+        cl100k(),
+    );
+    let long = |topic: &str| {
+        (0..30)
+            .map(|i| format!("Line {i} of the {topic}, with some words to tokenize.\n"))
+            .collect::<String>()
+    };
+    let mut conv = Conversation::default();
+    conv.messages
+        .push(Message::text("system", long("system prompt")));
+    conv.messages
+        .push(Message::text("user", long("first question")));
+    let first = prompts.encode(&conv).unwrap();
+    let (_, misses_first) = prompts.piece_counts();
+    conv.messages
+        .push(Message::text("assistant", long("answer")));
+    conv.messages
+        .push(Message::text("user", long("second question")));
+    let second = prompts.encode(&conv).unwrap();
+    let (hits, misses) = prompts.piece_counts();
+    assert_eq!(
+        second,
+        prompts
+            .encode_whole(&prompts.render(&conv).unwrap())
+            .unwrap()
+    );
+    // The second turn found every piece of the first but its last (the first turn's prompt
+    // ended on the assistant's header, which the second turn continues).
+    assert!(
+        hits + 1 >= misses_first,
+        "{hits} found, {misses_first} tokenized at first"
+    );
+    assert!(
+        misses - misses_first < misses_first + 2,
+        "{misses} tokenized in all"
+    );
+    assert_eq!(second[..first.len() - 3], first[..first.len() - 3]);
+}

@@ -29,11 +29,15 @@ use std::sync::Arc;
 use crate::http::chat_template::ChatTemplate;
 use crate::http::conversation::Conversation;
 use crate::http::error::ServeError;
+use crate::http::text::pieces::{Cuts, PieceCache};
 use crate::http::tokenizer::{Tokenizer, TokenizerError};
 
 /// Inserted after the first character of a special-token string sent by the client. A
 /// noncharacter: valid in a string, never meant to appear in text.
 pub(crate) const MARK: char = '\u{FDD0}';
+
+/// What the tokenized pieces of rendered prompts may hold, in bytes (`pieces.rs`).
+const PIECE_CACHE_BYTES: usize = 64 << 20;
 
 /// Renders conversations and tokenizes them.
 #[derive(Debug)]
@@ -42,6 +46,9 @@ pub struct Prompts {
     tokenizer: Arc<Tokenizer>,
     /// `None` for the built-in template (plain-text tokenization).
     specials: Option<SpecialStrings>,
+    /// Where a rendering may be cut into pieces tokenized apart, and their ids.
+    cuts: Cuts,
+    pieces: PieceCache,
 }
 
 impl Prompts {
@@ -50,11 +57,19 @@ impl Prompts {
             tokenizer.prepare_special_encoding();
             SpecialStrings::new(tokenizer.special_tokens())
         });
+        let cuts = tokenizer.cuts(specials.is_some());
         Prompts {
             template,
             tokenizer,
             specials,
+            cuts,
+            pieces: PieceCache::new(PIECE_CACHE_BYTES),
         }
+    }
+
+    /// Pieces of renderings found tokenized, and not found, so far.
+    pub fn piece_counts(&self) -> (u64, u64) {
+        self.pieces.counts()
     }
 
     pub fn template(&self) -> &ChatTemplate {
@@ -81,11 +96,60 @@ impl Prompts {
     /// Tokenizes a rendered prompt.
     pub(crate) fn encode_rendered(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let Some(specials) = &self.specials else {
+            return self.encode_pieces(text, |_| false, |t| self.tokenizer.encode(t));
+        };
+        let mut ids = Vec::new();
+        for (segment, parse_special) in specials.segments(text) {
+            if parse_special {
+                ids.extend(self.encode_pieces(
+                    &segment,
+                    |t| specials.match_at(t).is_some(),
+                    |t| self.tokenizer.encode_segment(t, true),
+                )?);
+            } else {
+                ids.extend(self.tokenizer.encode_segment(&segment, false)?);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// [`Self::encode_rendered`] in one piece: what the pieces must add up to.
+    #[cfg(test)]
+    pub(crate) fn encode_whole(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let Some(specials) = &self.specials else {
             return self.tokenizer.encode(text);
         };
         let mut ids = Vec::new();
         for (segment, parse_special) in specials.segments(text) {
             ids.extend(self.tokenizer.encode_segment(&segment, parse_special)?);
+        }
+        Ok(ids)
+    }
+
+    /// `encode(text)`, computed piece by piece where [`Self::cuts`] allows, each piece's ids
+    /// remembered.
+    fn encode_pieces(
+        &self,
+        text: &str,
+        is_special_at: impl Fn(&str) -> bool,
+        encode: impl Fn(&str) -> Result<Vec<u32>, TokenizerError>,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        if self.cuts == Cuts::None {
+            return encode(text);
+        }
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut start = 0;
+        let cuts = self.cuts.offsets(text, is_special_at);
+        for end in cuts.into_iter().chain(std::iter::once(text.len())) {
+            let piece = &text[start..end];
+            start = end;
+            if let Some(hit) = self.pieces.get(piece) {
+                ids.extend_from_slice(&hit);
+                continue;
+            }
+            let fresh = encode(piece)?;
+            ids.extend_from_slice(&fresh);
+            self.pieces.insert(piece, fresh.into());
         }
         Ok(ids)
     }

@@ -12,6 +12,8 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 
+use crate::http::text::pieces::Cuts;
+
 /// Which tokenizer the frontend uses.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TokenizerSpec {
@@ -204,6 +206,28 @@ impl Tokenizer {
                 .filter(|t| t.special)
                 .map(|t| t.content)
                 .collect(),
+        }
+    }
+
+    /// Where a rendered prompt may be cut and its pieces tokenized apart (`pieces.rs`):
+    /// `templated` for a real template's rendering, whose special tokens are parsed.
+    pub(crate) fn cuts(&self, templated: bool) -> Cuts {
+        match &self.inner {
+            Inner::Tiktoken(_) => Cuts::AfterNewline,
+            Inner::HuggingFace { plain, .. } if templated => {
+                let independent = plain
+                    .get_added_tokens_decoder()
+                    .values()
+                    .filter(|t| t.special)
+                    .all(|t| !t.lstrip && !t.single_word && !t.normalized);
+                if independent {
+                    Cuts::BeforeSpecial
+                } else {
+                    Cuts::None
+                }
+            }
+            // The whole text goes through the post-processor (a BOS at its start).
+            Inner::HuggingFace { .. } => Cuts::None,
         }
     }
 
