@@ -74,6 +74,7 @@ async fn run(client: &mut WorkerClient<tonic::transport::Channel>, id: u64, toke
         cache_salt: String::new(),
         lora_adapter: String::new(),
         text: None,
+        whole: false,
     };
     let mut stream = client.generate(req).await.unwrap().into_inner();
     while stream.message().await.unwrap().is_some() {}

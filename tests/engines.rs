@@ -733,3 +733,57 @@ fn a_plain_openai_server_that_answers_text_only_is_served_through_backend_url() 
         .collect();
     assert_eq!(text.split_whitespace().collect::<Vec<_>>(), words[..2]);
 }
+
+#[test]
+fn a_client_that_takes_the_answer_whole_gets_it_asked_of_the_server_whole() {
+    let _serial = serial();
+    let d = direct("whole", 1);
+    let engine = d.engines[0].0;
+    let asked = || {
+        let m = common::cluster::Metrics::parse(&http::get(engine, "/metrics").unwrap().text());
+        (
+            m.get("standin:whole_requests_total"),
+            m.get("standin:streamed_requests_total"),
+        )
+    };
+    let mut body = chat(&words(5, 40), "Whole?", 8);
+    body["seed"] = json!(11);
+    let before = asked();
+    let (_, _, whole) = d.chat(&body);
+    assert_eq!(asked(), (before.0 + 1.0, before.1), "asked whole");
+    assert_eq!(whole.usage.completion_tokens, 8);
+
+    // Streamed, the same request is streamed from the server, with the same answer.
+    let mut s = http::post_stream(
+        d.addr,
+        "/v1/chat/completions",
+        &streamed(body.clone()).to_string(),
+    )
+    .unwrap();
+    let (events, end) = s.collect();
+    assert!(matches!(end, StreamEnd::Done), "{end:?}");
+    assert_eq!(asked(), (before.0 + 1.0, before.1 + 1.0), "asked streamed");
+    let text: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(
+        Some(text.as_str()),
+        whole.choices[0].message.content.as_deref()
+    );
+
+    // Stop strings are cut here, as the tokens come: a client that takes the answer whole
+    // still has it streamed from the server.
+    body["stop"] = json!(["never appears"]);
+    d.chat(&body);
+    assert_eq!(
+        asked(),
+        (before.0 + 1.0, before.1 + 2.0),
+        "stop strings stream"
+    );
+}

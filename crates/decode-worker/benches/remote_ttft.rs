@@ -79,6 +79,7 @@ async fn ttft(d: &Worker, p: &Worker, seed: u32, remote: bool) -> (f64, i32) {
         cache_salt: String::new(),
         lora_adapter: String::new(),
         text: None,
+        whole: false,
     };
     let t = Instant::now();
     let mut stream = client.generate(req).await.unwrap().into_inner();

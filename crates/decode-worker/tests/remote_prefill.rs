@@ -107,6 +107,7 @@ fn request(id: u64, prompt: Vec<u32>, remote: Option<&Running>) -> GenerateReque
         cache_salt: String::new(),
         lora_adapter: String::new(),
         text: None,
+        whole: false,
     }
 }
 

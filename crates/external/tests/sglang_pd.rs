@@ -148,6 +148,7 @@ async fn sglang_engines_meet_in_one_bootstrap_room_and_run_concurrently() {
         cache_salt: String::new(),
         lora_adapter: String::new(),
         text: None,
+        whole: false,
     };
     let mut client = loop {
         match WorkerClient::connect(format!("http://{d_addr}")).await {

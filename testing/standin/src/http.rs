@@ -155,10 +155,14 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     out.push_str(&format!(
         "# TYPE standin:untranslated_blocks_total counter\nstandin:untranslated_blocks_total {}\n\
          # TYPE standin:kv_pulls_total counter\nstandin:kv_pulls_total {}\n\
-         # TYPE standin:kv_pull_failures_total counter\nstandin:kv_pull_failures_total {}\n",
+         # TYPE standin:kv_pull_failures_total counter\nstandin:kv_pull_failures_total {}\n\
+         # TYPE standin:streamed_requests_total counter\nstandin:streamed_requests_total {}\n\
+         # TYPE standin:whole_requests_total counter\nstandin:whole_requests_total {}\n",
         c.untranslated_blocks.load(Ordering::Relaxed),
         c.kv_pulls.load(Ordering::Relaxed),
         c.kv_pull_failures.load(Ordering::Relaxed),
+        c.streamed.load(Ordering::Relaxed),
+        c.whole.load(Ordering::Relaxed),
     ));
     (
         [(
@@ -321,6 +325,11 @@ async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response
 
 async fn complete(s: Arc<Shared>, c: Completion) -> Response {
     s.interrupts.fetch_add(1, Ordering::AcqRel);
+    match c.stream {
+        true => &s.counters.streamed,
+        false => &s.counters.whole,
+    }
+    .fetch_add(1, Ordering::Relaxed);
     let flag = |k: &str| {
         c.kv.as_ref()
             .and_then(|p| p.get(k))

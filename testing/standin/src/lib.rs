@@ -157,6 +157,9 @@ pub(crate) struct Counters {
     pub untranslated_blocks: AtomicU64,
     pub kv_pulls: AtomicU64,
     pub kv_pull_failures: AtomicU64,
+    /// Completions asked with `stream: true`, and without.
+    pub streamed: AtomicU64,
+    pub whole: AtomicU64,
 }
 
 pub(crate) struct Shared {

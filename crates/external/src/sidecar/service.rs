@@ -13,7 +13,9 @@ use tandem_protocol::grpc::{
 use tandem_protocol::{ErrorClass, HashSeed, TokenBlockHasher};
 use tonic::Status;
 
-use super::super::engine::{EngineError, EngineFinish, EngineGenerate, EngineKind, TextPrompt};
+use super::super::engine::{
+    DeltaStream, EngineError, EngineFinish, EngineGenerate, EngineKind, TextPrompt,
+};
 use super::Sidecar;
 use tandem_worker::error::WorkerError;
 use tandem_worker::served::{ChunkStream, ServedEngine, WorkerCalls};
@@ -395,7 +397,18 @@ impl Sidecar {
                     .fetch_add(1, Ordering::Relaxed);
             }
         }
-        let mut deltas = match self.inner.api.generate(&engine_req).await {
+        // A client that takes the answer whole gets it asked of the engine whole: one
+        // answer to read instead of an event per token.
+        let deltas = match req.whole {
+            true => self
+                .inner
+                .api
+                .generate_whole(&engine_req)
+                .await
+                .map(|d| Box::pin(futures::stream::once(async { Ok(d) })) as DeltaStream),
+            false => self.inner.api.generate(&engine_req).await,
+        };
+        let mut deltas = match deltas {
             Ok(s) => s,
             Err(e) => {
                 self.inner
@@ -449,8 +462,12 @@ impl Sidecar {
                 if first && (!d.tokens.is_empty() || has_text) {
                     flight.first_token();
                 }
-                // Text without ids: one token per streamed chunk until the usage says.
-                let counted = u32::from(has_text);
+                // Text without ids: one token per streamed chunk until the usage says (a
+                // whole answer's usage comes with it).
+                let counted = match has_text {
+                    true => d.completion_tokens.unwrap_or(1).max(1),
+                    false => 0,
+                };
                 text_tokens += counted;
                 let chunk = GenerateChunk {
                     text: d.text,

@@ -195,6 +195,9 @@ impl ClusterBackend {
                 .takes_text
                 .then(|| job.req.source.as_ref().map(|s| s.text()))
                 .flatten(),
+            // Nothing here reads the tokens before the end: the answer may come in one piece
+            // (stop strings are cut here as they stream; a hedge waits for a first token).
+            whole: !job.req.stream && job.req.stop.is_empty() && self.shared.cfg.hedge.is_none(),
         };
         let span = tracing::info_span!(
             "tandem.v1.Worker/Generate",
