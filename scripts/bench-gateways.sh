@@ -5,7 +5,10 @@
 # gateways: wrk at 8 connections with 20 ms think time for the latency each adds and the CPU
 # it spends per request, then wrk with no think time at rising connections for the most
 # requests per second it passes. Rounds alternate between the gateways; each figure is the
-# median of the rounds. Prints one table (markdown) and leaves wrk's output under $OUT.
+# median of the rounds. One more row, `tandem-up`, is `tandem up` with one in-process mocker
+# worker answering at once (no server behind it: its CPU is frontend and engine together,
+# to compare with the stub's own). Prints one table (markdown) and leaves wrk's output under
+# $OUT.
 #
 #   bash scripts/bench-gateways.sh                       # 3 rounds, 10 s per latency run
 #   ROUNDS=1 SECONDS_LATENCY=5 bash scripts/bench-gateways.sh

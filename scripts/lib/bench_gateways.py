@@ -21,7 +21,7 @@ RAMP_CONNS = [int(c) for c in os.environ.get("RAMP_CONNS", "8 32 64").split()]
 THINK_MS = int(os.environ.get("THINK_MS", "20"))
 CONNS = int(os.environ.get("CONNS", "8"))
 GATEWAYS = os.environ.get(
-    "GATEWAYS", "direct vllm-rr smg-rr smg-cache tandem-kv tandem-rr"
+    "GATEWAYS", "direct vllm-rr smg-rr smg-cache tandem-kv tandem-rr tandem-up"
 ).split()
 OUT = os.environ.get("OUT") or tempfile.mkdtemp(prefix="tandem-gateways-")
 os.makedirs(OUT, exist_ok=True)
@@ -169,6 +169,11 @@ def main():
         "tandem-rr": lambda p: [f"{BIN}/tandem", "frontend", "--listen", f"127.0.0.1:{p}",
                                 "--admin-listen", "off", "--backend-url", stub_url,
                                 "--policy", "round-robin"],
+        # No server behind it: one in-process mocker worker answering at once, as the stub
+        # does. Its CPU is the frontend's and the engine's together (compare with direct).
+        "tandem-up": lambda p: [f"{BIN}/tandem", "up", "--port", str(p), "--admin-listen",
+                                "off", "--prefill", "0", "--decode", "1",
+                                "--speedup-ratio", "1e9"],
     }
     try:
         wait_ready(stub_url, procs["stub"], "stub")
@@ -208,7 +213,8 @@ def main():
         print("|---|---:|---:|---:|---:|---:|---:|")
         for g in GATEWAYS:
             p50, p99, cpu, best = med[g]
-            added = (f"+{p50 - base[0]:.2f} ms", f"+{p99 - base[1]:.2f} ms") if base and g != "direct" else ("", "")
+            behind_stub = base and g not in ("direct", "tandem-up")
+            added = (f"+{p50 - base[0]:.2f} ms", f"+{p99 - base[1]:.2f} ms") if behind_stub else ("", "")
             cpu_s = f"{cpu:.0f} µs"
             print(f"| {g} | {p50:.2f} | {p99:.2f} | {added[0]} | {added[1]} | {cpu_s} | {best:,.0f} |")
     finally:
