@@ -85,6 +85,57 @@ enum Inner {
 pub struct Tokenizer {
     name: String,
     inner: Inner,
+    /// tiktoken: every token's bytes, looked up per streamed token (empty for Hugging Face).
+    table: TokenTable,
+}
+
+/// The bytes of every token of a tiktoken vocabulary, end to end, and where each starts: a
+/// lookup instead of a hash probe and an allocation per decoded token. No token is empty,
+/// so an empty range is an id outside the vocabulary.
+#[derive(Default)]
+struct TokenTable {
+    bytes: Vec<u8>,
+    /// `starts[id]..starts[id + 1]`.
+    starts: Vec<u32>,
+}
+
+impl TokenTable {
+    /// Ids are dense but for a few gaps before the special tokens: the table ends after
+    /// 1,000 unknown ids in a row.
+    fn of(bpe: &tiktoken_rs::CoreBPE) -> TokenTable {
+        let mut t = TokenTable {
+            bytes: Vec::new(),
+            starts: vec![0],
+        };
+        let (mut id, mut known_len, mut misses) = (0u32, 1, 0);
+        while misses < 1_000 {
+            match bpe.decode_bytes(&[id]) {
+                Ok(b) => {
+                    t.bytes.extend_from_slice(&b);
+                    misses = 0;
+                }
+                Err(_) => misses += 1,
+            }
+            t.starts.push(t.bytes.len() as u32);
+            if misses == 0 {
+                known_len = t.starts.len();
+            }
+            id += 1;
+        }
+        t.starts.truncate(known_len);
+        t
+    }
+
+    fn get(&self, id: u32) -> Option<&[u8]> {
+        let i = id as usize;
+        let (start, end) = (*self.starts.get(i)?, *self.starts.get(i + 1)?);
+        (end > start).then(|| &self.bytes[start as usize..end as usize])
+    }
+
+    /// Appends token `id`'s bytes to `out` (U+FFFD for an unknown id).
+    fn push_bytes(&self, id: u32, out: &mut Vec<u8>) {
+        out.extend_from_slice(self.get(id).unwrap_or(REPLACEMENT.as_bytes()));
+    }
 }
 
 impl fmt::Debug for Tokenizer {
@@ -111,6 +162,7 @@ impl Tokenizer {
                 })?;
                 Ok(Tokenizer {
                     name: name.clone(),
+                    table: TokenTable::of(&bpe),
                     inner: Inner::Tiktoken(bpe),
                 })
             }
@@ -139,6 +191,7 @@ impl Tokenizer {
         tok.set_encode_special_tokens(true);
         Tokenizer {
             name: path.display().to_string(),
+            table: TokenTable::default(),
             inner: Inner::HuggingFace {
                 plain: Box::new(tok),
                 specials: OnceLock::new(),
@@ -234,7 +287,7 @@ impl Tokenizer {
     /// Whether `id` is a token of this vocabulary (prompts given as ids are checked).
     pub fn is_valid_token(&self, id: u32) -> bool {
         match &self.inner {
-            Inner::Tiktoken(bpe) => bpe.decode_bytes(&[id]).is_ok(),
+            Inner::Tiktoken(_) => self.table.get(id).is_some(),
             Inner::HuggingFace { plain, .. } => plain.id_to_token(id).is_some(),
         }
     }
@@ -243,10 +296,10 @@ impl Tokenizer {
     /// tiktoken; unknown ids are skipped for Hugging Face).
     pub fn decode(&self, ids: &[u32]) -> String {
         match &self.inner {
-            Inner::Tiktoken(bpe) => {
+            Inner::Tiktoken(_) => {
                 let mut bytes = Vec::new();
                 for &id in ids {
-                    Tokenizer::token_bytes(bpe, id, &mut bytes);
+                    self.table.push_bytes(id, &mut bytes);
                 }
                 drain_utf8(&mut bytes, true)
             }
@@ -259,9 +312,9 @@ impl Tokenizer {
     /// GPT-2's byte-to-character table; otherwise its decoded text. An unknown id: U+FFFD.
     pub fn bytes_of(&self, id: u32) -> Vec<u8> {
         match &self.inner {
-            Inner::Tiktoken(bpe) => {
+            Inner::Tiktoken(_) => {
                 let mut out = Vec::new();
-                Tokenizer::token_bytes(bpe, id, &mut out);
+                self.table.push_bytes(id, &mut out);
                 out
             }
             Inner::HuggingFace { plain, .. } => {
@@ -276,13 +329,6 @@ impl Tokenizer {
                     None => REPLACEMENT.as_bytes().to_vec(),
                 }
             }
-        }
-    }
-
-    fn token_bytes(bpe: &tiktoken_rs::CoreBPE, id: u32, out: &mut Vec<u8>) {
-        match bpe.decode_bytes(&[id]) {
-            Ok(bytes) => out.extend_from_slice(&bytes),
-            Err(_) => out.extend_from_slice(REPLACEMENT.as_bytes()),
         }
     }
 
@@ -355,9 +401,9 @@ impl Detokenizer {
     /// Adds tokens; returns the newly complete text (maybe empty).
     pub fn push(&mut self, tokens: &[u32]) -> String {
         match &self.tokenizer.inner {
-            Inner::Tiktoken(bpe) => {
+            Inner::Tiktoken(_) => {
                 for &id in tokens {
-                    Tokenizer::token_bytes(bpe, id, &mut self.pending);
+                    self.tokenizer.table.push_bytes(id, &mut self.pending);
                 }
                 drain_utf8(&mut self.pending, false)
             }
@@ -487,6 +533,26 @@ fn hf_encode(
 mod tests {
     use super::*;
     use crate::http::tests::cl100k;
+
+    #[test]
+    fn the_token_table_holds_what_tiktoken_decodes_for_every_id() {
+        for name in TIKTOKEN_NAMES {
+            let tok = Tokenizer::load(&TokenizerSpec::Tiktoken(name.into())).unwrap();
+            let Inner::Tiktoken(bpe) = &tok.inner else {
+                unreachable!()
+            };
+            let mut known = 0;
+            for id in 0..tok.table.starts.len() as u32 + 2_000 {
+                let want = bpe.decode_bytes(&[id]).ok();
+                assert_eq!(tok.table.get(id), want.as_deref(), "{name} id {id}");
+                known += usize::from(want.is_some());
+            }
+            assert!(known > 100_000, "{name}: {known} tokens");
+            // Special tokens are in it too.
+            let eot = bpe.encode_with_special_tokens("<|endoftext|>");
+            assert_eq!(tok.table.get(eot[0]), Some(&b"<|endoftext|>"[..]));
+        }
+    }
 
     #[test]
     fn special_token_strings_are_plain_text() {
