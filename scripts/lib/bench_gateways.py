@@ -173,7 +173,7 @@ def main():
         # does. Its CPU is the frontend's and the engine's together (compare with direct).
         "tandem-up": lambda p: [f"{BIN}/tandem", "up", "--port", str(p), "--admin-listen",
                                 "off", "--prefill", "0", "--decode", "1",
-                                "--speedup-ratio", "1e9"],
+                                "--engine", "mocker", "--speedup-ratio", "1e9"],
     }
     try:
         wait_ready(stub_url, procs["stub"], "stub")
