@@ -7,8 +7,9 @@
 //! Any other address gets a [`Channel`].
 //!
 //! Stopping mirrors a server's graceful shutdown: once the registration's stop token is
-//! cancelled, new calls through an existing transport answer `UNAVAILABLE` (as a closed port
-//! would) and new transports for the address use the network; calls already running finish.
+//! cancelled, calls already running finish, and a transport looks the address up again, as a
+//! channel reconnects: to a service registered there since (a worker restarted in this
+//! process), else over the network (where a closed port answers `UNAVAILABLE`).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -92,6 +93,9 @@ pub enum Transport {
     Local {
         service: LocalService,
         stop: CancellationToken,
+        /// The address, looked up again once the service stops.
+        addr: String,
+        timeout: Duration,
     },
 }
 
@@ -120,6 +124,8 @@ pub fn transport(addr: &str, timeout: Duration) -> Result<Transport, RuntimeErro
         return Ok(Transport::Local {
             service: e.service.clone(),
             stop: e.stop.clone(),
+            addr: addr.to_string(),
+            timeout,
         });
     }
     super::lazy_channel(addr, timeout).map(Transport::Net)
@@ -134,6 +140,16 @@ impl Service<http::Request<Body>> for Transport {
     type Future = ResponseFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        if let Transport::Local {
+            stop,
+            addr,
+            timeout,
+            ..
+        } = self
+            && stop.is_cancelled()
+        {
+            *self = transport(addr, *timeout)?;
+        }
         match self {
             Transport::Net(channel) => channel.poll_ready(cx).map_err(Into::into),
             Transport::Local { service, .. } => service.poll_ready(cx).map_err(|e| match e {}),
@@ -199,13 +215,29 @@ mod tests {
         );
 
         stop.cancel();
-        let err = check(t).await.expect_err("stopped");
+        // Nothing else serves the address: the network answers, and nothing listens there.
+        let err = check(t.clone()).await.expect_err("stopped");
         assert_eq!(err.code(), tonic::Code::Unavailable);
-        let t = transport(addr, Duration::from_secs(1)).expect("transport");
-        assert!(!t.is_local(), "a stopped service is not handed out");
+        let fresh = transport(addr, Duration::from_secs(1)).expect("transport");
+        assert!(!fresh.is_local(), "a stopped service is not handed out");
+
+        // A service registered at the address since (a worker restarted in this process):
+        // the old transport finds it, as a channel reconnects.
+        let (again, service) = tonic_health::server::health_reporter();
+        again
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+        let _restarted = register_local(addr, service, CancellationToken::new());
+        assert_eq!(
+            check(t).await.expect("answered"),
+            ServingStatus::NotServing as i32
+        );
 
         drop(registration);
-        assert!(!LOCAL.read().contains_key(addr));
+        assert!(
+            LOCAL.read().contains_key(addr),
+            "the newer registration stays"
+        );
     }
 
     #[tokio::test]
