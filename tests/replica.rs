@@ -106,6 +106,7 @@ fn drive(r: &mut RoutingReplica) -> Vec<Answer> {
                 worker,
                 role,
                 kv: KvSource::Events,
+                device_blocks: 0,
             },
             0,
             &mut out,

@@ -69,6 +69,8 @@ pub struct FeedStats {
 #[derive(Clone, Copy, Debug, Default)]
 struct Member {
     repairing: bool,
+    /// Capacity of its GPU tier, as its record says.
+    device_blocks: u64,
     /// `last_kv_event_id` of the worker's previous load report.
     reported: Option<u64>,
 }
@@ -109,9 +111,16 @@ impl IndexFeed {
     }
 
     /// A worker joined, or re-joined with a new record (a restart: its cache is new too):
-    /// it is dumped.
-    pub fn join(&mut self, worker: WorkerId) -> Option<Repair> {
-        self.members.entry(worker).or_default();
+    /// it is dumped. `device_blocks` is its GPU tier's capacity (its record's `kv_capacity`,
+    /// 0 when unknown): the index reserves room for the members' GPU blocks together, so that
+    /// its block map grows while workers join rather than under their first flood of events
+    /// (crates/indexer/BENCHMARKS.md, 2026-12-06: 1.7× the apply rate at 1,000 workers).
+    /// Host and disk tiers, often far larger and rarely full, grow the map as they fill.
+    pub fn join(&mut self, worker: WorkerId, device_blocks: u64) -> Option<Repair> {
+        self.members.entry(worker).or_default().device_blocks = device_blocks;
+        let total: u64 = self.members.values().map(|m| m.device_blocks).sum();
+        self.index
+            .reserve(usize::try_from(total).unwrap_or(usize::MAX));
         self.start_repair(worker, true)
     }
 
@@ -246,10 +255,28 @@ mod tests {
     }
 
     fn joined(feed: &mut IndexFeed, worker: u64) {
-        let r = feed.join(WorkerId(worker)).expect("a join asks for a dump");
+        let r = feed
+            .join(WorkerId(worker), 0)
+            .expect("a join asks for a dump");
         assert!(r.dump);
         feed.repaired(WorkerId(worker), RepairReply::Dump(dump(worker, vec![])))
             .expect("empty dump");
+    }
+
+    #[test]
+    fn joining_workers_reserve_room_for_their_gpu_blocks_together() {
+        let mut feed = IndexFeed::new();
+        assert_eq!(feed.index().heap_bytes(), 0);
+        for w in 0..4 {
+            feed.join(WorkerId(w), 10_000);
+        }
+        // 16-byte slots, at most 3/4 full: room for the 40,000 blocks of the four.
+        let reserved = feed.index().heap_bytes();
+        assert!(reserved >= 40_000 * 16 * 4 / 3, "{reserved}");
+        // A worker leaving keeps the table; one whose record says nothing reserves nothing.
+        feed.leave(WorkerId(3));
+        feed.join(WorkerId(9), 0);
+        assert_eq!(feed.index().heap_bytes(), reserved);
     }
 
     #[test]

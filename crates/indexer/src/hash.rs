@@ -51,9 +51,6 @@ pub(crate) type BuildMix = BuildHasherDefault<MixHasher>;
 /// A hashbrown map keyed by hashes or worker ids.
 pub(crate) type MixMap<K, V> = hashbrown::HashMap<K, V, BuildMix>;
 
-/// A hashbrown set of hashes.
-pub(crate) type MixSet<K> = hashbrown::HashSet<K, BuildMix>;
-
 #[cfg(test)]
 mod tests {
     use std::hash::{BuildHasher, Hash};

@@ -100,6 +100,9 @@ mod sharded;
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use error::IndexError;
 pub use feed::{FeedError, FeedStats, IndexFeed, Repair, RepairReply};
-pub use index::{ApplyOutcome, Extent, Extents, KvIndex, OverlapScores, TierCounts, WorkerBlocks};
+pub use index::{
+    ApplyOutcome, Extent, Extents, KvIndex, MAX_RESERVED_BLOCKS, OverlapScores, TierCounts,
+    WorkerBlocks,
+};
 pub use reseq::{Resequencer, ResequencerConfig};
 pub use sharded::ShardedIndex;

@@ -57,16 +57,32 @@ impl ShardedIndex {
         }
     }
 
+    /// An index with `shards` shards, each reserved for its share of `blocks` distinct blocks
+    /// (see [`KvIndex::with_capacity`]).
+    pub fn with_capacity(shards: usize, blocks: usize) -> Self {
+        let n = shards.max(1);
+        ShardedIndex {
+            shards: (0..n)
+                .map(|_| RwLock::new(KvIndex::with_capacity(blocks.div_ceil(n))))
+                .collect(),
+        }
+    }
+
     pub fn num_shards(&self) -> usize {
         self.shards.len()
     }
 
-    fn shard(&self, worker: WorkerId) -> &RwLock<KvIndex> {
+    /// The shard that holds `worker` (in `0..num_shards()`): writers that each take the
+    /// workers of one shard never wait for each other.
+    pub fn shard_of(&self, worker: WorkerId) -> usize {
         use std::hash::BuildHasher;
         let h = BuildMix::default().hash_one(worker);
         // The high bits are the best mixed; multiply-shift maps them onto the shard count.
-        let i = ((h >> 32) * self.shards.len() as u64) >> 32;
-        &self.shards[i as usize]
+        (((h >> 32) * self.shards.len() as u64) >> 32) as usize
+    }
+
+    fn shard(&self, worker: WorkerId) -> &RwLock<KvIndex> {
+        &self.shards[self.shard_of(worker)]
     }
 
     /// [`KvIndex::apply`] under the worker's shard lock.
@@ -299,6 +315,33 @@ mod tests {
     #[test]
     fn is_send_and_sync() {
         assert_send_sync::<ShardedIndex>();
+    }
+
+    #[test]
+    fn writers_that_each_take_one_shard_end_like_a_single_index() {
+        let sharded = ShardedIndex::with_capacity(3, 4096);
+        let streams: Vec<Vec<KvEvent>> = (0..12).map(|w| stream(w, 200)).collect();
+        let shard_of: Vec<usize> = (0..12).map(|w| sharded.shard_of(WorkerId(w))).collect();
+        assert!(shard_of.iter().all(|&s| s < 3));
+        // Twelve workers land on more than one shard (the mix spreads them).
+        assert!(shard_of.iter().any(|&s| s != shard_of[0]));
+        std::thread::scope(|scope| {
+            for shard in 0..3 {
+                let (sharded, streams, shard_of) = (&sharded, &streams, &shard_of);
+                scope.spawn(move || {
+                    for (s, _) in streams.iter().zip(shard_of).filter(|&(_, &o)| o == shard) {
+                        assert_eq!(sharded.apply_batch(s), (s.len(), None));
+                    }
+                });
+            }
+        });
+        let mut single = KvIndex::new();
+        for e in streams.iter().flatten() {
+            single.apply(e);
+        }
+        let query: Vec<SequenceHash> = (1..=200).map(SequenceHash).collect();
+        assert_eq!(sharded.find_matches(&query), single.find_matches(&query));
+        assert_eq!(sharded.num_entries(), single.num_entries());
     }
 
     #[test]

@@ -196,6 +196,7 @@ fn replica(
                 worker,
                 role,
                 kv: KvSource::Events,
+                device_blocks: 0,
             },
             0,
         )

@@ -181,6 +181,10 @@ impl<'a> Sim<'a> {
                         worker: id,
                         role,
                         kv: KvSource::Events,
+                        // No reservation: a short simulation of a large cluster would hold
+                        // every replica's index at full size for caches it never fills (the
+                        // reservation changes no decision).
+                        device_blocks: 0,
                     },
                     0,
                 )? {

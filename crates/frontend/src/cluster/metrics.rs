@@ -688,6 +688,7 @@ mod tests {
                 worker: WorkerId(w),
                 role,
                 kv: KvSource::Events,
+                device_blocks: 0,
             });
         }
         let line = |name: &str, w: u64, role: &str, v: u64| {

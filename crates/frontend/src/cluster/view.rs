@@ -402,6 +402,7 @@ impl<S: Fed> ClusterView<S> {
                 }
             };
         let (id, role) = (record.id, record.role);
+        let device_blocks = record.kv_capacity.device_blocks;
         let placement = record.placement.clone();
         // A worker whose engine's events are not relayed is routed on the router's own
         // decisions (approximate KV).
@@ -436,6 +437,7 @@ impl<S: Fed> ClusterView<S> {
             worker: id,
             role,
             kv,
+            device_blocks,
         });
         self.feed(Input::Placed {
             worker: id,

@@ -172,6 +172,13 @@ impl BlockMap {
         &mut self.slots[i].holders
     }
 
+    /// Makes room for `n` keys in all, growing the table now if it holds fewer before growing.
+    pub(crate) fn reserve(&mut self, n: usize) {
+        if max_len(self.slots.len()) < n {
+            self.grow_to(slots_for(n));
+        }
+    }
+
     /// Makes room for one more key (growing the table if it would pass 3/4 full); call before
     /// [`BlockMap::find_slot`] for an insert, since growing moves every slot.
     #[inline]
@@ -225,7 +232,13 @@ impl BlockMap {
 
     #[cold]
     fn grow(&mut self) {
-        let n = (self.slots.len() * 2).max(MIN_SLOTS);
+        self.grow_to((self.slots.len() * 2).max(MIN_SLOTS));
+    }
+
+    /// Moves every key into a new table of `n` slots (a power of two, more than now).
+    #[cold]
+    fn grow_to(&mut self, n: usize) {
+        debug_assert!(n.is_power_of_two() && n > self.slots.len());
         let old = std::mem::replace(&mut self.slots, vec![VACANT_SLOT; n]);
         let mask = n - 1;
         for chunk in old.chunks(AHEAD) {
@@ -299,6 +312,28 @@ mod tests {
         assert!(m.capacity() >= 1000);
         assert_eq!(BlockMap::default().get(5), None);
         assert_eq!(BlockMap::default().touch(5), 0);
+    }
+
+    #[test]
+    fn reserving_grows_once_ahead_and_never_shrinks() {
+        let mut m = BlockMap::default();
+        for k in 0..100u64 {
+            put(&mut m, k, k as u32);
+        }
+        m.reserve(10_000);
+        let slots = m.slots.len();
+        assert!(m.capacity() >= 10_000);
+        // The keys moved with the table, and filling up to the reservation moves nothing.
+        for k in 0..100u64 {
+            assert_eq!(m.get(k), Some(&one(k as u32)));
+        }
+        for k in 100..10_000u64 {
+            put(&mut m, k, k as u32);
+        }
+        assert_eq!(m.slots.len(), slots);
+        m.reserve(10);
+        assert_eq!(m.slots.len(), slots);
+        assert_eq!(m.len(), 10_000);
     }
 
     #[test]

@@ -40,12 +40,16 @@ use std::collections::BTreeSet;
 use tandem_protocol::{KvDump, KvEvent, KvEventKind, SequenceHash, StorageTier, WorkerId};
 
 use crate::error::IndexError;
-use crate::hash::{MixMap, MixSet};
+use crate::hash::MixMap;
 use block_map::{AHEAD, BlockMap, Probe};
 pub use extents::{Extent, Extents};
 use holders::{Holders, MAX_SLOTS, Removal, Spills, level_in, pack};
 pub use matches::{OverlapScores, TierCounts};
-use tier_log::{Liveness, TierLog};
+use tier_log::TierLog;
+
+/// The most blocks [`KvIndex::reserve`] makes room for ahead of use: 2^24 (2,000 GPUs of
+/// 8,192 blocks each), a block map of 512 MiB at most; beyond it the map grows with use.
+pub const MAX_RESERVED_BLOCKS: usize = 1 << 24;
 
 /// What [`KvIndex::apply`] did with an event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,8 +139,8 @@ pub struct KvIndex {
     /// Slots of the workers flagged `non_closed`, ascending; when empty (the normal case)
     /// queries skip the per-worker flag check, which would touch every candidate's state.
     non_closed_slots: Vec<u32>,
-    /// Scratch set for deduplicating a log while compacting it; empty between calls.
-    seen: MixSet<u64>,
+    /// Scratch map for counting a log's removals while compacting it; empty between calls.
+    scratch: MixMap<u64, u32>,
 }
 
 impl KvIndex {
@@ -153,6 +157,13 @@ impl KvIndex {
             blocks: BlockMap::with_capacity(blocks),
             ..Self::default()
         }
+    }
+
+    /// Makes room for `blocks` distinct blocks in all (not `blocks` more): grows the block map
+    /// now if it would grow before holding that many; never shrinks it. A table larger than
+    /// [`MAX_RESERVED_BLOCKS`] is left to grow with what is really held.
+    pub fn reserve(&mut self, blocks: usize) {
+        self.blocks.reserve(blocks.min(MAX_RESERVED_BLOCKS));
     }
 
     /// Applies one event if it is the next one for its worker (see [`ApplyOutcome`]).
@@ -290,7 +301,7 @@ impl KvIndex {
         self.blocks.heap_bytes()
             + self.spills.heap_bytes()
             + logs
-            + table_bytes(self.seen.capacity(), size_of::<u64>())
+            + table_bytes(self.scratch.capacity(), size_of::<(u64, u32)>())
             + table_bytes(self.slot_of.capacity(), size_of::<(WorkerId, u32)>())
             + self.slots.capacity() * size_of::<Option<WorkerState>>()
             + self.by_id.capacity() * size_of::<(WorkerId, u32)>()
@@ -462,20 +473,11 @@ impl KvIndex {
             Probe::Vacant(i) => self.blocks.fill(i, hash, Holders::one(holder)),
         }
         self.entries += 1;
-        let (blocks, spills) = (&self.blocks, &self.spills);
         let log = &mut self.slots[slot as usize]
             .as_mut()
             .expect("slot maps to a live worker")
             .tiers[t];
-        log.push(
-            hash,
-            &mut self.seen,
-            &Live {
-                blocks,
-                spills,
-                holder,
-            },
-        );
+        log.push(hash, &mut self.scratch);
     }
 
     /// Removes (slot, t) from the block's holders and marks the worker's log entry stale; a
@@ -485,20 +487,11 @@ impl KvIndex {
         if !self.unlink(slot, t, hash) {
             return;
         }
-        let holder = pack(slot, t);
-        let (blocks, spills) = (&self.blocks, &self.spills);
         let log = &mut self.slots[slot as usize]
             .as_mut()
             .expect("slot maps to a live worker")
             .tiers[t];
-        log.removed(
-            &mut self.seen,
-            &Live {
-                blocks,
-                spills,
-                holder,
-            },
-        );
+        log.removed(hash, &mut self.scratch);
     }
 
     /// Removes the holder from `blocks` without touching the worker's log; returns whether it
@@ -541,31 +534,6 @@ impl KvIndex {
             self.clear_tier(slot, t);
         }
         self.set_non_closed(slot, false);
-    }
-}
-
-/// Liveness of one worker's tier-log entries, for its compaction.
-struct Live<'a> {
-    blocks: &'a BlockMap,
-    spills: &'a Spills,
-    holder: u32,
-}
-
-impl Liveness for Live<'_> {
-    #[inline]
-    fn is_live(&self, hash: u64) -> bool {
-        self.blocks
-            .get(hash)
-            .is_some_and(|hs| hs.contains(self.holder, self.spills))
-    }
-
-    #[inline]
-    fn prefetch(&self, hashes: &[u64]) {
-        let mut acc = 0;
-        for &h in hashes {
-            acc ^= self.blocks.touch(h);
-        }
-        std::hint::black_box(acc);
     }
 }
 
@@ -615,7 +583,7 @@ impl KvIndex {
         }
         assert_eq!(flagged, self.non_closed_slots.len());
         assert!(self.non_closed_slots.windows(2).all(|p| p[0] < p[1]));
-        assert!(self.seen.is_empty());
+        assert!(self.scratch.is_empty());
         let ids: Vec<WorkerId> = self.by_id.iter().map(|&(id, _)| id).collect();
         assert!(ids.windows(2).all(|p| p[0] < p[1]));
         assert_eq!(ids.len(), self.slot_of.len());

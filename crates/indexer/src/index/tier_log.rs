@@ -9,33 +9,31 @@
 //! cache), a removal only decrements `live`. Entries whose holder is gone (stale) and repeats (a
 //! block removed and stored again) stay until the log is compacted.
 //!
-//! # Growth and compaction
+//! # Removals, growth and compaction
+//!
+//! A removal appends the removed hash to a second list, `removed` (its end in cache too). Every
+//! entry of a hash in the log but its last is followed by a removal of it, and the last one too
+//! when the block is no longer held, so the log's stale entries are exactly, hash by hash, the
+//! first entries matched by the removals since the last compaction. Compacting therefore needs
+//! nothing from the block map: the removals are counted in a scratch map (small, in cache) and
+//! the log is walked once in order, each entry dropped while its hash has removals left to
+//! match. An earlier version asked the block map whether each entry was live: a random cache
+//! miss per entry, about two per removal amortized, which was a fifth of the event path on a
+//! high-churn replay (crates/indexer/BENCHMARKS.md, 2026-12-06).
 //!
 //! Only when the log is full does it decide: if its length reaches `2 × live + SLACK` it is
-//! compacted (kept: entries whose block's holder list still names this worker and tier, once
-//! each, in log order), else it grows to `max(2 × live + SLACK, 1.125 × len)`. Compacting a log
-//! of `len` entries costs `len` map lookups and removes `len - live ≥ len / 2` entries, each left
-//! by one removal since the last compaction, so a removal costs about two lookups at most,
-//! amortized and done in batches of [`AHEAD`] whose map slots are loaded together (independent
-//! misses, which overlap). Repeats are looked for (with a scratch set) only when more entries
-//! than live blocks survive, which is rare: a block removed and stored again. The capacity
-//! thus stays below `1.125 × (2 × live + SLACK)` after a store; a removal compacts when the
-//! capacity exceeds twice that bound (a worker that shrinks without storing), and a log whose
-//! last live entry goes is freed outright. In the steady state of a full cache (a store per
-//! removal) a log's capacity is at most 2.25 × its live entries plus 72: up to 18 bytes per
-//! (block, worker, tier).
+//! compacted, else it grows to `max(2 × live + SLACK, 1.125 × len)`. Stale entries and pending
+//! removals are equal in number, so the removal list holds about `live + SLACK` hashes at most
+//! (it grows to `live + SLACK` at a time, not by doubling). Compacting costs about two
+//! sequential entries per removal it settles, all in cache. The log's capacity stays below
+//! `1.125 × (2 × live + SLACK)` after a store; a removal compacts when the capacity exceeds
+//! twice that bound (a worker that shrinks without storing), and a log whose last live entry
+//! goes is freed outright. In the steady state of a full cache (a store per removal) a log and
+//! its removal list hold at most about 3.25 × its live entries plus 136; half of that on
+//! average over a compaction cycle. (Compacting at `1.5 × live` instead measured 7 bytes per
+//! entry less and 5–10 % slower on the 64-worker replay.)
 
-use super::block_map::AHEAD;
-use crate::hash::MixSet;
-
-/// What a log asks of the index when it compacts: which of its entries are live.
-pub(super) trait Liveness {
-    /// Whether `hash`'s holder list names this log's worker and tier.
-    fn is_live(&self, hash: u64) -> bool;
-    /// Starts loading what [`Liveness::is_live`] will read for `hashes` (a few at a time, see
-    /// [`AHEAD`]), so that their cache misses overlap.
-    fn prefetch(&self, hashes: &[u64]);
-}
+use crate::hash::MixMap;
 
 /// Entries of slack above `2 × live` before a full log is compacted (so that a tiny log is
 /// not compacted on every store), and the capacity of a new log.
@@ -46,6 +44,8 @@ const SLACK: usize = 64;
 pub(super) struct TierLog {
     /// Hashes stored, in store order; a superset of the live ones, with repeats.
     hashes: Vec<u64>,
+    /// Hashes removed since the last compaction, one per stale entry of `hashes`.
+    removed: Vec<u64>,
     /// Blocks whose holder list contains this worker and tier.
     live: usize,
 }
@@ -68,40 +68,47 @@ impl TierLog {
         &self.hashes
     }
 
-    /// Records a hash whose holder list just gained this worker and tier. `live` is asked
-    /// (and `seen`, an empty scratch set, used) only when the full log is compacted.
+    /// Records a hash whose holder list just gained this worker and tier. `scratch` (empty,
+    /// left empty) is used only when the full log is compacted.
     #[inline]
-    pub(super) fn push(&mut self, hash: u64, seen: &mut MixSet<u64>, live: &impl Liveness) {
+    pub(super) fn push(&mut self, hash: u64, scratch: &mut MixMap<u64, u32>) {
         if self.hashes.len() == self.hashes.capacity() {
-            self.make_room(hash, seen, live);
+            self.make_room(scratch);
         }
         self.hashes.push(hash);
         self.live += 1;
     }
 
-    /// `hash` is about to be pushed: its holder list already names this worker and tier, so
-    /// compaction must not keep an older entry of it.
     #[cold]
-    fn make_room(&mut self, hash: u64, seen: &mut MixSet<u64>, live: &impl Liveness) {
+    fn make_room(&mut self, scratch: &mut MixMap<u64, u32>) {
         let len = self.hashes.len();
         if len >= target(self.live) {
-            self.compact(seen, live, Some(hash));
+            self.compact(scratch);
         } else {
             let cap = target(self.live).max(len + len / 8);
             self.hashes.reserve_exact(cap - len);
         }
     }
 
-    /// Notes that a hash's holder list lost this worker and tier (its entry goes stale).
+    /// Notes that `hash`'s holder list lost this worker and tier (an entry of it goes stale).
     #[inline]
-    pub(super) fn removed(&mut self, seen: &mut MixSet<u64>, live: &impl Liveness) {
+    pub(super) fn removed(&mut self, hash: u64, scratch: &mut MixMap<u64, u32>) {
         debug_assert!(self.live > 0, "removed more than was stored");
         self.live -= 1;
         if self.live == 0 {
             // Every entry is stale.
             self.hashes = Vec::new();
-        } else if self.hashes.capacity() > 2 * target(self.live) * 9 / 8 {
-            self.compact(seen, live, None);
+            self.removed = Vec::new();
+        } else {
+            let len = self.removed.len();
+            if len == self.removed.capacity() {
+                let cap = (self.live + SLACK).max(len + len / 8 + 1);
+                self.removed.reserve_exact(cap - len);
+            }
+            self.removed.push(hash);
+            if self.hashes.capacity() > 2 * target(self.live) * 9 / 8 {
+                self.compact(scratch);
+            }
         }
     }
 
@@ -109,34 +116,30 @@ impl TierLog {
     /// were live.
     pub(super) fn take(&mut self) -> (Vec<u64>, usize) {
         let live = std::mem::take(&mut self.live);
+        self.removed = Vec::new();
         (std::mem::take(&mut self.hashes), live)
     }
 
-    /// Drops stale entries, repeats and `except`, keeping the log order, and gives back excess
-    /// capacity.
-    fn compact(&mut self, seen: &mut MixSet<u64>, live: &impl Liveness, except: Option<u64>) {
-        debug_assert!(seen.is_empty());
-        let mut kept = 0;
-        let mut start = 0;
-        while start < self.hashes.len() {
-            let end = (start + AHEAD).min(self.hashes.len());
-            live.prefetch(&self.hashes[start..end]);
-            for i in start..end {
-                let h = self.hashes[i];
-                if Some(h) != except && live.is_live(h) {
-                    self.hashes[kept] = h;
-                    kept += 1;
-                }
+    /// Drops the stale entries (each hash's first ones, as many as its removals), keeping the
+    /// log order, and gives back excess capacity.
+    fn compact(&mut self, scratch: &mut MixMap<u64, u32>) {
+        debug_assert!(scratch.is_empty());
+        for &h in &self.removed {
+            *scratch.entry(h).or_insert(0) += 1;
+        }
+        self.removed.clear();
+        self.hashes.retain(|h| match scratch.get_mut(h) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                false
             }
-            start = end;
-        }
-        self.hashes.truncate(kept);
-        // Every live block is logged at least once; more entries than live blocks means
-        // repeats (blocks removed and stored again), rare enough to look for only then.
-        if kept > self.live {
-            self.hashes.retain(|&h| seen.insert(h));
-            seen.clear();
-        }
+            _ => true,
+        });
+        debug_assert!(
+            scratch.values().all(|&n| n == 0),
+            "removed what was not logged"
+        );
+        scratch.clear();
         debug_assert_eq!(self.hashes.len(), self.live, "log lost a live entry");
         let target = target(self.live);
         if self.hashes.capacity() > target + target / 8 {
@@ -146,7 +149,7 @@ impl TierLog {
 
     /// Heap bytes of the log.
     pub(super) fn heap_bytes(&self) -> usize {
-        self.hashes.capacity() * size_of::<u64>()
+        (self.hashes.capacity() + self.removed.capacity()) * size_of::<u64>()
     }
 }
 
@@ -156,41 +159,41 @@ mod tests {
 
     use super::*;
 
-    struct Model<'a>(&'a BTreeSet<u64>);
-
-    impl Liveness for Model<'_> {
-        fn is_live(&self, hash: u64) -> bool {
-            self.0.contains(&hash)
-        }
-        fn prefetch(&self, _: &[u64]) {}
-    }
-
-    /// A log against a model set of live hashes, under a store/remove churn.
+    /// A log against a model set of live hashes, under a store/remove churn with repeats.
     #[test]
     fn compacts_and_keeps_live_entries() {
         let mut log = TierLog::default();
         let mut live = BTreeSet::new();
-        let mut seen = MixSet::default();
+        let mut scratch = MixMap::default();
         let mut max_cap_ratio: f64 = 0.0;
+        let mut compacted_to_live = 0;
         for i in 0..20_000u64 {
             // Keep about 500 live, with repeats of recently removed hashes.
             let h = (i * 7) % 1_300;
             if live.insert(h) {
-                log.push(h, &mut seen, &Model(&live));
+                log.push(h, &mut scratch);
             }
             if live.len() > 500 {
                 let victim = *live.iter().nth((i % 500) as usize).unwrap();
                 live.remove(&victim);
-                log.removed(&mut seen, &Model(&live));
+                log.removed(victim, &mut scratch);
             }
+            assert!(scratch.is_empty());
             assert_eq!(log.live(), live.len());
+            assert_eq!(log.removed.len(), log.hashes.len() - live.len());
             let logged: BTreeSet<u64> = log.entries().iter().copied().collect();
             assert!(logged.is_superset(&live));
+            if log.hashes.len() == live.len() {
+                // Just compacted (or never stale): exactly the live blocks, once each.
+                assert_eq!(logged, live);
+                compacted_to_live += 1;
+            }
             if i > 1_000 {
                 max_cap_ratio =
                     max_cap_ratio.max(log.hashes.capacity() as f64 / target(live.len()) as f64);
             }
         }
+        assert!(compacted_to_live > 10, "{compacted_to_live}");
         assert!(
             max_cap_ratio <= 1.125 + 1e-9,
             "capacity {max_cap_ratio} × target"
@@ -198,9 +201,30 @@ mod tests {
         // Shrinking without stores compacts, and the last removal frees the log.
         while let Some(&h) = live.iter().next() {
             live.remove(&h);
-            log.removed(&mut seen, &Model(&live));
+            log.removed(h, &mut scratch);
             assert!(log.hashes.capacity() <= 2 * target(live.len()) * 9 / 8 || live.is_empty());
         }
         assert_eq!(log.hashes.capacity(), 0);
+        assert_eq!(log.removed.capacity(), 0);
+    }
+
+    /// A block stored, removed and stored again, many times over: compaction keeps its last
+    /// entry only, and only while it is held.
+    #[test]
+    fn a_block_stored_again_is_logged_once_after_compaction() {
+        let mut log = TierLog::default();
+        let mut scratch = MixMap::default();
+        log.push(1, &mut scratch);
+        for _ in 0..1_000 {
+            log.push(7, &mut scratch);
+            log.removed(7, &mut scratch);
+        }
+        log.push(7, &mut scratch);
+        log.compact(&mut scratch);
+        assert_eq!(log.entries(), &[1, 7]);
+        log.removed(1, &mut scratch);
+        log.compact(&mut scratch);
+        assert_eq!(log.entries(), &[7]);
+        assert!(scratch.is_empty());
     }
 }

@@ -28,9 +28,14 @@ impl FedIndex {
     /// nothing about what workers cache (placements, peers' tracker changes) change nothing.
     pub fn apply(&mut self, input: Input<'_>) -> Result<Vec<Repair>, FeedError> {
         Ok(match input {
-            Input::Joined { worker, kv, .. } => match kv {
+            Input::Joined {
+                worker,
+                kv,
+                device_blocks,
+                ..
+            } => match kv {
                 // A (re-)join is a new cache: dumped again.
-                KvSource::Events => self.feed.join(worker).into_iter().collect(),
+                KvSource::Events => self.feed.join(worker, device_blocks).into_iter().collect(),
                 KvSource::Approximate => {
                     // Not (or no longer) a member: no dump, no repairs, and the blocks it had
                     // as an event worker leave the index.

@@ -87,6 +87,9 @@ pub enum Input<'a> {
         role: WorkerRole,
         /// Where its overlap comes from; a re-join may change it.
         kv: KvSource,
+        /// Its GPU tier's capacity in blocks (its record's `kv_capacity`; 0 when unknown),
+        /// which the exact index reserves room for.
+        device_blocks: u64,
     },
     /// A worker left discovery (deregistered, lease lapsed): purged from index and pools.
     Left {
@@ -288,7 +291,12 @@ impl RoutingReplica {
     /// Applies what the cluster says; returns the repairs the index needs.
     pub fn apply(&mut self, input: Input<'_>, now_ms: u64) -> Result<Vec<Repair>, FeedError> {
         Ok(match input {
-            Input::Joined { worker, role, kv } => {
+            Input::Joined {
+                worker,
+                role,
+                kv,
+                device_blocks,
+            } => {
                 let kv = if self.config.routing.approximate_kv {
                     KvSource::Approximate
                 } else {
@@ -320,7 +328,12 @@ impl RoutingReplica {
                 }
                 self.member_changed(worker);
                 self.forget_process(worker);
-                self.index.apply(Input::Joined { worker, role, kv })?
+                self.index.apply(Input::Joined {
+                    worker,
+                    role,
+                    kv,
+                    device_blocks,
+                })?
             }
             Input::Left { worker } => {
                 self.decode.remove(&worker);

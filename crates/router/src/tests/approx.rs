@@ -32,6 +32,7 @@ fn join_approx(r: &mut RoutingReplica, worker: u64, role: WorkerRole, now: u64) 
         worker: WorkerId(worker),
         role,
         kv: KvSource::Approximate,
+        device_blocks: 0,
     };
     let repairs = r.apply(joined, now).unwrap();
     assert!(repairs.is_empty(), "an approximate worker is not dumped");
@@ -271,6 +272,7 @@ fn a_worker_can_switch_source_on_a_rejoin() {
         worker: WorkerId(1),
         role: WorkerRole::Aggregated,
         kv: KvSource::default(),
+        device_blocks: 0,
     };
     let repairs = r.apply(joined, 4).unwrap();
     assert_eq!(repairs.len(), 1);
@@ -391,6 +393,7 @@ fn approximate_kv_routes_event_workers_on_decisions() {
             worker: WorkerId(w),
             role: WorkerRole::Aggregated,
             kv: KvSource::Events,
+            device_blocks: 0,
         };
         assert!(r.apply(joined, 0).unwrap().is_empty(), "no dump asked");
         assert!(!r.feed().is_member(WorkerId(w)));

@@ -32,11 +32,13 @@ fn an_index_alone_keeps_what_the_replica_keeps() {
             worker: WorkerId(1),
             role: WorkerRole::Decode,
             kv: KvSource::Events,
+            device_blocks: 0,
         },
         Input::Joined {
             worker: WorkerId(2),
             role: WorkerRole::Prefill,
             kv: KvSource::Approximate,
+            device_blocks: 0,
         },
         Input::Repaired {
             worker: WorkerId(1),

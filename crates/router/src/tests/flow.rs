@@ -453,6 +453,7 @@ fn replica(saturation: SaturationConfig) -> RoutingReplica {
                 worker: WorkerId(id),
                 role: WorkerRole::Decode,
                 kv: KvSource::Events,
+                device_blocks: 0,
             },
             0,
         )
@@ -738,6 +739,7 @@ fn a_saturated_prefill_pool_holds_remote_prefills_but_not_local_ones() {
                 worker: WorkerId(id),
                 role,
                 kv: KvSource::Events,
+                device_blocks: 0,
             },
             0,
         )

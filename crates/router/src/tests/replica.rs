@@ -40,6 +40,7 @@ pub(super) fn join(
                 worker: w,
                 role,
                 kv: KvSource::Events,
+                device_blocks: 0,
             },
             now,
         )
@@ -421,6 +422,7 @@ fn a_leave_takes_everything_a_rejoin_keeps_the_record() {
         worker: WorkerId(1),
         role: WorkerRole::Decode,
         kv: KvSource::Events,
+        device_blocks: 0,
     };
     r.apply(rejoin.clone(), 3).unwrap();
     assert_eq!(r.report(WorkerId(1)), Some(&report));
