@@ -25,12 +25,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
-use tandem_engine::{BlockPool, BlockPoolConfig};
 use tandem_indexer::{ApplyOutcome, KvIndex, ShardedIndex};
-use tandem_protocol::hashing::compute_block_hashes;
-use tandem_protocol::{BlockSize, HashSeed, KvEvent, RequestId, SequenceHash, WorkerId};
-use tandem_workload::{LatencyHistogram, Resolution, expand_tokens, load_trace};
+use tandem_protocol::SequenceHash;
+use tandem_workload::{LatencyHistogram, Resolution};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+#[path = "common/replay.rs"]
+mod replay;
+use replay::{ReplayConfig, Workload, generate};
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
@@ -117,82 +119,6 @@ fn miss_latency() -> f64 {
 fn thread_cpu() -> f64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
-}
-
-/// One request's events, all from one worker.
-struct Batch {
-    events: Vec<KvEvent>,
-}
-
-struct Workload {
-    batches: Vec<Batch>,
-    block_events: u64,
-    stored: u64,
-    removed: u64,
-    /// Prompts of the last pass, as sequence hashes.
-    prompts: Vec<Vec<SequenceHash>>,
-}
-
-fn generate(o: &Opts) -> Workload {
-    let mut trace = load_trace(&o.trace).expect("trace");
-    if o.limit > 0 {
-        trace.truncate(o.limit);
-    }
-    let bs = BlockSize::DEFAULT;
-    let mut pools: Vec<BlockPool> = (0..o.workers)
-        .map(|w| {
-            let mut cfg = BlockPoolConfig::new(WorkerId(u64::from(w)), o.capacity);
-            cfg.event_ring = 1 << 16;
-            BlockPool::new(cfg).expect("pool")
-        })
-        .collect();
-    let mut taken = vec![0u64; o.workers as usize];
-    let mut w = Workload {
-        batches: Vec::new(),
-        block_events: 0,
-        stored: 0,
-        removed: 0,
-        prompts: Vec::new(),
-    };
-    let mut seq = 0u64;
-    for pass in 0..o.passes {
-        let seed = HashSeed::from_salt(Some(&pass.to_le_bytes()));
-        for rec in &trace {
-            let tokens = expand_tokens(rec);
-            let hashes = compute_block_hashes(&tokens, bs, seed);
-            let key = rec.hash_ids.get(1).unwrap_or(&rec.hash_ids[0]);
-            let wi = (xxh3_64_with_seed(&key.to_le_bytes(), pass) % u64::from(o.workers)) as usize;
-            let pool = &mut pools[wi];
-            seq += 1;
-            let id = RequestId(seq);
-            // Longer than the pool: keep what fits, like a worker would refuse the rest.
-            let fit = hashes.len().min(o.capacity as usize);
-            pool.acquire_prefix(id, &hashes[..fit], fit)
-                .expect("acquire");
-            if pool.allocate(id, fit * bs.tokens()).is_ok() {
-                pool.commit(id, &hashes[..fit]).expect("commit");
-            }
-            pool.free(id).expect("free");
-            let events = pool
-                .events_since(taken[wi])
-                .expect("ring holds one request's events");
-            taken[wi] = pool.last_event_id();
-            for e in &events {
-                let n = e.block_count() as u64;
-                w.block_events += n;
-                match e.kind {
-                    tandem_protocol::KvEventKind::Stored { .. } => w.stored += n,
-                    tandem_protocol::KvEventKind::Removed { .. } => w.removed += n,
-                    tandem_protocol::KvEventKind::Cleared => {}
-                }
-            }
-            w.batches.push(Batch { events });
-            if pass + 1 == o.passes {
-                w.prompts.push(hashes.iter().map(|h| h.sequence).collect());
-            }
-        }
-    }
-    w
 }
 
 /// Latency percentiles of one query path, in microseconds, and what it answered per query.
@@ -376,7 +302,18 @@ fn concurrent(
 fn main() {
     let o = opts();
     let t = Instant::now();
-    let w = generate(&o);
+    let w = generate(&ReplayConfig {
+        workers: o.workers,
+        capacity: o.capacity,
+        passes: o.passes,
+        limit: o.limit,
+        trace: o.trace.clone(),
+    });
+    let prompts: Vec<Vec<SequenceHash>> = w
+        .prompts
+        .iter()
+        .map(|p| p.iter().map(|h| h.sequence).collect())
+        .collect();
     println!(
         "workload: {} workers x {} blocks, {} passes: {} batches, {} events, {} block events ({} stored, {} removed), generated in {:.1} s",
         o.workers,
@@ -450,9 +387,9 @@ fn main() {
         );
     }
 
-    let q256 = queries(&w.prompts, 256, 1, 4000);
-    let q1k = queries(&w.prompts, 1024, 1024, 2000);
-    let q8k = queries(&w.prompts, 8192, 4096, 500);
+    let q256 = queries(&prompts, 256, 1, 4000);
+    let q1k = queries(&prompts, 1024, 1024, 2000);
+    let q8k = queries(&prompts, 8192, 4096, 500);
     if !o.runs("queries") {
         return;
     }
