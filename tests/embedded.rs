@@ -300,6 +300,58 @@ async fn start_worker(
     (WorkerClient::new(ch), stop, task)
 }
 
+/// The cache health's `events_gapped`: a worker whose KV events keep getting lost on the
+/// event plane is named (an occasional loss, repaired, is not). Each loss here is real: the
+/// plane drops the worker's batches while `lose` is set, the index finds out from the load
+/// reports or the next batch, and repairs from the worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_events_keep_getting_lost_is_named_in_the_cache_health() {
+    use tandem_frontend::cluster::cache_health::{Cause, stream_findings};
+
+    let discovery = MemoryDiscovery::new();
+    let plane = Arc::new(LossyPlane {
+        inner: MemoryEventPlane::new(),
+        lose: AtomicBool::new(false),
+    });
+    let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+    let (mut client, worker_stop, worker) = start_worker(7, &discovery, plane.clone()).await;
+    let view = start_view(&discovery, plane.clone(), &tasks, &stop).await;
+    eventually("the worker joins", || view.registry().decode.len() == 1).await;
+
+    for (round, seed) in [11u32, 12, 13].into_iter().enumerate() {
+        plane.lose.store(true, Ordering::SeqCst);
+        let lost = prompt(seed, 64);
+        run(&mut client, u64::from(seed), lost.clone()).await;
+        eventually("the lost batch is repaired from the worker", || {
+            matched(&view, &hashes(&lost)) == 4
+        })
+        .await;
+        plane.lose.store(false, Ordering::SeqCst);
+        let troubled = view.troubled_streams();
+        if round == 0 {
+            assert!(troubled.is_empty(), "one loss is no finding: {troubled:?}");
+        }
+    }
+    let troubled = view.troubled_streams();
+    assert_eq!(troubled.len(), 1, "{troubled:?}");
+    let (w, h) = troubled[0];
+    assert_eq!(w, WorkerId(7));
+    assert!(h.gaps + h.behind >= 3, "{h:?}");
+    let findings = stream_findings(&troubled);
+    assert_eq!(findings[0].cause, Cause::EventsGapped);
+    assert!(
+        findings[0].detail.contains("keep getting lost"),
+        "{}",
+        findings[0].detail
+    );
+
+    worker_stop.drain();
+    worker.await.unwrap().unwrap();
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
+}
+
 /// A worker that comes back under the same id before its old registration is gone (a crash
 /// and restart within the lease TTL) has an empty cache and numbers its events from 1: the
 /// view must drop what the old one held and follow the new one.

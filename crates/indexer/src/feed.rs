@@ -66,9 +66,53 @@ pub struct FeedStats {
     pub workers_purged: u64,
 }
 
+/// Troubles within this many of a worker's applied events make its stream troubled.
+const TROUBLE_WINDOW: u64 = 10_000;
+/// Troubles that many within [`TROUBLE_WINDOW`] events.
+const TROUBLES: usize = 3;
+
+/// How one worker's event stream has fared, for the cache health: a stream that keeps
+/// losing events leaves the index behind the worker's cache, each time until a repair.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamHealth {
+    /// Its events applied (streamed or replayed by a repair).
+    pub applied: u64,
+    /// Gaps in its events: batches lost or reordered on the event plane (a restart, which
+    /// numbers from 1 again, is not one).
+    pub gaps: u64,
+    /// Load reports that found the index behind the events the worker had published: a
+    /// trailing batch lost, or events slower than its reports.
+    pub behind: u64,
+    /// Repairs the worker did not answer.
+    pub failed_repairs: u64,
+    /// `applied` at each of the last [`TROUBLES`] troubles, oldest first.
+    recent: [u64; TROUBLES],
+    /// Troubles recorded in `recent` (at most [`TROUBLES`]).
+    recorded: usize,
+}
+
+impl StreamHealth {
+    /// Whether troubles keep coming: [`TROUBLES`] of them within its last
+    /// [`TROUBLE_WINDOW`] applied events. An occasional loss, repaired, is not a finding.
+    pub fn troubled(&self) -> bool {
+        self.recorded == TROUBLES && self.applied - self.recent[0] <= TROUBLE_WINDOW
+    }
+
+    fn trouble(&mut self) {
+        if self.recorded == TROUBLES {
+            self.recent.rotate_left(1);
+            self.recent[TROUBLES - 1] = self.applied;
+        } else {
+            self.recent[self.recorded] = self.applied;
+            self.recorded += 1;
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 struct Member {
     repairing: bool,
+    health: StreamHealth,
     /// Capacity of its GPU tier, as its record says.
     device_blocks: u64,
     /// `last_kv_event_id` of the worker's previous load report.
@@ -98,6 +142,23 @@ impl IndexFeed {
 
     pub fn is_member(&self, worker: WorkerId) -> bool {
         self.members.contains_key(&worker)
+    }
+
+    /// How a member's event stream has fared since it joined.
+    pub fn stream_health(&self, worker: WorkerId) -> Option<StreamHealth> {
+        self.members.get(&worker).map(|m| m.health)
+    }
+
+    /// The members whose streams are troubled ([`StreamHealth::troubled`]), by worker id.
+    pub fn troubled_streams(&self) -> Vec<(WorkerId, StreamHealth)> {
+        let mut out: Vec<(WorkerId, StreamHealth)> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.health.troubled())
+            .map(|(w, m)| (*w, m.health))
+            .collect();
+        out.sort_unstable_by_key(|(w, _)| *w);
+        out
     }
 
     /// Per worker, the leading blocks of `hashes` it holds, by tier.
@@ -140,18 +201,22 @@ impl IndexFeed {
         let mut repairs: Vec<Repair> = Vec::new();
         for ev in batch {
             let w = ev.worker_id;
-            let skip = self.members.get(&w).is_none_or(|m| m.repairing);
-            if skip {
+            let Some(m) = self.members.get_mut(&w).filter(|m| !m.repairing) else {
                 continue;
-            }
+            };
             let dump = match self.index.apply(ev) {
                 ApplyOutcome::Applied => {
                     self.stats.events_applied += 1;
+                    m.health.applied += 1;
                     continue;
                 }
                 ApplyOutcome::Duplicate if ev.event_id == 1 => true,
                 ApplyOutcome::Duplicate => continue,
-                ApplyOutcome::Gap { .. } => false,
+                ApplyOutcome::Gap { .. } => {
+                    m.health.gaps += 1;
+                    m.health.trouble();
+                    false
+                }
             };
             self.stats.gaps += 1;
             repairs.extend(self.start_repair(w, dump));
@@ -165,6 +230,11 @@ impl IndexFeed {
         let previous = m.reported.replace(last_kv_event_id);
         let applied = self.index.last_event_id(worker).unwrap_or(0);
         if previous.is_some_and(|p| p > applied) {
+            // Reports that find it behind while a repair runs are the same trouble.
+            if !m.repairing {
+                m.health.behind += 1;
+                m.health.trouble();
+            }
             self.stats.gaps += 1;
             return self.start_repair(worker, false);
         }
@@ -181,7 +251,10 @@ impl IndexFeed {
             RepairReply::Events(events) => {
                 for ev in events.iter().filter(|e| e.worker_id == worker) {
                     match self.index.apply(ev) {
-                        ApplyOutcome::Applied => self.stats.events_applied += 1,
+                        ApplyOutcome::Applied => {
+                            self.stats.events_applied += 1;
+                            m.health.applied += 1;
+                        }
                         ApplyOutcome::Duplicate => {}
                         ApplyOutcome::Gap { .. } => return Err(FeedError::RangeGap(worker)),
                     }
@@ -207,6 +280,8 @@ impl IndexFeed {
     pub fn repair_failed(&mut self, worker: WorkerId) {
         if let Some(m) = self.members.get_mut(&worker) {
             m.repairing = false;
+            m.health.failed_repairs += 1;
+            m.health.trouble();
         }
     }
 
@@ -261,6 +336,73 @@ mod tests {
         assert!(r.dump);
         feed.repaired(WorkerId(worker), RepairReply::Dump(dump(worker, vec![])))
             .expect("empty dump");
+    }
+
+    /// `n` events of worker `w` in order, its next id in `next`.
+    fn flow(feed: &mut IndexFeed, next: &mut u64, w: u64, n: u64) {
+        for _ in 0..n {
+            assert!(feed.apply(&[stored(w, *next, *next * 10 + w)]).is_empty());
+            *next += 1;
+        }
+    }
+
+    /// One batch of worker `w` lost on the way: the next shows the gap, and a replay from the
+    /// worker (`answered`) or no answer ends the repair.
+    fn lose(feed: &mut IndexFeed, next: &mut u64, w: u64, answered: bool) {
+        let lost = stored(w, *next, *next * 10 + w);
+        let shown = stored(w, *next + 1, (*next + 1) * 10 + w);
+        *next += 2;
+        assert_eq!(feed.apply(std::slice::from_ref(&shown)).len(), 1);
+        if answered {
+            feed.repaired(WorkerId(w), RepairReply::Events(vec![lost, shown]))
+                .expect("replayed");
+        } else {
+            feed.repair_failed(WorkerId(w));
+        }
+    }
+
+    #[test]
+    fn a_stream_that_keeps_losing_events_is_troubled_and_an_occasional_loss_is_not() {
+        let mut feed = IndexFeed::new();
+        joined(&mut feed, 1);
+        joined(&mut feed, 2);
+        // Worker 1 loses a batch now and then, far apart, each repaired: never troubled.
+        let mut next1 = 1;
+        for _ in 0..4 {
+            lose(&mut feed, &mut next1, 1, true);
+            flow(&mut feed, &mut next1, 1, TROUBLE_WINDOW);
+        }
+        let h = feed.stream_health(WorkerId(1)).unwrap();
+        assert_eq!((h.gaps, h.failed_repairs), (4, 0));
+        assert_eq!(h.applied, next1 - 1, "replayed events count as applied");
+        assert!(!h.troubled(), "{h:?}");
+        // Worker 2 loses three batches within a few events: troubled; a repair that fails
+        // counts as a trouble of its own.
+        let mut next2 = 1;
+        flow(&mut feed, &mut next2, 2, 5);
+        lose(&mut feed, &mut next2, 2, true);
+        flow(&mut feed, &mut next2, 2, 5);
+        lose(&mut feed, &mut next2, 2, true);
+        assert!(!feed.stream_health(WorkerId(2)).unwrap().troubled());
+        lose(&mut feed, &mut next2, 2, false);
+        let h = feed.stream_health(WorkerId(2)).unwrap();
+        assert_eq!((h.gaps, h.failed_repairs), (3, 1));
+        assert!(h.troubled(), "{h:?}");
+        assert_eq!(
+            feed.troubled_streams()
+                .iter()
+                .map(|(w, _)| *w)
+                .collect::<Vec<_>>(),
+            [WorkerId(2)]
+        );
+        // A report that finds the index behind counts too; a second one while its repair
+        // runs does not.
+        let mut feed = IndexFeed::new();
+        joined(&mut feed, 3);
+        assert_eq!(feed.report(WorkerId(3), 5), None);
+        assert!(feed.report(WorkerId(3), 6).is_some());
+        assert_eq!(feed.report(WorkerId(3), 7), None);
+        assert_eq!(feed.stream_health(WorkerId(3)).unwrap().behind, 1);
     }
 
     #[test]

@@ -99,7 +99,7 @@ mod sharded;
 
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use error::IndexError;
-pub use feed::{FeedError, FeedStats, IndexFeed, Repair, RepairReply};
+pub use feed::{FeedError, FeedStats, IndexFeed, Repair, RepairReply, StreamHealth};
 pub use index::{
     ApplyOutcome, Extent, Extents, KvIndex, MAX_RESERVED_BLOCKS, OverlapScores, TierCounts,
     WorkerBlocks,

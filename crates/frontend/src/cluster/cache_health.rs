@@ -18,7 +18,11 @@
 //!   not match the prompts the frontend hashes: another hash seed or block size, a tokenizer
 //!   that differs, or the events of another engine relayed under its name);
 //! - [`Cause::PromptMismatch`]: the engine counts the prompts it is sent differently (a
-//!   tokenizer or template that differs from the engine's), on a tenth of requests or more.
+//!   tokenizer or template that differs from the engine's), on a tenth of requests or more;
+//! - [`Cause::EventsGapped`]: the worker's KV events keep getting lost or arriving late (gaps
+//!   in its stream, load reports ahead of the index, repairs it does not answer: three within
+//!   10,000 of its events, `tandem_indexer::StreamHealth`), each time leaving the index behind
+//!   its cache until a repair.
 //!
 //! Findings show on the status page (`cache_health`), in `/metrics`
 //! (`tandem_cache_health{worker,cause}` 1, with `tandem_cache_predicted_tokens` and
@@ -35,6 +39,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetri
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::gauge::ConstGauge;
 use serde::Serialize;
+use tandem_indexer::StreamHealth;
 use tandem_protocol::WorkerId;
 
 use super::view::ClusterView;
@@ -60,6 +65,7 @@ pub enum Cause {
     HitsBelowPrediction,
     UnpredictedHits,
     PromptMismatch,
+    EventsGapped,
 }
 
 impl Cause {
@@ -70,6 +76,7 @@ impl Cause {
             Cause::HitsBelowPrediction => "hits_below_prediction",
             Cause::UnpredictedHits => "unpredicted_hits",
             Cause::PromptMismatch => "prompt_mismatch",
+            Cause::EventsGapped => "events_gapped",
         }
     }
 }
@@ -125,7 +132,7 @@ impl Stats {
     /// Whether `cause` holds now: cheap, for every request (no text is made).
     fn holds(&self, cause: Cause) -> bool {
         match cause {
-            Cause::BlockSizeMismatch => false,
+            Cause::BlockSizeMismatch | Cause::EventsGapped => false,
             Cause::NoEvents => !self.kv_events,
             Cause::HitsBelowPrediction => {
                 let (predicted, served) = sums(&self.window);
@@ -147,7 +154,7 @@ impl Stats {
     /// What shows `cause`, in words.
     fn detail(&self, cause: Cause) -> String {
         match cause {
-            Cause::BlockSizeMismatch => String::new(),
+            Cause::BlockSizeMismatch | Cause::EventsGapped => String::new(),
             Cause::NoEvents => "publishes no KV events: routed on where the router sent prompts \
                                 (approximate), blind to what the engine evicts"
                 .to_string(),
@@ -291,6 +298,25 @@ pub fn block_size_findings(refused: &[(WorkerId, u32)], ours: u32) -> Vec<Findin
         .collect()
 }
 
+/// The workers whose KV event streams keep losing events (the index's feed says which), as
+/// findings.
+pub fn stream_findings(troubled: &[(WorkerId, StreamHealth)]) -> Vec<Finding> {
+    troubled
+        .iter()
+        .map(|&(w, h)| Finding {
+            worker: w.0,
+            cause: Cause::EventsGapped,
+            detail: format!(
+                "its KV events keep getting lost or arriving late: {} gaps in its stream, {} \
+                 load reports ahead of the index, {} repairs unanswered, over {} events \
+                 applied; each time the index lags its cache until a repair (a lossy or \
+                 overloaded event plane, or a publisher that drops events)",
+                h.gaps, h.behind, h.failed_repairs, h.applied
+            ),
+        })
+        .collect()
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CauseLabel {
     worker: u64,
@@ -318,7 +344,7 @@ impl Collector for CacheHealthMetrics {
              approximately), hits_below_prediction (the engine served under half of what the \
              index predicted), unpredicted_hits (it served over twice what the index \
              predicted: its events do not match), prompt_mismatch (the engine counts prompts \
-             differently)",
+             differently), events_gapped (its KV events keep getting lost or arriving late)",
             None,
             MetricType::Gauge,
         )?;
@@ -326,6 +352,7 @@ impl Collector for CacheHealthMetrics {
         let ours = self.view.block_size().get();
         let findings = block_size_findings(&refused, ours)
             .into_iter()
+            .chain(stream_findings(&self.view.troubled_streams()))
             .chain(self.health.findings());
         for f in findings {
             let label = CauseLabel {

@@ -7,7 +7,7 @@ use serde::Serialize;
 use tandem_protocol::{WorkerId, WorkerRole};
 use tandem_router::BreakerState;
 
-use super::cache_health::{CacheHealth, Finding, block_size_findings};
+use super::cache_health::{CacheHealth, Finding, block_size_findings, stream_findings};
 use super::recent::{ActivitySnapshot, RecentActivity};
 use super::view::{ClusterView, WorkerEntry};
 
@@ -171,6 +171,7 @@ pub(crate) fn cluster_status(
     let refused = block_size_findings(&view.refused_block_sizes(), view.block_size().get());
     let cache_health = refused
         .into_iter()
+        .chain(stream_findings(&view.troubled_streams()))
         .chain(
             cache
                 .findings()

@@ -8,12 +8,14 @@
 //! [`tandem_indexer::IndexFeed`]); this file only moves bytes. Workers of another model are ignored, workers announcing another block
 //! size refused, loudly (docs/ARCHITECTURE.md §3).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::RwLock;
-use tandem_indexer::{FeedError, FeedStats, IndexFeed, OverlapScores, Repair, RepairReply};
+use parking_lot::{Mutex, RwLock};
+use tandem_indexer::{
+    FeedError, FeedStats, IndexFeed, OverlapScores, Repair, RepairReply, StreamHealth,
+};
 use tandem_protocol::grpc::{KvEventsRequest, kv_events_reply, worker_client::WorkerClient};
 use tandem_protocol::{
     BlockSize, Envelope, KvDump, KvEvent, LoadReport, SequenceHash, WorkerId, WorkerRecord,
@@ -176,6 +178,8 @@ pub struct ClusterView<S: Fed = RoutingReplica> {
     /// Workers refused for announcing another block size, with theirs, until they leave (the
     /// cache health names them).
     refused: RwLock<BTreeMap<WorkerId, u32>>,
+    /// Workers whose troubled event stream the log has named (once each, until they leave).
+    said_troubled: Mutex<BTreeSet<WorkerId>>,
     started: Instant,
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -198,6 +202,7 @@ impl<S: Fed> ClusterView<S> {
             fed: RwLock::new(fed),
             reported: RwLock::default(),
             refused: RwLock::default(),
+            said_troubled: Mutex::default(),
             started: Instant::now(),
             tasks,
             cancel,
@@ -330,6 +335,12 @@ impl<S: Fed> ClusterView<S> {
         self.fed.read().feed().stats()
     }
 
+    /// The registered workers whose KV event streams keep losing events (the cache health's
+    /// `events_gapped`).
+    pub fn troubled_streams(&self) -> Vec<(WorkerId, StreamHealth)> {
+        self.fed.read().feed().troubled_streams()
+    }
+
     /// Workers the index tracks (with or without blocks), and (block, worker) entries.
     pub fn index_size(&self) -> (usize, usize) {
         let fed = self.fed.read();
@@ -349,10 +360,30 @@ impl<S: Fed> ClusterView<S> {
         match outcome {
             Ok(repairs) => {
                 for r in repairs {
+                    self.say_if_troubled(r.worker);
                     self.repair(r);
                 }
             }
             Err(e) => tracing::warn!(error = %e, "KV index repair answer refused"),
+        }
+    }
+
+    /// Says once in the log (per worker, until it leaves) that its event stream keeps losing
+    /// events: checked when a repair starts, the only time it can have become troubled.
+    fn say_if_troubled(&self, worker: WorkerId) {
+        let Some(h) = self.fed.read().feed().stream_health(worker) else {
+            return;
+        };
+        if h.troubled() && self.said_troubled.lock().insert(worker) {
+            tracing::warn!(
+                worker = worker.0,
+                cause = "events_gapped",
+                gaps = h.gaps,
+                behind = h.behind,
+                failed_repairs = h.failed_repairs,
+                "cache health: its KV events keep getting lost or arriving late; the index \
+                 lags its cache until each repair"
+            );
         }
     }
 
@@ -364,6 +395,7 @@ impl<S: Fed> ClusterView<S> {
                 let gone = self.registry.write().pool_mut(role).remove(&id).is_some();
                 if gone {
                     self.reported.write().remove(&id);
+                    self.said_troubled.lock().remove(&id);
                     self.feed(Input::Left { worker: id });
                     tracing::info!(worker = id.0, ?role, "worker left");
                 }
