@@ -664,6 +664,64 @@ fn a_cache_that_serves_less_than_the_router_predicts_is_named() {
     assert_eq!(log.matches("cache health: served").count(), 1, "{log}");
 }
 
+/// A server whose tokenizer adds a token the frontend's does not (a BOS, as llama.cpp's and
+/// many Hugging Face tokenizers do) publishes events for blocks the frontend never hashes, and
+/// counts every prompt one token longer: the index never predicts the hits its engine serves,
+/// and the cache health names both causes on that worker, on the status page and in
+/// `/metrics`.
+#[test]
+fn a_server_that_adds_a_bos_token_is_named_for_unpredicted_hits_and_prompt_lengths() {
+    let _serial = serial();
+    let opts = Options {
+        engine_args: vec!["--add-bos".into(), "1".into()],
+        ..external(1, 0)
+    };
+    let c = Cluster::start("engines-bos", opts);
+    let system = words(31, 600);
+    for i in 0..12 {
+        let (_, _, _, r) = chat_on(&c, &chat(&system, &format!("Question {i}?"), 2));
+        if i > 0 {
+            // The engine serves the shared system prompt from its cache (the index, whose
+            // events hold BOS-shifted blocks, predicts none of it: the finding's detail).
+            assert!(r.usage.prompt_tokens_details.cached_tokens >= 512, "{i}");
+        }
+    }
+    let admin = c.admin_of(0);
+    let found = common::cluster::wait_for(
+        "both causes in the cache health",
+        Duration::from_secs(20),
+        || {
+            let s: Value = http::get(admin, "/status.json").ok()?.json();
+            let causes: Vec<(String, String)> = s["backend"]["cache_health"]
+                .as_array()?
+                .iter()
+                .map(|f| {
+                    (
+                        f["cause"].as_str().unwrap_or_default().to_string(),
+                        f["detail"].as_str().unwrap_or_default().to_string(),
+                    )
+                })
+                .collect();
+            let has = |c: &str| causes.iter().any(|f| f.0 == c);
+            (has("unpredicted_hits") && has("prompt_mismatch")).then_some(causes)
+        },
+    );
+    let detail = |c: &str| &found.iter().find(|f| f.0 == c).unwrap().1;
+    assert!(
+        detail("unpredicted_hits").contains("the index predicted 0"),
+        "{found:?}"
+    );
+    assert!(
+        detail("prompt_mismatch").contains("at another length"),
+        "{found:?}"
+    );
+    let metrics = http::get(admin, "/metrics").unwrap().text();
+    for cause in ["unpredicted_hits", "prompt_mismatch"] {
+        let series = format!("cause=\"{cause}\"}} 1");
+        assert!(metrics.contains(&series), "{series} not in:\n{metrics}");
+    }
+}
+
 /// A server whose KV blocks are of another size than the frontend's is refused (its cache
 /// could never match the frontend's block hashes), and the cache health says so by name.
 #[test]

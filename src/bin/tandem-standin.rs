@@ -68,6 +68,10 @@ struct Args {
     /// LoRA adapters one step may use (vLLM's --max-loras).
     #[arg(long, default_value_t = 1)]
     max_loras: usize,
+    /// Put this token before every prompt, as a server whose tokenizer adds a BOS token the
+    /// frontend's does not (it counts prompts one token longer and caches shifted blocks).
+    #[arg(long)]
+    add_bos: Option<u32>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -111,6 +115,7 @@ fn main() -> anyhow::Result<()> {
         .map(str::to_string)
         .collect();
     c.max_loras = args.max_loras;
+    c.add_bos = args.add_bos;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&args.listen).await?;

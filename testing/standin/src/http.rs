@@ -219,6 +219,10 @@ fn parse(s: &Shared, v: &Value) -> Result<Completion, String> {
     if prompt.is_empty() {
         return Err("empty prompt".into());
     }
+    let prompt = match s.config.add_bos {
+        Some(bos) => std::iter::once(bos).chain(prompt).collect(),
+        None => prompt,
+    };
     let max_tokens = v
         .get("max_tokens")
         .and_then(Value::as_u64)

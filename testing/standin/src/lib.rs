@@ -109,6 +109,10 @@ pub struct StandinConfig {
     pub lora_modules: Vec<String>,
     /// Adapters one step may use (vLLM's `--max-loras`, default 1).
     pub max_loras: usize,
+    /// A token put before every prompt, as a server whose tokenizer adds a BOS token that the
+    /// frontend's does not: it counts each prompt one token longer, and the blocks it caches
+    /// (and publishes) hold the shifted tokens.
+    pub add_bos: Option<u32>,
 }
 
 impl StandinConfig {
@@ -133,6 +137,7 @@ impl StandinConfig {
             interrupting: false,
             lora_modules: Vec::new(),
             max_loras: 1,
+            add_bos: None,
         }
     }
 }
