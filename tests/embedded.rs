@@ -28,6 +28,16 @@ struct LossyPlane {
     lose: AtomicBool,
 }
 
+impl LossyPlane {
+    /// A plane that loses nothing until told to.
+    fn new() -> Arc<LossyPlane> {
+        Arc::new(LossyPlane {
+            inner: MemoryEventPlane::new(),
+            lose: AtomicBool::new(false),
+        })
+    }
+}
+
 #[async_trait]
 impl EventPlane for LossyPlane {
     async fn publish(&self, subject: &str, payload: Bytes) -> Result<(), RuntimeError> {
@@ -125,10 +135,7 @@ fn matched(view: &ClusterView, h: &[SequenceHash]) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_index_follows_a_worker_through_lost_events_and_its_departure() {
     let discovery = MemoryDiscovery::new();
-    let plane = Arc::new(LossyPlane {
-        inner: MemoryEventPlane::new(),
-        lose: AtomicBool::new(false),
-    });
+    let plane = LossyPlane::new();
     let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
 
     // The worker caches a prompt before the view exists: the dump at join brings it in.
@@ -309,10 +316,7 @@ async fn a_worker_whose_events_keep_getting_lost_is_named_in_the_cache_health() 
     use tandem_frontend::cluster::cache_health::{Cause, stream_findings};
 
     let discovery = MemoryDiscovery::new();
-    let plane = Arc::new(LossyPlane {
-        inner: MemoryEventPlane::new(),
-        lose: AtomicBool::new(false),
-    });
+    let plane = LossyPlane::new();
     let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
     let (mut client, worker_stop, worker) = start_worker(7, &discovery, plane.clone()).await;
     let view = start_view(&discovery, plane.clone(), &tasks, &stop).await;
