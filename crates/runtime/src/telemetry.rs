@@ -13,6 +13,7 @@
 //! HTTP (from clients, to external engines). A process follows its parent's sampling
 //! decision; a trace begun here is kept with the configured ratio.
 
+use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -134,8 +135,12 @@ pub fn init(config: TelemetryConfig) -> Result<TelemetryGuard, RuntimeError> {
             .with_filter(filter)
             .boxed()
     } else {
+        // Colours only for a terminal: a log file or a container's pipe gets plain text, and
+        // every span's fields are formatted without the escape codes (the fmt layer formats
+        // a span's fields when it opens, whether or not a line is ever written in it).
         tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
             .with_filter(filter)
             .boxed()
     };
