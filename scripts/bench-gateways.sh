@@ -13,6 +13,7 @@
 #   bash scripts/bench-gateways.sh                       # 3 rounds, 10 s per latency run
 #   ROUNDS=1 SECONDS_LATENCY=5 bash scripts/bench-gateways.sh
 #   GATEWAYS="direct tandem-kv vllm-rr" bash scripts/bench-gateways.sh
+#   BASELINE=/tmp/tandem-old GATEWAYS="direct tandem-kv" bash scripts/bench-gateways.sh  # before/after
 #
 # Installs: wrk (Debian) and the two wheels in a venv of their own (target/python/gateways).
 set -euo pipefail

@@ -23,6 +23,12 @@ CONNS = int(os.environ.get("CONNS", "8"))
 GATEWAYS = os.environ.get(
     "GATEWAYS", "direct vllm-rr smg-rr smg-cache tandem-kv tandem-rr tandem-up"
 ).split()
+# Another `tandem` binary (an older build): each tandem row runs on it too, as
+# "<row>@baseline" right after it in every round, for a before/after within one run.
+BASELINE = os.environ.get("BASELINE")
+if BASELINE:
+    GATEWAYS = [x for g in GATEWAYS
+                for x in ([g, g + "@baseline"] if g.startswith("tandem") else [g])]
 OUT = os.environ.get("OUT") or tempfile.mkdtemp(prefix="tandem-gateways-")
 os.makedirs(OUT, exist_ok=True)
 TICK = os.sysconf("SC_CLK_TCK")
@@ -146,6 +152,22 @@ def wrk(url, conns, seconds, think, tag):
     return json.loads(line[len("RESULT "):])
 
 
+def tandem_commands(tandem, stub_url):
+    """The tandem rows, run with the binary `tandem`."""
+    return {
+        "tandem-kv": lambda p: [tandem, "frontend", "--listen", f"127.0.0.1:{p}",
+                                "--admin-listen", "off", "--backend-url", stub_url],
+        "tandem-rr": lambda p: [tandem, "frontend", "--listen", f"127.0.0.1:{p}",
+                                "--admin-listen", "off", "--backend-url", stub_url,
+                                "--policy", "round-robin"],
+        # No server behind it: one in-process mocker worker answering at once, as the stub
+        # does. Its CPU is the frontend's and the engine's together (compare with direct).
+        "tandem-up": lambda p: [tandem, "up", "--port", str(p), "--admin-listen",
+                                "off", "--prefill", "0", "--decode", "1",
+                                "--engine", "mocker", "--speedup-ratio", "1e9"],
+    }
+
+
 def main():
     procs = {}
     stub_port = free_port()
@@ -164,17 +186,10 @@ def main():
         "smg-cache": lambda p: [f"{VENV}/smg", "launch", "--host", "127.0.0.1", "--port", str(p),
                                 "--worker-urls", stub_url, "--policy", "cache_aware",
                                 "--log-level", "warn", "--prometheus-port", str(free_port())],
-        "tandem-kv": lambda p: [f"{BIN}/tandem", "frontend", "--listen", f"127.0.0.1:{p}",
-                                "--admin-listen", "off", "--backend-url", stub_url],
-        "tandem-rr": lambda p: [f"{BIN}/tandem", "frontend", "--listen", f"127.0.0.1:{p}",
-                                "--admin-listen", "off", "--backend-url", stub_url,
-                                "--policy", "round-robin"],
-        # No server behind it: one in-process mocker worker answering at once, as the stub
-        # does. Its CPU is the frontend's and the engine's together (compare with direct).
-        "tandem-up": lambda p: [f"{BIN}/tandem", "up", "--port", str(p), "--admin-listen",
-                                "off", "--prefill", "0", "--decode", "1",
-                                "--engine", "mocker", "--speedup-ratio", "1e9"],
     }
+    for suffix, tandem in [("", f"{BIN}/tandem"), ("@baseline", BASELINE)]:
+        if tandem:
+            commands.update({g + suffix: c for g, c in tandem_commands(tandem, stub_url).items()})
     try:
         wait_ready(stub_url, procs["stub"], "stub")
         for g in GATEWAYS:
@@ -213,7 +228,7 @@ def main():
         print("|---|---:|---:|---:|---:|---:|---:|")
         for g in GATEWAYS:
             p50, p99, cpu, best = med[g]
-            behind_stub = base and g not in ("direct", "tandem-up")
+            behind_stub = base and g != "direct" and not g.startswith("tandem-up")
             added = (f"+{p50 - base[0]:.2f} ms", f"+{p99 - base[1]:.2f} ms") if behind_stub else ("", "")
             cpu_s = f"{cpu:.0f} µs"
             print(f"| {g} | {p50:.2f} | {p99:.2f} | {added[0]} | {added[1]} | {cpu_s} | {best:,.0f} |")

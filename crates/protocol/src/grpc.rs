@@ -18,3 +18,28 @@ impl TokenLogprobs {
         })
     }
 }
+
+/// A `Generate` stream as a worker's service yields it, before any encoding.
+pub type ChunkStream = tonic::codegen::BoxStream<GenerateChunk>;
+
+/// A worker's `Generate` called in-process, message for message: no protobuf encoding, no
+/// body framing (`tandem_runtime::grpc` hands it to a frontend in the same process). Every
+/// generated [`worker_server::Worker`] is one.
+pub trait DirectWorker: Send + Sync + 'static {
+    fn generate_direct(
+        self: std::sync::Arc<Self>,
+        request: tonic::Request<GenerateRequest>,
+    ) -> tonic::codegen::BoxFuture<tonic::Response<ChunkStream>, tonic::Status>;
+}
+
+impl<T: worker_server::Worker> DirectWorker for T {
+    fn generate_direct(
+        self: std::sync::Arc<Self>,
+        request: tonic::Request<GenerateRequest>,
+    ) -> tonic::codegen::BoxFuture<tonic::Response<ChunkStream>, tonic::Status> {
+        Box::pin(async move {
+            let response = worker_server::Worker::generate(&*self, request).await?;
+            Ok(response.map(|s| Box::pin(s) as ChunkStream))
+        })
+    }
+}

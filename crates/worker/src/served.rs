@@ -310,13 +310,16 @@ pub async fn serve<C: WorkerCalls>(
     let metrics = engine.serve_metrics(tasks, stop.clone()).await?;
     let record = engine.record(addr, metrics);
     let server_stop = stop.child_token();
-    let service = worker_server::WorkerServer::new(WorkerService::new(calls.clone()));
-    // A frontend in this process (`--backend-url`, `tandem up`) calls the service directly.
+    let worker = Arc::new(WorkerService::new(calls.clone()));
+    let service = worker_server::WorkerServer::from_arc(worker.clone());
+    // A frontend in this process (`--backend-url`, `tandem up`) calls the service directly,
+    // and its `Generate` without encoding.
     let _local = tandem_runtime::grpc::register_local(
         &record.addresses.grpc,
         service.clone(),
         server_stop.clone(),
-    );
+    )
+    .with_direct(worker);
     let router = tonic::transport::Server::builder().add_service(service);
     let server = tokio::spawn(tandem_runtime::grpc::serve_tonic(
         router,

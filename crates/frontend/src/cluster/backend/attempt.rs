@@ -17,6 +17,7 @@ use tandem_router::{RouteError, RouteInput, RouteRequest, SessionKey};
 use tonic::Status;
 use tracing::Instrument as _;
 
+use super::stream::Chunks;
 use super::trace::{record_decision, route_span};
 use super::{ClusterBackend, Flight, Job};
 use crate::cluster::flow::Admission;
@@ -155,14 +156,7 @@ impl ClusterBackend {
         &self,
         plan: &Plan,
         job: &Job,
-    ) -> Result<
-        (
-            tonic::Streaming<GenerateChunk>,
-            GenerateChunk,
-            tracing::Span,
-        ),
-        Status,
-    > {
+    ) -> Result<(Chunks, GenerateChunk, tracing::Span), Status> {
         let greq = GenerateRequest {
             request_id: plan.flight.inner.request().0,
             prompt: job.req.prompt_tokens.clone(),
@@ -216,9 +210,14 @@ impl ClusterBackend {
         );
         let mut call = tonic::Request::new(greq);
         tandem_runtime::telemetry::inject_metadata(&span, call.metadata_mut());
+        // A worker of this process is called directly, its messages never encoded.
+        let direct = tandem_runtime::grpc::direct_worker(&plan.decode.record.addresses.grpc);
         let mut client = plan.decode.client.clone();
         let (stream, first) = async {
-            let mut stream = client.generate(call).await?.into_inner();
+            let mut stream = match direct {
+                Some(worker) => Chunks::Direct(worker.generate_direct(call).await?.into_inner()),
+                None => Chunks::Grpc(Box::new(client.generate(call).await?.into_inner())),
+            };
             let first = stream
                 .message()
                 .await?
@@ -515,17 +514,8 @@ impl ClusterBackend {
 
 /// An attempt's answer: the stream, its first chunk and the call's span, the worker's error,
 /// or the deadline.
-type Attempted = Result<
-    Result<
-        (
-            tonic::Streaming<GenerateChunk>,
-            GenerateChunk,
-            tracing::Span,
-        ),
-        Status,
-    >,
-    tokio::time::error::Elapsed,
->;
+type Attempted =
+    Result<Result<(Chunks, GenerateChunk, tracing::Span), Status>, tokio::time::error::Elapsed>;
 
 /// Why an attempt produced no first token.
 pub(super) enum Failed {
@@ -589,7 +579,7 @@ pub(super) struct Started {
     /// The decode worker streaming it (the source of a handover's KV).
     pub(super) decode: RemotePrefillTarget,
     pub(super) first: GenerateChunk,
-    pub(super) rest: tonic::Streaming<GenerateChunk>,
+    pub(super) rest: Chunks,
     pub(super) flight: Flight,
     /// The gRPC call's client span, open while its stream is read.
     pub(super) span: tracing::Span,

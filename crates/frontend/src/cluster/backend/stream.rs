@@ -12,6 +12,24 @@ use crate::cluster::cache_health::Observation;
 use crate::cluster::sessions::SessionPermit;
 use crate::http::{EngineReport, FinishReason, ServeError, TokenChunk, TokenLogprob};
 
+/// A decode worker's `Generate` stream: over gRPC, or from a worker of this process called
+/// directly (`tandem_runtime::grpc::direct_worker`: no encoding on either side).
+pub(super) enum Chunks {
+    /// Boxed: a `Streaming` is a few hundred bytes, a direct stream one pointer.
+    Grpc(Box<tonic::Streaming<GenerateChunk>>),
+    Direct(grpc::ChunkStream),
+}
+
+impl Chunks {
+    /// The next chunk, `None` at the stream's end.
+    pub(super) async fn message(&mut self) -> Result<Option<GenerateChunk>, tonic::Status> {
+        match self {
+            Chunks::Grpc(s) => s.message().await,
+            Chunks::Direct(s) => s.next().await.transpose(),
+        }
+    }
+}
+
 /// A request's output as it streams: the current decode worker's stream and tracker entry,
 /// and what is needed to migrate it when that worker fails mid-stream.
 pub(super) struct Run {
@@ -25,7 +43,7 @@ pub(super) struct Run {
     pub(super) migrations_left: u32,
     /// The first chunk of the current worker, not yet yielded.
     pub(super) pending: Option<GenerateChunk>,
-    pub(super) rest: tonic::Streaming<GenerateChunk>,
+    pub(super) rest: Chunks,
     pub(super) flight: Flight,
     /// Where the edge reads what the engine reported.
     pub(super) engine: EngineReport,
