@@ -17,7 +17,6 @@ use tandem_router::{RouteError, RouteInput, RouteRequest, SessionKey};
 use tonic::Status;
 use tracing::Instrument as _;
 
-use super::stream::Chunks;
 use super::trace::{record_decision, route_span};
 use super::{ClusterBackend, Flight, Job};
 use crate::cluster::flow::Admission;
@@ -508,6 +507,24 @@ impl ClusterBackend {
                 }
                 Err(Failed::Worker(decode, status))
             }
+        }
+    }
+}
+
+/// A decode worker's `Generate` stream: over gRPC, or from a worker of this process called
+/// directly (`tandem_runtime::grpc::direct_worker`: no encoding on either side).
+pub(super) enum Chunks {
+    /// Boxed: a `Streaming` is a few hundred bytes, a direct stream one pointer.
+    Grpc(Box<tonic::Streaming<GenerateChunk>>),
+    Direct(tandem_protocol::grpc::ChunkStream),
+}
+
+impl Chunks {
+    /// The next chunk, `None` at the stream's end.
+    pub(super) async fn message(&mut self) -> Result<Option<GenerateChunk>, tonic::Status> {
+        match self {
+            Chunks::Grpc(s) => s.message().await,
+            Chunks::Direct(s) => futures::StreamExt::next(s).await.transpose(),
         }
     }
 }

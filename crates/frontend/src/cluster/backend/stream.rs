@@ -6,29 +6,11 @@ use tandem_protocol::WorkerId;
 use tandem_protocol::grpc::{self, GenerateChunk, RemotePrefillTarget};
 
 use super::admission::TenantUse;
-use super::attempt::HitCheck;
+use super::attempt::{Chunks, HitCheck};
 use super::{ClusterBackend, Flight, Job};
 use crate::cluster::cache_health::Observation;
 use crate::cluster::sessions::SessionPermit;
 use crate::http::{EngineReport, FinishReason, ServeError, TokenChunk, TokenLogprob};
-
-/// A decode worker's `Generate` stream: over gRPC, or from a worker of this process called
-/// directly (`tandem_runtime::grpc::direct_worker`: no encoding on either side).
-pub(super) enum Chunks {
-    /// Boxed: a `Streaming` is a few hundred bytes, a direct stream one pointer.
-    Grpc(Box<tonic::Streaming<GenerateChunk>>),
-    Direct(grpc::ChunkStream),
-}
-
-impl Chunks {
-    /// The next chunk, `None` at the stream's end.
-    pub(super) async fn message(&mut self) -> Result<Option<GenerateChunk>, tonic::Status> {
-        match self {
-            Chunks::Grpc(s) => s.message().await,
-            Chunks::Direct(s) => s.next().await.transpose(),
-        }
-    }
-}
 
 /// A request's output as it streams: the current decode worker's stream and tracker entry,
 /// and what is needed to migrate it when that worker fails mid-stream.
