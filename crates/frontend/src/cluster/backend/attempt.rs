@@ -211,11 +211,14 @@ impl ClusterBackend {
         tandem_runtime::telemetry::inject_metadata(&span, call.metadata_mut());
         // A worker of this process is called directly, its messages never encoded.
         let direct = tandem_runtime::grpc::direct_worker(&plan.decode.record.addresses.grpc);
-        let mut client = plan.decode.client.clone();
         let (stream, first) = async {
             let mut stream = match direct {
                 Some(worker) => Chunks::Direct(worker.generate_direct(call).await?.into_inner()),
-                None => Chunks::Grpc(Box::new(client.generate(call).await?.into_inner())),
+                // The client is cloned only for a call that goes through it.
+                None => {
+                    let mut client = plan.decode.client.clone();
+                    Chunks::Grpc(Box::new(client.generate(call).await?.into_inner()))
+                }
             };
             let first = stream
                 .message()
