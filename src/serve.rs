@@ -649,6 +649,9 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         None => None,
     };
     if args.backends.is_set() {
+        // The sidecars' events stay in this process, and so would router sync: no other
+        // replica could hear it.
+        cfg.backend.replica_sync = false;
         let sidecars = args.backends.sidecars(&args.http.model, args.block_size)?;
         return crate::backends::run(cfg, sidecars, listener, admin, shutdown_on_signals()).await;
     }

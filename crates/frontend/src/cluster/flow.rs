@@ -247,9 +247,13 @@ impl<J, P> Gate<J, P> {
         }
     }
 
-    /// Capacity may have freed: run the pump soon.
+    /// Capacity may have freed: run the pump soon, if anything waits for it. With the queue
+    /// empty there is nothing to dispatch (a request queued later wakes the pump itself), and
+    /// waking it anyway would cost every request a task wake-up or three.
     pub(crate) fn wake(&self) {
-        self.wake.notify_one();
+        if !self.queue.lock().is_empty() {
+            self.wake.notify_one();
+        }
     }
 
     pub(crate) async fn woken(&self) {
