@@ -3,15 +3,16 @@
 //!
 //! The filter is the configured one, else the `RUST_LOG` environment variable (read by
 //! `tracing_subscriber::EnvFilter`: the one place this crate reads the environment), else
-//! `info`. Logs go to stderr so that a command's results on stdout stay clean. The filter
-//! applies to the log lines only: the spans exported are tandem's own at `info` and above
+//! `info`. Logs go to stderr so that a command's results on stdout stay clean; a log line is
+//! an event, never a span's opening or its fields. The filter applies to the log lines only: the spans exported are tandem's own at `info` and above
 //! whatever the log level (with warnings and errors inside them as span events).
 //!
 //! Traces cross processes with W3C trace context (`traceparent`, `tracestate`;
 //! <https://www.w3.org/TR/trace-context/>): [`inject_metadata`] / [`extract_metadata`] on
 //! gRPC metadata between frontend and workers, [`inject_headers`] / [`extract_headers`] on
 //! HTTP (from clients, to external engines). A process follows its parent's sampling
-//! decision; a trace begun here is kept with the configured ratio.
+//! decision; a trace begun here is kept with the configured ratio. Every helper here does
+//! nothing for a span no layer took (a process that exports no traces).
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,6 +30,7 @@ use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
+use tracing_subscriber::filter::FilterExt as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
@@ -128,20 +130,24 @@ pub fn init(config: TelemetryConfig) -> Result<TelemetryGuard, RuntimeError> {
                     }
             }))
     });
+    // Log lines are events only: tandem's spans are for traces, and every event says what it
+    // is about in its own fields. A span the log layer took would have its fields formatted
+    // when it opens and at each `record`, whether or not a line is ever written in it (about
+    // a twentieth of the frontend's CPU per request); without the OTLP layer no one takes a
+    // span, and a request's spans cost only the check that says so.
+    let events_only = tracing_subscriber::filter::filter_fn(|meta| !meta.is_span());
     let fmt = if config.json {
         tracing_subscriber::fmt::layer()
             .json()
             .with_writer(std::io::stderr)
-            .with_filter(filter)
+            .with_filter(filter.and(events_only))
             .boxed()
     } else {
-        // Colours only for a terminal: a log file or a container's pipe gets plain text, and
-        // every span's fields are formatted without the escape codes (the fmt layer formats
-        // a span's fields when it opens, whether or not a line is ever written in it).
+        // Colours only for a terminal: a log file or a container's pipe gets plain text.
         tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
             .with_ansi(std::io::stderr().is_terminal())
-            .with_filter(filter)
+            .with_filter(filter.and(events_only))
             .boxed()
     };
     // An error here only means a global subscriber exists already: that is the no-op case.
@@ -244,22 +250,34 @@ impl Extractor for HeaderExtractor<'_> {
 
 /// Puts `span`'s trace context into gRPC metadata (nothing when it is not traced).
 pub fn inject_metadata(span: &tracing::Span, metadata: &mut MetadataMap) {
+    if span.is_disabled() {
+        return;
+    }
     TraceContextPropagator::new().inject_context(&span.context(), &mut MetadataInjector(metadata));
 }
 
 /// Makes the trace context in gRPC metadata, if any, `span`'s parent.
 pub fn extract_metadata(span: &tracing::Span, metadata: &MetadataMap) {
+    if span.is_disabled() {
+        return;
+    }
     let cx = TraceContextPropagator::new().extract(&MetadataExtractor(metadata));
     set_remote_parent(span, cx);
 }
 
 /// Puts `span`'s trace context into HTTP headers (nothing when it is not traced).
 pub fn inject_headers(span: &tracing::Span, headers: &mut HeaderMap) {
+    if span.is_disabled() {
+        return;
+    }
     TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderInjector(headers));
 }
 
 /// Makes the trace context in HTTP headers, if any, `span`'s parent.
 pub fn extract_headers(span: &tracing::Span, headers: &HeaderMap) {
+    if span.is_disabled() {
+        return;
+    }
     let cx = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
     set_remote_parent(span, cx);
 }
@@ -276,6 +294,9 @@ fn set_remote_parent(span: &tracing::Span, cx: opentelemetry::Context) {
 /// Sets string attributes on `span`'s OpenTelemetry span only: constants such as
 /// `rpc.system` that would only lengthen every log line inside the span as `tracing` fields.
 pub fn set_attributes(span: &tracing::Span, attributes: &[(&'static str, &'static str)]) {
+    if span.is_disabled() {
+        return;
+    }
     for (k, v) in attributes {
         span.set_attribute(*k, *v);
     }
@@ -284,6 +305,9 @@ pub fn set_attributes(span: &tracing::Span, attributes: &[(&'static str, &'stati
 /// Sets a string-array attribute (as the GenAI conventions' `gen_ai.response.finish_reasons`),
 /// which `tracing` fields cannot carry.
 pub fn set_string_array(span: &tracing::Span, key: &'static str, values: &[&str]) {
+    if span.is_disabled() {
+        return;
+    }
     let values: Vec<opentelemetry::StringValue> =
         values.iter().map(|v| v.to_string().into()).collect();
     span.set_attribute(key, opentelemetry::Value::Array(values.into()));
@@ -296,10 +320,14 @@ pub fn int(v: u64) -> i64 {
 }
 
 /// Renames `span` once it is known what it is (as the GenAI conventions' `chat {model}`,
-/// after the request is parsed); `otel.name` only names a span before it starts.
-pub fn set_name(span: &tracing::Span, name: String) {
+/// after the request is parsed); `otel.name` only names a span before it starts. The name is
+/// written out only for a span that is traced.
+pub fn set_name(span: &tracing::Span, name: std::fmt::Arguments<'_>) {
     use opentelemetry::trace::TraceContextExt as _;
-    span.context().span().update_name(name);
+    if span.is_disabled() {
+        return;
+    }
+    span.context().span().update_name(name.to_string());
 }
 
 /// The W3C `traceparent` of `span`, when it is traced (for tests and logs).

@@ -29,6 +29,9 @@ pub(super) fn record_decision(
     d: &tandem_router::DisaggDecision,
     excluded: usize,
 ) {
+    if span.is_disabled() {
+        return;
+    }
     span.record(
         "tandem.route.decode_worker",
         tandem_runtime::telemetry::int(d.decode_worker().0),

@@ -64,7 +64,7 @@ pub(crate) fn request_span(endpoint: Endpoint, headers: &HeaderMap) -> tracing::
 /// What the request asked for, once validated.
 pub(crate) fn record_request(span: &tracing::Span, req: &ValidRequest) {
     let model = req.adapter.as_deref().unwrap_or(&req.model);
-    tandem_runtime::telemetry::set_name(span, format!("{} {model}", operation(req.endpoint)));
+    tandem_runtime::telemetry::set_name(span, format_args!("{} {model}", operation(req.endpoint)));
     span.record("gen_ai.request.model", model);
     span.record("gen_ai.response.model", model);
     span.record("gen_ai.request.max_tokens", i64::from(req.max_tokens));
