@@ -213,6 +213,9 @@ pub struct EngineApi {
     /// SGLang: `output_ids` are increments (`--incremental-streaming-output`).
     incremental_output: bool,
     http: reqwest::Client,
+    /// Where generations are posted, parsed once: `[0]` the completions (or SGLang's
+    /// `/generate`), `[1]` the chat completions. Shared by the clones.
+    urls: Arc<[reqwest::Url; 2]>,
     /// How liveness is asked (`probe.rs`): `/health`, else `/v1/models`, else a one-token
     /// completion, as the engine has them. Shared by the clones.
     liveness: Arc<AtomicU8>,
@@ -237,12 +240,22 @@ impl EngineApi {
             .pool_idle_timeout(Duration::from_secs(90))
             .build()
             .map_err(|e| EngineError::Protocol(format!("HTTP client: {e}")))?;
+        let url = |path: &str| {
+            reqwest::Url::parse(&format!("{base}{path}"))
+                .map_err(|e| EngineError::Protocol(format!("--engine-url {url:?}: {e}")))
+        };
+        let generate = match kind {
+            EngineKind::Vllm | EngineKind::Openai => "/v1/completions",
+            EngineKind::Sglang => "/generate",
+        };
+        let urls = Arc::new([url(generate)?, url("/v1/chat/completions")?]);
         Ok(EngineApi {
             kind,
             base,
             model: model.to_string(),
             incremental_output: false,
             http,
+            urls,
             liveness: Arc::new(AtomicU8::new(0)),
             takes_text: Arc::new(AtomicBool::new(false)),
         })
@@ -340,13 +353,10 @@ impl EngineApi {
         }
     }
 
-    fn generate_url(&self, req: &EngineGenerate) -> String {
-        if let Some(TextPrompt::Chat { .. }) = req.text {
-            return format!("{}/v1/chat/completions", self.base);
-        }
-        match self.kind {
-            EngineKind::Vllm | EngineKind::Openai => format!("{}/v1/completions", self.base),
-            EngineKind::Sglang => format!("{}/generate", self.base),
+    fn generate_url(&self, req: &EngineGenerate) -> reqwest::Url {
+        match req.text {
+            Some(TextPrompt::Chat { .. }) => self.urls[1].clone(),
+            _ => self.urls[0].clone(),
         }
     }
 

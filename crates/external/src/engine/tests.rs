@@ -225,7 +225,7 @@ fn text_prompts_go_in_openais_own_fields() {
     ] {
         assert!(b.get(extension).is_none(), "{extension} in {b}");
     }
-    assert_eq!(api.generate_url(&req), "http://h:1/v1/completions");
+    assert_eq!(api.generate_url(&req).as_str(), "http://h:1/v1/completions");
 
     let chat = PromptText {
         kind: Some(Kind::Chat(ChatText {
@@ -240,7 +240,10 @@ fn text_prompts_go_in_openais_own_fields() {
     let b = api.body(&req, false);
     assert_eq!(b["messages"], json!([{"role": "user", "content": "Hi"}]));
     assert!(b.get("prompt").is_none() && b.get("tools").is_none(), "{b}");
-    assert_eq!(api.generate_url(&req), "http://h:1/v1/chat/completions");
+    assert_eq!(
+        api.generate_url(&req).as_str(),
+        "http://h:1/v1/chat/completions"
+    );
 
     // Conversations that are not JSON lists are refused with why.
     for (messages, tools, why) in [
