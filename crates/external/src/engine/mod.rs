@@ -52,7 +52,8 @@ use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 use serde_json::{Value, json};
 
-use logprobs::{sglang_logprobs, vllm_logprobs};
+use answer::{VllmAnswer, count, ids, vllm_delta};
+use logprobs::sglang_logprobs;
 use tandem_protocol::grpc::TokenLogprobs;
 pub use text::TextPrompt;
 
@@ -424,30 +425,7 @@ impl EngineApi {
                 if data == "[DONE]" {
                     break;
                 }
-                let v: Value = match serde_json::from_str(&data) {
-                    Ok(v) => v,
-                    Err(e) => {
-                        let _ = tx
-                            .send(Err(EngineError::Protocol(format!("bad JSON event: {e}"))))
-                            .await;
-                        return;
-                    }
-                };
-                if let Some(err) = v.get("error") {
-                    let _ = tx
-                        .send(Err(EngineError::Failed {
-                            status: 500,
-                            body: err.to_string(),
-                        }))
-                        .await;
-                    return;
-                }
-                let delta = match kind {
-                    EngineKind::Vllm => vllm_delta(&v, false, top),
-                    EngineKind::Openai => vllm_delta(&v, true, top),
-                    EngineKind::Sglang => sglang_delta(&v, incremental, &mut seen, top),
-                };
-                let delta = match delta {
+                let delta = match event_delta(&data, kind, incremental, &mut seen, top) {
                     Ok(d) => d,
                     Err(e) => {
                         let _ = tx.send(Err(e)).await;
@@ -475,15 +453,20 @@ impl EngineApi {
     /// answer into one delta.
     pub async fn generate_whole(&self, req: &EngineGenerate) -> Result<EngineDelta, EngineError> {
         let resp = self.post(req, false).await?;
-        let v: Value = resp
-            .json()
+        let body = resp
+            .bytes()
             .await
-            .map_err(|e| EngineError::Protocol(format!("bad JSON answer: {e}")))?;
-        let mut seen = 0;
+            .map_err(|e| EngineError::Unreachable(e.to_string()))?;
+        let bad = |e: serde_json::Error| EngineError::Protocol(format!("bad JSON answer: {e}"));
         let mut d = match self.kind {
-            EngineKind::Vllm => vllm_delta(&v, false, req.logprobs)?,
-            EngineKind::Openai => vllm_delta(&v, true, req.logprobs)?,
-            EngineKind::Sglang => sglang_delta(&v, false, &mut seen, req.logprobs)?,
+            EngineKind::Sglang => {
+                let v: Value = serde_json::from_slice(&body).map_err(bad)?;
+                sglang_delta(&v, false, &mut 0, req.logprobs)?
+            }
+            kind => {
+                let a: VllmAnswer = serde_json::from_slice(&body).map_err(bad)?;
+                vllm_delta(&a, kind == EngineKind::Openai, req.logprobs)?
+            }
         };
         if d.finish.is_none() {
             d.finish = Some(EngineFinish::Length);
@@ -527,96 +510,36 @@ async fn check_status(resp: reqwest::Response) -> Result<reqwest::Response, Engi
     })
 }
 
-fn ids(v: &Value) -> Result<Vec<u32>, EngineError> {
-    match v {
-        Value::Null => Ok(Vec::new()),
-        Value::Array(a) => a
-            .iter()
-            .map(|t| {
-                t.as_u64()
-                    .and_then(|t| u32::try_from(t).ok())
-                    .ok_or_else(|| EngineError::Protocol(format!("bad token id {t}")))
-            })
-            .collect(),
-        other => Err(EngineError::Protocol(format!(
-            "token ids are not a list: {other}"
-        ))),
-    }
-}
-
-fn count(v: &Value) -> Option<u32> {
-    v.as_u64().and_then(|n| u32::try_from(n).ok())
-}
-
-/// One vLLM completion chunk (or whole answer). `text_ok`: a plain OpenAI server's chunk
-/// without token ids passes its text on. `top`: the alternatives asked for with logprobs
-/// (`None`: no logprobs asked, none read).
-fn vllm_delta(v: &Value, text_ok: bool, top: Option<u32>) -> Result<EngineDelta, EngineError> {
-    let mut d = EngineDelta::default();
-    if let Some(choices) = v.get("choices").and_then(Value::as_array) {
-        for c in choices {
-            let toks = c.get("token_ids").unwrap_or(&Value::Null);
-            // A chat answer's text is its message's (streamed: its delta's) `content`.
-            let text = c
-                .get("text")
-                .or_else(|| c.get("delta").and_then(|d| d.get("content")))
-                .or_else(|| c.get("message").and_then(|m| m.get("content")))
-                .and_then(Value::as_str)
-                .filter(|t| !t.is_empty());
-            if toks.is_null()
-                && let Some(text) = text
-            {
-                if !text_ok {
-                    return Err(EngineError::Protocol(
-                        "the engine returned text without token ids: it does not support \
-                         `return_token_ids` (vLLM ≥ 0.10.2 does); use --engine openai (or \
-                         --backend-engine openai) for servers that answer text only"
-                            .into(),
-                    ));
-                }
-                d.text.get_or_insert_with(String::new).push_str(text);
+/// One streamed event's delta (`seen`, `top`: as [`sglang_delta`]'s). An `error` object in
+/// place of a chunk is the engine failing the request.
+fn event_delta(
+    data: &str,
+    kind: EngineKind,
+    incremental: bool,
+    seen: &mut usize,
+    top: Option<u32>,
+) -> Result<EngineDelta, EngineError> {
+    let bad = |e: serde_json::Error| EngineError::Protocol(format!("bad JSON event: {e}"));
+    let failed = |err: &Value| EngineError::Failed {
+        status: 500,
+        body: err.to_string(),
+    };
+    match kind {
+        EngineKind::Sglang => {
+            let v: Value = serde_json::from_str(data).map_err(bad)?;
+            match v.get("error") {
+                Some(err) => Err(failed(err)),
+                None => sglang_delta(&v, incremental, seen, top),
             }
-            let new = ids(toks)?;
-            if let Some(n) = top
-                && !new.is_empty()
-            {
-                d.logprobs
-                    .extend(vllm_logprobs(c.get("logprobs"), &new, n)?);
+        }
+        EngineKind::Vllm | EngineKind::Openai => {
+            let a: VllmAnswer = serde_json::from_str(data).map_err(bad)?;
+            match &a.error {
+                Some(err) => Err(failed(err)),
+                None => vllm_delta(&a, kind == EngineKind::Openai, top),
             }
-            d.tokens.extend(new);
-            d.finish = match c.get("finish_reason").and_then(Value::as_str) {
-                Some("length") => Some(EngineFinish::Length),
-                Some(_) => Some(EngineFinish::Stop),
-                None => d.finish,
-            };
         }
     }
-    if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-        d.prompt_tokens = u.get("prompt_tokens").and_then(count);
-        d.completion_tokens = u.get("completion_tokens").and_then(count);
-        d.cached_tokens = u
-            .get("prompt_tokens_details")
-            .and_then(|p| p.get("cached_tokens"))
-            .and_then(count);
-    }
-    // llama.cpp's server says what its prompt cache served in `timings` (its
-    // `result_timings::to_json`: `cache_n` tokens reused, `prompt_n` evaluated, `predicted_n`
-    // generated), on the last chunk, whether or not the usage has the details.
-    if let Some(t) = v.get("timings").filter(|t| t.is_object()) {
-        let (cache, evaluated) = (
-            t.get("cache_n").and_then(count),
-            t.get("prompt_n").and_then(count),
-        );
-        d.cached_tokens = d.cached_tokens.or(cache);
-        if let (None, Some(c), Some(e)) = (d.prompt_tokens, cache, evaluated) {
-            d.prompt_tokens = Some(c.saturating_add(e));
-        }
-        d.completion_tokens = d.completion_tokens.or(t.get("predicted_n").and_then(count));
-    }
-    if let Some(k) = v.get("kv_transfer_params").filter(|k| !k.is_null()) {
-        d.kv_transfer_params = Some(k.clone());
-    }
-    Ok(d)
 }
 
 /// One SGLang `/generate` object; `seen` counts ids already delivered (cumulative mode).
@@ -760,6 +683,7 @@ fn tokio_stream_from<T: Send + 'static>(
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|t| (t, rx)) })
 }
 
+mod answer;
 mod logprobs;
 mod probe;
 #[cfg(test)]

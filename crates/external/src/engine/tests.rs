@@ -2,6 +2,12 @@
 
 use super::*;
 
+/// The delta of a vLLM / OpenAI answer written as JSON (read as the client reads it).
+fn vllm_delta(v: &Value, text_ok: bool, top: Option<u32>) -> Result<EngineDelta, EngineError> {
+    let answer: VllmAnswer = serde_json::from_value(v.clone()).unwrap();
+    super::vllm_delta(&answer, text_ok, top)
+}
+
 fn events_of(chunks: &[&'static str]) -> Vec<Result<String, String>> {
     let body = futures::stream::iter(
         chunks

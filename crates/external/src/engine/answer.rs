@@ -1,0 +1,140 @@
+//! An engine's answer read into what tandem uses of it: the typed shape of a vLLM or
+//! OpenAI-style completion or chat answer (whole, or one streamed chunk), and the delta made
+//! of it. Only the fields read here are built while parsing; the rest (the prompt's own token
+//! ids, ids, timestamps, fingerprints) are skipped unbuilt, which a `serde_json::Value` of the
+//! whole answer would not do.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::logprobs::vllm_logprobs;
+use super::{EngineDelta, EngineError, EngineFinish};
+
+/// The fields of a vLLM / OpenAI answer that tandem reads. Where the servers differ in shape,
+/// the field stays a [`Value`] and is read as before; a field set to `null` is as absent.
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct VllmAnswer {
+    #[serde(default)]
+    choices: Option<Vec<VllmChoice>>,
+    #[serde(default)]
+    usage: Option<Value>,
+    /// llama.cpp's server: what its prompt cache served.
+    #[serde(default)]
+    timings: Option<Value>,
+    #[serde(default)]
+    kv_transfer_params: Option<Value>,
+    /// An error sent in place of a chunk.
+    #[serde(default)]
+    pub(super) error: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct VllmChoice {
+    #[serde(default)]
+    token_ids: Value,
+    #[serde(default)]
+    text: Option<Value>,
+    /// A streamed chat chunk's.
+    #[serde(default)]
+    delta: Option<Value>,
+    /// A whole chat answer's.
+    #[serde(default)]
+    message: Option<Value>,
+    #[serde(default)]
+    logprobs: Option<Value>,
+    #[serde(default)]
+    finish_reason: Option<Value>,
+}
+
+pub(super) fn ids(v: &Value) -> Result<Vec<u32>, EngineError> {
+    match v {
+        Value::Null => Ok(Vec::new()),
+        Value::Array(a) => a
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| EngineError::Protocol(format!("bad token id {t}")))
+            })
+            .collect(),
+        other => Err(EngineError::Protocol(format!(
+            "token ids are not a list: {other}"
+        ))),
+    }
+}
+
+pub(super) fn count(v: &Value) -> Option<u32> {
+    v.as_u64().and_then(|n| u32::try_from(n).ok())
+}
+
+/// One vLLM completion chunk (or whole answer). `text_ok`: a plain OpenAI server's chunk
+/// without token ids passes its text on. `top`: the alternatives asked for with logprobs
+/// (`None`: no logprobs asked, none read).
+pub(super) fn vllm_delta(
+    v: &VllmAnswer,
+    text_ok: bool,
+    top: Option<u32>,
+) -> Result<EngineDelta, EngineError> {
+    let mut d = EngineDelta::default();
+    for c in v.choices.iter().flatten() {
+        let toks = &c.token_ids;
+        // A chat answer's text is its message's (streamed: its delta's) `content`.
+        let text = c
+            .text
+            .as_ref()
+            .or_else(|| c.delta.as_ref().and_then(|d| d.get("content")))
+            .or_else(|| c.message.as_ref().and_then(|m| m.get("content")))
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty());
+        if toks.is_null()
+            && let Some(text) = text
+        {
+            if !text_ok {
+                return Err(EngineError::Protocol(
+                    "the engine returned text without token ids: it does not support \
+                     `return_token_ids` (vLLM ≥ 0.10.2 does); use --engine openai (or \
+                     --backend-engine openai) for servers that answer text only"
+                        .into(),
+                ));
+            }
+            d.text.get_or_insert_with(String::new).push_str(text);
+        }
+        let new = ids(toks)?;
+        if let Some(n) = top
+            && !new.is_empty()
+        {
+            d.logprobs
+                .extend(vllm_logprobs(c.logprobs.as_ref(), &new, n)?);
+        }
+        d.tokens.extend(new);
+        d.finish = match c.finish_reason.as_ref().and_then(Value::as_str) {
+            Some("length") => Some(EngineFinish::Length),
+            Some(_) => Some(EngineFinish::Stop),
+            None => d.finish,
+        };
+    }
+    if let Some(u) = &v.usage {
+        d.prompt_tokens = u.get("prompt_tokens").and_then(count);
+        d.completion_tokens = u.get("completion_tokens").and_then(count);
+        d.cached_tokens = u
+            .get("prompt_tokens_details")
+            .and_then(|p| p.get("cached_tokens"))
+            .and_then(count);
+    }
+    // llama.cpp's server says what its prompt cache served in `timings` (its
+    // `result_timings::to_json`: `cache_n` tokens reused, `prompt_n` evaluated, `predicted_n`
+    // generated), on the last chunk, whether or not the usage has the details.
+    if let Some(t) = v.timings.as_ref().filter(|t| t.is_object()) {
+        let (cache, evaluated) = (
+            t.get("cache_n").and_then(count),
+            t.get("prompt_n").and_then(count),
+        );
+        d.cached_tokens = d.cached_tokens.or(cache);
+        if let (None, Some(c), Some(e)) = (d.prompt_tokens, cache, evaluated) {
+            d.prompt_tokens = Some(c.saturating_add(e));
+        }
+        d.completion_tokens = d.completion_tokens.or(t.get("predicted_n").and_then(count));
+    }
+    d.kv_transfer_params = v.kv_transfer_params.clone();
+    Ok(d)
+}
