@@ -4,8 +4,9 @@
 //! The filter is the configured one, else the `RUST_LOG` environment variable (read by
 //! `tracing_subscriber::EnvFilter`: the one place this crate reads the environment), else
 //! `info`. Logs go to stderr so that a command's results on stdout stay clean; a log line is
-//! an event, never a span's opening or its fields. The filter applies to the log lines only: the spans exported are tandem's own at `info` and above
-//! whatever the log level (with warnings and errors inside them as span events).
+//! an event, never a span's opening or its fields. The filter applies to the log lines only:
+//! the spans exported are tandem's own at `info` and above whatever the log level (with
+//! warnings and errors inside them as span events).
 //!
 //! Traces cross processes with W3C trace context (`traceparent`, `tracestate`;
 //! <https://www.w3.org/TR/trace-context/>): [`inject_metadata`] / [`extract_metadata`] on
