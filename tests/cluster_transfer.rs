@@ -6,7 +6,7 @@
 //! (`common::chat::serial`). Eventual conditions are polled with deadlines; no timing is
 //! asserted beyond "ends within a bound" (docs/CONVENTIONS.md §10).
 
-mod common;
+use tandem_test_support as common;
 
 use std::time::Duration;
 

@@ -11,7 +11,7 @@
 //! the stream migrates; plain OpenAI-compatible servers behind `--backend-url`: one without
 //! `/health`, one answering text only, one taking prompts only as text (and chats as messages).
 
-mod common;
+use tandem_test_support as common;
 
 use std::time::{Duration, Instant};
 

@@ -13,7 +13,7 @@
 //! - A picker with no workers answers 503, and its gRPC health says NOT_SERVING for
 //!   readiness and the ext_proc service (SERVING for liveness).
 
-mod common;
+use tandem_test_support as common;
 
 use std::net::SocketAddr;
 use std::process::Command;

@@ -10,7 +10,7 @@
 //! The default sizes keep each scenario to seconds for CI; `TANDEM_FAULTS_LONG=1` runs the
 //! long versions (e.g. 50 decode-worker kills).
 
-mod common;
+use tandem_test_support as common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -17,7 +17,7 @@
 //! adapter's load comes from the engine's `vllm:lora_requests_info` and its cache from the
 //! engine's KV events.
 
-mod common;
+use tandem_test_support as common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! disagrees with the pinned digest leaves nothing in the cache and says why; offline with
 //! nothing cached, the error says what to download and where to put it.
 
-mod common;
+use tandem_test_support as common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

@@ -3,7 +3,7 @@
 //! first request, the same tokens whether the prompt is prefilled on the decode worker or on
 //! a prefill worker with its KV moved over, frontend and engines tokenizing alike.
 
-mod common;
+use tandem_test_support as common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -15,7 +15,7 @@
 //! seeded at temperature 0.8; chats; and prompts that repeat, extend or cut an earlier one,
 //! whose prefix the decode worker then holds (only the rest is prefilled and moved).
 
-mod common;
+use tandem_test_support as common;
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -361,7 +361,7 @@ fn an_f32_prefill_pool_serves_an_f16_decode_pool_through_a_conversion() {
     );
 }
 
-/// A cluster of separate processes on real etcd and NATS (tests/common/cluster.rs), its
+/// A cluster of separate processes on real etcd and NATS (testing/support/src/cluster.rs), its
 /// workers computing the model.
 fn native_cluster(name: &str, opts: Options) -> Cluster {
     let model = model_path().display().to_string();

@@ -8,7 +8,7 @@
 //! KV and waiting thresholds are off so that nothing else decides), and the mocker runs at
 //! real speed so that a request of a few hundred tokens lasts seconds.
 
-mod common;
+use tandem_test_support as common;
 
 use std::sync::mpsc;
 use std::thread::JoinHandle;

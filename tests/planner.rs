@@ -12,7 +12,7 @@
 //! (0.65, 0.67 ≤ 0.8); 5/s (2,480 and 160) need two of each. The forecast is smoothed more
 //! than by default (α 0.4, β 0.1): 1-s intervals see 2 or 3 of the 2.5 requests/s.
 
-mod common;
+use tandem_test_support as common;
 
 use std::net::SocketAddr;
 use std::path::Path;

@@ -3,7 +3,7 @@
 //! PromQL expression that deploy/ uses (the Grafana dashboard's panels, the autoscalers'
 //! queries) evaluates to data.
 
-mod common;
+use tandem_test_support as common;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

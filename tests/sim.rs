@@ -1,6 +1,6 @@
 //! `tandem sim` over the built binary: flags, the markdown table, the JSON record, plots.
 
-mod common;
+use tandem_test_support as common;
 
 use std::process::Command;
 

@@ -10,7 +10,7 @@
 //! The long version, 100,000+ requests of 1,200-word prompts on a release build, is
 //! `scripts/soak.sh`.
 
-mod common;
+use tandem_test_support as common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

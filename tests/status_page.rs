@@ -9,7 +9,7 @@
 //! Needs Debian's `chromium` and `chromium-driver` (scripts/test.sh installs them); without
 //! them the test fails saying so.
 
-mod common;
+use tandem_test_support as common;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

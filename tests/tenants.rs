@@ -10,7 +10,7 @@
 //! same prompt. (This is the one place tests/ asserts timing: the issue asks for the leak to
 //! be shown the way an attacker would measure it.)
 
-mod common;
+use tandem_test_support as common;
 
 use std::time::{Duration, Instant};
 

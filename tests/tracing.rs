@@ -4,7 +4,7 @@
 //! span tree of one disaggregated request is checked — parentage across the processes
 //! (W3C trace context in gRPC metadata), names, kinds and the GenAI attributes.
 
-mod common;
+use tandem_test_support as common;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

@@ -21,7 +21,7 @@
 //! (dropping a stream cancels its request), so nothing depends on how fast the mocker is.
 //! Eventual conditions are polled with deadlines (docs/CONVENTIONS.md §10).
 
-mod common;
+use tandem_test_support as common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -15,8 +15,7 @@
 //! - deploy/local/run.sh starts the topology as processes; each frontend answers a chat
 //!   completion, and SIGTERM stops every process.
 
-#[path = "../common/mod.rs"]
-mod common;
+use tandem_test_support as common;
 mod container;
 mod flags;
 mod local;

@@ -115,12 +115,12 @@ pub struct Proc {
 impl Proc {
     /// Starts the `tandem` binary with `args`, stdout and stderr into `log`.
     pub fn spawn(name: &str, role: &'static str, args: &[String], log: &Path) -> Proc {
-        Proc::spawn_bin(env!("CARGO_BIN_EXE_tandem"), name, role, args, log)
+        Proc::spawn_bin(super::bin("tandem"), name, role, args, log)
     }
 
     /// Starts `bin` with `args`, stdout and stderr into `log`.
     pub fn spawn_bin(
-        bin: &str,
+        bin: impl AsRef<std::ffi::OsStr>,
         name: &str,
         role: &'static str,
         args: &[String],
@@ -399,13 +399,7 @@ impl Cluster {
             args.extend(self.opts.engine_args.iter().cloned());
             let name = format!("engine-{id}");
             let log = self.dir.join(format!("{name}-{attempt}.log"));
-            let mut p = Proc::spawn_bin(
-                env!("CARGO_BIN_EXE_tandem-standin"),
-                &name,
-                "engine",
-                &args,
-                &log,
-            );
+            let mut p = Proc::spawn_bin(super::bin("tandem-standin"), &name, "engine", &args, &log);
             p.worker_id = Some(id);
             let addr = SocketAddr::from(([127, 0, 0, 1], http));
             let healthy = wait_for(

@@ -2,12 +2,13 @@
 //! target/models), for the tests that serve the real model.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::cluster::{Proc, wait_for};
 use super::http;
 
+#[derive(Debug)]
 pub struct Up {
     pub proc: Proc,
     pub addr: SocketAddr,
@@ -25,8 +26,7 @@ impl Drop for Up {
 }
 
 pub fn model_path() -> PathBuf {
-    let model =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let model = super::repo().join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
         model.exists(),
         "{} is missing: scripts/test.sh fetches it",

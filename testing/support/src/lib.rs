@@ -1,6 +1,10 @@
-//! Helpers shared by the tests that drive the built `tandem` binary.
-
-#![allow(dead_code)] // each test crate uses its own subset
+//! What the integration tests of the `tandem` package share (tests/): processes and whole
+//! clusters on real etcd and NATS, the native model's `tandem up`, a plain HTTP/1.1 client with
+//! SSE, the OpenAI response shapes, Prometheus text, and the vLLM stand-in. A crate of its own,
+//! so it is compiled once for every test binary, not once in each.
+//!
+//! The binaries under test are the ones cargo builds for the integration test that runs
+//! ([`bin`]); the repository's files are found from this crate's place in it ([`repo`]).
 
 pub mod chat;
 pub mod cluster;
@@ -10,8 +14,35 @@ pub mod native;
 pub mod openai;
 pub mod standin;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+/// The repository's root directory (this crate is `testing/support` in it).
+pub fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("testing/support lies two levels below the repository's root")
+}
+
+/// A binary of the `tandem` package (`tandem`, `tandem-standin`): cargo builds them for the
+/// package's integration tests into the directory above the test binary's own `deps/`.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = exe.parent().expect("the test binary's directory");
+    let dir = if dir.ends_with("deps") {
+        dir.parent().unwrap_or(dir)
+    } else {
+        dir
+    };
+    let path = dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        path.exists(),
+        "{} is missing: it is built for the tandem package's integration tests",
+        path.display()
+    );
+    path
+}
 
 /// A fresh directory for one test's files, unique per process.
 pub fn temp_dir(tag: &str) -> PathBuf {
@@ -22,15 +53,13 @@ pub fn temp_dir(tag: &str) -> PathBuf {
 
 /// A trace the repository ships (traces/).
 pub fn trace(name: &str) -> PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("traces")
-        .join(name)
+    repo().join("traces").join(name)
 }
 
 /// The interpreter of one Python tool's venv, `target/python/<tool>` (scripts/test.sh makes one
 /// per tool: two tools' packages installed together can overwrite each other's files).
 pub fn python(tool: &str) -> PathBuf {
-    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/python");
+    let venv = repo().join("target/python");
     venv.join(tool).join("bin/python3")
 }
 
