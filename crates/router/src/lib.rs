@@ -58,6 +58,9 @@
 //!   `replica/admit.rs` (routing a queued request only to unsaturated workers).
 //! - [`resilience`] (what happens when workers fail): `breaker.rs` ([`Breakers`] per worker
 //!   and the [`RetryBudget`]), `hedge.rs` ([`TtftHistory`], when a second attempt starts).
+//! - [`groups`] (beyond one pool): a model's backend groups in priority order — this
+//!   process's pool or endpoints it cannot see into — with each group's strategy, the
+//!   endpoints' limits and cooldowns, and when a failed request spills to the next group.
 //! - `error.rs`: [`RouteError`], [`ConfigError`]. [`Rng`] is `tandem_protocol::Rng`.
 //!
 //! # Invariants
@@ -81,6 +84,7 @@ pub mod cache_aware;
 pub mod capacity;
 pub mod disagg;
 mod error;
+pub mod groups;
 pub mod kv;
 mod policy;
 mod pool;

@@ -5,6 +5,7 @@ mod approx;
 mod disagg;
 mod fed_index;
 mod flow;
+mod groups;
 mod kv;
 mod policies;
 mod pool;

@@ -1,0 +1,227 @@
+//! What an operator writes: per model name, its groups in priority order, each group's
+//! strategy and endpoints with their limits. Deserialized from any serde format (the
+//! frontend reads TOML), then [`GroupsConfig::validate`]d before a single request sees it:
+//! a bad file is refused whole, with the first thing wrong in it.
+
+use serde::Deserialize;
+
+/// Every model name's groups.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GroupsConfig {
+    /// Cooldowns when a group does not set its own.
+    #[serde(default)]
+    pub cooldown: CooldownConfig,
+    #[serde(default, rename = "model")]
+    pub models: Vec<ModelGroups>,
+}
+
+/// One model name and the groups that serve it, highest priority first.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelGroups {
+    /// The name clients ask for (`model` in the request).
+    pub name: String,
+    #[serde(rename = "group")]
+    pub groups: Vec<GroupConfig>,
+}
+
+/// One group: tandem's own pool, or a list of endpoints tandem cannot see into.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GroupConfig {
+    /// The name responses and metrics use (`x-tandem-group`).
+    pub name: String,
+    /// `true`: this process's own workers (discovery, KV-aware routing); no endpoints.
+    #[serde(default)]
+    pub pool: bool,
+    /// How an endpoint of the group is chosen (pools route by KV and load instead).
+    #[serde(default)]
+    pub strategy: Strategy,
+    /// This group's cooldowns (default: the file's `[cooldown]`).
+    #[serde(default)]
+    pub cooldown: Option<CooldownConfig>,
+    #[serde(default, rename = "endpoint")]
+    pub endpoints: Vec<EndpointConfig>,
+}
+
+/// How a group of endpoints picks one (LiteLLM's routing strategies).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// At random in proportion to each endpoint's `weight` (else its `rpm`, else its `tpm`,
+    /// else 1): LiteLLM's `simple-shuffle`.
+    #[default]
+    Weighted,
+    /// The fewest requests in flight (ties at random): LiteLLM's `least-busy`.
+    LeastBusy,
+    /// The lowest moving average of time to first token; an endpoint with no sample yet is
+    /// tried first: LiteLLM's `latency-based-routing`.
+    Latency,
+}
+
+/// An OpenAI-compatible server: another tandem, vLLM, SGLang, llama.cpp or a hosted API.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointConfig {
+    /// Its base URL, up to and with `/v1`.
+    pub url: String,
+    /// The model name to send it (default: the name the client asked for).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The environment variable that holds its API key (sent as a bearer token).
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// The file that holds its API key (read at start and at each reload).
+    #[serde(default)]
+    pub api_key_file: Option<String>,
+    /// Share of the group's traffic under [`Strategy::Weighted`].
+    #[serde(default)]
+    pub weight: Option<f64>,
+    /// Requests a minute it may be sent (over it: skipped until the minute rolls on).
+    #[serde(default)]
+    pub rpm: Option<u32>,
+    /// Tokens (prompt and completion) a minute it may be sent.
+    #[serde(default)]
+    pub tpm: Option<u64>,
+    /// Requests in flight at once.
+    #[serde(default)]
+    pub max_parallel_requests: Option<u32>,
+    /// Its context length: a request whose prompt and `max_tokens` do not fit skips it.
+    #[serde(default)]
+    pub context_length: Option<u32>,
+}
+
+/// When an endpoint is taken out for a while (LiteLLM's cooldown rules).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CooldownConfig {
+    /// How long, in seconds, unless the endpoint's `Retry-After` says otherwise.
+    pub seconds: f64,
+    /// The failure share over the last minute that cools an endpoint down.
+    pub failure_ratio: f64,
+    /// Outcomes in the last minute before [`failure_ratio`](Self::failure_ratio) applies.
+    pub min_requests: u32,
+    /// The longest cooldown a `Retry-After` may ask for, in seconds.
+    pub max_seconds: f64,
+}
+
+impl Default for CooldownConfig {
+    fn default() -> Self {
+        CooldownConfig {
+            seconds: 5.0,
+            failure_ratio: 0.5,
+            min_requests: 5,
+            max_seconds: 300.0,
+        }
+    }
+}
+
+/// What is wrong with a config, naming where.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GroupsConfigError {
+    #[error("model {0:?} is configured twice")]
+    DuplicateModel(String),
+    #[error("model {0:?} has no group")]
+    NoGroup(String),
+    #[error("model {model:?}: group {group:?} is named twice")]
+    DuplicateGroup { model: String, group: String },
+    #[error("model {model:?}, group {group:?}: {why}")]
+    Group {
+        model: String,
+        group: String,
+        why: String,
+    },
+    #[error("cooldown: {0}")]
+    Cooldown(String),
+}
+
+impl GroupsConfig {
+    /// Every rule a config must keep, checked before it is used.
+    pub fn validate(&self) -> Result<(), GroupsConfigError> {
+        check_cooldown(&self.cooldown).map_err(GroupsConfigError::Cooldown)?;
+        let mut models = std::collections::HashSet::new();
+        for m in &self.models {
+            if !models.insert(m.name.as_str()) {
+                return Err(GroupsConfigError::DuplicateModel(m.name.clone()));
+            }
+            if m.groups.is_empty() {
+                return Err(GroupsConfigError::NoGroup(m.name.clone()));
+            }
+            let mut names = std::collections::HashSet::new();
+            for g in &m.groups {
+                if !names.insert(g.name.as_str()) {
+                    return Err(GroupsConfigError::DuplicateGroup {
+                        model: m.name.clone(),
+                        group: g.name.clone(),
+                    });
+                }
+                check_group(g).map_err(|why| GroupsConfigError::Group {
+                    model: m.name.clone(),
+                    group: g.name.clone(),
+                    why,
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The groups of `model`, if it is configured.
+    pub fn model(&self, model: &str) -> Option<&ModelGroups> {
+        self.models.iter().find(|m| m.name == model)
+    }
+}
+
+fn check_group(g: &GroupConfig) -> Result<(), String> {
+    if g.pool && !g.endpoints.is_empty() {
+        return Err("a pool group has no endpoints (its workers come from discovery)".into());
+    }
+    if !g.pool && g.endpoints.is_empty() {
+        return Err("no endpoint (or `pool = true` for this process's workers)".into());
+    }
+    if let Some(c) = &g.cooldown {
+        check_cooldown(c)?;
+    }
+    for (i, e) in g.endpoints.iter().enumerate() {
+        let at = |why: &str| format!("endpoint {i} ({}): {why}", e.url);
+        if !(e.url.starts_with("http://") || e.url.starts_with("https://")) {
+            return Err(at("the url must start with http:// or https://"));
+        }
+        if e.api_key_env.is_some() && e.api_key_file.is_some() {
+            return Err(at("api_key_env and api_key_file both given: choose one"));
+        }
+        if let Some(w) = e.weight
+            && !(w.is_finite() && w > 0.0)
+        {
+            return Err(at("weight must be a number > 0"));
+        }
+        if e.rpm == Some(0) || e.tpm == Some(0) || e.max_parallel_requests == Some(0) {
+            return Err(at(
+                "rpm, tpm and max_parallel_requests must be > 0 where given",
+            ));
+        }
+        if e.context_length == Some(0) {
+            return Err(at("context_length must be > 0"));
+        }
+    }
+    Ok(())
+}
+
+fn check_cooldown(c: &CooldownConfig) -> Result<(), String> {
+    if !(c.seconds.is_finite() && c.seconds >= 0.0) {
+        return Err(format!("seconds must be >= 0, got {}", c.seconds));
+    }
+    if !(c.max_seconds.is_finite() && c.max_seconds >= c.seconds) {
+        return Err(format!(
+            "max_seconds must be >= seconds ({}), got {}",
+            c.seconds, c.max_seconds
+        ));
+    }
+    if !(c.failure_ratio > 0.0 && c.failure_ratio <= 1.0) {
+        return Err(format!(
+            "failure_ratio must be in (0, 1], got {}",
+            c.failure_ratio
+        ));
+    }
+    Ok(())
+}
