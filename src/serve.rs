@@ -12,7 +12,9 @@ use anyhow::Context;
 use clap::{ArgAction, Args};
 use tandem_external::{EngineKind, SidecarConfig};
 use tandem_frontend::cluster::{BackendConfig, ClusterDeps, FrontendConfig, ViewConfig};
-use tandem_frontend::http::{ChatTemplateSpec, HttpConfig, ResponsesStoreConfig, TokenizerSpec};
+use tandem_frontend::http::{
+    ChatTemplateSpec, EnvLookup, GroupsOptions, HttpConfig, ResponsesStoreConfig, TokenizerSpec,
+};
 use tandem_protocol::{BlockSize, WorkerId, WorkerRole};
 use tandem_router::RouterId;
 use tandem_runtime::discovery::{Discovery, EtcdConfig, EtcdDiscovery};
@@ -336,6 +338,11 @@ pub struct HttpArgs {
     /// top-level field's name, or `none`.
     #[arg(long, env = "TANDEM_SESSION_FIELD", default_value = "user")]
     pub session_field: String,
+    /// Backend groups (a TOML file): model names served by groups of endpoints and this
+    /// cluster's pool in priority order, with spillover, cooldowns and limits (README,
+    /// "Backend groups"); read again when it changes.
+    #[arg(long = "groups", env = "TANDEM_GROUPS_FILE")]
+    pub groups_file: Option<PathBuf>,
 }
 
 impl HttpArgs {
@@ -368,6 +375,9 @@ impl HttpArgs {
         }
         if let Some(name) = &self.chat_template_name {
             a.push(format!("--chat-template-name={name}"));
+        }
+        if let Some(path) = &self.groups_file {
+            a.push(format!("--groups={}", path.display()));
         }
         a
     }
@@ -453,6 +463,12 @@ pub fn frontend_config(
         tokenizer,
         backend,
         drain_timeout: Duration::from_secs(http.drain_timeout_s),
+        groups: http.groups_file.clone().map(|file| {
+            // The binary is where the environment is read: the keys `api_key_env` names.
+            #[allow(clippy::disallowed_methods)]
+            let env: EnvLookup = Arc::new(|name: &str| std::env::var(name).ok());
+            GroupsOptions::new(file, env)
+        }),
     })
 }
 

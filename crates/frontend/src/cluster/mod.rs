@@ -77,6 +77,8 @@ pub struct FrontendConfig {
     pub backend: BackendConfig,
     /// How long a draining frontend lets responses in flight finish.
     pub drain_timeout: Duration,
+    /// Backend groups (`--groups`), if any (`http/api/groups.rs`).
+    pub groups: Option<crate::http::GroupsOptions>,
 }
 
 /// The cluster view over `deps` with its routing replica, and the metrics registry with the
@@ -148,8 +150,12 @@ pub async fn run_frontend(
     )
     .await
     .map_err(|e| ServiceError::Config(e.message().to_string()))?;
-    let state = HttpState::builder(Arc::new(backend), cfg.http.clone(), Arc::new(tokenizer))
-        .registry(registry)
+    let mut state = HttpState::builder(Arc::new(backend), cfg.http.clone(), Arc::new(tokenizer))
+        .registry(registry);
+    if let Some(groups) = cfg.groups.clone() {
+        state = state.groups(groups);
+    }
+    let state = state
         .build()
         .map_err(|e| ServiceError::Config(e.to_string()))?;
     let server_stop = stop.child_token();

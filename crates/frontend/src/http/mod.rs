@@ -157,8 +157,8 @@ mod text;
 // The groups' modules, by their own names (`crate::http::generate`, …).
 use access::{auth, tls};
 use api::{
-    body, format, format_chat, generate, hints, ids, logprobs, messages, models, openai, output,
-    pyjson, responses, responses_store, stop, tool_calls, validate,
+    body, format, format_chat, generate, groups, hints, ids, logprobs, messages, models, openai,
+    output, pyjson, responses, responses_store, stop, tool_calls, validate,
 };
 use observe::{metrics, recent, status, trace};
 pub use text::tokenizer;
@@ -178,6 +178,7 @@ pub use backend::{
 pub use body::{BodyCheck, endpoint_of};
 pub use chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec, Clock};
 pub use error::{ErrorKind, ServeError};
+pub use groups::{EnvLookup, GroupsError, GroupsOptions, watch_groups};
 pub use hints::{RoutingHints, SessionField};
 pub use metrics::HttpMetrics;
 pub use prompt::Prompts;
@@ -343,7 +344,12 @@ pub async fn serve_state(
     let app = app(state.clone());
     // The watch ends with the server, whichever way the server ends.
     let watch_stop = shutdown.child_token();
-    let watch = watch_api_keys(state.clone(), watch_stop.clone());
+    let watch = async {
+        tokio::join!(
+            watch_api_keys(state.clone(), watch_stop.clone()),
+            groups::watch_groups(state.clone(), watch_stop.clone())
+        );
+    };
     let (admin_state, admin_stop) = (state.clone(), shutdown.clone());
     let admin = async move {
         match admin {

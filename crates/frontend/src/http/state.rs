@@ -10,6 +10,7 @@ use prometheus_client::registry::Registry;
 use super::auth::{Access, AccessConfig, AccessError};
 use super::backend::Backend;
 use super::chat_template::{ChatTemplate, ChatTemplateError, ChatTemplateSpec};
+use super::groups::{GroupGate, GroupsError, GroupsOptions};
 use super::ids::{RequestIds, unix_now};
 use super::metrics::HttpMetrics;
 use super::prompt::Prompts;
@@ -118,6 +119,8 @@ struct Inner {
     access: Access,
     /// The listener's TLS, loaded from `config.tls`.
     tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+    /// The backend groups, when a groups file was given.
+    groups: Option<Arc<GroupGate>>,
 }
 
 /// Why an [`HttpState`] could not be made (at startup: each should stop the process).
@@ -131,6 +134,8 @@ pub enum StateError {
     Tls(#[from] TlsError),
     #[error(transparent)]
     Adapters(#[from] AdapterNameError),
+    #[error(transparent)]
+    Groups(#[from] GroupsError),
 }
 
 impl fmt::Debug for HttpState {
@@ -152,6 +157,7 @@ pub struct HttpStateBuilder {
     tokenizer: Arc<Tokenizer>,
     registry: Registry,
     template: Option<ChatTemplate>,
+    groups: Option<GroupsOptions>,
 }
 
 impl fmt::Debug for HttpStateBuilder {
@@ -174,6 +180,13 @@ impl HttpStateBuilder {
         self
     }
 
+    /// Backend groups from a file (`--groups`): models served by groups of endpoints and
+    /// this process's pool in priority order (`http/api/groups.rs`).
+    pub fn groups(mut self, options: GroupsOptions) -> Self {
+        self.groups = Some(options);
+        self
+    }
+
     /// An already compiled chat template, in place of loading `config.chat_template` (tests
     /// use it to pin the template's clock).
     pub fn template(mut self, template: ChatTemplate) -> Self {
@@ -193,6 +206,7 @@ impl HttpStateBuilder {
             tokenizer,
             mut registry,
             template,
+            groups,
         } = self;
         let template = match template {
             Some(t) => t,
@@ -203,6 +217,9 @@ impl HttpStateBuilder {
         let tls = config.tls.as_ref().map(super::tls::load).transpose()?;
         backend.set_tenants(access.tenant_limits());
         let metrics = Arc::new(HttpMetrics::register(&mut registry));
+        let groups = groups
+            .map(|g| GroupGate::load(g, &mut registry).map(Arc::new))
+            .transpose()?;
         let parse_tool_calls = config
             .tool_call_parser
             .enabled(template.mentions_tool_call());
@@ -228,6 +245,7 @@ impl HttpStateBuilder {
                 started: unix_now(),
                 access,
                 tls,
+                groups,
             }),
         })
     }
@@ -247,6 +265,7 @@ impl HttpState {
             tokenizer,
             registry: Registry::default(),
             template: None,
+            groups: None,
         }
     }
 
@@ -266,6 +285,10 @@ impl HttpState {
     /// (`code: "draining"`); requests in flight finish. Not reversible.
     pub fn start_draining(&self) {
         self.inner.draining.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn groups(&self) -> Option<&Arc<GroupGate>> {
+        self.inner.groups.as_ref()
     }
 
     pub fn is_draining(&self) -> bool {

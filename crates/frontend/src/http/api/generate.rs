@@ -32,6 +32,7 @@ use crate::http::backend::{
 use crate::http::error::ServeError;
 use crate::http::format::{End, Format};
 use crate::http::format_chat::ChatFormat;
+use crate::http::groups;
 use crate::http::hints;
 use crate::http::ids::unix_now;
 use crate::http::logprobs::Rendered;
@@ -99,10 +100,33 @@ async fn serve(
     body: Body,
     mut record: RequestRecord,
 ) -> Response {
-    let admitted = match admit(&state, endpoint, &headers, body).await {
+    let marks;
+    let admitted = match receive(&state, &headers, body).await {
+        Ok(received) => {
+            let received = match route_groups(&state, endpoint, received).await {
+                Grouped::Done(response) => {
+                    record.status(response.status().as_u16());
+                    return response;
+                }
+                Grouped::Pool(received, m) => {
+                    marks = m;
+                    received
+                }
+            };
+            admit(&state, endpoint, &headers, received).await
+        }
+        Err(e) => {
+            marks = None;
+            Err(e)
+        }
+    };
+    let admitted = match admitted {
         Ok(a) => a,
         Err(e) => {
-            let response = error_response(endpoint, e);
+            let mut response = error_response(endpoint, e);
+            if let Some(m) = &marks {
+                m.apply(&mut response);
+            }
             record.status(response.status().as_u16());
             return response;
         }
@@ -117,7 +141,47 @@ async fn serve(
         stream = req.stream,
         "admitted"
     );
-    respond(&state, admitted, record).await
+    let mut response = respond(&state, admitted, record).await;
+    if let Some(m) = &marks {
+        m.apply(&mut response);
+    }
+    response
+}
+
+/// A request's body, read after its key and the drain were checked.
+struct Received {
+    tenant: Option<crate::http::auth::Tenant>,
+    arrived: std::time::Instant,
+    bytes: Bytes,
+}
+
+/// Where the backend groups sent a request (`groups.rs`).
+enum Grouped {
+    Done(Response),
+    /// The usual path (no groups for its model, or its pool group), with the groups'
+    /// headers where they chose the pool.
+    Pool(Received, Option<groups::Marks>),
+}
+
+async fn route_groups(state: &HttpState, endpoint: Endpoint, received: Received) -> Grouped {
+    let Some(gate) = state.groups() else {
+        return Grouped::Pool(received, None);
+    };
+    if !groups::model_of(&received.bytes).is_some_and(|m| gate.serves(&m)) {
+        return Grouped::Pool(received, None);
+    }
+    let pool_open = state.backend().ready();
+    let served = &state.config().served_model_name;
+    match groups::serve(gate, endpoint, pool_open, served, received.bytes.clone()).await {
+        groups::Routed::Done(response) => Grouped::Done(response),
+        groups::Routed::Pool { body, marks } => Grouped::Pool(
+            Received {
+                bytes: body,
+                ..received
+            },
+            Some(marks),
+        ),
+    }
 }
 
 /// An error response in the shape of `endpoint`'s API.
@@ -128,14 +192,12 @@ pub(crate) fn error_response(endpoint: Endpoint, e: ServeError) -> Response {
     }
 }
 
-/// Everything before the backend: the API key, drain check, body, validation,
-/// tokenization, the tenant and its cache salt.
-async fn admit(
+/// The API key, the drain check and the body: what comes before anything is parsed.
+async fn receive(
     state: &HttpState,
-    endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
-) -> Result<Admitted, ServeError> {
+) -> Result<Received, ServeError> {
     // First, before the body is even read: a client without a valid key costs nothing.
     let tenant = state.access().authenticate(headers)?;
     if state.is_draining() {
@@ -145,8 +207,28 @@ async fn admit(
         );
     }
     let arrived = std::time::Instant::now();
+    let bytes = read_body(headers, body, state.config().max_body_bytes).await?;
+    Ok(Received {
+        tenant,
+        arrived,
+        bytes,
+    })
+}
+
+/// Everything else before the backend: validation, tokenization, the tenant and its cache
+/// salt.
+async fn admit(
+    state: &HttpState,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    received: Received,
+) -> Result<Admitted, ServeError> {
+    let Received {
+        tenant,
+        arrived,
+        bytes,
+    } = received;
     let config = state.config();
-    let bytes = read_body(headers, body, config.max_body_bytes).await?;
     let mut context = None;
     let checked = match endpoint {
         Endpoint::Chat => validate::check_chat(validate::parse_json(&bytes)?, config)?,

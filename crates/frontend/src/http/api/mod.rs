@@ -9,6 +9,7 @@ pub(crate) mod body;
 pub(crate) mod format;
 pub(crate) mod format_chat;
 pub(crate) mod generate;
+pub(crate) mod groups;
 pub(crate) mod hints;
 pub(crate) mod ids;
 pub(crate) mod logprobs;

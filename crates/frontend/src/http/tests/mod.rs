@@ -4,6 +4,7 @@
 mod agents;
 mod auth;
 mod errors;
+mod groups;
 mod hints;
 mod lora;
 mod ops;

@@ -1,0 +1,375 @@
+//! Backend groups at the edge, against stand-in endpoints on loopback that answer as a
+//! hosted OpenAI-compatible API documents (its 429 with `Retry-After` and error JSON, its
+//! 400 `context_length_exceeded`, a streamed completion): priority order, spillover with its
+//! headers, the endpoint's model name and key, cooldowns, the pool as a group, and a file
+//! that reloads or is refused.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::http::{GroupsOptions, HttpState};
+
+/// What a stand-in endpoint answers next.
+#[derive(Clone, Debug)]
+enum Answer {
+    /// A completion whose text names the endpoint (streamed when asked).
+    Ok,
+    /// OpenAI's rate-limit answer, with `Retry-After` in seconds.
+    RateLimited(u64),
+    /// OpenAI's answer to a prompt over the context.
+    ContextTooLong,
+    /// A client error that must be passed back as is.
+    BadRequest,
+}
+
+#[derive(Default)]
+struct Seen {
+    bodies: Vec<Value>,
+    auth: Vec<Option<String>>,
+}
+
+#[derive(Clone)]
+struct StandIn {
+    name: &'static str,
+    answer: Arc<Mutex<Answer>>,
+    seen: Arc<Mutex<Seen>>,
+}
+
+async fn answer(State(s): State<StandIn>, headers: HeaderMap, body: String) -> Response {
+    let body: Value = serde_json::from_str(&body).unwrap();
+    {
+        let mut seen = s.seen.lock();
+        seen.auth.push(
+            headers
+                .get("authorization")
+                .map(|v| v.to_str().unwrap().to_string()),
+        );
+        seen.bodies.push(body.clone());
+    }
+    let a = s.answer.lock().clone();
+    match a {
+        Answer::Ok if body["stream"] == true => {
+            let events = format!(
+                "data: {}\n\ndata: [DONE]\n\n",
+                json!({"object": "chat.completion.chunk", "model": body["model"],
+                       "choices": [{"index": 0, "delta": {"content": s.name}}]})
+            );
+            ([("content-type", "text/event-stream")], events).into_response()
+        }
+        Answer::Ok => axum::Json(json!({
+            "object": "chat.completion", "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": s.name},
+                         "finish_reason": "stop"}],
+        }))
+        .into_response(),
+        Answer::RateLimited(secs) => (
+            StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", secs.to_string())],
+            axum::Json(
+                json!({"error": {"message": "Rate limit reached", "type": "requests",
+                                        "code": "rate_limit_exceeded"}}),
+            ),
+        )
+            .into_response(),
+        Answer::ContextTooLong => (
+            StatusCode::BAD_REQUEST,
+            axum::Json(
+                json!({"error": {"message": "This model's maximum context length is 8192 tokens.",
+                                        "type": "invalid_request_error",
+                                        "code": "context_length_exceeded"}}),
+            ),
+        )
+            .into_response(),
+        Answer::BadRequest => (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({"error": {"message": "temperature must be at most 2",
+                                        "type": "invalid_request_error"}})),
+        )
+            .into_response(),
+    }
+}
+
+async fn stand_in(name: &'static str) -> (StandIn, SocketAddr) {
+    let s = StandIn {
+        name,
+        answer: Arc::new(Mutex::new(Answer::Ok)),
+        seen: Arc::default(),
+    };
+    let app = Router::new()
+        .route("/v1/chat/completions", post(answer))
+        .with_state(s.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (s, addr)
+}
+
+fn groups_file(tag: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("tandem-groups-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("groups.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn options(file: std::path::PathBuf) -> GroupsOptions {
+    let env: crate::http::EnvLookup =
+        Arc::new(|k: &str| (k == "HOSTED_KEY").then(|| "sk-hosted".to_string()));
+    let mut o = GroupsOptions::new(file, env);
+    o.reload_interval = Duration::from_millis(20);
+    o
+}
+
+fn app_with(file: std::path::PathBuf, backend: Arc<FakeBackend>) -> (Router, HttpState) {
+    let state = HttpState::builder(backend, config(), cl100k())
+        .groups(options(file))
+        .build()
+        .unwrap();
+    (crate::http::app(state.clone()), state)
+}
+
+fn chat(model: &str) -> Value {
+    json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+}
+
+const TWO_GROUPS: &str = r#"
+[[model]]
+name = "gpt"
+
+  [[model.group]]
+  name = "reserved"
+    [[model.group.endpoint]]
+    url = "http://@RESERVED@/v1"
+    model = "gpt-reserved"
+
+  [[model.group]]
+  name = "hosted"
+    [[model.group.endpoint]]
+    url = "http://@HOSTED@/v1"
+    api_key_env = "HOSTED_KEY"
+"#;
+
+async fn two_groups(tag: &str) -> (Router, HttpState, StandIn, StandIn) {
+    let (reserved, ra) = stand_in("reserved").await;
+    let (hosted, ha) = stand_in("hosted").await;
+    let text = TWO_GROUPS
+        .replace("@RESERVED@", &ra.to_string())
+        .replace("@HOSTED@", &ha.to_string());
+    let (app, state) = app_with(groups_file(tag, &text), FakeBackend::text("pool"));
+    (app, state, reserved, hosted)
+}
+
+#[tokio::test]
+async fn the_first_group_answers_under_its_own_model_name_and_key() {
+    let (app, _, reserved, hosted) = two_groups("first").await;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-tandem-group"), Some("reserved"));
+    assert_eq!(header(&r, "x-tandem-spillover-from"), None);
+    let v = body_json(r).await;
+    assert_eq!(v["choices"][0]["message"]["content"], "reserved");
+    assert_eq!(reserved.seen.lock().bodies[0]["model"], "gpt-reserved");
+    assert_eq!(reserved.seen.lock().auth[0], None);
+    assert!(hosted.seen.lock().bodies.is_empty());
+}
+
+#[tokio::test]
+async fn a_429_spills_to_the_next_group_with_the_headers_and_cools_the_endpoint() {
+    let (app, state, reserved, hosted) = two_groups("spill").await;
+    *reserved.answer.lock() = Answer::RateLimited(30);
+    let mut streamed = chat("gpt");
+    streamed["stream"] = json!(true);
+    let r = send(&app, post_json("/v1/chat/completions", &streamed)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-tandem-group"), Some("hosted"));
+    assert_eq!(header(&r, "x-tandem-spillover-from"), Some("reserved"));
+    assert_eq!(header(&r, "x-tandem-spillover-error"), Some("429"));
+    let text = body_text(r).await;
+    assert!(text.contains("\"content\":\"hosted\""), "{text}");
+    {
+        let seen = hosted.seen.lock();
+        assert_eq!(seen.bodies[0]["model"], "gpt", "no model set: the client's");
+        assert_eq!(seen.auth[0].as_deref(), Some("Bearer sk-hosted"));
+    }
+    // The reserved endpoint cools down for its Retry-After: the next request goes straight
+    // to the hosted group, passing the reserved one over as unavailable.
+    *reserved.answer.lock() = Answer::Ok;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(header(&r, "x-tandem-group"), Some("hosted"));
+    assert_eq!(header(&r, "x-tandem-spillover-error"), Some("unavailable"));
+    assert_eq!(reserved.seen.lock().bodies.len(), 1);
+    let metrics = scrape(&state).await;
+    assert!(
+        metrics.contains(
+            r#"tandem_group_requests_total{model="gpt",group="reserved",outcome="spilled"} 1"#
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            r#"tandem_group_spillovers_total{model="gpt",from="reserved",to="hosted"} 1"#
+        ),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_context_error_spills_and_a_clients_own_error_is_passed_back() {
+    let (app, _, reserved, hosted) = two_groups("errors").await;
+    *reserved.answer.lock() = Answer::ContextTooLong;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(header(&r, "x-tandem-group"), Some("hosted"));
+    assert_eq!(header(&r, "x-tandem-spillover-error"), Some("400"));
+    *reserved.answer.lock() = Answer::BadRequest;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "x-tandem-group"), Some("reserved"));
+    let v = body_json(r).await;
+    assert_eq!(v["error"]["message"], "temperature must be at most 2");
+    assert_eq!(
+        hosted.seen.lock().bodies.len(),
+        1,
+        "the client's error did not spill"
+    );
+}
+
+#[tokio::test]
+async fn when_every_group_refuses_the_client_gets_the_last_refusal() {
+    let (app, _, reserved, hosted) = two_groups("exhausted").await;
+    *reserved.answer.lock() = Answer::RateLimited(5);
+    *hosted.answer.lock() = Answer::RateLimited(7);
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "retry-after"), Some("7"));
+    assert_eq!(header(&r, "x-tandem-spillover-from"), Some("reserved"));
+    // Both cool down now: the groups answer for themselves, with when to come back.
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(r.status(), 429);
+    let retry: u64 = header(&r, "retry-after").unwrap().parse().unwrap();
+    assert!((4..=5).contains(&retry), "{retry}");
+    assert_eq!(body_json(r).await["error"]["code"], "groups_exhausted");
+}
+
+#[tokio::test]
+async fn the_pool_group_serves_through_the_usual_path_and_spills_when_it_has_no_workers() {
+    let (hosted, ha) = stand_in("hosted").await;
+    let text = format!(
+        r#"
+[[model]]
+name = "mixed"
+  [[model.group]]
+  name = "own"
+  pool = true
+  [[model.group]]
+  name = "hosted"
+    [[model.group.endpoint]]
+    url = "http://{ha}/v1"
+"#
+    );
+    let backend = FakeBackend::text("from the pool");
+    let (app, _) = app_with(groups_file("pool", &text), backend.clone());
+    let r = send(&app, post_json("/v1/chat/completions", &chat("mixed"))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-tandem-group"), Some("own"));
+    let v = body_json(r).await;
+    assert_eq!(v["choices"][0]["message"]["content"], "from the pool");
+    assert_eq!(
+        v["model"], "tandem-test",
+        "the pool serves under its own name"
+    );
+    backend.set_ready(false);
+    let r = send(&app, post_json("/v1/chat/completions", &chat("mixed"))).await;
+    assert_eq!(header(&r, "x-tandem-group"), Some("hosted"));
+    assert_eq!(header(&r, "x-tandem-spillover-from"), Some("own"));
+    assert_eq!(hosted.seen.lock().bodies.len(), 1);
+    // A model the groups do not name is the pool's as before.
+    backend.set_ready(true);
+    let r = send(
+        &app,
+        post_json("/v1/chat/completions", &chat("tandem-test")),
+    )
+    .await;
+    assert_eq!(
+        (r.status().as_u16(), header(&r, "x-tandem-group")),
+        (200, None)
+    );
+}
+
+#[tokio::test]
+async fn a_changed_file_reloads_and_a_bad_one_keeps_the_groups_in_force() {
+    let (a, aa) = stand_in("a").await;
+    let (b, ba) = stand_in("b").await;
+    let one = |addr: SocketAddr| {
+        format!(
+            "[[model]]\nname = \"m\"\n[[model.group]]\nname = \"g\"\n[[model.group.endpoint]]\nurl = \"http://{addr}/v1\"\n"
+        )
+    };
+    let file = groups_file("reload", &one(aa));
+    let (app, state) = app_with(file.clone(), FakeBackend::text("pool"));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watch = tokio::spawn(crate::http::watch_groups(state.clone(), stop.clone()));
+    let ask = || send(&app, post_json("/v1/chat/completions", &chat("m")));
+    assert_eq!(
+        body_json(ask().await).await["choices"][0]["message"]["content"],
+        "a"
+    );
+    // A file that does not validate: refused, the old groups answer.
+    std::fs::write(&file, "[[model]]\nname = \"m\"\ngroup = []\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        body_json(ask().await).await["choices"][0]["message"]["content"],
+        "a"
+    );
+    // A good one replaces them.
+    std::fs::write(&file, one(ba)).unwrap();
+    let mut answered = String::new();
+    for _ in 0..100 {
+        answered = body_json(ask().await).await["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        if answered == "b" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(answered, "b");
+    assert!(!b.seen.lock().bodies.is_empty() && !a.seen.lock().bodies.is_empty());
+    stop.cancel();
+    watch.await.unwrap();
+}
+
+#[test]
+fn a_file_that_cannot_be_used_stops_the_start_with_the_reason() {
+    let cases = [
+        ("[[model]]\nname = \"m\"\n", "group"),
+        (
+            "[[model]]\nname = \"m\"\n[[model.group]]\nname = \"g\"\n",
+            "no endpoint",
+        ),
+        (
+            "[[model]]\nname = \"m\"\n[[model.group]]\nname = \"g\"\n[[model.group.endpoint]]\nurl = \"http://x/v1\"\napi_key_env = \"MISSING\"\n",
+            "MISSING is not set",
+        ),
+        ("not toml at all [", "not valid TOML"),
+    ];
+    for (i, (text, says)) in cases.into_iter().enumerate() {
+        let file = groups_file(&format!("bad-{i}"), text);
+        let err = HttpState::builder(FakeBackend::text("x"), config(), cl100k())
+            .groups(options(file))
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(says), "{text}: {err}");
+    }
+}
