@@ -243,12 +243,12 @@ impl GroupGate {
         let spillovers = Family::<SpillLabels, Counter>::default();
         registry.register(
             "tandem_group_requests",
-            "Requests to each backend group of a model, by outcome (ok, error: answered with an error that does not spill, spilled: passed on to the next group)",
+            "Requests to each backend group of a model, by outcome (ok; error: answered with an error that does not spill; spilled: passed on to the next group; unreachable: its endpoint could not be reached)",
             requests.clone(),
         );
         registry.register(
             "tandem_group_spillovers",
-            "Requests passed from one backend group of a model to the next",
+            "Requests that a backend group of a model passed over (from: the first such group) and the group that answered them (to; none: no group)",
             spillovers.clone(),
         );
         log_loaded(&options.file, live.groups.config(), "backend groups loaded");
@@ -302,6 +302,19 @@ impl GroupGate {
         let mut live = self.live.lock();
         if live.generation == generation {
             live.groups.finished(e, outcome, now_ms());
+        }
+    }
+
+    /// A request answered by group `to` (`"none"`: by no group) after `spill`.
+    fn spilled(&self, model: &str, spill: Option<&Spill>, to: &str) {
+        if let Some(s) = spill {
+            self.spillovers
+                .get_or_create(&SpillLabels {
+                    model: model.to_string(),
+                    from: s.from.clone(),
+                    to: to.to_string(),
+                })
+                .inc();
         }
     }
 
@@ -478,6 +491,7 @@ pub(crate) async fn serve(
                     retry_after_ms,
                     skipped,
                 }) => {
+                    gate.spilled(&model, spill.as_ref(), "none");
                     if let Some((status, headers, bytes, group)) = last_error {
                         return Routed::Done(passed_back(
                             status,
@@ -504,9 +518,10 @@ pub(crate) async fn serve(
                 }
             }
         };
-        note_skips(gate, &model, &pick, &group_name, &mut spill);
+        note_skips(gate, &pick, &mut spill);
         let Some((e, url, endpoint_model, key)) = target else {
             gate.count(&model, &group_name, "ok");
+            gate.spilled(&model, spill.as_ref(), &group_name);
             return Routed::Pool {
                 body: with_model(&body, Some(served_model)),
                 marks: Marks {
@@ -529,6 +544,7 @@ pub(crate) async fn serve(
             Ok(a) => a,
             Err(err) => {
                 tracing::warn!(model, group = group_name, url, error = %err, "backend group endpoint unreachable");
+                gate.count(&model, &group_name, "unreachable");
                 gate.finished(
                     generation,
                     e,
@@ -544,6 +560,7 @@ pub(crate) async fn serve(
         let status = answer.status();
         if status.is_success() {
             gate.count(&model, &group_name, "ok");
+            gate.spilled(&model, spill.as_ref(), &group_name);
             let headers = answer.headers().clone();
             let stream = Reporting {
                 gate: gate.clone(),
@@ -581,6 +598,7 @@ pub(crate) async fn serve(
         let context = is_context_error(&String::from_utf8_lossy(&bytes));
         if !spills(status.as_u16(), context) {
             gate.count(&model, &group_name, "error");
+            gate.spilled(&model, spill.as_ref(), &group_name);
             return Routed::Done(passed_back(
                 status,
                 &headers,
@@ -609,25 +627,19 @@ pub(crate) async fn serve(
     }
 }
 
-/// Counts and remembers the groups `pick` passed over.
-fn note_skips(gate: &GroupGate, model: &str, pick: &Pick, to: &str, spill: &mut Option<Spill>) {
-    let live = gate.live.lock();
-    let groups = &live.groups.config().models[pick.model].groups;
-    for &(g, why) in &pick.skipped {
-        let from = &groups[g].name;
-        gate.spillovers
-            .get_or_create(&SpillLabels {
-                model: model.to_string(),
-                from: from.clone(),
-                to: to.to_string(),
-            })
-            .inc();
-        if spill.is_none() {
-            *spill = Some(Spill {
-                from: from.clone(),
-                error: skip_word(why).to_string(),
-            });
-        }
+/// Remembers the first group `pick` passed over, if none was yet.
+fn note_skips(gate: &GroupGate, pick: &Pick, spill: &mut Option<Spill>) {
+    if spill.is_some() {
+        return;
+    }
+    if let Some(&(g, why)) = pick.skipped.first() {
+        let live = gate.live.lock();
+        *spill = Some(Spill {
+            from: live.groups.config().models[pick.model].groups[g]
+                .name
+                .clone(),
+            error: skip_word(why).to_string(),
+        });
     }
 }
 

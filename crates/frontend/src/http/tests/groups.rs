@@ -217,7 +217,7 @@ async fn a_429_spills_to_the_next_group_with_the_headers_and_cools_the_endpoint(
     );
     assert!(
         metrics.contains(
-            r#"tandem_group_spillovers_total{model="gpt",from="reserved",to="hosted"} 1"#
+            r#"tandem_group_spillovers_total{model="gpt",from="reserved",to="hosted"} 2"#
         ),
         "{metrics}"
     );
