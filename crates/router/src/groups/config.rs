@@ -46,7 +46,7 @@ pub struct GroupConfig {
 }
 
 /// How a group of endpoints picks one (LiteLLM's routing strategies).
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(rename_all = "kebab-case")]
 pub enum Strategy {
     /// At random in proportion to each endpoint's `weight` (else its `rpm`, else its `tpm`,

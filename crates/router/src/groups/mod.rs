@@ -414,4 +414,31 @@ impl Groups {
     pub fn in_flight(&self, e: EndpointRef) -> u32 {
         self.state[e.model][e.group][e.endpoint].in_flight
     }
+
+    /// What `e` has done lately, as of `now_ms` (for the status page).
+    pub fn endpoint_status(&self, e: EndpointRef, now_ms: u64) -> EndpointStatus {
+        let st = &self.state[e.model][e.group][e.endpoint];
+        let since = now_ms.saturating_sub(MINUTE_MS);
+        let recent = st.outcomes.iter().filter(|&&(t, _)| t >= since);
+        EndpointStatus {
+            in_flight: st.in_flight,
+            cooling_ms: st.cooling(now_ms).then(|| st.cooling_until_ms - now_ms),
+            sent_last_minute: st.sent.iter().filter(|&&(t, _)| t >= since).count() as u32,
+            failed_last_minute: recent.clone().filter(|&&(_, f)| f).count() as u32,
+            ended_last_minute: recent.count() as u32,
+            ttft_ewma_ms: st.ttft_ewma_ms,
+        }
+    }
+}
+
+/// One endpoint's state, for display.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct EndpointStatus {
+    pub in_flight: u32,
+    /// How long its cooldown still lasts; `None`: not cooling down.
+    pub cooling_ms: Option<u64>,
+    pub sent_last_minute: u32,
+    pub failed_last_minute: u32,
+    pub ended_last_minute: u32,
+    pub ttft_ewma_ms: Option<f64>,
 }

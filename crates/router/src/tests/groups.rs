@@ -409,3 +409,40 @@ fn a_config_is_refused_whole_with_what_is_wrong() {
     );
     assert!(typo.unwrap_err().to_string().contains("rmp"));
 }
+
+#[test]
+fn an_endpoints_status_shows_its_last_minute_and_its_cooldown() {
+    let mut g = two_groups();
+    g.started(at(0, 0), 10, 0);
+    g.started(at(0, 0), 10, 100);
+    g.finished(
+        at(0, 0),
+        Outcome::Ok {
+            ttft_ms: Some(40),
+            tokens: 10,
+        },
+        200,
+    );
+    g.finished(at(0, 0), failed(429), 300);
+    let s = g.endpoint_status(at(0, 0), 1_300);
+    assert_eq!(
+        s,
+        EndpointStatus {
+            in_flight: 0,
+            cooling_ms: Some(4_000),
+            sent_last_minute: 2,
+            failed_last_minute: 1,
+            ended_last_minute: 2,
+            ttft_ewma_ms: Some(40.0),
+        }
+    );
+    let later = g.endpoint_status(at(0, 0), 70_000);
+    assert_eq!(
+        (
+            later.cooling_ms,
+            later.sent_last_minute,
+            later.ended_last_minute
+        ),
+        (None, 0, 0)
+    );
+}

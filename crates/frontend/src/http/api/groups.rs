@@ -305,6 +305,54 @@ impl GroupGate {
         }
     }
 
+    /// The groups as the status page shows them: each model's groups in priority order,
+    /// each endpoint's last minute and cooldown.
+    pub(crate) fn status(&self) -> serde_json::Value {
+        let live = self.live.lock();
+        let now = now_ms();
+        let models: Vec<serde_json::Value> = live
+            .groups
+            .config()
+            .models
+            .iter()
+            .enumerate()
+            .map(|(m, model)| {
+                let groups: Vec<serde_json::Value> = model
+                    .groups
+                    .iter()
+                    .enumerate()
+                    .map(|(g, group)| {
+                        let endpoints: Vec<serde_json::Value> = group
+                            .endpoints
+                            .iter()
+                            .enumerate()
+                            .map(|(i, e)| {
+                                let at = EndpointRef {
+                                    model: m,
+                                    group: g,
+                                    endpoint: i,
+                                };
+                                serde_json::json!({
+                                    "url": e.url,
+                                    "model": e.model,
+                                    "state": live.groups.endpoint_status(at, now),
+                                })
+                            })
+                            .collect();
+                        serde_json::json!({
+                            "name": group.name,
+                            "pool": group.pool,
+                            "strategy": group.strategy,
+                            "endpoints": endpoints,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({"name": model.name, "groups": groups})
+            })
+            .collect();
+        serde_json::json!({ "models": models })
+    }
+
     /// A request answered by group `to` (`"none"`: by no group) after `spill`.
     fn spilled(&self, model: &str, spill: Option<&Spill>, to: &str) {
         if let Some(s) = spill {

@@ -7,7 +7,9 @@
 //! ([`crate::http::RecentLatency`], fed by `metrics.rs`) — and under `backend` what the
 //! [`crate::http::Backend`] tells ([`crate::http::Backend::status`]): for the cluster backend its pools,
 //! workers, recent routing decisions with each candidate's cost terms, migrations and
-//! rejections; `null` for a backend that tells nothing.
+//! rejections; `null` for a backend that tells nothing. Under `groups`, the backend groups
+//! (`--groups`): each model's groups in priority order and each endpoint's last minute
+//! (sent, ended, failed), requests in flight, cooldown and moving TTFT.
 //!
 //! Like `/metrics`, these stay open when API keys are configured: they show no prompt or
 //! output, only load and routing. The page is served with a Content-Security-Policy that
@@ -41,6 +43,8 @@ struct Status {
     engine_hit_rate: Option<f64>,
     latency: LatencySnapshot,
     backend: Option<serde_json::Value>,
+    /// The backend groups (`--groups`), when configured.
+    groups: Option<serde_json::Value>,
 }
 
 /// `GET /`, `GET /status`: the page.
@@ -85,6 +89,7 @@ pub(crate) async fn data(State(state): State<HttpState>) -> Response {
         },
         latency: state.metrics().recent().snapshot(),
         backend: state.backend().status(),
+        groups: state.groups().map(|g| g.status()),
     };
     match serde_json::to_string(&status) {
         Ok(body) => (

@@ -208,6 +208,22 @@ async fn a_429_spills_to_the_next_group_with_the_headers_and_cools_the_endpoint(
     assert_eq!(header(&r, "x-tandem-group"), Some("hosted"));
     assert_eq!(header(&r, "x-tandem-spillover-error"), Some("unavailable"));
     assert_eq!(reserved.seen.lock().bodies.len(), 1);
+    // The status page shows the cooldown and each endpoint's minute.
+    let status =
+        body_json(send(&crate::http::admin_app(state.clone()), get("/status.json")).await).await;
+    let groups = &status["groups"]["models"][0]["groups"];
+    assert_eq!(groups[0]["name"], "reserved");
+    let reserved_state = &groups[0]["endpoints"][0]["state"];
+    assert!(
+        reserved_state["cooling_ms"].as_u64().unwrap() > 25_000,
+        "{status}"
+    );
+    assert_eq!(reserved_state["failed_last_minute"], 1);
+    assert_eq!(groups[1]["endpoints"][0]["state"]["sent_last_minute"], 2);
+    assert_eq!(
+        groups[1]["endpoints"][0]["state"]["cooling_ms"],
+        Value::Null
+    );
     let metrics = scrape(&state).await;
     assert!(
         metrics.contains(
