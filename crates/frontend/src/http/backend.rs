@@ -277,6 +277,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Routes and starts the request. Dropping the returned stream cancels it on the workers.
     async fn generate(&self, req: ValidRequest) -> Result<Generation, ServeError>;
 
+    /// Takes one retry from the backend's retry budget, false when it is spent: a request
+    /// the backend groups pass on to another endpoint or group draws on the same budget as
+    /// the backend's own re-routes, so that retries do not multiply across the two layers.
+    /// Backends that keep no budget allow every retry.
+    fn try_retry(&self) -> bool {
+        true
+    }
+
     /// Whether the backend can take requests now (e.g. at least one decode worker known).
     /// Drives `GET /health`; generation requests are still passed to `generate`, which
     /// answers for itself.

@@ -312,6 +312,11 @@ impl Backend for ClusterBackend {
         self.shared.gate.set_tenants(tenants);
     }
 
+    fn try_retry(&self) -> bool {
+        let now = self.shared.view.now_ms();
+        self.shared.view.replica().write().try_retry(now)
+    }
+
     fn ready(&self) -> bool {
         !self.shared.view.registry().decode.is_empty()
     }

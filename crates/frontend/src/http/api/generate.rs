@@ -172,7 +172,18 @@ async fn route_groups(state: &HttpState, endpoint: Endpoint, received: Received)
     }
     let pool_open = state.backend().ready();
     let served = &state.config().served_model_name;
-    match groups::serve(gate, endpoint, pool_open, served, received.bytes.clone()).await {
+    let backend = state.backend();
+    let try_retry = move || backend.try_retry();
+    let routed = groups::serve(
+        gate,
+        endpoint,
+        pool_open,
+        served,
+        received.bytes.clone(),
+        &try_retry,
+    )
+    .await;
+    match routed {
         groups::Routed::Done(response) => Grouped::Done(response),
         groups::Routed::Pool { body, marks } => Grouped::Pool(
             Received {

@@ -480,6 +480,7 @@ pub(crate) async fn serve(
     pool_open: bool,
     served_model: &str,
     body: Bytes,
+    try_retry: &(dyn Fn() -> bool + Send + Sync),
 ) -> Routed {
     let Some(model) = model_of(&body) else {
         return Routed::Done(ServeError::invalid("`model` is required").into_response());
@@ -593,6 +594,15 @@ pub(crate) async fn serve(
             Err(err) => {
                 tracing::warn!(model, group = group_name, url, error = %err, "backend group endpoint unreachable");
                 gate.count(&model, &group_name, "unreachable");
+                if !try_retry() {
+                    let mut response = ServeError::unavailable(format!(
+                        "backend group {group_name:?} could not be reached and the retry budget is spent"
+                    ))
+                    .with_code("retry_budget_exhausted")
+                    .into_response();
+                    mark(&mut response, &group_name, spill.as_ref());
+                    return Routed::Done(response);
+                }
                 gate.finished(
                     generation,
                     e,
@@ -647,6 +657,22 @@ pub(crate) async fn serve(
         if !spills(status.as_u16(), context) {
             gate.count(&model, &group_name, "error");
             gate.spilled(&model, spill.as_ref(), &group_name);
+            return Routed::Done(passed_back(
+                status,
+                &headers,
+                bytes,
+                Some(&group_name),
+                spill.as_ref(),
+            ));
+        }
+        if !try_retry() {
+            gate.count(&model, &group_name, "error");
+            gate.spilled(&model, spill.as_ref(), &group_name);
+            tracing::warn!(
+                model,
+                group = group_name,
+                "retry budget spent: not spilling"
+            );
             return Routed::Done(passed_back(
                 status,
                 &headers,

@@ -260,6 +260,29 @@ async fn a_context_error_spills_and_a_clients_own_error_is_passed_back() {
 }
 
 #[tokio::test]
+async fn a_spill_draws_on_the_backends_retry_budget() {
+    let (reserved, ra) = stand_in("reserved").await;
+    let (hosted, ha) = stand_in("hosted").await;
+    let text = TWO_GROUPS
+        .replace("@RESERVED@", &ra.to_string())
+        .replace("@HOSTED@", &ha.to_string());
+    let backend = FakeBackend::text("pool");
+    backend.set_retry_budget(1);
+    let (app, _) = app_with(groups_file("budget", &text), backend);
+    *reserved.answer.lock() = Answer::ContextTooLong;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(
+        header(&r, "x-tandem-group"),
+        Some("hosted"),
+        "the one retry"
+    );
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(r.status(), 400, "the budget is spent: the error comes back");
+    assert_eq!(header(&r, "x-tandem-group"), Some("reserved"));
+    assert_eq!(hosted.seen.lock().bodies.len(), 1);
+}
+
+#[tokio::test]
 async fn when_every_group_refuses_the_client_gets_the_last_refusal() {
     let (app, _, reserved, hosted) = two_groups("exhausted").await;
     *reserved.answer.lock() = Answer::RateLimited(5);

@@ -76,6 +76,8 @@ pub(crate) struct FakeBackend {
     dropped: Arc<AtomicBool>,
     /// Notified when a request arrives and when a stream is dropped.
     changed: Arc<tokio::sync::Notify>,
+    /// Retries left in its budget (`None`: no budget kept).
+    retries: Mutex<Option<u32>>,
 }
 
 impl FakeBackend {
@@ -91,7 +93,13 @@ impl FakeBackend {
             engine_delta: Mutex::new(None),
             dropped: Arc::new(AtomicBool::new(false)),
             changed: Arc::new(tokio::sync::Notify::new()),
+            retries: Mutex::new(None),
         })
+    }
+
+    /// Keeps a retry budget of `n` retries.
+    pub(crate) fn set_retry_budget(&self, n: u32) {
+        *self.retries.lock() = Some(n);
     }
 
     pub(crate) fn text(text: &str) -> Arc<Self> {
@@ -247,6 +255,17 @@ impl Backend for FakeBackend {
 
     fn ready(&self) -> bool {
         self.ready.load(Ordering::SeqCst)
+    }
+
+    fn try_retry(&self) -> bool {
+        match &mut *self.retries.lock() {
+            None => true,
+            Some(0) => false,
+            Some(n) => {
+                *n -= 1;
+                true
+            }
+        }
     }
 }
 
