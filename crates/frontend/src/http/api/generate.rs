@@ -124,8 +124,8 @@ async fn serve(
         Ok(a) => a,
         Err(e) => {
             let mut response = error_response(endpoint, e);
-            if let Some(m) = &marks {
-                m.apply(&mut response);
+            if let (Some(m), Some(gate)) = (&marks, state.groups()) {
+                m.apply(gate, &mut response);
             }
             record.status(response.status().as_u16());
             return response;
@@ -141,9 +141,36 @@ async fn serve(
         stream = req.stream,
         "admitted"
     );
-    let mut response = respond(&state, admitted, record).await;
-    if let Some(m) = &marks {
-        m.apply(&mut response);
+    let spill = marks.as_ref().is_some_and(groups::Marks::can_spill);
+    let (mut response, marks) = match (respond(&state, admitted, record, spill).await, marks) {
+        (Ok(response), marks) => (response, marks),
+        (Err((e, mut record)), Some(marks)) => {
+            // The pool refused before anything went out: the groups may go on.
+            let status = e.status().as_u16();
+            let backend = state.backend();
+            let try_retry = move || backend.try_retry();
+            if let Some(gate) = state.groups() {
+                let served = &state.config().served_model_name;
+                if let Some(response) =
+                    groups::after_pool_refusal(gate, endpoint, served, marks, status, &try_retry)
+                        .await
+                {
+                    record.status(response.status().as_u16());
+                    return response;
+                }
+            }
+            let response = error_response(endpoint, e);
+            record.status(response.status().as_u16());
+            return response;
+        }
+        (Err((e, mut record)), None) => {
+            let response = error_response(endpoint, e);
+            record.status(response.status().as_u16());
+            return response;
+        }
+    };
+    if let (Some(m), Some(gate)) = (&marks, state.groups()) {
+        m.apply(gate, &mut response);
     }
     response
 }
@@ -396,7 +423,14 @@ fn call_id_prefix(response_id: &str) -> String {
 }
 
 /// Runs an admitted request to its response.
-async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecord) -> Response {
+/// `spill`: a refusal before the response head (the backend's own error) is handed back
+/// unanswered, for the backend groups to send the request on.
+async fn respond(
+    state: &HttpState,
+    admitted: Admitted,
+    mut record: RequestRecord,
+    spill: bool,
+) -> Result<Response, (ServeError, RequestRecord)> {
     let Admitted {
         req,
         mut format,
@@ -418,7 +452,10 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
 
     let generation = match state.backend().generate(req).await {
         Ok(g) => g,
-        Err(e) => return fail(endpoint, e, &id, &mut record),
+        Err(e) if spill && tandem_router::groups::spills(e.status().as_u16(), false) => {
+            return Err((e, record));
+        }
+        Err(e) => return Ok(fail(endpoint, e, &id, &mut record)),
     };
     let route = generation.route;
     record.span().record(
@@ -433,10 +470,10 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
     let mut chunks = generation.chunks;
     let first = match chunks.next().await {
         Some(Ok(chunk)) => chunk,
-        Some(Err(e)) => return fail(endpoint, e, &id, &mut record),
+        Some(Err(e)) => return Ok(fail(endpoint, e, &id, &mut record)),
         None => {
             let e = ServeError::internal("the backend ended the request before any output");
-            return fail(endpoint, e, &id, &mut record);
+            return Ok(fail(endpoint, e, &id, &mut record));
         }
     };
     let cached_tokens = first.cached_tokens;
@@ -472,7 +509,7 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
             let bytes = sse.next_bytes().instrument(span).await?;
             Some((Ok::<_, std::convert::Infallible>(bytes), sse))
         });
-        return (headers, Body::from_stream(body)).into_response();
+        return Ok((headers, Body::from_stream(body)).into_response());
     }
 
     let mut pieces = Vec::new();
@@ -484,8 +521,8 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
             Some(c) => c,
             None => match chunks.next().await {
                 Some(Ok(c)) => c,
-                Some(Err(e)) => return fail(endpoint, e, &id, &mut record),
-                None => return fail(endpoint, unfinished(), &id, &mut record),
+                Some(Err(e)) => return Ok(fail(endpoint, e, &id, &mut record)),
+                None => return Ok(fail(endpoint, unfinished(), &id, &mut record)),
             },
         };
         let fed = pipeline.feed(&chunk);
@@ -520,7 +557,7 @@ async fn respond(state: &HttpState, admitted: Admitted, mut record: RequestRecor
         ),
         tool_calls: pipeline.tool_calls(),
     };
-    (headers, format.whole(pieces, &logprobs, &end)).into_response()
+    Ok((headers, format.whole(pieces, &logprobs, &end)).into_response())
 }
 
 fn unfinished() -> ServeError {

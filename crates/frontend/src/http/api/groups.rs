@@ -353,6 +353,11 @@ impl GroupGate {
         serde_json::json!({ "models": models })
     }
 
+    /// How many groups model `m` has.
+    fn groups_of(&self, m: usize) -> usize {
+        self.live.lock().groups.config().models[m].groups.len()
+    }
+
     /// A request answered by group `to` (`"none"`: by no group) after `spill`.
     fn spilled(&self, model: &str, spill: Option<&Spill>, to: &str) {
         if let Some(s) = spill {
@@ -459,16 +464,89 @@ pub(crate) enum Routed {
     Pool { body: Bytes, marks: Marks },
 }
 
-/// The groups' headers for a response the pool gives.
+/// The groups' headers for a response the pool gives, and where to go on if the pool
+/// refuses the request.
 #[derive(Debug)]
 pub(crate) struct Marks {
     group: String,
     spill: Option<Spill>,
+    model: String,
+    /// The pool group's index, and whether a group follows it.
+    index: usize,
+    more: bool,
+    /// The request's body as the client sent it.
+    original: Bytes,
 }
 
 impl Marks {
-    pub(crate) fn apply(&self, response: &mut Response) {
+    /// Puts the groups' headers on the pool's response, and counts it.
+    pub(crate) fn apply(&self, gate: &GroupGate, response: &mut Response) {
         mark(response, &self.group, self.spill.as_ref());
+        let outcome = if response.status().is_success() {
+            "ok"
+        } else {
+            "error"
+        };
+        gate.count(&self.model, &self.group, outcome);
+    }
+
+    /// Whether a refusal by the pool may go on to a later group.
+    pub(crate) fn can_spill(&self) -> bool {
+        self.more
+    }
+}
+
+/// Where a request resumes after a group refused it.
+struct Resume {
+    from_group: usize,
+    spill: Option<Spill>,
+}
+
+/// The pool refused a request the groups sent it, with `status` and before anything went
+/// out (its queue full, its workers gone): the request goes on to the next group, as for an
+/// endpoint's refusal. `None`: it cannot (the retry budget is spent, or only another pool
+/// is left); the caller answers with the pool's refusal.
+pub(crate) async fn after_pool_refusal(
+    gate: &Arc<GroupGate>,
+    endpoint: Endpoint,
+    served_model: &str,
+    marks: Marks,
+    status: u16,
+    try_retry: &(dyn Fn() -> bool + Send + Sync),
+) -> Option<Response> {
+    if !marks.more || !spills(status, false) || !try_retry() {
+        return None;
+    }
+    gate.count(&marks.model, &marks.group, "spilled");
+    tracing::info!(
+        model = marks.model,
+        group = marks.group,
+        status,
+        "the pool refused: spilling to the next backend group"
+    );
+    let spill = marks.spill.or_else(|| {
+        Some(Spill {
+            from: marks.group.clone(),
+            error: status.to_string(),
+        })
+    });
+    let resume = Resume {
+        from_group: marks.index + 1,
+        spill,
+    };
+    match serve_from(
+        gate,
+        endpoint,
+        false,
+        served_model,
+        marks.original,
+        try_retry,
+        resume,
+    )
+    .await
+    {
+        Routed::Done(response) => Some(response),
+        Routed::Pool { .. } => None,
     }
 }
 
@@ -481,6 +559,31 @@ pub(crate) async fn serve(
     served_model: &str,
     body: Bytes,
     try_retry: &(dyn Fn() -> bool + Send + Sync),
+) -> Routed {
+    let start = Resume {
+        from_group: 0,
+        spill: None,
+    };
+    serve_from(
+        gate,
+        endpoint,
+        pool_open,
+        served_model,
+        body,
+        try_retry,
+        start,
+    )
+    .await
+}
+
+async fn serve_from(
+    gate: &Arc<GroupGate>,
+    endpoint: Endpoint,
+    pool_open: bool,
+    served_model: &str,
+    body: Bytes,
+    try_retry: &(dyn Fn() -> bool + Send + Sync),
+    start: Resume,
 ) -> Routed {
     let Some(model) = model_of(&body) else {
         return Routed::Done(ServeError::invalid("`model` is required").into_response());
@@ -502,8 +605,8 @@ pub(crate) async fn serve(
     let max_tokens = head.and_then(|h| h.max_tokens.or(h.max_completion_tokens));
     let prompt_tokens = u32::try_from(body.len() / 4).unwrap_or(u32::MAX);
     let mut tried: Vec<EndpointRef> = Vec::new();
-    let mut from_group = 0;
-    let mut spill: Option<Spill> = None;
+    let mut from_group = start.from_group;
+    let mut spill: Option<Spill> = start.spill;
     // The last spilling answer: what the client gets if no group is left.
     let mut last_error: Option<(StatusCode, HeaderMap, Bytes, String)> = None;
     loop {
@@ -569,13 +672,17 @@ pub(crate) async fn serve(
         };
         note_skips(gate, &pick, &mut spill);
         let Some((e, url, endpoint_model, key)) = target else {
-            gate.count(&model, &group_name, "ok");
             gate.spilled(&model, spill.as_ref(), &group_name);
+            let more = pick.group + 1 < gate.groups_of(pick.model);
             return Routed::Pool {
                 body: with_model(&body, Some(served_model)),
                 marks: Marks {
                     group: group_name,
                     spill,
+                    model: model.clone(),
+                    index: pick.group,
+                    more,
+                    original: body,
                 },
             };
         };

@@ -345,6 +345,42 @@ name = "mixed"
 }
 
 #[tokio::test]
+async fn a_pool_that_sheds_spills_to_the_next_group_and_its_other_errors_come_back() {
+    let (hosted, ha) = stand_in("hosted").await;
+    let text = format!(
+        "[[model]]\nname = \"mixed\"\n[[model.group]]\nname = \"own\"\npool = true\n\
+         [[model.group]]\nname = \"hosted\"\n[[model.group.endpoint]]\nurl = \"http://{ha}/v1\"\n"
+    );
+    let backend = FakeBackend::new(Script::FailGenerate(ServeError::overloaded(
+        "the queue is full",
+        Duration::from_secs(1),
+    )));
+    let (app, state) = app_with(groups_file("shed", &text), backend.clone());
+    let r = send(&app, post_json("/v1/chat/completions", &chat("mixed"))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-tandem-group"), Some("hosted"));
+    assert_eq!(header(&r, "x-tandem-spillover-from"), Some("own"));
+    assert_eq!(header(&r, "x-tandem-spillover-error"), Some("429"));
+    assert_eq!(
+        hosted.seen.lock().bodies[0]["model"],
+        "mixed",
+        "the client's body, unchanged"
+    );
+    // A refusal that is the client's own is the pool's answer.
+    backend.set_script(Script::FailGenerate(ServeError::invalid("bad stop")));
+    let r = send(&app, post_json("/v1/chat/completions", &chat("mixed"))).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(hosted.seen.lock().bodies.len(), 1);
+    let metrics = scrape(&state).await;
+    assert!(
+        metrics.contains(
+            r#"tandem_group_requests_total{model="mixed",group="own",outcome="spilled"} 1"#
+        ),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
 async fn a_changed_file_reloads_and_a_bad_one_keeps_the_groups_in_force() {
     let (a, aa) = stand_in("a").await;
     let (b, ba) = stand_in("b").await;
