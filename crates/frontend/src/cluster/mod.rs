@@ -77,7 +77,7 @@ pub struct FrontendConfig {
     pub backend: BackendConfig,
     /// How long a draining frontend lets responses in flight finish.
     pub drain_timeout: Duration,
-    /// Backend groups (`--groups`), if any (`http/api/groups.rs`).
+    /// Backend groups (`--groups`), if any (`http/api/groups/`).
     pub groups: Option<crate::http::GroupsOptions>,
 }
 

@@ -126,7 +126,9 @@
 //!   `stop.rs`, `logprobs.rs`, `tool_calls.rs` ([`ToolCallParser`], the Hermes parser);
 //!   `responses.rs` (+ `responses_store.rs`), `messages.rs` (the Responses and Messages
 //!   APIs); `models.rs` (what a request's `model` names); `pyjson.rs` (order-keeping JSON
-//!   and Python's `json.dumps`); `ids.rs` (request ids).
+//!   and Python's `json.dumps`); `ids.rs` (request ids); `groups/` (backend groups: a model
+//!   served by this pool and endpoints proxied to, in priority order, with spillover;
+//!   [`GroupsOptions`], [`watch_groups`]).
 //! - `text/`, templates and tokens: `conversation.rs` (the internal conversation),
 //!   `chat_template.rs` ([`ChatTemplate`]) with `strftime.rs`, `prompt.rs` ([`Prompts`]:
 //!   rendering and special-token-safe tokenization), `tokenizer.rs` ([`Tokenizer`],

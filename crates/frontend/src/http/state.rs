@@ -181,7 +181,7 @@ impl HttpStateBuilder {
     }
 
     /// Backend groups from a file (`--groups`): models served by groups of endpoints and
-    /// this process's pool in priority order (`http/api/groups.rs`).
+    /// this process's pool in priority order (`http/api/groups/`).
     pub fn groups(mut self, options: GroupsOptions) -> Self {
         self.groups = Some(options);
         self
