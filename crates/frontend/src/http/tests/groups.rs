@@ -24,7 +24,7 @@ use crate::http::{GroupsOptions, HttpState};
 enum Answer {
     /// A completion whose text names the endpoint (streamed when asked).
     Ok,
-    /// OpenAI's rate-limit answer, with `Retry-After` in seconds.
+    /// OpenAI's rate-limit answer, with `Retry-After` in seconds (0: without it).
     RateLimited(u64),
     /// OpenAI's answer to a prompt over the context.
     ContextTooLong,
@@ -72,15 +72,20 @@ async fn answer(State(s): State<StandIn>, headers: HeaderMap, body: String) -> R
                          "finish_reason": "stop"}],
         }))
         .into_response(),
-        Answer::RateLimited(secs) => (
-            StatusCode::TOO_MANY_REQUESTS,
-            [("retry-after", secs.to_string())],
-            axum::Json(
-                json!({"error": {"message": "Rate limit reached", "type": "requests",
-                                        "code": "rate_limit_exceeded"}}),
-            ),
-        )
-            .into_response(),
+        Answer::RateLimited(secs) => {
+            let mut r = (
+                StatusCode::TOO_MANY_REQUESTS,
+                axum::Json(json!({"error": {"message": "Rate limit reached",
+                    "type": "requests", "code": "rate_limit_exceeded"}})),
+            )
+                .into_response();
+            // 0: no Retry-After at all.
+            if secs > 0 {
+                r.headers_mut()
+                    .insert("retry-after", secs.to_string().parse().unwrap());
+            }
+            r
+        }
         Answer::ContextTooLong => (
             StatusCode::BAD_REQUEST,
             axum::Json(
@@ -257,6 +262,37 @@ async fn a_context_error_spills_and_a_clients_own_error_is_passed_back() {
         1,
         "the client's error did not spill"
     );
+}
+
+#[tokio::test]
+async fn a_tripped_group_takes_requests_again_once_its_cooldown_ends() {
+    let (reserved, ra) = stand_in("reserved").await;
+    let (_hosted, ha) = stand_in("hosted").await;
+    let text = format!(
+        "[cooldown]\nseconds = 1.0\n{}",
+        TWO_GROUPS
+            .replace("@RESERVED@", &ra.to_string())
+            .replace("@HOSTED@", &ha.to_string())
+    );
+    let (app, _) = app_with(groups_file("recover", &text), FakeBackend::text("pool"));
+    *reserved.answer.lock() = Answer::RateLimited(0);
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(header(&r, "x-tandem-group"), Some("hosted"));
+    *reserved.answer.lock() = Answer::Ok;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(
+        header(&r, "x-tandem-group"),
+        Some("hosted"),
+        "still cooling down"
+    );
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("gpt"))).await;
+    assert_eq!(
+        header(&r, "x-tandem-group"),
+        Some("reserved"),
+        "the cooldown is over"
+    );
+    assert_eq!(header(&r, "x-tandem-spillover-from"), None);
 }
 
 #[tokio::test]
