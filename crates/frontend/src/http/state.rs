@@ -218,7 +218,7 @@ impl HttpStateBuilder {
         backend.set_tenants(access.tenant_limits());
         let metrics = Arc::new(HttpMetrics::register(&mut registry));
         let groups = groups
-            .map(|g| GroupGate::load(g, &mut registry).map(Arc::new))
+            .map(|g| GroupGate::load(g, config.request_timeout, &mut registry).map(Arc::new))
             .transpose()?;
         let parse_tool_calls = config
             .tool_call_parser

@@ -199,14 +199,18 @@ fn key(
 impl GroupGate {
     /// Loads the file once (an error stops the process at start) and registers the groups'
     /// metrics into `registry`.
+    /// `timeout`: the most a proxied request may take, its answer's stream included (the
+    /// edge's request timeout).
     pub(crate) fn load(
         options: GroupsOptions,
+        timeout: Duration,
         registry: &mut Registry,
     ) -> Result<GroupGate, GroupsError> {
         let seen = stamp(&options.file).ok();
         let live = read(&options)?;
         let client = reqwest::Client::builder()
             .connect_timeout(options.connect_timeout)
+            .timeout(timeout)
             .build()
             .map_err(|e| GroupsError::Client(e.to_string()))?;
         let requests = Family::<GroupLabels, Counter>::default();

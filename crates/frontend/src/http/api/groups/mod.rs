@@ -20,6 +20,10 @@
 //! one is refused with the reason in the log while the old groups stay. A file that fails at
 //! start stops the process.
 //!
+//! An endpoint has 5 s to accept a connection ([`GroupsOptions::connect_timeout`]) and the
+//! edge's request timeout for its whole answer, stream included; past either it counts as
+//! unreachable (before the head) or as a broken stream (after).
+//!
 //! Prompt tokens for the endpoints' TPM limits and context pre-check are estimated as the
 //! body's bytes / 4 (OpenAI's rule of thumb for English); the endpoint's own count is what
 //! its `usage` says.
