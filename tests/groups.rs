@@ -102,6 +102,10 @@ name = "chat"
     assert_eq!(r.header("x-tandem-group"), Some("cluster-b"));
     assert_eq!(r.header("x-tandem-spillover-from"), Some("hosted"));
     assert_eq!(r.header("x-tandem-spillover-error"), Some("429"));
+    assert!(
+        r.header("x-tandem-decode-worker").is_some(),
+        "cluster B's routing headers come through"
+    );
     let v: Value = serde_json::from_str(&r.text()).unwrap();
     assert_eq!(
         v["model"], "mocker",

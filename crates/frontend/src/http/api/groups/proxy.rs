@@ -50,12 +50,19 @@ pub(super) fn passed_back(
     group: Option<&str>,
     spill: Option<&Spill>,
 ) -> Response {
-    // (`group` is None only where nothing was sent.)
     let mut response = Response::new(body.into());
     *response.status_mut() = status;
-    for name in [header::CONTENT_TYPE, header::RETRY_AFTER] {
-        if let Some(v) = headers.get(&name) {
-            response.headers_mut().insert(name, v.clone());
+    // What the client can use of the endpoint's head: the body's type, when to come back,
+    // and the ids and routing another tandem (or a hosted API's request id) reports; the
+    // groups' own headers are set after.
+    for (name, value) in headers {
+        let n = name.as_str();
+        if name == header::CONTENT_TYPE
+            || name == header::RETRY_AFTER
+            || n == "x-request-id"
+            || n.starts_with("x-tandem-")
+        {
+            response.headers_mut().append(name, value.clone());
         }
     }
     if let Some(group) = group {
