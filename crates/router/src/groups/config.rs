@@ -166,6 +166,33 @@ impl GroupsConfig {
         Ok(())
     }
 
+    /// `f` of every endpoint, in the config's own shape (`[model][group][endpoint]`); the
+    /// first error stops it.
+    pub fn per_endpoint<T, E>(
+        &self,
+        mut f: impl FnMut(super::EndpointRef, &EndpointConfig) -> Result<T, E>,
+    ) -> Result<Vec<Vec<Vec<T>>>, E> {
+        let mut out = Vec::with_capacity(self.models.len());
+        for (model, m) in self.models.iter().enumerate() {
+            let mut groups = Vec::with_capacity(m.groups.len());
+            for (group, g) in m.groups.iter().enumerate() {
+                let at = |endpoint| super::EndpointRef {
+                    model,
+                    group,
+                    endpoint,
+                };
+                let endpoints = g.endpoints.iter().enumerate();
+                groups.push(
+                    endpoints
+                        .map(|(i, e)| f(at(i), e))
+                        .collect::<Result<_, E>>()?,
+                );
+            }
+            out.push(groups);
+        }
+        Ok(out)
+    }
+
     /// The groups of `model`, if it is configured.
     pub fn model(&self, model: &str) -> Option<&ModelGroups> {
         self.models.iter().find(|m| m.name == model)

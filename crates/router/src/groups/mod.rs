@@ -184,21 +184,8 @@ impl Groups {
     /// draws reproducible.
     pub fn new(cfg: GroupsConfig, seed: u64) -> Result<Groups, GroupsConfigError> {
         cfg.validate()?;
-        let state = cfg
-            .models
-            .iter()
-            .map(|m| {
-                m.groups
-                    .iter()
-                    .map(|g| {
-                        g.endpoints
-                            .iter()
-                            .map(|_| EndpointState::default())
-                            .collect()
-                    })
-                    .collect()
-            })
-            .collect();
+        let Ok(state) =
+            cfg.per_endpoint(|_, _| Ok::<_, std::convert::Infallible>(EndpointState::default()));
         Ok(Groups {
             cfg,
             state,

@@ -142,21 +142,7 @@ fn read(options: &GroupsOptions) -> Result<Live, GroupsError> {
         path: path.clone(),
         message: e.to_string(),
     })?;
-    let keys = cfg
-        .models
-        .iter()
-        .map(|m| {
-            m.groups
-                .iter()
-                .map(|g| {
-                    g.endpoints
-                        .iter()
-                        .map(|e| key(path, e, &options.env))
-                        .collect()
-                })
-                .collect()
-        })
-        .collect::<Result<Vec<Vec<Vec<_>>>, _>>()?;
+    let keys = cfg.per_endpoint(|_, e| key(path, e, &options.env))?;
     let groups = Groups::new(cfg, options.seed).map_err(|source| GroupsError::Invalid {
         path: path.clone(),
         source,
