@@ -14,6 +14,26 @@ pub struct GroupsConfig {
     pub cooldown: CooldownConfig,
     #[serde(default, rename = "model")]
     pub models: Vec<ModelGroups>,
+    /// Model names answered by a small model, escalated to a large one when it is unsure.
+    #[serde(default, rename = "cascade")]
+    pub cascades: Vec<CascadeConfig>,
+}
+
+/// A model cascade: requests for `name` go to the `small` model's groups first; when its
+/// answer's mean token log-probability is below `min_mean_logprob` (or it fails, or the
+/// client asks), the conversation goes unchanged to the `large` model's groups.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CascadeConfig {
+    /// The name clients ask for.
+    pub name: String,
+    /// A model of this file whose groups answer first.
+    pub small: String,
+    /// A model of this file whose groups take what the small one is unsure of.
+    pub large: String,
+    /// The mean log-probability per answer token below which the answer is escalated
+    /// (e.g. −0.5: a geometric mean probability of 0.61).
+    pub min_mean_logprob: f64,
 }
 
 /// One model name and the groups that serve it, highest priority first.
@@ -134,6 +154,8 @@ pub enum GroupsConfigError {
     },
     #[error("cooldown: {0}")]
     Cooldown(String),
+    #[error("cascade {name:?}: {why}")]
+    Cascade { name: String, why: String },
 }
 
 impl GroupsConfig {
@@ -163,7 +185,41 @@ impl GroupsConfig {
                 })?;
             }
         }
+        let mut cascades = std::collections::HashSet::new();
+        for c in &self.cascades {
+            let fail = |why: &str| GroupsConfigError::Cascade {
+                name: c.name.clone(),
+                why: why.to_string(),
+            };
+            if !cascades.insert(c.name.as_str()) || models.contains(c.name.as_str()) {
+                return Err(fail(
+                    "the name is configured twice (as a model or a cascade)",
+                ));
+            }
+            for member in [&c.small, &c.large] {
+                let Some(m) = self.model(member) else {
+                    return Err(fail(&format!("{member:?} is not a [[model]] of this file")));
+                };
+                if m.groups.iter().any(|g| g.pool) {
+                    return Err(fail(&format!(
+                        "{member:?} has a pool group: a cascade reads its answers whole, which \
+                         it does for endpoints only"
+                    )));
+                }
+            }
+            if c.small == c.large {
+                return Err(fail("small and large are the same model"));
+            }
+            if !(c.min_mean_logprob.is_finite() && c.min_mean_logprob <= 0.0) {
+                return Err(fail("min_mean_logprob must be a number <= 0"));
+            }
+        }
         Ok(())
+    }
+
+    /// The cascade named `name`, if there is one.
+    pub fn cascade(&self, name: &str) -> Option<&CascadeConfig> {
+        self.cascades.iter().find(|c| c.name == name)
     }
 
     /// `f` of every endpoint, in the config's own shape (`[model][group][endpoint]`); the

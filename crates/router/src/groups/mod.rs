@@ -25,8 +25,8 @@ mod config;
 use std::collections::VecDeque;
 
 pub use config::{
-    CooldownConfig, EndpointConfig, GroupConfig, GroupsConfig, GroupsConfigError, ModelGroups,
-    Strategy,
+    CascadeConfig, CooldownConfig, EndpointConfig, GroupConfig, GroupsConfig, GroupsConfigError,
+    ModelGroups, Strategy,
 };
 use tandem_protocol::Rng;
 

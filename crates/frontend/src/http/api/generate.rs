@@ -103,7 +103,7 @@ async fn serve(
     let marks;
     let admitted = match receive(&state, &headers, body).await {
         Ok(received) => {
-            let received = match route_groups(&state, endpoint, received).await {
+            let received = match route_groups(&state, endpoint, &headers, received).await {
                 Grouped::Done(response) => {
                     record.status(response.status().as_u16());
                     return response;
@@ -190,7 +190,17 @@ enum Grouped {
     Pool(Received, Option<groups::Marks>),
 }
 
-async fn route_groups(state: &HttpState, endpoint: Endpoint, received: Received) -> Grouped {
+async fn route_groups(
+    state: &HttpState,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    received: Received,
+) -> Grouped {
+    // A client may send a cascade's request to its large model at once.
+    let escalate = headers
+        .get("x-tandem-escalate")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes"));
     let Some(gate) = state.groups() else {
         return Grouped::Pool(received, None);
     };
@@ -207,6 +217,7 @@ async fn route_groups(state: &HttpState, endpoint: Endpoint, received: Received)
         pool_open,
         served,
         received.bytes.clone(),
+        escalate,
         &try_retry,
     )
     .await;

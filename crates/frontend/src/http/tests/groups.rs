@@ -43,6 +43,8 @@ struct StandIn {
     name: &'static str,
     answer: Arc<Mutex<Answer>>,
     seen: Arc<Mutex<Seen>>,
+    /// The log-probability of each of its two answer tokens, when asked for them.
+    logprob: Arc<Mutex<f64>>,
 }
 
 async fn answer(State(s): State<StandIn>, headers: HeaderMap, body: String) -> Response {
@@ -66,12 +68,21 @@ async fn answer(State(s): State<StandIn>, headers: HeaderMap, body: String) -> R
             );
             ([("content-type", "text/event-stream")], events).into_response()
         }
-        Answer::Ok => axum::Json(json!({
-            "object": "chat.completion", "model": body["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": s.name},
-                         "finish_reason": "stop"}],
-        }))
-        .into_response(),
+        Answer::Ok => {
+            let mut choice = json!({"index": 0, "message": {"role": "assistant", "content": s.name},
+                                    "finish_reason": "stop"});
+            if body["logprobs"] == true {
+                let lp = *s.logprob.lock();
+                choice["logprobs"] = json!({"content": [
+                    {"token": "a", "logprob": lp, "top_logprobs": []},
+                    {"token": "b", "logprob": lp, "top_logprobs": []}]});
+            }
+            axum::Json(json!({
+                "id": "chatcmpl-1", "created": 1, "object": "chat.completion",
+                "model": body["model"], "choices": [choice],
+            }))
+            .into_response()
+        }
         Answer::RateLimited(secs) => {
             let mut r = (
                 StatusCode::TOO_MANY_REQUESTS,
@@ -109,6 +120,7 @@ async fn stand_in(name: &'static str) -> (StandIn, SocketAddr) {
         name,
         answer: Arc::new(Mutex::new(Answer::Ok)),
         seen: Arc::default(),
+        logprob: Arc::new(Mutex::new(-0.1)),
     };
     let app = Router::new()
         .route("/v1/chat/completions", post(answer))
@@ -482,5 +494,137 @@ fn a_file_that_cannot_be_used_stops_the_start_with_the_reason() {
             .unwrap_err()
             .to_string();
         assert!(err.contains(says), "{text}: {err}");
+    }
+}
+
+const CASCADE: &str = r#"
+[[model]]
+name = "small"
+  [[model.group]]
+  name = "small"
+    [[model.group.endpoint]]
+    url = "http://@SMALL@/v1"
+    model = "tiny-1b"
+
+[[model]]
+name = "large"
+  [[model.group]]
+  name = "large"
+    [[model.group.endpoint]]
+    url = "http://@LARGE@/v1"
+    model = "huge-70b"
+
+[[cascade]]
+name = "auto"
+small = "small"
+large = "large"
+min_mean_logprob = -0.5
+"#;
+
+async fn cascade(tag: &str) -> (Router, HttpState, StandIn, StandIn) {
+    let (small, sa) = stand_in("small").await;
+    let (large, la) = stand_in("large").await;
+    let text = CASCADE
+        .replace("@SMALL@", &sa.to_string())
+        .replace("@LARGE@", &la.to_string());
+    let (app, state) = app_with(groups_file(tag, &text), FakeBackend::text("pool"));
+    (app, state, small, large)
+}
+
+#[tokio::test]
+async fn a_sure_small_model_answers_and_an_unsure_one_is_escalated_unchanged() {
+    let (app, state, small, large) = cascade("cascade").await;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("auto"))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-tandem-cascade"), Some("small"));
+    assert_eq!(header(&r, "x-tandem-cascade-confidence"), Some("-0.1000"));
+    assert_eq!(header(&r, "x-tandem-group"), Some("small"));
+    let v = body_json(r).await;
+    assert_eq!(v["choices"][0]["message"]["content"], "small");
+    assert_eq!(
+        v["choices"][0].get("logprobs"),
+        None,
+        "not asked for: removed"
+    );
+    {
+        let seen = small.seen.lock();
+        assert_eq!(seen.bodies[0]["model"], "tiny-1b");
+        assert_eq!(seen.bodies[0]["logprobs"], true);
+        assert_eq!(seen.bodies[0]["stream"], false);
+    }
+    assert!(large.seen.lock().bodies.is_empty());
+
+    // Unsure: the conversation goes to the large model as the client sent it.
+    *small.logprob.lock() = -2.0;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("auto"))).await;
+    assert_eq!(header(&r, "x-tandem-cascade"), Some("escalated"));
+    assert_eq!(header(&r, "x-tandem-cascade-confidence"), Some("-2.0000"));
+    assert_eq!(header(&r, "x-tandem-group"), Some("large"));
+    assert_eq!(
+        body_json(r).await["choices"][0]["message"]["content"],
+        "large"
+    );
+    let sent = large.seen.lock().bodies[0].clone();
+    assert_eq!(sent["model"], "huge-70b");
+    assert_eq!(sent["messages"], chat("auto")["messages"]);
+    assert_eq!(sent.get("logprobs"), None);
+
+    // A small model that fails is escalated too; a client may ask for the large one.
+    *small.answer.lock() = Answer::BadRequest;
+    let r = send(&app, post_json("/v1/chat/completions", &chat("auto"))).await;
+    assert_eq!(header(&r, "x-tandem-cascade"), Some("escalated"));
+    let asked = Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .header("x-tandem-escalate", "1")
+        .body(Body::from(chat("auto").to_string()))
+        .unwrap();
+    let before = small.seen.lock().bodies.len();
+    let r = send(&app, asked).await;
+    assert_eq!(header(&r, "x-tandem-cascade"), Some("asked"));
+    assert_eq!(small.seen.lock().bodies.len(), before);
+    let metrics = scrape(&state).await;
+    for line in [
+        r#"tandem_cascade_requests_total{cascade="auto",outcome="small"} 1"#,
+        r#"tandem_cascade_requests_total{cascade="auto",outcome="escalated"} 2"#,
+        r#"tandem_cascade_requests_total{cascade="auto",outcome="asked"} 1"#,
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
+}
+
+#[tokio::test]
+async fn a_streamed_request_gets_the_small_answer_as_a_stream() {
+    let (app, _, _, large) = cascade("cascade-stream").await;
+    let mut asked = chat("auto");
+    asked["stream"] = json!(true);
+    asked["logprobs"] = json!(true);
+    let r = send(&app, post_json("/v1/chat/completions", &asked)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "content-type"), Some("text/event-stream"));
+    let events = sse_data(&body_text(r).await);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunk: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(chunk["object"], "chat.completion.chunk");
+    assert_eq!(chunk["choices"][0]["delta"]["content"], "small");
+    assert!(large.seen.lock().bodies.is_empty());
+}
+
+#[test]
+fn a_cascade_over_a_pool_or_an_unknown_model_is_refused() {
+    let pooled = "[[model]]\nname = \"p\"\n[[model.group]]\nname = \"own\"\npool = true\n\
+                  [[model]]\nname = \"e\"\n[[model.group]]\nname = \"g\"\n[[model.group.endpoint]]\nurl = \"http://x/v1\"\n";
+    for (extra, says) in [
+        ("small = \"p\"\nlarge = \"e\"", "has a pool group"),
+        ("small = \"e\"\nlarge = \"nope\"", "is not a [[model]]"),
+        ("small = \"e\"\nlarge = \"e\"", "the same model"),
+    ] {
+        let text = format!("{pooled}[[cascade]]\nname = \"c\"\n{extra}\nmin_mean_logprob = -1.0\n");
+        let file = groups_file(&format!("cascade-bad-{}", says.len()), &text);
+        let err = HttpState::builder(FakeBackend::text("x"), config(), cl100k())
+            .groups(options(file))
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(says), "{extra}: {err}");
     }
 }

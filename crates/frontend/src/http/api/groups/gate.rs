@@ -91,6 +91,12 @@ struct GroupLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CascadeLabels {
+    cascade: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SpillLabels {
     model: String,
     from: String,
@@ -116,6 +122,7 @@ pub(crate) struct GroupGate {
     pub(super) client: reqwest::Client,
     requests: Family<GroupLabels, Counter>,
     spillovers: Family<SpillLabels, Counter>,
+    cascades: Family<CascadeLabels, Counter>,
 }
 
 impl std::fmt::Debug for GroupGate {
@@ -201,6 +208,7 @@ impl GroupGate {
             .map_err(|e| GroupsError::Client(e.to_string()))?;
         let requests = Family::<GroupLabels, Counter>::default();
         let spillovers = Family::<SpillLabels, Counter>::default();
+        let cascades = Family::<CascadeLabels, Counter>::default();
         registry.register(
             "tandem_group_requests",
             "Requests to each backend group of a model, by outcome (ok; error: answered with an error that does not spill; spilled: passed on to the next group; unreachable: its endpoint could not be reached)",
@@ -211,6 +219,11 @@ impl GroupGate {
             "Requests that a backend group of a model passed over (from: the first such group) and the group that answered them (to; none: no group)",
             spillovers.clone(),
         );
+        registry.register(
+            "tandem_cascade_requests",
+            "Requests for a model cascade, by who answered (small: the small model, sure enough; escalated: the large model, after the small one was unsure or failed; asked: the large model, as the client asked)",
+            cascades.clone(),
+        );
         log_loaded(&options.file, live.groups.config(), "backend groups loaded");
         Ok(GroupGate {
             options,
@@ -219,12 +232,30 @@ impl GroupGate {
             client,
             requests,
             spillovers,
+            cascades,
         })
     }
 
     /// Whether `model` is served by groups.
     pub(crate) fn serves(&self, model: &str) -> bool {
-        self.live.lock().groups.config().model(model).is_some()
+        let live = self.live.lock();
+        let cfg = live.groups.config();
+        cfg.model(model).is_some() || cfg.cascade(model).is_some()
+    }
+
+    /// The cascade named `name`, if the file has one.
+    pub(super) fn cascade(&self, name: &str) -> Option<tandem_router::groups::CascadeConfig> {
+        self.live.lock().groups.config().cascade(name).cloned()
+    }
+
+    /// A request for cascade `cascade` answered by `outcome` (small, escalated, asked).
+    pub(super) fn count_cascade(&self, cascade: &str, outcome: &'static str) {
+        self.cascades
+            .get_or_create(&CascadeLabels {
+                cascade: cascade.to_string(),
+                outcome,
+            })
+            .inc();
     }
 
     /// Reads the file again if it changed: `Some(Ok)` when new groups are in force,

@@ -28,6 +28,7 @@
 //! body's bytes / 4 (OpenAI's rule of thumb for English); the endpoint's own count is what
 //! its `usage` says.
 
+mod cascade;
 mod gate;
 mod proxy;
 
@@ -127,6 +128,16 @@ struct Resume {
     spill: Option<Spill>,
 }
 
+impl Resume {
+    /// From the first group.
+    fn start() -> Resume {
+        Resume {
+            from_group: 0,
+            spill: None,
+        }
+    }
+}
+
 /// The pool refused a request the groups sent it, with `status` and before anything went
 /// out (its queue full, its workers gone): the request goes on to the next group, as for an
 /// endpoint's refusal. `None`: it cannot (the retry budget is spent, or only another pool
@@ -183,12 +194,14 @@ pub(crate) async fn serve(
     pool_open: bool,
     served_model: &str,
     body: Bytes,
+    escalate: bool,
     try_retry: &(dyn Fn() -> bool + Send + Sync),
 ) -> Routed {
-    let start = Resume {
-        from_group: 0,
-        spill: None,
-    };
+    if let Some(cascade) = model_of(&body).and_then(|m| gate.cascade(&m)) {
+        let response = cascade::serve(gate, endpoint, cascade, body, escalate, try_retry).await;
+        return Routed::Done(response);
+    }
+    let start = Resume::start();
     serve_from(
         gate,
         endpoint,
