@@ -439,32 +439,33 @@ async fn a_changed_file_reloads_and_a_bad_one_keeps_the_groups_in_force() {
     };
     let file = groups_file("reload", &one(aa));
     let (app, state) = app_with(file.clone(), FakeBackend::text("pool"));
-    let stop = tokio_util::sync::CancellationToken::new();
-    let watch = tokio::spawn(crate::http::watch_groups(state.clone(), stop.clone()));
     let ask = || send(&app, post_json("/v1/chat/completions", &chat("m")));
-    assert_eq!(
-        body_json(ask().await).await["choices"][0]["message"]["content"],
-        "a"
-    );
-    // A file that does not validate: refused, the old groups answer.
-    std::fs::write(&file, "[[model]]\nname = \"m\"\ngroup = []\n").unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(
-        body_json(ask().await).await["choices"][0]["message"]["content"],
-        "a"
-    );
-    // A good one replaces them.
-    std::fs::write(&file, one(ba)).unwrap();
-    let mut answered = String::new();
-    for _ in 0..100 {
-        answered = body_json(ask().await).await["choices"][0]["message"]["content"]
+    let content = |v: Value| {
+        v["choices"][0]["message"]["content"]
             .as_str()
             .unwrap()
-            .to_string();
-        if answered == "b" {
-            break;
-        }
+            .to_string()
+    };
+    assert_eq!(content(body_json(ask().await).await), "a");
+    // A file that does not validate: refused (once), the old groups answer.
+    std::fs::write(&file, "[[model]]\nname = \"m\"\ngroup = []\n").unwrap();
+    let gate = state.groups().unwrap();
+    let refused = gate.reload_if_changed().unwrap().unwrap_err().to_string();
+    assert!(refused.contains("no group"), "{refused}");
+    assert!(
+        gate.reload_if_changed().is_none(),
+        "the same refusal is reported once"
+    );
+    assert_eq!(content(body_json(ask().await).await), "a");
+    // A good one replaces them, through the watch.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watch = tokio::spawn(crate::http::watch_groups(state.clone(), stop.clone()));
+    std::fs::write(&file, one(ba)).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut answered = content(body_json(ask().await).await);
+    while answered != "b" && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
+        answered = content(body_json(ask().await).await);
     }
     assert_eq!(answered, "b");
     assert!(!b.seen.lock().bodies.is_empty() && !a.seen.lock().bodies.is_empty());
