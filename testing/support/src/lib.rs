@@ -12,6 +12,7 @@ pub mod http;
 pub mod metrics;
 pub mod native;
 pub mod openai;
+pub mod proc;
 pub mod standin;
 
 use std::path::{Path, PathBuf};

@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::cluster::{Proc, wait_for};
+use super::cluster::wait_for;
 use super::http;
+use super::proc::Proc;
 
 #[derive(Debug)]
 pub struct Up {

@@ -3,9 +3,9 @@
 
 use std::net::SocketAddr;
 
-use super::cluster::Proc;
 use super::http;
 use super::metrics::Metrics;
+use super::proc::Proc;
 
 /// A stand-in engine process behind a worker.
 #[derive(Debug)]
