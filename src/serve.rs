@@ -341,7 +341,7 @@ pub struct HttpArgs {
     /// Backend groups (a TOML file): model names served by groups of endpoints and this
     /// cluster's pool in priority order, with spillover, cooldowns and limits (README,
     /// "Backend groups"); read again when it changes.
-    #[arg(long = "groups", env = "TANDEM_GROUPS_FILE")]
+    #[arg(long = "groups", env = "TANDEM_GROUPS")]
     pub groups_file: Option<PathBuf>,
 }
 

@@ -463,6 +463,7 @@ mod tests {
         "--responses-store-max=5",
         "--responses-store-max-bytes=4096",
         "--session-field=none",
+        "--groups=/tmp/groups.toml",
         "--request-timeout=30",
         "--queue-max=3",
         "--queue-timeout=2.5",

@@ -7,8 +7,13 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-/// How long any read may block before the request counts as hung.
+/// How long a read of a stream may block before the stream counts as hung.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a whole (not streamed) response may take to start: its first byte comes only
+/// once the request is done, and a 3,000-token prompt on the real model takes 15 s on an
+/// idle 2-core machine and over 30 s on a loaded one (a fresh-clone CI beside the suite).
+pub const WHOLE_RESPONSE_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// A whole response.
 #[derive(Debug)]
@@ -66,7 +71,14 @@ pub fn request(
     body: Option<&[u8]>,
     extra_headers: &[(&str, &str)],
 ) -> io::Result<Response> {
-    let (status, headers, mut reader) = send(addr, method, path, body, extra_headers)?;
+    let (status, headers, mut reader) = send(
+        addr,
+        method,
+        path,
+        body,
+        extra_headers,
+        WHOLE_RESPONSE_TIMEOUT,
+    )?;
     let mut body = Vec::new();
     reader.read_to_end(&mut body)?;
     Ok(Response {
@@ -83,7 +95,7 @@ pub fn post_declaring_length(
     path: &str,
     content_length: usize,
 ) -> io::Result<Response> {
-    let stream = connect(addr)?;
+    let stream = connect(addr, READ_TIMEOUT)?;
     let head = format!(
         "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
          Content-Type: application/json\r\nContent-Length: {content_length}\r\n\r\n"
@@ -101,9 +113,9 @@ pub fn post_declaring_length(
     })
 }
 
-fn connect(addr: SocketAddr) -> io::Result<TcpStream> {
+fn connect(addr: SocketAddr, read_timeout: Duration) -> io::Result<TcpStream> {
     let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    stream.set_read_timeout(Some(READ_TIMEOUT))?;
+    stream.set_read_timeout(Some(read_timeout))?;
     stream.set_write_timeout(Some(READ_TIMEOUT))?;
     stream.set_nodelay(true)?;
     Ok(stream)
@@ -117,8 +129,9 @@ fn send(
     path: &str,
     body: Option<&[u8]>,
     extra_headers: &[(&str, &str)],
+    read_timeout: Duration,
 ) -> io::Result<Head> {
-    let stream = connect(addr)?;
+    let stream = connect(addr, read_timeout)?;
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     for (k, v) in extra_headers {
         head.push_str(&format!("{k}: {v}\r\n"));
@@ -280,7 +293,14 @@ pub fn post_stream_with(
     body: &str,
     extra_headers: &[(&str, &str)],
 ) -> io::Result<EventStream> {
-    let (status, headers, reader) = send(addr, "POST", path, Some(body.as_bytes()), extra_headers)?;
+    let (status, headers, reader) = send(
+        addr,
+        "POST",
+        path,
+        Some(body.as_bytes()),
+        extra_headers,
+        READ_TIMEOUT,
+    )?;
     Ok(EventStream {
         status,
         headers,
