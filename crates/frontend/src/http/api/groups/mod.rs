@@ -399,25 +399,18 @@ async fn serve_from(
             },
         );
         let context = is_context_error(&String::from_utf8_lossy(&bytes));
-        if !spills(status.as_u16(), context) {
+        let spilling = spills(status.as_u16(), context);
+        // A spill takes a retry from the budget; a spent budget answers with the refusal.
+        if !(spilling && try_retry()) {
+            if spilling {
+                tracing::warn!(
+                    model,
+                    group = group_name,
+                    "retry budget spent: not spilling"
+                );
+            }
             gate.count(&model, &group_name, "error");
             gate.spilled(&model, spill.as_ref(), &group_name);
-            return Routed::Done(passed_back(
-                status,
-                &headers,
-                bytes,
-                Some(&group_name),
-                spill.as_ref(),
-            ));
-        }
-        if !try_retry() {
-            gate.count(&model, &group_name, "error");
-            gate.spilled(&model, spill.as_ref(), &group_name);
-            tracing::warn!(
-                model,
-                group = group_name,
-                "retry budget spent: not spilling"
-            );
             return Routed::Done(passed_back(
                 status,
                 &headers,
