@@ -368,14 +368,7 @@ pub async fn watch_api_keys(state: HttpState, shutdown: tokio_util::sync::Cancel
     if access.config.api_keys_file.is_none() {
         return;
     }
-    let mut tick =
-        tokio::time::interval(access.config.reload_interval.max(Duration::from_millis(10)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            () = shutdown.cancelled() => return,
-        }
+    poll_until(access.config.reload_interval, &shutdown, || {
         // Reading a small file; a blocking thread is not worth it.
         match access.reload_if_changed() {
             None => {}
@@ -385,6 +378,25 @@ pub async fn watch_api_keys(state: HttpState, shutdown: tokio_util::sync::Cancel
                 "the API keys file was refused; the previous keys stay in force"
             ),
         }
+    })
+    .await;
+}
+
+/// Calls `poll` every `interval` (10 ms at the least; a late tick is not made up with a burst)
+/// until `shutdown`: the loop of each watched file (the API keys, the groups).
+pub(crate) async fn poll_until(
+    interval: Duration,
+    shutdown: &tokio_util::sync::CancellationToken,
+    mut poll: impl FnMut(),
+) {
+    let mut tick = tokio::time::interval(interval.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = shutdown.cancelled() => return,
+        }
+        poll();
     }
 }
 

@@ -399,19 +399,13 @@ pub async fn watch_groups(
     let Some(gate) = state.groups() else {
         return;
     };
-    let mut tick =
-        tokio::time::interval(gate.options.reload_interval.max(Duration::from_millis(10)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            () = shutdown.cancelled() => return,
-        }
+    crate::http::state::poll_until(gate.options.reload_interval, &shutdown, || {
         if let Some(Err(e)) = gate.reload_if_changed() {
             tracing::error!(
                 error = %e,
                 "the groups file was refused; the previous groups stay in force"
             );
         }
-    }
+    })
+    .await;
 }
