@@ -32,11 +32,7 @@ use crate::http::ServeError;
 /// How often the pump looks at the queue while something waits, besides its wake-ups.
 pub(crate) const PUMP_TICK: Duration = Duration::from_millis(20);
 
-/// The tenant of requests without one.
-pub(crate) const ANONYMOUS: &str = "anonymous";
-
-/// Distinct tenant labels on `/metrics` at most; later tenants are counted as `other`.
-const MAX_TENANT_LABELS: usize = 1000;
+pub(crate) use crate::http::ANONYMOUS;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BandLabel {
@@ -61,7 +57,7 @@ pub struct FlowMetrics {
     wait: Family<BandLabel, Histogram>,
     rejections: Family<ReasonLabel, Counter>,
     tokens: Family<TenantLabel, Counter>,
-    labels: Mutex<hashbrown::HashSet<Arc<str>>>,
+    labels: crate::http::TenantLabels,
     /// Session routes and the per-session cap's refusals.
     pub(crate) sessions: Arc<super::sessions::SessionMetrics>,
     /// The status page's rings: recent decisions, migrations and these rejections.
@@ -77,7 +73,7 @@ impl FlowMetrics {
             }),
             rejections: Family::default(),
             tokens: Family::default(),
-            labels: Mutex::default(),
+            labels: Default::default(),
             sessions: Arc::new(super::sessions::SessionMetrics::register(registry)),
             recent: Arc::default(),
         };
@@ -117,21 +113,9 @@ impl FlowMetrics {
         m
     }
 
-    fn tenant_label(&self, tenant: &Arc<str>) -> String {
-        let mut labels = self.labels.lock();
-        if labels.contains(tenant) {
-            return tenant.to_string();
-        }
-        if labels.len() < MAX_TENANT_LABELS {
-            labels.insert(tenant.clone());
-            return tenant.to_string();
-        }
-        "other".to_string()
-    }
-
     pub(crate) fn tokens(&self, tenant: &Arc<str>, kind: &'static str, n: u64) {
         if n > 0 {
-            let tenant = self.tenant_label(tenant);
+            let tenant = self.labels.label(tenant);
             self.tokens
                 .get_or_create(&TenantLabel { tenant, kind })
                 .inc_by(n);

@@ -215,6 +215,14 @@ impl ServeError {
         e
     }
 
+    /// 429 `budget_exceeded`: a token budget is spent; `retry_after`: when its window ends
+    /// (none for a total).
+    pub fn over_budget(message: impl Into<String>, retry_after: Option<Duration>) -> Self {
+        let mut e = Self::new(ErrorKind::Overloaded, message).with_code("budget_exceeded");
+        e.retry_after = retry_after;
+        e
+    }
+
     /// 499: cancelled.
     pub fn cancelled(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Cancelled, message)

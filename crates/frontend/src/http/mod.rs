@@ -172,6 +172,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use auth::ANONYMOUS;
 pub use auth::{AccessConfig, AccessError, Listener};
 pub use backend::{
     Backend, Endpoint, EngineReport, FinishReason, Generation, PromptSource, RouteInfo, TokenChunk,
@@ -183,6 +184,7 @@ pub use error::{ErrorKind, ServeError};
 pub use groups::{EnvLookup, GroupsError, GroupsOptions, watch_groups};
 pub use hints::{RoutingHints, SessionField};
 pub use metrics::HttpMetrics;
+pub(crate) use metrics::TenantLabels;
 pub use prompt::Prompts;
 pub use recent::{LatencySnapshot, Percentiles, RecentLatency, SlotPoint};
 pub use responses_store::ResponsesStoreConfig;

@@ -17,6 +17,9 @@ pub struct GroupsConfig {
     /// Model names answered by a small model, escalated to a large one when it is unsure.
     #[serde(default, rename = "cascade")]
     pub cascades: Vec<CascadeConfig>,
+    /// Token budgets per tenant, session or task (`super::budgets`).
+    #[serde(default, rename = "budget")]
+    pub budgets: Vec<super::budgets::BudgetConfig>,
 }
 
 /// A model cascade: requests for `name` go to the `small` model's groups first; when its
@@ -63,6 +66,30 @@ pub struct GroupConfig {
     pub cooldown: Option<CooldownConfig>,
     #[serde(default, rename = "endpoint")]
     pub endpoints: Vec<EndpointConfig>,
+    /// A group only requests over their budget go to (demoted there instead of refused);
+    /// other requests pass it by.
+    #[serde(default)]
+    pub batch: bool,
+    /// What the group's tokens cost, for the spend per tenant in the metrics.
+    #[serde(default)]
+    pub cost: Option<Cost>,
+}
+
+/// Prices per million tokens, in whatever currency the operator keeps accounts in.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Cost {
+    pub prompt_per_million: f64,
+    pub completion_per_million: f64,
+}
+
+impl Cost {
+    /// The cost of a request's tokens.
+    pub fn of(&self, prompt_tokens: u64, completion_tokens: u64) -> f64 {
+        (prompt_tokens as f64 * self.prompt_per_million
+            + completion_tokens as f64 * self.completion_per_million)
+            / 1e6
+    }
 }
 
 /// How a group of endpoints picks one (LiteLLM's routing strategies).
@@ -142,7 +169,7 @@ impl Default for CooldownConfig {
 pub enum GroupsConfigError {
     #[error("model {0:?} is configured twice")]
     DuplicateModel(String),
-    #[error("model {0:?} has no group")]
+    #[error("model {0:?} has no group (besides batch groups)")]
     NoGroup(String),
     #[error("model {model:?}: group {group:?} is named twice")]
     DuplicateGroup { model: String, group: String },
@@ -156,6 +183,8 @@ pub enum GroupsConfigError {
     Cooldown(String),
     #[error("cascade {name:?}: {why}")]
     Cascade { name: String, why: String },
+    #[error("budget {index}: {why}")]
+    Budget { index: usize, why: String },
 }
 
 impl GroupsConfig {
@@ -167,7 +196,8 @@ impl GroupsConfig {
             if !models.insert(m.name.as_str()) {
                 return Err(GroupsConfigError::DuplicateModel(m.name.clone()));
             }
-            if m.groups.is_empty() {
+            // Batch groups take only demoted requests: a model needs another group.
+            if m.groups.iter().all(|g| g.batch) {
                 return Err(GroupsConfigError::NoGroup(m.name.clone()));
             }
             let mut names = std::collections::HashSet::new();
@@ -184,6 +214,10 @@ impl GroupsConfig {
                     why,
                 })?;
             }
+        }
+        for (index, b) in self.budgets.iter().enumerate() {
+            b.check()
+                .map_err(|why| GroupsConfigError::Budget { index, why })?;
         }
         let mut cascades = std::collections::HashSet::new();
         for c in &self.cascades {
@@ -264,6 +298,13 @@ fn check_group(g: &GroupConfig) -> Result<(), String> {
     }
     if let Some(c) = &g.cooldown {
         check_cooldown(c)?;
+    }
+    if let Some(c) = &g.cost
+        && ![c.prompt_per_million, c.completion_per_million]
+            .iter()
+            .all(|p| p.is_finite() && *p >= 0.0)
+    {
+        return Err("cost: prices must be numbers >= 0".into());
     }
     for (i, e) in g.endpoints.iter().enumerate() {
         let at = |why: &str| format!("endpoint {i} ({}): {why}", e.url);

@@ -20,13 +20,15 @@
 //!
 //! Time is milliseconds passed in; nothing here sleeps, reads a clock or does IO.
 
+mod budgets;
 mod config;
 
 use std::collections::VecDeque;
 
+pub use budgets::{BudgetConfig, BudgetScope, Budgets, Charge, Exceeded};
 pub use config::{
-    CascadeConfig, CooldownConfig, EndpointConfig, GroupConfig, GroupsConfig, GroupsConfigError,
-    ModelGroups, Strategy,
+    CascadeConfig, CooldownConfig, Cost, EndpointConfig, GroupConfig, GroupsConfig,
+    GroupsConfigError, ModelGroups, Strategy,
 };
 use tandem_protocol::Rng;
 
@@ -83,6 +85,8 @@ pub struct Ask<'a> {
     pub tried: &'a [EndpointRef],
     /// Whether this process's pool can take a request now.
     pub pool_open: bool,
+    /// Over its budget: only the model's batch groups take it (and take nothing else).
+    pub demoted: bool,
 }
 
 /// No group of the model can take the request.
@@ -222,6 +226,9 @@ impl Groups {
         let mut retry_after: Option<u64> = None;
         for g in ask.from_group..self.cfg.models[m].groups.len() {
             let group = &self.cfg.models[m].groups[g];
+            if group.batch != ask.demoted {
+                continue;
+            }
             if group.pool {
                 if ask.pool_open {
                     return Ok(Pick {

@@ -31,6 +31,7 @@ fn ask(tried: &[EndpointRef]) -> Ask<'_> {
         from_group: 0,
         tried,
         pool_open: true,
+        demoted: false,
     }
 }
 
@@ -355,6 +356,79 @@ fn the_pool_group_is_taken_while_it_is_open() {
     shut.pool_open = false;
     let p = g.pick(&shut, 0).unwrap();
     assert_eq!((p.group, p.skipped), (1, vec![(0, Skip::Unavailable)]));
+}
+
+#[test]
+fn a_batch_group_takes_demoted_requests_only_and_they_nothing_else() {
+    let cfg = config(json!([
+        {"name": "primary", "endpoint": [endpoint("http://a/v1")]},
+        {"name": "batch", "batch": true, "endpoint": [endpoint("http://batch/v1")]},
+        {"name": "overflow", "endpoint": [endpoint("http://b/v1")]},
+    ]));
+    let mut g = Groups::new(cfg, 7).unwrap();
+    let p = g.pick(&ask(&[]), 0).unwrap();
+    assert_eq!(p.group, 0);
+    // The primary cools down: ordinary requests pass the batch group by, unskipped.
+    g.finished(at(0, 0), failed(429), 0);
+    let p = g.pick(&ask(&[]), 1).unwrap();
+    assert_eq!((p.group, p.skipped), (2, vec![(0, Skip::Unavailable)]));
+    let demoted = Ask {
+        demoted: true,
+        ..ask(&[])
+    };
+    assert_eq!(g.pick(&demoted, 2).unwrap().endpoint, Some(at(1, 0)));
+    // The batch group tried: nothing else takes a demoted request.
+    let tried = [at(1, 0)];
+    let demoted = Ask {
+        demoted: true,
+        ..ask(&tried)
+    };
+    assert!(matches!(
+        g.pick(&demoted, 3),
+        Err(NoRoute::Exhausted { .. })
+    ));
+    // A model of batch groups alone is refused.
+    let only_batch: GroupsConfig = serde_json::from_value(json!({"model": [{"name": "m",
+        "group": [{"name": "b", "batch": true, "endpoint": [endpoint("http://b/v1")]}]}]}))
+    .unwrap();
+    assert!(matches!(
+        only_batch.validate(),
+        Err(GroupsConfigError::NoGroup(_))
+    ));
+}
+
+#[test]
+fn budgets_and_costs_are_validated_with_the_file() {
+    let file = |extra: serde_json::Value| -> GroupsConfig {
+        let mut v = json!({"model": [{"name": "m", "group": [
+            {"name": "g", "endpoint": [endpoint("http://a/v1")],
+             "cost": {"prompt_per_million": 0.15, "completion_per_million": 0.6}}]}]});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        serde_json::from_value(v).unwrap()
+    };
+    let ok = file(json!({"budget": [{"per": "tenant", "tokens": 1000, "window_seconds": 3600}]}));
+    assert_eq!(ok.validate(), Ok(()));
+    let cost = ok.models[0].groups[0].cost.unwrap();
+    assert!((cost.of(1_000_000, 2_000_000) - 1.35).abs() < 1e-12);
+    let bad = file(json!({"budget": [{"per": "session", "tokens": 0}]}));
+    assert!(matches!(
+        bad.validate(),
+        Err(GroupsConfigError::Budget { index: 0, .. })
+    ));
+    let mut negative = ok.clone();
+    negative.models[0].groups[0].cost = Some(Cost {
+        prompt_per_million: -1.0,
+        completion_per_million: 0.0,
+    });
+    assert!(matches!(
+        negative.validate(),
+        Err(GroupsConfigError::Group { .. })
+    ));
+    let unknown: Result<GroupsConfig, _> =
+        serde_json::from_value(json!({"budget": [{"per": "user", "tokens": 5}]}));
+    assert!(unknown.is_err(), "per is tenant, session or task");
 }
 
 #[test]

@@ -151,6 +151,9 @@ pub enum AccessError {
     Admin(String),
 }
 
+/// The tenant of requests without one (no keys file, or the keys file's open access).
+pub(crate) const ANONYMOUS: &str = "anonymous";
+
 /// A request's tenant: its name and the salt its cache is kept under.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Tenant {

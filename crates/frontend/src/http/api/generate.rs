@@ -101,10 +101,17 @@ async fn serve(
     mut record: RequestRecord,
 ) -> Response {
     let marks;
-    let admitted = match receive(&state, &headers, body).await {
-        Ok(received) => {
-            let received = match route_groups(&state, endpoint, &headers, received).await {
-                Grouped::Done(response) => {
+    let admitted = match receive(&state, &headers, body).await.and_then(|received| {
+        let caller = caller(&state, &headers, &received)?;
+        Ok((received, caller))
+    }) {
+        Ok((received, caller)) => {
+            let demoted = caller.as_ref().is_some_and(|c| c.demoted);
+            let received = match route_groups(&state, endpoint, caller.clone(), received).await {
+                Grouped::Done(mut response) => {
+                    if demoted {
+                        groups::mark_demoted(&mut response);
+                    }
                     record.status(response.status().as_u16());
                     return response;
                 }
@@ -113,6 +120,19 @@ async fn serve(
                     received
                 }
             };
+            // The pool's answer is charged to the caller's budgets when its record ends.
+            if let Some(gate) = state.groups() {
+                let bill = match (&marks, caller) {
+                    (Some(m), _) => Some(m.bill(gate)),
+                    (None, Some(c)) => Some(gate.bill(c.payer, None)),
+                    (None, None) => None,
+                };
+                if let Some(bill) = bill {
+                    record.on_usage(crate::http::metrics::UsageHook(Box::new(
+                        move |prompt, completion| bill.settle(prompt, completion),
+                    )));
+                }
+            }
             admit(&state, endpoint, &headers, received).await
         }
         Err(e) => {
@@ -190,18 +210,43 @@ enum Grouped {
     Pool(Received, Option<groups::Marks>),
 }
 
-async fn route_groups(
+/// Who a request is for and what its budgets allow, where the groups file is in force:
+/// over a budget, demoted to its model's batch group or refused.
+fn caller(
     state: &HttpState,
-    endpoint: Endpoint,
     headers: &HeaderMap,
-    received: Received,
-) -> Grouped {
+    received: &Received,
+) -> Result<Option<groups::Caller>, ServeError> {
+    let Some(gate) = state.groups() else {
+        return Ok(None);
+    };
+    let payer = groups::Payer::of(
+        received.tenant.as_ref(),
+        headers,
+        &received.bytes,
+        &state.config().session_field,
+    );
+    let model = groups::model_of(&received.bytes);
+    let demoted = gate.check_budget(&payer, model.as_deref())?;
     // A client may send a cascade's request to its large model at once.
     let escalate = headers
         .get("x-tandem-escalate")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes"));
-    let Some(gate) = state.groups() else {
+    Ok(Some(groups::Caller {
+        payer,
+        demoted,
+        escalate,
+    }))
+}
+
+async fn route_groups(
+    state: &HttpState,
+    endpoint: Endpoint,
+    caller: Option<groups::Caller>,
+    received: Received,
+) -> Grouped {
+    let (Some(gate), Some(caller)) = (state.groups(), caller) else {
         return Grouped::Pool(received, None);
     };
     if !groups::model_of(&received.bytes).is_some_and(|m| gate.serves(&m)) {
@@ -217,7 +262,7 @@ async fn route_groups(
         pool_open,
         served,
         received.bytes.clone(),
-        escalate,
+        caller,
         &try_retry,
     )
     .await;

@@ -220,6 +220,29 @@ impl HttpMetrics {
     }
 }
 
+/// Distinct tenant labels on `/metrics` at most; later tenants are counted as `other`.
+const MAX_TENANT_LABELS: usize = 1000;
+
+/// The `tenant` label of the series counted per tenant: a tenant's name, for the first
+/// [`MAX_TENANT_LABELS`] tenants seen, then `other` (the series stay bounded whatever the
+/// keys file holds).
+#[derive(Debug, Default)]
+pub(crate) struct TenantLabels(parking_lot::Mutex<hashbrown::HashSet<Arc<str>>>);
+
+impl TenantLabels {
+    pub(crate) fn label(&self, tenant: &Arc<str>) -> String {
+        let mut labels = self.0.lock();
+        if labels.contains(tenant) {
+            return tenant.to_string();
+        }
+        if labels.len() < MAX_TENANT_LABELS {
+            labels.insert(tenant.clone());
+            return tenant.to_string();
+        }
+        "other".to_string()
+    }
+}
+
 /// One generation request's accounting; its `Drop` settles the metrics whatever the path.
 #[derive(Debug)]
 pub(crate) struct RequestRecord {
@@ -239,6 +262,18 @@ pub(crate) struct RequestRecord {
     /// The request's server span ([`crate::http::trace`]): its usage and status are recorded
     /// there too, and it ends when the record drops (the response's last byte).
     span: tracing::Span,
+    /// Told the prompt and completion tokens when the record ends, if any were used (the
+    /// budgets' charge).
+    on_usage: Option<UsageHook>,
+}
+
+/// What a record tells its prompt and completion tokens to when it ends.
+pub(crate) struct UsageHook(pub(crate) Box<dyn FnOnce(u64, u64) + Send + Sync>);
+
+impl std::fmt::Debug for UsageHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("UsageHook")
+    }
 }
 
 impl RequestRecord {
@@ -257,7 +292,13 @@ impl RequestRecord {
             last_token: None,
             prompt_check: None,
             span: tracing::Span::none(),
+            on_usage: None,
         }
+    }
+
+    /// `hook` is told the request's tokens when the record ends.
+    pub(crate) fn on_usage(&mut self, hook: UsageHook) {
+        self.on_usage = Some(hook);
     }
 
     /// The record's request is traced in `span`.
@@ -375,6 +416,11 @@ impl RequestRecord {
 impl Drop for RequestRecord {
     fn drop(&mut self) {
         self.check_prompt_tokens();
+        if let Some(hook) = self.on_usage.take()
+            && self.prompt_tokens + self.completion_tokens > 0
+        {
+            (hook.0)(self.prompt_tokens, self.completion_tokens);
+        }
         let m = &self.metrics;
         let endpoint = self.endpoint.as_str();
         let status = self.status.unwrap_or(499);

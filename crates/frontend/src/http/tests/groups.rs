@@ -21,7 +21,7 @@ use crate::http::{GroupsOptions, HttpState};
 
 /// What a stand-in endpoint answers next.
 #[derive(Clone, Debug)]
-enum Answer {
+pub(super) enum Answer {
     /// A completion whose text names the endpoint (streamed when asked).
     Ok,
     /// OpenAI's rate-limit answer, with `Retry-After` in seconds (0: without it).
@@ -33,16 +33,16 @@ enum Answer {
 }
 
 #[derive(Default)]
-struct Seen {
-    bodies: Vec<Value>,
+pub(super) struct Seen {
+    pub(super) bodies: Vec<Value>,
     auth: Vec<Option<String>>,
 }
 
 #[derive(Clone)]
-struct StandIn {
+pub(super) struct StandIn {
     name: &'static str,
-    answer: Arc<Mutex<Answer>>,
-    seen: Arc<Mutex<Seen>>,
+    pub(super) answer: Arc<Mutex<Answer>>,
+    pub(super) seen: Arc<Mutex<Seen>>,
     /// The log-probability of each of its two answer tokens, when asked for them.
     logprob: Arc<Mutex<f64>>,
 }
@@ -80,6 +80,7 @@ async fn answer(State(s): State<StandIn>, headers: HeaderMap, body: String) -> R
             axum::Json(json!({
                 "id": "chatcmpl-1", "created": 1, "object": "chat.completion",
                 "model": body["model"], "choices": [choice],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
             }))
             .into_response()
         }
@@ -115,7 +116,7 @@ async fn answer(State(s): State<StandIn>, headers: HeaderMap, body: String) -> R
     }
 }
 
-async fn stand_in(name: &'static str) -> (StandIn, SocketAddr) {
+pub(super) async fn stand_in(name: &'static str) -> (StandIn, SocketAddr) {
     let s = StandIn {
         name,
         answer: Arc::new(Mutex::new(Answer::Ok)),
@@ -131,7 +132,7 @@ async fn stand_in(name: &'static str) -> (StandIn, SocketAddr) {
     (s, addr)
 }
 
-fn groups_file(tag: &str, text: &str) -> std::path::PathBuf {
+pub(super) fn groups_file(tag: &str, text: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("tandem-groups-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("groups.toml");
@@ -147,7 +148,7 @@ fn options(file: std::path::PathBuf) -> GroupsOptions {
     o
 }
 
-fn app_with(file: std::path::PathBuf, backend: Arc<FakeBackend>) -> (Router, HttpState) {
+pub(super) fn app_with(file: std::path::PathBuf, backend: Arc<FakeBackend>) -> (Router, HttpState) {
     let state = HttpState::builder(backend, config(), cl100k())
         .groups(options(file))
         .build()
@@ -155,7 +156,7 @@ fn app_with(file: std::path::PathBuf, backend: Arc<FakeBackend>) -> (Router, Htt
     (crate::http::app(state.clone()), state)
 }
 
-fn chat(model: &str) -> Value {
+pub(super) fn chat(model: &str) -> Value {
     json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
 }
 

@@ -3,6 +3,7 @@
 
 mod agents;
 mod auth;
+mod budgets;
 mod errors;
 mod groups;
 mod hints;

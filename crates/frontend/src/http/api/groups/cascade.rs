@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value};
 use tandem_router::groups::CascadeConfig;
 
-use super::{GroupGate, Resume, Routed, serve_from};
+use super::{Caller, GroupGate, Resume, Routed, serve_from};
 use crate::http::backend::Endpoint;
 use crate::http::error::ServeError;
 
@@ -30,16 +30,25 @@ pub(super) async fn serve(
     endpoint: Endpoint,
     cascade: CascadeConfig,
     body: Bytes,
-    escalate: bool,
+    caller: &Caller,
     try_retry: &(dyn Fn() -> bool + Send + Sync),
 ) -> Response {
     let Ok(request) = serde_json::from_slice::<Map<String, Value>>(&body) else {
         return ServeError::invalid("the body is not a JSON object").into_response();
     };
     let chat = endpoint == Endpoint::Chat;
-    if escalate {
+    if caller.escalate {
         gate.count_cascade(&cascade.name, "asked");
-        return large(gate, endpoint, &cascade, request, try_retry, "asked", None).await;
+        return large(
+            gate,
+            endpoint,
+            &cascade,
+            request,
+            caller,
+            try_retry,
+            ("asked", None),
+        )
+        .await;
     }
     let mut small = request.clone();
     small.insert("model".into(), cascade.small.clone().into());
@@ -50,7 +59,7 @@ pub(super) async fn serve(
     } else if !small.get("logprobs").is_some_and(Value::is_u64) {
         small.insert("logprobs".into(), 1.into());
     }
-    let answer = ask(gate, endpoint, &small, try_retry).await;
+    let answer = ask(gate, endpoint, &small, caller, try_retry).await;
     let judged = match answer {
         Some((response, Ok(v))) if response.status().is_success() => {
             let mean = mean_logprob(&v, chat);
@@ -70,9 +79,9 @@ pub(super) async fn serve(
         endpoint,
         &cascade,
         request,
+        caller,
         try_retry,
-        "escalated",
-        judged,
+        ("escalated", judged),
     )
     .await
 }
@@ -83,11 +92,13 @@ async fn ask(
     gate: &Arc<GroupGate>,
     endpoint: Endpoint,
     body: &Map<String, Value>,
+    caller: &Caller,
     try_retry: &(dyn Fn() -> bool + Send + Sync),
 ) -> Option<(Response<()>, Result<Value, ()>)> {
     let bytes = Bytes::from(serde_json::to_vec(body).ok()?);
+    let start = Resume::start(caller.clone());
     let Routed::Done(response) =
-        serve_from(gate, endpoint, false, "", bytes, try_retry, Resume::start()).await
+        serve_from(gate, endpoint, false, "", bytes, try_retry, start).await
     else {
         return None;
     };
@@ -100,26 +111,27 @@ async fn ask(
     Some((Response::from_parts(head, ()), value))
 }
 
-/// The request, unchanged but for its `model`, through the large model's groups.
+/// The request, unchanged but for its `model`, through the large model's groups; `verdict`:
+/// why (`x-tandem-cascade`) and the small model's confidence, where it had one.
 async fn large(
     gate: &Arc<GroupGate>,
     endpoint: Endpoint,
     cascade: &CascadeConfig,
     mut request: Map<String, Value>,
+    caller: &Caller,
     try_retry: &(dyn Fn() -> bool + Send + Sync),
-    why: &'static str,
-    confidence: Option<f64>,
+    (why, confidence): (&'static str, Option<f64>),
 ) -> Response {
     request.insert("model".into(), cascade.large.clone().into());
     let bytes = Bytes::from(serde_json::to_vec(&request).unwrap_or_default());
-    let mut response =
-        match serve_from(gate, endpoint, false, "", bytes, try_retry, Resume::start()).await {
-            Routed::Done(response) => response,
-            // A cascade's models have no pool group (the config refuses it).
-            Routed::Pool { .. } => {
-                ServeError::internal("a cascade's large model was routed to a pool").into_response()
-            }
-        };
+    let start = Resume::start(caller.clone());
+    let mut response = match serve_from(gate, endpoint, false, "", bytes, try_retry, start).await {
+        Routed::Done(response) => response,
+        // A cascade's models have no pool group (the config refuses it).
+        Routed::Pool { .. } => {
+            ServeError::internal("a cascade's large model was routed to a pool").into_response()
+        }
+    };
     mark(&mut response, why, confidence);
     response
 }

@@ -123,6 +123,8 @@ pub(crate) struct GroupGate {
     requests: Family<GroupLabels, Counter>,
     spillovers: Family<SpillLabels, Counter>,
     cascades: Family<CascadeLabels, Counter>,
+    /// The budgets' counts (kept across reloads) and the spend per tenant.
+    pub(super) budget: super::budget::BudgetBook,
 }
 
 impl std::fmt::Debug for GroupGate {
@@ -224,8 +226,10 @@ impl GroupGate {
             "Requests for a model cascade, by who answered (small: the small model, sure enough; escalated: the large model, after the small one was unsure or failed; asked: the large model, as the client asked)",
             cascades.clone(),
         );
+        let budget = super::budget::BudgetBook::register(&live.groups.config().budgets, registry);
         log_loaded(&options.file, live.groups.config(), "backend groups loaded");
         Ok(GroupGate {
+            budget,
             options,
             live: Mutex::new(live),
             seen: Mutex::new((seen, None)),
@@ -241,6 +245,15 @@ impl GroupGate {
         let live = self.live.lock();
         let cfg = live.groups.config();
         cfg.model(model).is_some() || cfg.cascade(model).is_some()
+    }
+
+    /// Whether `model` has a batch group (over-budget requests are demoted to it).
+    pub(crate) fn has_batch_group(&self, model: &str) -> bool {
+        let live = self.live.lock();
+        live.groups
+            .config()
+            .model(model)
+            .is_some_and(|m| m.groups.iter().any(|g| g.batch))
     }
 
     /// The cascade named `name`, if the file has one.
@@ -270,6 +283,7 @@ impl GroupGate {
         match read(&self.options) {
             Ok(mut live) => {
                 log_loaded(path, live.groups.config(), "backend groups reloaded");
+                self.budget.reconfigure(&live.groups.config().budgets);
                 let mut held = self.live.lock();
                 live.generation = held.generation + 1;
                 *held = live;

@@ -28,6 +28,7 @@
 //! body's bytes / 4 (OpenAI's rule of thumb for English); the endpoint's own count is what
 //! its `usage` says.
 
+mod budget;
 mod cascade;
 mod gate;
 mod proxy;
@@ -43,6 +44,7 @@ use tandem_router::groups::{
     Ask, EndpointRef, NoRoute, Outcome, Pick, Skip, is_context_error, spills,
 };
 
+pub(crate) use budget::{Bill, Caller, Payer};
 pub(crate) use gate::GroupGate;
 use gate::now_ms;
 pub use gate::{EnvLookup, GroupsError, GroupsOptions, watch_groups};
@@ -102,12 +104,18 @@ pub(crate) struct Marks {
     more: bool,
     /// The request's body as the client sent it.
     original: Bytes,
+    /// Who pays, and the pool group's prices.
+    caller: Caller,
+    cost: Option<tandem_router::groups::Cost>,
 }
 
 impl Marks {
     /// Puts the groups' headers on the pool's response, and counts it.
     pub(crate) fn apply(&self, gate: &GroupGate, response: &mut Response) {
         mark(response, &self.group, self.spill.as_ref());
+        if self.caller.demoted {
+            mark_demoted(response);
+        }
         let outcome = if response.status().is_success() {
             "ok"
         } else {
@@ -120,20 +128,35 @@ impl Marks {
     pub(crate) fn can_spill(&self) -> bool {
         self.more
     }
+
+    /// The bill of the pool's answer, at the pool group's prices.
+    pub(crate) fn bill(&self, gate: &Arc<GroupGate>) -> Bill {
+        gate.bill(self.caller.payer.clone(), self.cost)
+    }
 }
 
-/// Where a request resumes after a group refused it.
+/// Says on a response that its request was over a budget and went to a batch group.
+pub(crate) fn mark_demoted(response: &mut Response) {
+    response.headers_mut().insert(
+        "x-tandem-budget",
+        axum::http::HeaderValue::from_static("demoted"),
+    );
+}
+
+/// Where a request resumes after a group refused it, and who it is for.
 struct Resume {
     from_group: usize,
     spill: Option<Spill>,
+    caller: Caller,
 }
 
 impl Resume {
     /// From the first group.
-    fn start() -> Resume {
+    fn start(caller: Caller) -> Resume {
         Resume {
             from_group: 0,
             spill: None,
+            caller,
         }
     }
 }
@@ -169,6 +192,7 @@ pub(crate) async fn after_pool_refusal(
     let resume = Resume {
         from_group: marks.index + 1,
         spill,
+        caller: marks.caller,
     };
     match serve_from(
         gate,
@@ -194,14 +218,14 @@ pub(crate) async fn serve(
     pool_open: bool,
     served_model: &str,
     body: Bytes,
-    escalate: bool,
+    caller: Caller,
     try_retry: &(dyn Fn() -> bool + Send + Sync),
 ) -> Routed {
     if let Some(cascade) = model_of(&body).and_then(|m| gate.cascade(&m)) {
-        let response = cascade::serve(gate, endpoint, cascade, body, escalate, try_retry).await;
+        let response = cascade::serve(gate, endpoint, cascade, body, &caller, try_retry).await;
         return Routed::Done(response);
     }
-    let start = Resume::start();
+    let start = Resume::start(caller);
     serve_from(
         gate,
         endpoint,
@@ -245,6 +269,7 @@ async fn serve_from(
     let mut tried: Vec<EndpointRef> = Vec::new();
     let mut from_group = start.from_group;
     let mut spill: Option<Spill> = start.spill;
+    let caller = start.caller;
     // The last spilling answer: what the client gets if no group is left.
     let mut last_error: Option<(StatusCode, HeaderMap, Bytes, String)> = None;
     loop {
@@ -255,14 +280,16 @@ async fn serve_from(
             from_group,
             tried: &tried,
             pool_open,
+            demoted: caller.demoted,
         };
-        let (pick, generation, group_name, target) = {
+        let (pick, generation, group_name, cost, target) = {
             let mut live = gate.live.lock();
             let now = now_ms();
             match live.groups.pick(&ask, now) {
                 Ok(pick) => {
                     let cfg = live.groups.config();
                     let name = cfg.models[pick.model].groups[pick.group].name.clone();
+                    let cost = cfg.models[pick.model].groups[pick.group].cost;
                     let target = pick.endpoint.map(|e| {
                         let ec = live.groups.endpoint(e);
                         let key = live.keys[e.model][e.group][e.endpoint].clone();
@@ -272,7 +299,7 @@ async fn serve_from(
                         let need = u64::from(prompt_tokens) + u64::from(max_tokens.unwrap_or(0));
                         live.groups.started(*e, need, now);
                     }
-                    (pick, live.generation, name, target)
+                    (pick, live.generation, name, cost, target)
                 }
                 Err(NoRoute::UnknownModel(m)) => {
                     return Routed::Done(ServeError::model_not_found(&m).into_response());
@@ -321,6 +348,8 @@ async fn serve_from(
                     index: pick.group,
                     more,
                     original: body,
+                    caller,
+                    cost,
                 },
             };
         };
@@ -373,6 +402,8 @@ async fn serve_from(
                 first: None,
                 inner: answer.bytes_stream().boxed(),
                 done: false,
+                bill: Some((gate.bill(caller.payer.clone(), cost), prompt_tokens.into())),
+                usage: Default::default(),
             };
             return Routed::Done(passed_back(
                 status,

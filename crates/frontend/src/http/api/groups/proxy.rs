@@ -104,6 +104,10 @@ pub(super) struct Reporting {
     pub(super) first: Option<Duration>,
     pub(super) inner: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
     pub(super) done: bool,
+    /// The request's bill and its prompt's estimated tokens, settled when the answer ends
+    /// (whole, broken or left by the client: what passed was used).
+    pub(super) bill: Option<(super::Bill, u64)>,
+    pub(super) usage: super::budget::Usage,
 }
 
 impl Reporting {
@@ -111,6 +115,10 @@ impl Reporting {
         if !self.done {
             self.done = true;
             self.gate.finished(self.generation, self.endpoint, outcome);
+        }
+        if let Some((bill, prompt_estimate)) = self.bill.take() {
+            let (prompt, completion) = self.usage.tokens(prompt_estimate);
+            bill.settle(prompt, completion);
         }
     }
 }
@@ -124,9 +132,12 @@ impl futures::Stream for Reporting {
     ) -> std::task::Poll<Option<Self::Item>> {
         let item = std::task::ready!(self.inner.poll_next_unpin(cx));
         match &item {
-            Some(Ok(_)) => {
+            Some(Ok(piece)) => {
                 if self.first.is_none() {
                     self.first = Some(self.sent.elapsed());
+                }
+                if self.bill.is_some() {
+                    self.usage.saw(piece);
                 }
             }
             Some(Err(_)) => self.end(Outcome::Failed {
