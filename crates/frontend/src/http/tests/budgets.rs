@@ -186,3 +186,80 @@ name = "gpt"
         "{m}"
     );
 }
+
+#[tokio::test]
+async fn two_tenants_with_the_same_prompt_and_session_count_apart() {
+    let (_, ra) = stand_in("reserved").await;
+    let text = format!(
+        r#"
+[[budget]]
+per = "session"
+tokens = 12
+
+[[model]]
+name = "gpt"
+  [[model.group]]
+  name = "reserved"
+  cost = {{ prompt_per_million = 1000.0 }}
+    [[model.group.endpoint]]
+    url = "http://{ra}/v1"
+"#
+    );
+    let access = crate::http::auth::AccessConfig {
+        api_keys: vec![
+            ("sk-a".to_string(), "acme".to_string()),
+            ("sk-b".to_string(), "beta".to_string()),
+        ],
+        ..Default::default()
+    };
+    let state = HttpState::builder(
+        FakeBackend::text("pool"),
+        crate::http::HttpConfig { access, ..config() },
+        cl100k(),
+    )
+    .groups(super::groups::options(groups_file("budget-tenants", &text)))
+    .build()
+    .unwrap();
+    let app = crate::http::app(state.clone());
+    let ask = |key: &str| {
+        let mut r = post_json("/v1/chat/completions", &chat("gpt"));
+        let h = r.headers_mut();
+        h.insert("authorization", format!("Bearer {key}").parse().unwrap());
+        h.insert("x-session-id", "same".parse().unwrap());
+        r
+    };
+    assert_eq!(send(&app, ask("sk-a")).await.status(), 200);
+    // acme's session "same" is spent; beta's session of that name is its own.
+    assert_eq!(send(&app, ask("sk-a")).await.status(), 429);
+    assert_eq!(send(&app, ask("sk-b")).await.status(), 200);
+    assert_eq!(send(&app, ask("sk-b")).await.status(), 429);
+    let m = scrape(&state).await;
+    for series in [
+        r#"tandem_tenant_spend_total{tenant="acme"} 0.01"#,
+        r#"tandem_tenant_spend_total{tenant="beta"} 0.01"#,
+        r#"tandem_budget_refusals_total{per="session",outcome="refused"} 2"#,
+    ] {
+        assert!(m.contains(series), "{series} in\n{m}");
+    }
+}
+
+/// The README's groups files (its TOML blocks with a `[[model]]`) parse and validate.
+#[test]
+fn the_readmes_groups_files_are_valid() {
+    let readme = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"),
+    )
+    .unwrap();
+    let blocks: Vec<&str> = readme
+        .split("```toml\n")
+        .skip(1)
+        .filter_map(|b| b.split("```").next())
+        .filter(|b| b.lines().any(|l| l.trim() == "[[model]]"))
+        .collect();
+    assert!(blocks.len() >= 2, "{} blocks", blocks.len());
+    for b in blocks {
+        let cfg: tandem_router::groups::GroupsConfig =
+            toml::from_str(b).unwrap_or_else(|e| panic!("{e}\n{b}"));
+        cfg.validate().unwrap_or_else(|e| panic!("{e}\n{b}"));
+    }
+}

@@ -140,7 +140,7 @@ pub(super) fn groups_file(tag: &str, text: &str) -> std::path::PathBuf {
     path
 }
 
-fn options(file: std::path::PathBuf) -> GroupsOptions {
+pub(super) fn options(file: std::path::PathBuf) -> GroupsOptions {
     let env: crate::http::EnvLookup =
         Arc::new(|k: &str| (k == "HOSTED_KEY").then(|| "sk-hosted".to_string()));
     let mut o = GroupsOptions::new(file, env);
