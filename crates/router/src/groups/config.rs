@@ -20,6 +20,9 @@ pub struct GroupsConfig {
     /// Token budgets per tenant, session or task (`super::budgets`).
     #[serde(default, rename = "budget")]
     pub budgets: Vec<super::budgets::BudgetConfig>,
+    /// An A/B split of the pool's requests between two routing configurations.
+    #[serde(default)]
+    pub experiment: Option<super::experiment::ExperimentConfig>,
 }
 
 /// A model cascade: requests for `name` go to the `small` model's groups first; when its
@@ -185,6 +188,8 @@ pub enum GroupsConfigError {
     Cascade { name: String, why: String },
     #[error("budget {index}: {why}")]
     Budget { index: usize, why: String },
+    #[error("experiment: {0}")]
+    Experiment(String),
 }
 
 impl GroupsConfig {
@@ -218,6 +223,9 @@ impl GroupsConfig {
         for (index, b) in self.budgets.iter().enumerate() {
             b.check()
                 .map_err(|why| GroupsConfigError::Budget { index, why })?;
+        }
+        if let Some(e) = &self.experiment {
+            e.check().map_err(GroupsConfigError::Experiment)?;
         }
         let mut cascades = std::collections::HashSet::new();
         for c in &self.cascades {

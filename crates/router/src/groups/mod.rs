@@ -22,6 +22,7 @@
 
 mod budgets;
 mod config;
+mod experiment;
 
 use std::collections::VecDeque;
 
@@ -30,6 +31,7 @@ pub use config::{
     CascadeConfig, CooldownConfig, Cost, EndpointConfig, GroupConfig, GroupsConfig,
     GroupsConfigError, ModelGroups, Strategy,
 };
+pub use experiment::{Arm, ArmConfig, ExperimentConfig};
 use tandem_protocol::Rng;
 
 /// The window of the failure ratio and of the RPM and TPM limits.

@@ -128,9 +128,11 @@ async fn serve(
                     (None, None) => None,
                 };
                 if let Some(bill) = bill {
-                    record.on_usage(crate::http::metrics::UsageHook(Box::new(
-                        move |prompt, completion| bill.settle(prompt, completion),
-                    )));
+                    record.on_end(crate::http::metrics::EndHook(Box::new(move |end| {
+                        if end.prompt_tokens + end.completion_tokens > 0 {
+                            bill.settle(end.prompt_tokens, end.completion_tokens);
+                        }
+                    })));
                 }
             }
             admit(&state, endpoint, &headers, received).await
@@ -140,8 +142,16 @@ async fn serve(
             Err(e)
         }
     };
-    let admitted = match admitted {
-        Ok(a) => a,
+    let (admitted, arm) = match admitted {
+        Ok(mut a) => {
+            // An A/B experiment places the request in an arm, and counts it there.
+            let arm = state.groups().and_then(|g| g.assign_arm(&mut a.req));
+            let arm = arm.map(|(header, hook)| {
+                record.on_end(hook);
+                header
+            });
+            (a, arm)
+        }
         Err(e) => {
             let mut response = error_response(endpoint, e);
             if let (Some(m), Some(gate)) = (&marks, state.groups()) {
@@ -191,6 +201,9 @@ async fn serve(
     };
     if let (Some(m), Some(gate)) = (&marks, state.groups()) {
         m.apply(gate, &mut response);
+    }
+    if let Some(arm) = arm {
+        response.headers_mut().insert("x-tandem-experiment", arm);
     }
     response
 }

@@ -254,6 +254,8 @@ pub(crate) struct RequestRecord {
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: u64,
+    /// When the first backend chunk arrived (the time to first token).
+    first_chunk_at: Option<Instant>,
     /// When the first and the latest output tokens arrived.
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -262,17 +264,28 @@ pub(crate) struct RequestRecord {
     /// The request's server span ([`crate::http::trace`]): its usage and status are recorded
     /// there too, and it ends when the record drops (the response's last byte).
     span: tracing::Span,
-    /// Told the prompt and completion tokens when the record ends, if any were used (the
-    /// budgets' charge).
-    on_usage: Option<UsageHook>,
+    /// Told how the request went when the record ends (the budgets' charge, an
+    /// experiment's arm).
+    on_end: Vec<EndHook>,
 }
 
-/// What a record tells its prompt and completion tokens to when it ends.
-pub(crate) struct UsageHook(pub(crate) Box<dyn FnOnce(u64, u64) + Send + Sync>);
+/// How a request went, as its record ends.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ended {
+    /// The response's status (499: the client left before it was decided).
+    pub(crate) status: u16,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) cached_tokens: u64,
+    pub(crate) completion_tokens: u64,
+    pub(crate) ttft: Option<std::time::Duration>,
+}
 
-impl std::fmt::Debug for UsageHook {
+/// What a record tells how its request went when it ends.
+pub(crate) struct EndHook(pub(crate) Box<dyn FnOnce(&Ended) + Send + Sync>);
+
+impl std::fmt::Debug for EndHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("UsageHook")
+        f.write_str("EndHook")
     }
 }
 
@@ -288,17 +301,18 @@ impl RequestRecord {
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_tokens: 0,
+            first_chunk_at: None,
             first_token: None,
             last_token: None,
             prompt_check: None,
             span: tracing::Span::none(),
-            on_usage: None,
+            on_end: Vec::new(),
         }
     }
 
-    /// `hook` is told the request's tokens when the record ends.
-    pub(crate) fn on_usage(&mut self, hook: UsageHook) {
-        self.on_usage = Some(hook);
+    /// `hook` is told how the request went when the record ends.
+    pub(crate) fn on_end(&mut self, hook: EndHook) {
+        self.on_end.push(hook);
     }
 
     /// The record's request is traced in `span`.
@@ -340,7 +354,9 @@ impl RequestRecord {
 
     /// The first backend chunk arrived.
     pub(crate) fn first_chunk(&mut self, prompt_tokens: u32, cached_tokens: u32) {
-        let ttft = self.start.elapsed();
+        let now = Instant::now();
+        self.first_chunk_at = Some(now);
+        let ttft = now.saturating_duration_since(self.start);
         self.metrics.ttft.observe(ttft.as_secs_f64());
         self.metrics.recent.record_ttft(ttft);
         self.prompt_tokens = prompt_tokens.into();
@@ -416,10 +432,19 @@ impl RequestRecord {
 impl Drop for RequestRecord {
     fn drop(&mut self) {
         self.check_prompt_tokens();
-        if let Some(hook) = self.on_usage.take()
-            && self.prompt_tokens + self.completion_tokens > 0
-        {
-            (hook.0)(self.prompt_tokens, self.completion_tokens);
+        if !self.on_end.is_empty() {
+            let ended = Ended {
+                status: self.status.unwrap_or(499),
+                prompt_tokens: self.prompt_tokens,
+                cached_tokens: self.cached_tokens,
+                completion_tokens: self.completion_tokens,
+                ttft: self
+                    .first_chunk_at
+                    .map(|t| t.saturating_duration_since(self.start)),
+            };
+            for hook in self.on_end.drain(..) {
+                (hook.0)(&ended);
+            }
         }
         let m = &self.metrics;
         let endpoint = self.endpoint.as_str();

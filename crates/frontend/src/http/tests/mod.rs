@@ -5,6 +5,7 @@ mod agents;
 mod auth;
 mod budgets;
 mod errors;
+mod experiment;
 mod groups;
 mod hints;
 mod lora;

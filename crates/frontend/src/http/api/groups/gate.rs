@@ -125,6 +125,8 @@ pub(crate) struct GroupGate {
     cascades: Family<CascadeLabels, Counter>,
     /// The budgets' counts (kept across reloads) and the spend per tenant.
     pub(super) budget: super::budget::BudgetBook,
+    /// The A/B experiment's arms, counted.
+    pub(super) experiment: super::experiment::ExperimentBook,
 }
 
 impl std::fmt::Debug for GroupGate {
@@ -228,8 +230,10 @@ impl GroupGate {
         );
         let budget = super::budget::BudgetBook::register(&live.groups.config().budgets, registry);
         log_loaded(&options.file, live.groups.config(), "backend groups loaded");
+        let experiment = super::experiment::ExperimentBook::register(registry);
         Ok(GroupGate {
             budget,
+            experiment,
             options,
             live: Mutex::new(live),
             seen: Mutex::new((seen, None)),
@@ -355,7 +359,7 @@ impl GroupGate {
                 serde_json::json!({"name": model.name, "groups": groups})
             })
             .collect();
-        serde_json::json!({ "models": models })
+        serde_json::json!({ "models": models, "experiment": self.experiment.status() })
     }
 
     /// How many groups model `m` has.

@@ -30,6 +30,7 @@
 
 mod budget;
 mod cascade;
+mod experiment;
 mod gate;
 mod proxy;
 
