@@ -26,8 +26,9 @@ pub struct GroupsConfig {
 }
 
 /// A model cascade: requests for `name` go to the `small` model's groups first; when its
-/// answer's mean token log-probability is below `min_mean_logprob` (or it fails, or the
-/// client asks), the conversation goes unchanged to the `large` model's groups.
+/// answer's mean token log-probability is below `min_mean_logprob`, or the `verifier` model
+/// does not judge it right (or it fails, or the client asks), the conversation goes unchanged
+/// to the `large` model's groups.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CascadeConfig {
@@ -39,7 +40,27 @@ pub struct CascadeConfig {
     pub large: String,
     /// The mean log-probability per answer token below which the answer is escalated
     /// (e.g. −0.5: a geometric mean probability of 0.61).
-    pub min_mean_logprob: f64,
+    #[serde(default)]
+    pub min_mean_logprob: Option<f64>,
+    /// A model of this file asked whether the small model's answer is right (a judge: the
+    /// conversation, the answer, then [`verifier_prompt`](Self::verifier_prompt); it answers
+    /// yes or no).
+    #[serde(default)]
+    pub verifier: Option<String>,
+    /// The verifier's probability of "yes" below which the answer is escalated.
+    #[serde(default = "default_verifier_score")]
+    pub min_verifier_score: f64,
+    /// What the verifier is asked after the answer.
+    #[serde(default = "default_verifier_prompt")]
+    pub verifier_prompt: String,
+}
+
+fn default_verifier_score() -> f64 {
+    0.5
+}
+
+fn default_verifier_prompt() -> String {
+    "Is the assistant's last answer correct and complete? Reply with yes or no only.".into()
 }
 
 /// One model name and the groups that serve it, highest priority first.
@@ -238,7 +259,8 @@ impl GroupsConfig {
                     "the name is configured twice (as a model or a cascade)",
                 ));
             }
-            for member in [&c.small, &c.large] {
+            let members = [Some(&c.small), Some(&c.large), c.verifier.as_ref()];
+            for member in members.into_iter().flatten() {
                 let Some(m) = self.model(member) else {
                     return Err(fail(&format!("{member:?} is not a [[model]] of this file")));
                 };
@@ -252,8 +274,18 @@ impl GroupsConfig {
             if c.small == c.large {
                 return Err(fail("small and large are the same model"));
             }
-            if !(c.min_mean_logprob.is_finite() && c.min_mean_logprob <= 0.0) {
+            if let Some(t) = c.min_mean_logprob
+                && !(t.is_finite() && t <= 0.0)
+            {
                 return Err(fail("min_mean_logprob must be a number <= 0"));
+            }
+            if c.min_mean_logprob.is_none() && c.verifier.is_none() {
+                return Err(fail(
+                    "no rule escalates: give min_mean_logprob, a verifier, or both",
+                ));
+            }
+            if !(0.0..=1.0).contains(&c.min_verifier_score) {
+                return Err(fail("min_verifier_score must be in [0, 1]"));
             }
         }
         Ok(())

@@ -520,3 +520,38 @@ fn an_endpoints_status_shows_its_last_minute_and_its_cooldown() {
         (None, 0, 0)
     );
 }
+
+#[test]
+fn a_cascade_needs_a_rule_and_its_verifier_must_be_a_model_of_the_file() {
+    let file = |cascade: serde_json::Value| -> GroupsConfig {
+        serde_json::from_value(json!({
+            "model": [
+                {"name": "s", "group": [{"name": "g", "endpoint": [endpoint("http://s/v1")]}]},
+                {"name": "l", "group": [{"name": "g", "endpoint": [endpoint("http://l/v1")]}]},
+            ],
+            "cascade": [cascade],
+        }))
+        .unwrap()
+    };
+    let base = json!({"name": "c", "small": "s", "large": "l"});
+    let why = |extra: serde_json::Value| {
+        let mut c = base.clone();
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        file(c).validate().err().map(|e| e.to_string())
+    };
+    assert!(why(json!({})).unwrap().contains("no rule escalates"));
+    assert_eq!(why(json!({"verifier": "l"})), None);
+    assert_eq!(why(json!({"min_mean_logprob": -0.5})), None);
+    assert!(
+        why(json!({"verifier": "judge"}))
+            .unwrap()
+            .contains("\"judge\" is not a [[model]]")
+    );
+    assert!(
+        why(json!({"verifier": "l", "min_verifier_score": 1.5}))
+            .unwrap()
+            .contains("min_verifier_score")
+    );
+}

@@ -44,7 +44,7 @@ pub(super) struct StandIn {
     pub(super) answer: Arc<Mutex<Answer>>,
     pub(super) seen: Arc<Mutex<Seen>>,
     /// The log-probability of each of its two answer tokens, when asked for them.
-    logprob: Arc<Mutex<f64>>,
+    pub(super) logprob: Arc<Mutex<f64>>,
 }
 
 async fn answer(State(s): State<StandIn>, headers: HeaderMap, body: String) -> Response {

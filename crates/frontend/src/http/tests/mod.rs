@@ -4,6 +4,7 @@
 mod agents;
 mod auth;
 mod budgets;
+mod cascade_verifier;
 mod errors;
 mod experiment;
 mod groups;

@@ -6,8 +6,13 @@
 //! model that fails, or does not report log-probabilities, is escalated too; a client may ask
 //! for the large model at once (`x-tandem-escalate: 1`).
 //!
+//! With a `verifier`, an answer sure enough is also put to that model (a judge: the
+//! conversation, the answer, and a question it answers yes or no), and escalated unless its
+//! probability of "yes" reaches `min_verifier_score`; a verifier that fails escalates too.
+//!
 //! The response says which answered: `x-tandem-cascade` (`small`, `escalated`, or
-//! `asked`) and `x-tandem-cascade-confidence` (the mean log-probability, where there was one).
+//! `asked`), `x-tandem-cascade-confidence` (the mean log-probability, where there was one)
+//! and `x-tandem-cascade-verifier-score` (where the verifier judged).
 
 use std::sync::Arc;
 
@@ -63,27 +68,41 @@ pub(super) async fn serve(
     let judged = match answer {
         Some((response, Ok(v))) if response.status().is_success() => {
             let mean = mean_logprob(&v, chat);
-            match mean {
-                Some(m) if m >= cascade.min_mean_logprob => {
-                    gate.count_cascade(&cascade.name, "small");
-                    return answered_small(response, v, &request, chat, m);
+            let sure = match cascade.min_mean_logprob {
+                Some(threshold) => mean.is_some_and(|m| m >= threshold),
+                None => true,
+            };
+            let score = match (&cascade.verifier, sure) {
+                (Some(_), true) => {
+                    verify(gate, &cascade, &request, &v, chat, caller, try_retry).await
                 }
-                _ => mean,
+                _ => None,
+            };
+            let verified = cascade.verifier.is_none()
+                || score.is_some_and(|s| s >= cascade.min_verifier_score);
+            if sure && verified {
+                gate.count_cascade(&cascade.name, "small");
+                let mut response = answered_small(response, v, &request, chat, mean);
+                mark_score(&mut response, score);
+                return response;
             }
+            (mean, score)
         }
-        _ => None,
+        _ => (None, None),
     };
     gate.count_cascade(&cascade.name, "escalated");
-    large(
+    let mut response = large(
         gate,
         endpoint,
         &cascade,
         request,
         caller,
         try_retry,
-        ("escalated", judged),
+        ("escalated", judged.0),
     )
-    .await
+    .await;
+    mark_score(&mut response, judged.1);
+    response
 }
 
 /// Sends `body` through the groups and reads the answer whole: its head, and its JSON
@@ -142,7 +161,7 @@ fn answered_small(
     mut v: Value,
     request: &Map<String, Value>,
     chat: bool,
-    mean: f64,
+    mean: Option<f64>,
 ) -> Response {
     let wants_logprobs = match request.get("logprobs") {
         Some(Value::Bool(b)) => *b,
@@ -179,8 +198,82 @@ fn answered_small(
             response.headers_mut().append(name, value.clone());
         }
     }
-    mark(&mut response, "small", Some(mean));
+    mark(&mut response, "small", mean);
     response
+}
+
+/// Asks the cascade's verifier whether the small model's answer `v` to `request` is right:
+/// the conversation, the answer, then the verifier's prompt, one token back with its
+/// alternatives' log-probabilities. The score is the probability of "yes" against "no"
+/// among them (or, with none reported, 1 for an answer that starts with "yes", 0 else);
+/// `None`: the verifier failed.
+async fn verify(
+    gate: &Arc<GroupGate>,
+    cascade: &CascadeConfig,
+    request: &Map<String, Value>,
+    v: &Value,
+    chat: bool,
+    caller: &Caller,
+    try_retry: &(dyn Fn() -> bool + Send + Sync),
+) -> Option<f64> {
+    let answer = if chat {
+        v["choices"][0]["message"]["content"].as_str()?
+    } else {
+        v["choices"][0]["text"].as_str()?
+    };
+    let mut messages = if chat {
+        request.get("messages")?.as_array()?.clone()
+    } else {
+        let prompt = request.get("prompt")?.as_str()?;
+        vec![serde_json::json!({"role": "user", "content": prompt})]
+    };
+    messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+    messages.push(serde_json::json!({"role": "user", "content": cascade.verifier_prompt}));
+    let mut body = Map::new();
+    body.insert("model".into(), cascade.verifier.clone()?.into());
+    body.insert("messages".into(), messages.into());
+    body.insert("max_tokens".into(), 1.into());
+    body.insert("temperature".into(), 0.into());
+    body.insert("logprobs".into(), true.into());
+    body.insert("top_logprobs".into(), 10.into());
+    let (head, judged) = ask(gate, Endpoint::Chat, &body, caller, try_retry).await?;
+    if !head.status().is_success() {
+        return None;
+    }
+    verdict(&judged.ok()?)
+}
+
+/// The probability of "yes" in a verifier's answer (see [`verify`]).
+pub(crate) fn verdict(v: &Value) -> Option<f64> {
+    let choice = &v["choices"][0];
+    let word = |t: &str| t.trim().to_ascii_lowercase();
+    let (mut yes, mut no) = (0.0, 0.0);
+    let first = &choice["logprobs"]["content"][0];
+    for alt in first["top_logprobs"].as_array().into_iter().flatten() {
+        let (Some(t), Some(lp)) = (alt["token"].as_str(), alt["logprob"].as_f64()) else {
+            continue;
+        };
+        match word(t).as_str() {
+            "yes" => yes += lp.exp(),
+            "no" => no += lp.exp(),
+            _ => {}
+        }
+    }
+    if yes + no > 0.0 {
+        return Some(yes / (yes + no));
+    }
+    let text = word(choice["message"]["content"].as_str()?);
+    Some(if text.starts_with("yes") { 1.0 } else { 0.0 })
+}
+
+fn mark_score(response: &mut Response, score: Option<f64>) {
+    if let Some(s) = score
+        && let Ok(v) = HeaderValue::from_str(&format!("{s:.4}"))
+    {
+        response
+            .headers_mut()
+            .insert("x-tandem-cascade-verifier-score", v);
+    }
 }
 
 /// A whole answer as the stream of one chunk per choice and `[DONE]` that the client asked

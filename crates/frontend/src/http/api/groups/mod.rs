@@ -46,6 +46,8 @@ use tandem_router::groups::{
 };
 
 pub(crate) use budget::{Bill, Caller, Payer};
+#[cfg(test)]
+pub(crate) use cascade::verdict as verdict_of;
 pub(crate) use gate::GroupGate;
 use gate::now_ms;
 pub use gate::{EnvLookup, GroupsError, GroupsOptions, watch_groups};
