@@ -107,9 +107,11 @@ nvrtc=$(echo target/python/nvrtc/lib/python3*/site-packages/nvidia/cuda_nvrtc/li
 LD_LIBRARY_PATH=$PWD/$nvrtc cargo test --locked -p tandem-native --features cuda --lib \
   gpu::tests::the_kernels_compile
 # Every suite, the long ones included (a plain `cargo test` leaves those out). The test
-# binaries are built first; then tests/native_kv.rs, which computes the model on both cores for
-# about four and a half minutes, runs beside the rest of the suite, most of which waits on
-# processes, timers and sockets; the rest skips its tests (their names start `native_kv::`).
+# binaries are built first. tests/native_kv.rs computes the model on both cores for about four
+# and a half minutes: it runs beside the suites of the other crates, which come after the
+# `tandem` package's own (cargo runs the root package first), and not beside those, whose
+# overload and soak tests measure rates the two cores must give them. The suite skips its
+# tests (their names start `native_kv::`).
 build_log=$(mktemp)
 cargo test --workspace --locked --features tandem/long-tests --no-run 2>&1 | tee "$build_log"
 native_kv=$(sed -n 's|^ *Executable tests/native_kv.rs (\(.*\))$|\1|p' "$build_log")
@@ -118,14 +120,24 @@ if [ ! -x "$native_kv" ]; then
   exit 1
 fi
 native_kv_log=$(mktemp)
-"$native_kv" >"$native_kv_log" 2>&1 &
+go=$(mktemp -u)
+# Waits for the go (the first crate after the `tandem` package, or the suite's end).
+( while [ ! -e "$go" ]; do sleep 1; done; exec "$native_kv" ) >"$native_kv_log" 2>&1 &
 native_kv_pid=$!
 suite=0
-cargo test --workspace --locked --features tandem/long-tests -- --skip native_kv:: || suite=$?
+cargo test --workspace --locked --features tandem/long-tests -- --skip native_kv:: 2>&1 |
+  while IFS= read -r line; do
+    printf '%s\n' "$line"
+    case "$line" in
+      *"Running unittests src/lib.rs (target/debug/deps/tandem_"*) touch "$go" ;;
+    esac
+  done || suite=$?
+touch "$go"
 native_kv_status=0
 wait "$native_kv_pid" || native_kv_status=$?
-echo "tests/native_kv.rs, run beside the rest ($native_kv):"
+echo "tests/native_kv.rs, run beside the other crates' suites ($native_kv):"
 cat "$native_kv_log"
+rm -f "$go"
 if [ "$suite" -ne 0 ] || [ "$native_kv_status" -ne 0 ]; then
   echo "tests failed: the suite exited $suite, tests/native_kv.rs $native_kv_status" >&2
   exit 1
