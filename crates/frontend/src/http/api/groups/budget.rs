@@ -19,8 +19,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tandem_router::groups::{BudgetConfig, Budgets, Charge, Cost};
 
-use super::GroupGate;
-use super::gate::now_ms;
+use super::now_ms;
 use crate::http::auth::{ANONYMOUS, Tenant};
 use crate::http::error::ServeError;
 use crate::http::hints::SessionField;
@@ -160,26 +159,20 @@ impl BudgetBook {
     }
 }
 
-impl GroupGate {
-    /// Whether a request for `model` charged to `payer` may go: `Ok(false)` as it is,
-    /// `Ok(true)` demoted to the model's batch group, `Err` refused.
-    pub(crate) fn check_budget(
-        &self,
-        payer: &Payer,
-        model: Option<&str>,
-    ) -> Result<bool, ServeError> {
-        let book = &self.budget;
-        let Err(over) = book.budgets.lock().check(&payer.charge(), now_ms()) else {
+impl BudgetBook {
+    /// Whether a request charged to `payer` may go: `Ok(false)` as it is, `Ok(true)`
+    /// demoted (over a budget, and `can_demote`: its model has a batch group), `Err` refused.
+    pub(super) fn check(&self, payer: &Payer, can_demote: bool) -> Result<bool, ServeError> {
+        let Err(over) = self.budgets.lock().check(&payer.charge(), now_ms()) else {
             return Ok(false);
         };
-        let demote = model.is_some_and(|m| self.has_batch_group(m));
-        book.refusals
+        self.refusals
             .get_or_create(&RefusalLabel {
                 per: over.per.as_str(),
-                outcome: if demote { "demoted" } else { "refused" },
+                outcome: if can_demote { "demoted" } else { "refused" },
             })
             .inc();
-        if demote {
+        if can_demote {
             return Ok(true);
         }
         let message = format!(
@@ -200,9 +193,9 @@ impl GroupGate {
     }
 
     /// A bill for a request charged to `payer`, answered at `cost`.
-    pub(crate) fn bill(self: &Arc<Self>, payer: Payer, cost: Option<Cost>) -> Bill {
+    pub(super) fn bill(self: &Arc<Self>, payer: Payer, cost: Option<Cost>) -> Bill {
         Bill {
-            gate: self.clone(),
+            book: self.clone(),
             payer,
             cost,
         }
@@ -212,7 +205,7 @@ impl GroupGate {
 /// What a request owes once its tokens are known.
 #[derive(Debug)]
 pub(crate) struct Bill {
-    gate: Arc<GroupGate>,
+    book: Arc<BudgetBook>,
     payer: Payer,
     cost: Option<Cost>,
 }
@@ -220,7 +213,7 @@ pub(crate) struct Bill {
 impl Bill {
     /// The request used `prompt` and `completion` tokens.
     pub(crate) fn settle(self, prompt: u64, completion: u64) {
-        let book = &self.gate.budget;
+        let book = &self.book;
         book.budgets
             .lock()
             .spend(&self.payer.charge(), prompt + completion, now_ms());

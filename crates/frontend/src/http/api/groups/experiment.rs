@@ -17,7 +17,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tandem_router::groups::Arm;
 
-use super::GroupGate;
+use tandem_router::groups::ExperimentConfig;
+
 use crate::http::ValidRequest;
 use crate::http::metrics::{EndHook, Ended};
 
@@ -179,15 +180,15 @@ impl ExperimentBook {
     }
 }
 
-impl GroupGate {
-    /// Places a request the pool serves in an arm of the experiment, if one runs: its
-    /// routing takes the arm's knobs where it sets none of its own. Returns the response's
+impl ExperimentBook {
+    /// Places a request the pool serves in an arm of `experiment`: its routing takes the
+    /// arm's knobs where it sets none of its own. Returns the response's
     /// `x-tandem-experiment` and the hook that counts the request under its arm.
-    pub(crate) fn assign_arm(
+    pub(super) fn assign(
         self: &Arc<Self>,
+        experiment: ExperimentConfig,
         req: &mut ValidRequest,
     ) -> Option<(HeaderValue, EndHook)> {
-        let experiment = self.live.lock().groups.config().experiment.clone()?;
         let arm = experiment.arm_of(req.routing.session.as_deref(), &req.prompt_tokens);
         let knobs = experiment.arm(arm).overrides();
         let own = &mut req.routing.overrides;
@@ -196,10 +197,9 @@ impl GroupGate {
         own.temperature = own.temperature.or(knobs.temperature);
         let header =
             HeaderValue::from_str(&format!("{}/{}", experiment.name, arm.as_str())).ok()?;
-        let gate = self.clone();
+        let book = self.clone();
         let hook = EndHook(Box::new(move |end: &Ended| {
-            gate.experiment
-                .ended(&experiment.name, arm, experiment.ttft_slo_ms, end);
+            book.ended(&experiment.name, arm, experiment.ttft_slo_ms, end);
         }));
         Some((header, hook))
     }

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use axum::http::HeaderValue;
 use parking_lot::Mutex;
@@ -13,7 +13,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tandem_router::groups::{EndpointRef, Groups, GroupsConfig, GroupsConfigError, Outcome};
 
-use super::Spill;
+use super::budget::{Bill, BudgetBook, Payer};
+use super::experiment::ExperimentBook;
+use super::{Spill, now_ms};
+use crate::http::ValidRequest;
+use crate::http::error::ServeError;
+use crate::http::metrics::EndHook;
 
 /// Looks up an environment variable: the binary passes the process's environment (the
 /// library reads none itself, docs/CONVENTIONS.md §8); tests pass their own.
@@ -124,9 +129,9 @@ pub(crate) struct GroupGate {
     spillovers: Family<SpillLabels, Counter>,
     cascades: Family<CascadeLabels, Counter>,
     /// The budgets' counts (kept across reloads) and the spend per tenant.
-    pub(super) budget: super::budget::BudgetBook,
+    budget: Arc<BudgetBook>,
     /// The A/B experiment's arms, counted.
-    pub(super) experiment: super::experiment::ExperimentBook,
+    experiment: Arc<ExperimentBook>,
 }
 
 impl std::fmt::Debug for GroupGate {
@@ -228,9 +233,12 @@ impl GroupGate {
             "Requests for a model cascade, by who answered (small: the small model, sure enough; escalated: the large model, after the small one was unsure or failed; asked: the large model, as the client asked)",
             cascades.clone(),
         );
-        let budget = super::budget::BudgetBook::register(&live.groups.config().budgets, registry);
+        let budget = Arc::new(BudgetBook::register(
+            &live.groups.config().budgets,
+            registry,
+        ));
         log_loaded(&options.file, live.groups.config(), "backend groups loaded");
-        let experiment = super::experiment::ExperimentBook::register(registry);
+        let experiment = Arc::new(ExperimentBook::register(registry));
         Ok(GroupGate {
             budget,
             experiment,
@@ -252,12 +260,35 @@ impl GroupGate {
     }
 
     /// Whether `model` has a batch group (over-budget requests are demoted to it).
-    pub(crate) fn has_batch_group(&self, model: &str) -> bool {
+    fn has_batch_group(&self, model: &str) -> bool {
         let live = self.live.lock();
         live.groups
             .config()
             .model(model)
             .is_some_and(|m| m.groups.iter().any(|g| g.batch))
+    }
+
+    /// Whether a request for `model` charged to `payer` may go: `Ok(false)` as it is,
+    /// `Ok(true)` demoted to the model's batch group, `Err` refused (`budget.rs`).
+    pub(crate) fn check_budget(
+        &self,
+        payer: &Payer,
+        model: Option<&str>,
+    ) -> Result<bool, ServeError> {
+        let can_demote = model.is_some_and(|m| self.has_batch_group(m));
+        self.budget.check(payer, can_demote)
+    }
+
+    /// A bill for a request charged to `payer`, answered at `cost`.
+    pub(crate) fn bill(&self, payer: Payer, cost: Option<tandem_router::groups::Cost>) -> Bill {
+        self.budget.bill(payer, cost)
+    }
+
+    /// Places a request the pool serves in an arm of the experiment, if one runs
+    /// (`experiment.rs`).
+    pub(crate) fn assign_arm(&self, req: &mut ValidRequest) -> Option<(HeaderValue, EndHook)> {
+        let experiment = self.live.lock().groups.config().experiment.clone()?;
+        self.experiment.assign(experiment, req)
     }
 
     /// The cascade named `name`, if the file has one.
@@ -401,12 +432,6 @@ fn log_loaded(path: &Path, cfg: &GroupsConfig, what: &str) {
         })
         .collect();
     tracing::info!(file = %path.display(), models = %models.join("; "), "{what}");
-}
-
-/// Milliseconds on a monotonic clock (the groups' cooldowns and windows).
-pub(super) fn now_ms() -> u64 {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_millis() as u64
 }
 
 /// Polls the groups file until `shutdown` (see the module docs).

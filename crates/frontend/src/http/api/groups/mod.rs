@@ -49,7 +49,6 @@ pub(crate) use budget::{Bill, Caller, Payer};
 #[cfg(test)]
 pub(crate) use cascade::verdict as verdict_of;
 pub(crate) use gate::GroupGate;
-use gate::now_ms;
 pub use gate::{EnvLookup, GroupsError, GroupsOptions, watch_groups};
 use proxy::{Reporting, mark, mark_spill, passed_back, read_limited, with_model};
 
@@ -487,4 +486,10 @@ fn note_skips(gate: &GroupGate, pick: &Pick, spill: &mut Option<Spill>) {
             error: skip_word(why).to_string(),
         });
     }
+}
+
+/// Milliseconds on a monotonic clock (the groups' cooldowns and windows).
+fn now_ms() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64
 }
