@@ -33,10 +33,10 @@ pub struct UpArgs {
     /// Address the frontend binds.
     #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
     pub host: String,
-    /// Where the frontend serves its status page, /status.json and /metrics (`off`: not at
-    /// all). Default: 127.0.0.1, --port + 1.
-    #[arg(long, env = "TANDEM_ADMIN_LISTEN")]
-    pub admin_listen: Option<String>,
+    /// API keys and tenants, the admin key, TLS, and where the status page, /status.json and
+    /// /metrics are served (default: 127.0.0.1, --port + 1), as `tandem frontend` takes them.
+    #[command(flatten)]
+    pub access: crate::access::AccessArgs,
     /// Prefill workers (0: aggregated serving).
     #[arg(long, env = "TANDEM_PREFILL", default_value_t = 2)]
     pub prefill: u32,
@@ -218,6 +218,12 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         false,
     )?;
     args.flow.apply(&mut cfg)?;
+    args.access.apply(&mut cfg.http)?;
+    let scheme = if cfg.http.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let listener = TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
@@ -225,7 +231,7 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     let admin = match admin_addr(&args)? {
         // The default address beside the port taken: one machine's laptop cluster should
         // not fail for its status page, so any free port (printed below) serves it.
-        Some(a) if args.admin_listen.is_none() => match TcpListener::bind(&a).await {
+        Some(a) if args.access.admin_listen.is_none() => match TcpListener::bind(&a).await {
             Ok(l) => Some(l),
             Err(e) => {
                 tracing::warn!(addr = %a, error = %e, "admin listener: using a free port");
@@ -240,7 +246,7 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         None => None,
     };
     println!(
-        "tandem up: http://{addr}/v1  ({} prefill, {} decode workers, policy {}, disagg {}; Ctrl-C stops)",
+        "tandem up: {scheme}://{addr}/v1  ({} prefill, {} decode workers, policy {}, disagg {}; Ctrl-C stops)",
         args.prefill, args.decode, args.routing.policy, args.routing.disagg
     );
     if let Some(a) = admin.as_ref().map(TcpListener::local_addr).transpose()? {
@@ -266,13 +272,13 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     // The default admin address beside a taken port: a free one instead, as in process (the
     // child frontend is told which; another process could still take it before the child
     // binds it).
-    if args.admin_listen.is_none()
+    if args.access.admin_listen.is_none()
         && let Some(a) = admin_addr(&args)?
         && std::net::TcpListener::bind(&a).is_err()
     {
         let free = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
         tracing::warn!(addr = %a, free = %free, "admin listener: using a free port");
-        args.admin_listen = Some(free.to_string());
+        args.access.admin_listen = Some(free.to_string());
     }
     let gguf = model.as_ref().map(|m| m.flag.clone());
     let worker_model = match gguf {
@@ -313,10 +319,15 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
             roles.spawn(name, &exe, flags.into_iter().chain(plane.clone()))?;
         }
     }
-    roles.spawn(
+    // The frontend's access checks start before its listener opens: a bad key pair fails
+    // here, not in the child.
+    args.access.access()?;
+    args.access.tls()?;
+    roles.spawn_with_env(
         "frontend",
         &exe,
         frontend_args(&args).into_iter().chain(plane),
+        frontend_env(&args),
     )?;
     println!(
         "tandem up --processes: http://{}:{}/v1  (etcd {}, nats {}; {} prefill, {} decode \
@@ -347,7 +358,7 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
 /// The frontend's admin listener (`--admin-listen`, else beside --port).
 fn admin_addr(args: &UpArgs) -> anyhow::Result<Option<String>> {
     crate::args::listen::admin_addr(
-        args.admin_listen.as_deref(),
+        args.access.admin_listen.as_deref(),
         &format!("{}:{}", args.host, args.port),
     )
 }
@@ -376,9 +387,23 @@ fn worker_args(args: &UpArgs, model: &[String], role: &str, name: &str) -> Vec<S
     .collect()
 }
 
+/// The secrets of `up`'s access flags, for its frontend process's environment (where `ps`
+/// does not show them): the API keys and the admin key, under the variables that
+/// `tandem frontend` reads them from.
+fn frontend_env(args: &UpArgs) -> Vec<(&'static str, String)> {
+    let keys = (!args.access.api_keys.is_empty())
+        .then(|| ("TANDEM_API_KEYS", args.access.api_keys.join(",")));
+    let admin = args
+        .access
+        .admin_key
+        .clone()
+        .map(|k| ("TANDEM_ADMIN_KEY", k));
+    keys.into_iter().chain(admin).collect()
+}
+
 /// The `tandem frontend` command line of `up --processes`: every flag of `up` that configures
-/// a frontend (the HTTP APIs, routing, flow control), so the child serves as the in-process
-/// frontend of the same `up` would.
+/// a frontend (the HTTP APIs, access, routing, flow control), so the child serves as the
+/// in-process frontend of the same `up` would; the secrets go by [`frontend_env`].
 fn frontend_args(args: &UpArgs) -> Vec<String> {
     [
         "frontend".to_string(),
@@ -394,6 +419,20 @@ fn frontend_args(args: &UpArgs) -> Vec<String> {
         format!("--block-size={}", args.engine.block_size),
     ]
     .into_iter()
+    .chain(
+        args.access
+            .api_keys_file
+            .iter()
+            .map(|f| format!("--api-keys-file={}", f.display())),
+    )
+    .chain(
+        [
+            ("tls-cert", &args.access.tls_cert),
+            ("tls-key", &args.access.tls_key),
+        ]
+        .into_iter()
+        .filter_map(|(flag, f)| f.as_ref().map(|f| format!("--{flag}={}", f.display()))),
+    )
     .chain(args.http.to_args())
     .chain(args.routing.to_args())
     .chain(args.flow.to_args())
@@ -405,6 +444,7 @@ mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::*;
+    use crate::access::AccessArgs;
     use crate::args::flow::FlowArgs;
     use crate::serve::FrontendArgs;
 
@@ -499,6 +539,11 @@ mod tests {
         "--busy-kv-usage=0.9",
         "--busy-prefill-tokens=5000",
         "--isl-max-local-fraction=0.5",
+        "--api-keys=sk-a=acme,sk-b==beta",
+        "--api-keys-file=/tmp/keys.json",
+        "--admin-key=sk-admin",
+        "--tls-cert=/tmp/cert.pem",
+        "--tls-key=/tmp/key.pem",
     ];
 
     fn child_of(flags: &[&str]) -> (UpArgs, FrontendArgs) {
@@ -544,6 +589,40 @@ mod tests {
         assert!(
             missing.is_empty(),
             "not passed to `tandem up --processes`'s frontend: {missing:?}"
+        );
+        // Access: the files and the listener's by flag, the keys by the child's environment.
+        let env = frontend_env(&up);
+        let unpassed: Vec<String> = AccessArgs::augment_args(clap::Command::new("t"))
+            .get_arguments()
+            .filter(|a| {
+                let long = a.get_long().unwrap_or_default();
+                let by_flag = argv.iter().any(|x| x.starts_with(&format!("--{long}=")));
+                let by_env = a
+                    .get_env()
+                    .is_some_and(|var| env.iter().any(|(k, _)| var == *k));
+                !by_flag && !by_env
+            })
+            .map(|a| a.get_id().to_string())
+            .collect();
+        assert!(unpassed.is_empty(), "access flags not passed: {unpassed:?}");
+        let mut with_env = argv.clone();
+        with_env.extend(env.iter().map(|(var, value)| {
+            let flag = var
+                .trim_start_matches("TANDEM_")
+                .to_lowercase()
+                .replace('_', "-");
+            format!("--{flag}={value}")
+        }));
+        let child = Frontend::try_parse_from(with_env.iter().map(String::as_str))
+            .unwrap()
+            .frontend;
+        assert_eq!(child.access.access().unwrap(), up.access.access().unwrap());
+        assert_eq!(child.access.tls().unwrap(), up.access.tls().unwrap());
+        assert!(
+            !argv
+                .iter()
+                .any(|a| a.contains("sk-a=acme") || a.contains("sk-admin")),
+            "a key on the command line: {argv:?}"
         );
         Up::command().debug_assert();
     }

@@ -414,6 +414,9 @@ fn tandem_up_processes_serves_and_stops_everything() {
         "1",
         "--speedup-ratio",
         "10",
+        // The frontend process gets the key by its environment, not its command line.
+        "--api-keys",
+        "sk-up-0123456789=acme",
     ]
     .map(String::from)
     .to_vec();
@@ -439,8 +442,19 @@ fn tandem_up_processes_serves_and_stops_everything() {
             (m.0.get("tandem_workers{role=\"prefill\"}") == Some(&1.0)).then_some(())
         },
     );
+    let key = [("authorization", "Bearer sk-up-0123456789")];
+    let unkeyed = http::post_json(addr, "/v1/chat/completions", "{}").unwrap();
+    assert_eq!(unkeyed.status, 401, "{}", unkeyed.text());
     let ask = |body: &serde_json::Value| {
-        let r = http::post_json(addr, "/v1/chat/completions", &body.to_string()).unwrap();
+        let body = body.to_string();
+        let r = http::request(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(body.as_bytes()),
+            &key,
+        )
+        .unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
         common::cluster::routed(&r)
     };
@@ -467,6 +481,77 @@ fn tandem_up_processes_serves_and_stops_everything() {
     assert!(status.success(), "exit status {status}:\n{}", up.log());
     let left: Vec<u32> = children.into_iter().filter(|&p| alive(p)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `tandem up` in one process takes the frontend's access flags: with --api-keys the APIs
+/// want a key, with --admin-key the admin listener wants that one, and the tenant's name
+/// reaches /metrics.
+#[test]
+fn tandem_up_takes_api_keys_and_an_admin_key() {
+    let dir = common::temp_dir("up-keys");
+    let args: Vec<String> = [
+        "up",
+        "--engine=mocker",
+        "--port=0",
+        "--admin-listen=127.0.0.1:0",
+        "--prefill=0",
+        "--decode=1",
+        "--api-keys=sk-up-tenant-0123=acme",
+        "--admin-key=sk-up-admin-0123",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut up = Proc::spawn("tandem-up-keys", "up", &args, &dir.join("up.log"));
+    let (addr, admin) = wait_for("tandem up's addresses", Duration::from_secs(60), || {
+        assert!(up.is_running(), "tandem up exited:\n{}", up.log());
+        common::native::bound_addresses(&up.log())
+    });
+    let with = |key: &'static str| [("authorization", format!("Bearer {key}"))];
+    let send = |at, method, path: &str, body: Option<&str>, key: Option<&'static str>| {
+        let headers = key.map(with);
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .flatten()
+            .map(|(k, v)| (*k, v.as_str()))
+            .collect();
+        http::request(at, method, path, body.map(str::as_bytes), &headers)
+            .unwrap()
+            .status
+    };
+    wait_for("the decode worker", Duration::from_secs(60), || {
+        (send(addr, "GET", "/health", None, None) == 200).then_some(())
+    });
+    let tenant = Some("sk-up-tenant-0123");
+    let admin_key = Some("sk-up-admin-0123");
+    assert_eq!(send(addr, "GET", "/v1/models", None, None), 401);
+    assert_eq!(send(addr, "GET", "/v1/models", None, tenant), 200);
+    let body = chat(&words(2, 20), "Hello?", 3).to_string();
+    assert_eq!(
+        send(addr, "POST", "/v1/chat/completions", Some(&body), tenant),
+        200
+    );
+    assert_eq!(send(admin, "GET", "/metrics", None, None), 401);
+    assert_eq!(send(admin, "GET", "/metrics", None, tenant), 401);
+    let metrics = http::request(
+        admin,
+        "GET",
+        "/metrics",
+        None,
+        &[("authorization", "Bearer sk-up-admin-0123")],
+    )
+    .unwrap();
+    assert_eq!(metrics.status, 200);
+    assert!(
+        metrics.text().contains("tenant=\"acme\""),
+        "the tenant's requests in /metrics"
+    );
+    assert_eq!(send(addr, "GET", "/metrics", None, admin_key), 200);
+    up.signal("INT");
+    assert!(
+        up.wait_exit(Duration::from_secs(30))
+            .is_some_and(|s| s.success())
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -31,8 +31,21 @@ impl ProcessGroup {
         program: impl AsRef<OsStr>,
         args: impl IntoIterator<Item = S>,
     ) -> Result<(), RuntimeError> {
+        self.spawn_with_env(name, program, args, std::iter::empty::<(&str, &str)>())
+    }
+
+    /// [`spawn`](Self::spawn), with `env` added to the environment the child inherits (where
+    /// secrets go: a command line is visible to every user of the machine).
+    pub fn spawn_with_env<S: AsRef<OsStr>, K: AsRef<OsStr>, V: AsRef<OsStr>>(
+        &mut self,
+        name: impl Into<String>,
+        program: impl AsRef<OsStr>,
+        args: impl IntoIterator<Item = S>,
+        env: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<(), RuntimeError> {
         let child = Command::new(program)
             .args(args)
+            .envs(env)
             .stdin(Stdio::null())
             .kill_on_drop(true)
             .spawn()
