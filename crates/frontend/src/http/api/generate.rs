@@ -171,7 +171,7 @@ async fn serve(
         stream = req.stream,
         "admitted"
     );
-    let spill = marks.as_ref().is_some_and(groups::Marks::can_spill);
+    let spill = marks.as_deref().is_some_and(groups::Marks::can_spill);
     let (mut response, marks) = match (respond(&state, admitted, record, spill).await, marks) {
         (Ok(response), marks) => (response, marks),
         (Err((e, mut record)), Some(marks)) => {
@@ -182,7 +182,7 @@ async fn serve(
             if let Some(gate) = state.groups() {
                 let served = &state.config().served_model_name;
                 if let Some(response) =
-                    groups::after_pool_refusal(gate, endpoint, served, marks, status, &try_retry)
+                    groups::after_pool_refusal(gate, endpoint, served, *marks, status, &try_retry)
                         .await
                 {
                     record.status(response.status().as_u16());
@@ -220,7 +220,7 @@ enum Grouped {
     Done(Response),
     /// The usual path (no groups for its model, or its pool group), with the groups'
     /// headers where they chose the pool.
-    Pool(Received, Option<groups::Marks>),
+    Pool(Received, Option<Box<groups::Marks>>),
 }
 
 /// Who a request is for and what its budgets allow, where the groups file is in force:
@@ -233,14 +233,11 @@ fn caller(
     let Some(gate) = state.groups() else {
         return Ok(None);
     };
-    let payer = groups::Payer::of(
-        received.tenant.as_ref(),
-        headers,
-        &received.bytes,
-        &state.config().session_field,
-    );
-    let model = groups::model_of(&received.bytes);
-    let demoted = gate.check_budget(&payer, model.as_deref())?;
+    // The one read of the body before it is validated (the groups route on its model).
+    let field = hints::session_member(&state.config().session_field);
+    let head = hints::head_of(&received.bytes, field);
+    let payer = groups::Payer::of(received.tenant.as_ref(), headers, &head);
+    let demoted = gate.check_budget(&payer, head.model.as_deref())?;
     // A client may send a cascade's request to its large model at once.
     let escalate = headers
         .get("x-tandem-escalate")
@@ -250,6 +247,8 @@ fn caller(
         payer,
         demoted,
         escalate,
+        model: head.model,
+        max_tokens: head.max_tokens,
     }))
 }
 
@@ -262,7 +261,7 @@ async fn route_groups(
     let (Some(gate), Some(caller)) = (state.groups(), caller) else {
         return Grouped::Pool(received, None);
     };
-    if !groups::model_of(&received.bytes).is_some_and(|m| gate.serves(&m)) {
+    if !caller.model.as_deref().is_some_and(|m| gate.serves(m)) {
         return Grouped::Pool(received, None);
     }
     let pool_open = state.backend().ready();
@@ -286,7 +285,7 @@ async fn route_groups(
                 bytes: body,
                 ..received
             },
-            Some(marks),
+            Some(Box::new(marks)),
         ),
     }
 }

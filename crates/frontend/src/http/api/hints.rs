@@ -47,11 +47,99 @@ impl std::str::FromStr for SessionField {
 
 /// A top-level field of a JSON body as a session id (only read for [`SessionField::Field`]).
 pub(crate) fn session_from_body(body: &[u8], field: &str) -> Option<String> {
-    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
-    match map.get(field)? {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Number(n) => Some(n.to_string()),
-        _ => None,
+    head_of(body, Some(field)).field_session
+}
+
+/// What the edge reads of a request body before it is validated: a few top-level members,
+/// in one pass over the JSON that skips the rest (a long conversation is scanned, not built).
+/// A body that is not a JSON object has no head (every member `None`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct BodyHead {
+    /// `model`, where it is a string.
+    pub(crate) model: Option<String>,
+    /// `max_tokens`, else `max_completion_tokens`.
+    pub(crate) max_tokens: Option<u32>,
+    /// `tandem.session_id`.
+    pub(crate) own_session: Option<String>,
+    /// The member `head_of` was asked for, where it is a string or a number (its decimal
+    /// text).
+    pub(crate) field_session: Option<String>,
+}
+
+/// The [`BodyHead`] of `body`; `field`: the top-level member that names its session, if any.
+pub(crate) fn head_of(body: &[u8], field: Option<&str>) -> BodyHead {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_slice(body);
+    HeadSeed { field }.deserialize(&mut de).unwrap_or_default()
+}
+
+/// The body field that names the session under `field` (OpenAI's `user` for
+/// [`SessionField::User`]), for [`head_of`].
+pub(crate) fn session_member(field: &SessionField) -> Option<&str> {
+    match field {
+        SessionField::User => Some("user"),
+        SessionField::Field(name) => Some(name),
+        SessionField::Off => None,
+    }
+}
+
+struct HeadSeed<'a> {
+    field: Option<&'a str>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for HeadSeed<'_> {
+    type Value = BodyHead;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<BodyHead, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for HeadSeed<'_> {
+    type Value = BodyHead;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<BodyHead, A::Error> {
+        use serde_json::Value;
+        let count = |v: &Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
+        let mut head = BodyHead::default();
+        let mut max_completion_tokens = None;
+        while let Some(key) = map.next_key::<String>()? {
+            let named = self.field == Some(key.as_str());
+            let known = matches!(
+                key.as_str(),
+                "model" | "max_tokens" | "max_completion_tokens" | "tandem"
+            );
+            if !named && !known {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                continue;
+            }
+            let value: Value = map.next_value()?;
+            match key.as_str() {
+                "model" => head.model = value.as_str().map(str::to_string),
+                "max_tokens" => head.max_tokens = count(&value),
+                "max_completion_tokens" => max_completion_tokens = count(&value),
+                "tandem" => {
+                    head.own_session = value
+                        .get("session_id")
+                        .and_then(Value::as_str)
+                        .map(str::to_string);
+                }
+                _ => {}
+            }
+            if named {
+                head.field_session = match value {
+                    Value::String(s) => Some(s),
+                    Value::Number(n) => Some(n.to_string()),
+                    _ => None,
+                };
+            }
+        }
+        head.max_tokens = head.max_tokens.or(max_completion_tokens);
+        Ok(head)
     }
 }
 
@@ -181,6 +269,41 @@ pub(crate) fn apply_session_header(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_bodys_head_is_read_in_one_pass_and_the_rest_skipped() {
+        let body = br#"{"messages":[{"role":"user","content":"a \"quoted\" {x}"}],
+            "m\u006fdel":"big","max_completion_tokens":7,"user":42,
+            "tandem":{"session_id":"s-1","osl":9},"stream":true}"#;
+        assert_eq!(
+            head_of(body, Some("user")),
+            BodyHead {
+                model: Some("big".into()),
+                max_tokens: Some(7),
+                own_session: Some("s-1".into()),
+                field_session: Some("42".into()),
+            }
+        );
+        // max_tokens first; a member that is not a count, or no field asked for: None.
+        let body = br#"{"max_tokens":3,"max_completion_tokens":7,"user":"u","model":1}"#;
+        let head = head_of(body, None);
+        assert_eq!(
+            (head.max_tokens, head.field_session, head.model),
+            (Some(3), None, None)
+        );
+        assert_eq!(head_of(br#"{"max_tokens":-1}"#, None).max_tokens, None);
+        // The session field may be a known member too.
+        assert_eq!(
+            head_of(br#"{"model":"m"}"#, Some("model"))
+                .field_session
+                .as_deref(),
+            Some("m")
+        );
+        for bad in [&b"[1,2]"[..], b"not json", b"", br#"{"model":"m""#] {
+            assert_eq!(head_of(bad, Some("user")), BodyHead::default(), "{bad:?}");
+        }
+    }
+
     use super::*;
 
     fn fields(tandem: serde_json::Value) -> HintFields {

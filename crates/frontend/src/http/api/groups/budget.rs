@@ -22,7 +22,7 @@ use tandem_router::groups::{BudgetConfig, Budgets, Charge, Cost};
 use super::now_ms;
 use crate::http::auth::{ANONYMOUS, Tenant};
 use crate::http::error::ServeError;
-use crate::http::hints::SessionField;
+use crate::http::hints::BodyHead;
 use crate::http::metrics::TenantLabels;
 
 /// Who a request is charged to.
@@ -35,14 +35,9 @@ pub(crate) struct Payer {
 
 impl Payer {
     /// The tenant (its key's; [`ANONYMOUS`] without one), the session (`x-session-id`, else
-    /// the body's `tandem.session_id`, else its session field) and the task
-    /// (`x-tandem-task`) of a request.
-    pub(crate) fn of(
-        tenant: Option<&Tenant>,
-        headers: &HeaderMap,
-        body: &[u8],
-        field: &SessionField,
-    ) -> Payer {
+    /// the body's `tandem.session_id`, else its session field, as `head` read them) and the
+    /// task (`x-tandem-task`) of a request.
+    pub(crate) fn of(tenant: Option<&Tenant>, headers: &HeaderMap, head: &BodyHead) -> Payer {
         let header = |name: &str| {
             headers
                 .get(name)
@@ -51,10 +46,13 @@ impl Payer {
                 .filter(|v| !v.is_empty())
                 .map(Arc::from)
         };
-        let session = header("x-session-id").or_else(|| session_of(body, field).map(Arc::from));
+        let body = head
+            .own_session
+            .as_deref()
+            .or(head.field_session.as_deref());
         Payer {
             tenant: tenant.map_or_else(|| Arc::from(ANONYMOUS), |t| t.name.clone()),
-            session,
+            session: header("x-session-id").or_else(|| body.map(Arc::from)),
             task: header("x-tandem-task"),
         }
     }
@@ -68,26 +66,6 @@ impl Payer {
     }
 }
 
-/// The body's session: `tandem.session_id`, else the configured field.
-fn session_of(body: &[u8], field: &SessionField) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct Tandem {
-        session_id: Option<String>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Head {
-        tandem: Option<Tandem>,
-    }
-    let own = serde_json::from_slice::<Head>(body)
-        .ok()
-        .and_then(|h| h.tandem?.session_id);
-    own.or_else(|| match field {
-        SessionField::User => crate::http::hints::session_from_body(body, "user"),
-        SessionField::Field(name) => crate::http::hints::session_from_body(body, name),
-        SessionField::Off => None,
-    })
-}
-
 /// What the edge knows of a request before the groups route it.
 #[derive(Clone, Debug)]
 pub(crate) struct Caller {
@@ -96,6 +74,9 @@ pub(crate) struct Caller {
     pub(crate) demoted: bool,
     /// `x-tandem-escalate`: a cascade's large model at once.
     pub(crate) escalate: bool,
+    /// The body's `model` and `max_tokens` (read once, with the session, at the edge).
+    pub(crate) model: Option<String>,
+    pub(crate) max_tokens: Option<u32>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -105,6 +105,23 @@ pub(super) async fn serve(
     response
 }
 
+/// `caller` for a request the cascade wrote: its `model` and `max_tokens` are the body's.
+fn for_body(caller: &Caller, body: &Map<String, Value>) -> Caller {
+    let count = |key: &str| {
+        body.get(key)
+            .and_then(Value::as_u64)
+            .and_then(|n| u32::try_from(n).ok())
+    };
+    Caller {
+        model: body
+            .get("model")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        max_tokens: count("max_tokens").or_else(|| count("max_completion_tokens")),
+        ..caller.clone()
+    }
+}
+
 /// Sends `body` through the groups and reads the answer whole: its head, and its JSON
 /// (or why not).
 async fn ask(
@@ -115,7 +132,7 @@ async fn ask(
     try_retry: &(dyn Fn() -> bool + Send + Sync),
 ) -> Option<(Response<()>, Result<Value, ()>)> {
     let bytes = Bytes::from(serde_json::to_vec(body).ok()?);
-    let start = Resume::start(caller.clone());
+    let start = Resume::start(for_body(caller, body));
     let Routed::Done(response) =
         serve_from(gate, endpoint, false, "", bytes, try_retry, start).await
     else {
@@ -143,7 +160,7 @@ async fn large(
 ) -> Response {
     request.insert("model".into(), cascade.large.clone().into());
     let bytes = Bytes::from(serde_json::to_vec(&request).unwrap_or_default());
-    let start = Resume::start(caller.clone());
+    let start = Resume::start(for_body(caller, &request));
     let mut response = match serve_from(gate, endpoint, false, "", bytes, try_retry, start).await {
         Routed::Done(response) => response,
         // A cascade's models have no pool group (the config refuses it).

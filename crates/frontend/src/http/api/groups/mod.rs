@@ -55,19 +55,6 @@ use proxy::{Reporting, mark, mark_spill, passed_back, read_limited, with_model};
 use crate::http::backend::Endpoint;
 use crate::http::error::ServeError;
 
-/// What of a request's body the groups look at.
-#[derive(serde::Deserialize)]
-struct Head {
-    model: Option<String>,
-    max_tokens: Option<u32>,
-    max_completion_tokens: Option<u32>,
-}
-
-/// The model a request body names, if it parses that far.
-pub(crate) fn model_of(body: &[u8]) -> Option<String> {
-    serde_json::from_slice::<Head>(body).ok()?.model
-}
-
 /// Why a group was passed over, as `x-tandem-spillover-error` says it.
 fn skip_word(skip: Skip) -> &'static str {
     match skip {
@@ -223,7 +210,7 @@ pub(crate) async fn serve(
     caller: Caller,
     try_retry: &(dyn Fn() -> bool + Send + Sync),
 ) -> Routed {
-    if let Some(cascade) = model_of(&body).and_then(|m| gate.cascade(&m)) {
+    if let Some(cascade) = caller.model.as_deref().and_then(|m| gate.cascade(m)) {
         let response = cascade::serve(gate, endpoint, cascade, body, &caller, try_retry).await;
         return Routed::Done(response);
     }
@@ -249,7 +236,7 @@ async fn serve_from(
     try_retry: &(dyn Fn() -> bool + Send + Sync),
     start: Resume,
 ) -> Routed {
-    let Some(model) = model_of(&body) else {
+    let Some(model) = start.caller.model.clone() else {
         return Routed::Done(ServeError::invalid("`model` is required").into_response());
     };
     let path = match endpoint {
@@ -265,8 +252,7 @@ async fn serve_from(
             );
         }
     };
-    let head: Option<Head> = serde_json::from_slice(&body).ok();
-    let max_tokens = head.and_then(|h| h.max_tokens.or(h.max_completion_tokens));
+    let max_tokens = start.caller.max_tokens;
     let prompt_tokens = u32::try_from(body.len() / 4).unwrap_or(u32::MAX);
     let mut tried: Vec<EndpointRef> = Vec::new();
     let mut from_group = start.from_group;
