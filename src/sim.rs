@@ -96,8 +96,28 @@ pub struct SimArgs {
     /// Interval of the in-flight load-imbalance samples (`inflight_imbalance_*`).
     #[arg(long, env = "TANDEM_SIM_SAMPLE_INTERVAL_MS", default_value_t = 1000.0)]
     sample_interval_ms: f64,
+    /// A groups file (README "Backend groups") whose `[experiment]` splits the requests
+    /// between two arms as the frontend would (by session, else by the prompt's start): the
+    /// report gives each arm's TTFT, hit rate and goodput side by side.
+    #[arg(long, env = "TANDEM_SIM_EXPERIMENT")]
+    experiment: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub(crate) out: crate::args::workload::OutputArgs,
+}
+
+/// The `[experiment]` table of a groups file.
+fn experiment_of(path: &std::path::Path) -> anyhow::Result<tandem_sim::ExperimentConfig> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--experiment: reading {}", path.display()))?;
+    let mut table: toml::Table = toml::from_str(&text)
+        .with_context(|| format!("--experiment: {} is not TOML", path.display()))?;
+    let experiment = table
+        .remove("experiment")
+        .with_context(|| format!("--experiment: {} has no [experiment]", path.display()))?;
+    experiment
+        .try_into()
+        .with_context(|| format!("--experiment: {}: [experiment]", path.display()))
 }
 
 impl SimArgs {
@@ -146,6 +166,7 @@ impl SimArgs {
             sample_interval_us: ms_to_us("--sample-interval-ms", self.sample_interval_ms)?,
             arrival_jitter_us: self.workload.jitter_us()?,
             worker_speedups: self.worker_speedups.clone(),
+            experiment: self.experiment.as_deref().map(experiment_of).transpose()?,
         })
     }
 }

@@ -325,3 +325,64 @@ fn sim_refuses_bad_trace_input_with_a_clear_error() {
         assert!(err.contains(expect), "{args:?}: {err}");
     }
 }
+
+/// `--experiment` reads the `[experiment]` of a groups file (the rest of the file is the
+/// frontend's): the JSON record then holds each arm's figures; a file without one, or with a
+/// bad one, is refused with its name.
+#[test]
+fn sim_splits_an_experiment_from_a_groups_file() {
+    let dir = temp_dir("sim-experiment");
+    let groups = dir.join("groups.toml");
+    std::fs::write(
+        &groups,
+        "[[model]]\nname = \"m\"\n[[model.group]]\nname = \"pool\"\npool = true\n\n\
+         [experiment]\nname = \"credit\"\nb_share = 0.5\n[experiment.b]\noverlap_credit = 0.0\n",
+    )
+    .unwrap();
+    let json = dir.join("out.json");
+    let (groups_arg, json_arg) = (groups.to_str().unwrap(), json.to_str().unwrap());
+    let out = tandem(&[
+        "--workload",
+        "multi-turn",
+        "--requests",
+        "40",
+        "--rate",
+        "20",
+        "--workers",
+        "2",
+        "--isl",
+        "64",
+        "--osl",
+        "4",
+        "--experiment",
+        groups_arg,
+        "--json",
+        json_arg,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("experiment credit arm a"), "{stdout}");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let arms = report["experiment"]["arms"].as_array().unwrap();
+    let count = |i: usize| arms[i]["requests"].as_u64().unwrap();
+    assert_eq!(count(0) + count(1), 40);
+    for (text, expect) in [
+        ("[[model]]\nname = \"m\"\n", "has no [experiment]"),
+        (
+            "[experiment]\nname = \"x\"\nb_share = 0.5\nwhat = 1\n",
+            "[experiment]",
+        ),
+        ("[experiment]\nname = \"x\"\nb_share = 3\n", "b_share"),
+    ] {
+        std::fs::write(&groups, text).unwrap();
+        let out = tandem(&["--requests", "4", "--experiment", groups_arg]);
+        assert!(!out.status.success(), "{text}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expect), "{text}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

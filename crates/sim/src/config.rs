@@ -2,6 +2,7 @@
 //! [`SimConfig::validate`] before anything is built. The workload and the SLO are
 //! `tandem-workload`'s types, validated by that crate.
 
+use tandem_router::groups::ExperimentConfig;
 use tandem_router::{ReplicaConfig, RouterId, RoutingConfig};
 use tandem_workload::{Slo, SyntheticConfig, WorkloadConfig};
 
@@ -35,6 +36,11 @@ pub struct SimConfig {
     /// `worker_speedups[w % len]` times as fast. Empty: every worker alike. For unequal
     /// clusters (capacity weights).
     pub worker_speedups: Vec<f64>,
+    /// An A/B experiment (the groups file's `[experiment]`): every request is placed in an
+    /// arm by its session (else its prompt's start) as the frontend places it, and the arm's
+    /// knobs override the `kv` policy's for it; the report gives each arm's figures. `None`:
+    /// no split.
+    pub experiment: Option<ExperimentConfig>,
 }
 
 impl SimConfig {
@@ -59,6 +65,7 @@ impl SimConfig {
             sample_interval_us: 1_000_000,
             arrival_jitter_us: 0,
             worker_speedups: Vec::new(),
+            experiment: None,
         }
     }
 
@@ -71,6 +78,11 @@ impl SimConfig {
         }
         if t.routers == 0 {
             return bad("--routers must be at least 1");
+        }
+        if let Some(e) = &self.experiment
+            && let Err(why) = e.check()
+        {
+            return bad(&format!("experiment: {why}"));
         }
         if self.engine.device_blocks == 0 {
             return bad("--device-blocks must be at least 1");

@@ -79,9 +79,11 @@ mod workload;
 
 pub use config::{EngineSettings, EventPlaneConfig, SimConfig, TopologyConfig, TransferConfig};
 pub use error::SimError;
-pub use metrics::{SimReport, Spread};
+pub use metrics::{ArmReport, ExperimentReport, SimReport, Spread};
 pub use plan::{Candidate, Plan, Topologies, plan};
 pub use sweep::{SweepPoint, SweepReport, sweep};
+/// An A/B experiment ([`SimConfig::experiment`]): the frontend's own type.
+pub use tandem_router::groups::{ArmConfig, ExperimentConfig};
 /// The router's names and knobs a [`SimConfig`] is made of, for callers that build one.
 pub use tandem_router::{DisaggConfig, DisaggMode, KvConfig, PolicyConfig, PolicyKind};
 /// The workload and SLO types a [`SimConfig`] is made of (`tandem-workload`'s).

@@ -163,6 +163,35 @@ pub struct SimReport {
     pub inflight_imbalance_max_minus_min_series: Vec<(f64, u64)>,
     /// `(virtual second, max / mean)` of every sample.
     pub inflight_imbalance_max_over_mean_series: Vec<(f64, f64)>,
+    /// Each arm's figures, in an experiment (absent without one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experiment: Option<ExperimentReport>,
+}
+
+/// An A/B experiment's arms side by side.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExperimentReport {
+    pub name: String,
+    /// The share of sessions (and of prompt prefixes) in arm `b`.
+    pub b_share: f64,
+    /// Arm `a`, then arm `b`.
+    pub arms: Vec<ArmReport>,
+}
+
+/// One arm's requests: as [`SimReport`]'s figures of the same names.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ArmReport {
+    pub arm: &'static str,
+    pub requests: u64,
+    pub completed: u64,
+    pub ttft_ms: LatencySummary,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub prefix_hit_rate: f64,
+    /// Against the experiment's `ttft_slo_ms` where it sets one (TTFT alone), else the run's
+    /// SLO.
+    pub slo_attainment: f64,
+    pub goodput_rps: f64,
 }
 
 impl SimReport {
@@ -312,6 +341,23 @@ impl SimReport {
                 self.preemptions, self.kv_events_applied, self.index_gaps_repaired
             ),
         );
+        if let Some(e) = &self.experiment {
+            for a in &e.arms {
+                row(
+                    &format!("experiment {} arm {}", e.name, a.arm),
+                    format!(
+                        "{} requests, TTFT p50 {:.1} p99 {:.1} ms, hit rate {:.1} %, \
+                         SLO attainment {:.1} %, goodput {:.2} req/s",
+                        a.requests,
+                        a.ttft_ms.p50,
+                        a.ttft_ms.p99,
+                        100.0 * a.prefix_hit_rate,
+                        100.0 * a.slo_attainment,
+                        a.goodput_rps
+                    ),
+                );
+            }
+        }
         format!("| figure | value |\n|---|---|\n{s}")
     }
 }

@@ -16,6 +16,7 @@ use tandem_protocol::hashing::compute_block_hashes;
 use tandem_protocol::{
     AdapterId, BlockSize, HashSeed, LoadReport, RequestId, SequenceHash, WorkerId, WorkerRole,
 };
+use tandem_router::groups::Arm;
 use tandem_router::{
     InFlight, Input, KvSource, RepairReply, RouteInput, RoutingReplica, SessionKey, SyncMessage,
 };
@@ -24,7 +25,7 @@ use crate::config::SimConfig;
 use crate::error::SimError;
 use crate::queue::EventQueue;
 use crate::replica::{KvPayload, deliver};
-use crate::stats::{Outcome, RequestTimes, Stats};
+use crate::stats::{Outcome, RequestTimes, Stats, arm_index};
 use crate::workload::RequestSpec;
 use tandem_workload::AdapterMix;
 
@@ -93,6 +94,8 @@ pub(crate) struct ReqState {
     pub tokens: u32,
     pub done: bool,
     pub rejected: bool,
+    /// Its arm, in an experiment.
+    pub arm: Option<Arm>,
     /// Its place in its router's tracker, from routing to its end.
     pub flight: Option<InFlight>,
 }
@@ -341,6 +344,14 @@ impl<'a> Sim<'a> {
             .routing
             .route_request(&tokens, self.block_size, seed);
         route.adapter = adapter.as_deref().map(AdapterId::of);
+        // An experiment's arm, as the frontend picks it: by the session (a client sends the
+        // conversation's id as text), else by the prompt's start.
+        let arm = self.cfg.experiment.as_ref().map(|e| {
+            let session = spec.session.map(|s| s.to_string());
+            let arm = e.arm_of(session.as_deref(), &tokens);
+            route.overrides = e.arm(arm).overrides();
+            arm
+        });
         let engine_request = |tokens: Vec<u32>, max_tokens: u32| EngineRequest {
             hash_seed: seed,
             adapter: adapter.clone(),
@@ -417,6 +428,7 @@ impl<'a> Sim<'a> {
             self.seen.insert(*h);
         }
         let st = &mut self.reqs[i as usize];
+        st.arm = arm;
         st.arrival_us = now;
         st.router = r;
         st.worker = dw;
@@ -437,6 +449,9 @@ impl<'a> Sim<'a> {
             self.sync(r, m, now);
         }
         self.stats.prompt_tokens += prompt;
+        if let Some(arm) = arm {
+            self.stats.arm_tokens[arm_index(arm)].0 += prompt;
+        }
         self.submit(i, target.0, target.1, now)
     }
 
@@ -599,7 +614,7 @@ impl<'a> Sim<'a> {
         if w >= self.n_decode {
             // The prefill half of a remote prefill: max_tokens 1, so first and last token.
             if o.first_token {
-                self.stats.cached_tokens += o.cached_tokens as u64;
+                self.stats.cached(st.arm, o.cached_tokens as u64);
                 let rep = &mut self.replicas[r as usize];
                 let msgs = match self.reqs[i as usize].flight.as_mut() {
                     Some(f) => rep.prefill_finished(f, now_ms),
@@ -620,7 +635,8 @@ impl<'a> Sim<'a> {
             st.first_token_us = Some(now);
             // A remote prefill's cache hit is the prefill worker's, counted at its token.
             if !st.remote {
-                self.stats.cached_tokens += o.cached_tokens as u64;
+                let arm = st.arm;
+                self.stats.cached(arm, o.cached_tokens as u64);
             }
             if let Some(f) = st.flight.as_mut() {
                 msgs.extend(rep.first_token(f, now_ms));
@@ -694,6 +710,7 @@ impl<'a> Sim<'a> {
                     tokens: r.tokens,
                     done: r.done,
                     rejected: r.rejected,
+                    arm: r.arm,
                 })
                 .collect(),
             decode_routed: decode_routed.to_vec(),

@@ -1,9 +1,10 @@
 //! Counters gathered during a run, and the [`SimReport`] made from them at the end.
 
+use tandem_router::groups::Arm;
 use tandem_workload::{LatencyHistogram, Slo, WorkloadConfig};
 
 use crate::config::SimConfig;
-use crate::metrics::{SimReport, Spread};
+use crate::metrics::{ArmReport, ExperimentReport, SimReport, Spread};
 use crate::workload::RequestSpec;
 
 #[derive(Debug, Default)]
@@ -29,6 +30,16 @@ pub(crate) struct Stats {
     pub itl: LatencyHistogram,
     /// One sample per `sample_interval_us` while requests are in flight.
     pub imbalance: Vec<ImbalanceSample>,
+    /// In an experiment: each arm's prompt tokens and cached tokens (arm a, then b).
+    pub arm_tokens: [(u64, u64); 2],
+}
+
+/// An arm's place in per-arm arrays.
+pub(crate) fn arm_index(arm: Arm) -> usize {
+    match arm {
+        Arm::A => 0,
+        Arm::B => 1,
+    }
 }
 
 /// The requests in flight per (decode) worker at one sample.
@@ -42,6 +53,14 @@ pub(crate) struct ImbalanceSample {
 }
 
 impl Stats {
+    /// Counts a prefill's cached tokens, toward its arm's too.
+    pub fn cached(&mut self, arm: Option<Arm>, tokens: u64) {
+        self.cached_tokens += tokens;
+        if let Some(arm) = arm {
+            self.arm_tokens[arm_index(arm)].1 += tokens;
+        }
+    }
+
     /// Records max−min and max/mean of the per-worker loads, when anything is in flight.
     pub fn sample_imbalance(&mut self, now_us: u64, loads: &[u64]) {
         let total: u64 = loads.iter().sum();
@@ -106,6 +125,8 @@ pub(crate) struct RequestTimes {
     pub tokens: u32,
     pub done: bool,
     pub rejected: bool,
+    /// Its arm, in an experiment.
+    pub arm: Option<Arm>,
 }
 
 /// What a finished run hands the report: plain data, no simulator state.
@@ -168,6 +189,50 @@ impl RequestFigures {
     }
 }
 
+/// Each arm's figures, in an experiment: its requests' TTFT, hit rate and goodput (against
+/// the experiment's TTFT SLO where it sets one, else the run's SLO), over the run's span.
+fn experiment(cfg: &SimConfig, outcome: &Outcome, secs: f64) -> Option<ExperimentReport> {
+    let e = cfg.experiment.as_ref()?;
+    let slo = match e.ttft_slo_ms {
+        Some(ttft_ms) => Slo {
+            ttft_ms,
+            tpot_ms: f64::INFINITY,
+            ..cfg.slo
+        },
+        None => cfg.slo,
+    };
+    let arms = [Arm::A, Arm::B]
+        .into_iter()
+        .map(|arm| {
+            let mine: Vec<RequestTimes> = outcome
+                .requests
+                .iter()
+                .filter(|r| r.arm == Some(arm))
+                .copied()
+                .collect();
+            let f = RequestFigures::of(&mine, &slo);
+            let (prompt, cached) = outcome.stats.arm_tokens[arm_index(arm)];
+            let n = mine.len() as u64;
+            ArmReport {
+                arm: arm.as_str(),
+                requests: n,
+                completed: f.completed,
+                ttft_ms: f.ttft.summary(),
+                prompt_tokens: prompt,
+                cached_tokens: cached,
+                prefix_hit_rate: cached as f64 / prompt.max(1) as f64,
+                slo_attainment: f.good as f64 / n.max(1) as f64,
+                goodput_rps: f.good as f64 / secs,
+            }
+        })
+        .collect();
+    Some(ExperimentReport {
+        name: e.name.clone(),
+        b_share: e.b_share,
+        arms,
+    })
+}
+
 pub(crate) fn report(cfg: &SimConfig, specs: &[RequestSpec], outcome: Outcome) -> SimReport {
     let end_us = outcome.end_us;
     let slo = cfg.slo;
@@ -201,6 +266,7 @@ pub(crate) fn report(cfg: &SimConfig, specs: &[RequestSpec], outcome: Outcome) -
     let (decode_routed, prefill_routed) = (&outcome.decode_routed, &outcome.prefill_routed);
     let (applied, gaps) = (outcome.events_applied, outcome.gaps_repaired);
     let n = specs.len() as u64;
+    let experiment = experiment(cfg, &outcome, secs);
     SimReport {
         workload: workload_name(cfg),
         policy: if cfg.topology.prefill_workers > 0 {
@@ -278,6 +344,7 @@ pub(crate) fn report(cfg: &SimConfig, specs: &[RequestSpec], outcome: Outcome) -
             .iter()
             .map(|x| (x.secs, x.max_over_mean))
             .collect(),
+        experiment,
     }
 }
 

@@ -1,8 +1,8 @@
 //! `tandem_sim::run` end to end on small workloads (debug build, seconds).
 
 use tandem_sim::{
-    ArrivalProcess, DisaggMode, LengthDist, PolicyConfig, PolicyKind, PromptShape, SimConfig,
-    SimError, SyntheticConfig, TraceWorkload, WorkloadConfig, run, sweep,
+    ArmConfig, ArrivalProcess, DisaggMode, ExperimentConfig, LengthDist, PolicyConfig, PolicyKind,
+    PromptShape, SimConfig, SimError, SyntheticConfig, TraceWorkload, WorkloadConfig, run, sweep,
 };
 
 fn shared_prefix(requests: usize, rate: f64) -> SyntheticConfig {
@@ -477,4 +477,63 @@ fn lora_aware_routing_gathers_adapters_and_loads_fewer() {
         aware.ttft_ms.p90,
         blind.ttft_ms.p90
     );
+}
+
+/// An experiment splits the requests by session, as the frontend does: arm `b` routes without
+/// crediting cached blocks (`overlap_credit` 0, load alone), arm `a` with the `kv` policy as
+/// configured, session affinity off. Each arm gets about its share, and arm `a` keeps more of
+/// its conversations' prefixes. Without an experiment the report has no `experiment` key at all (the JSON is
+/// what it was).
+#[test]
+fn an_experiment_splits_by_session_and_reports_each_arm_side_by_side() {
+    let mut syn = shared_prefix(400, 40.0);
+    syn.shape = PromptShape::MultiTurn {
+        turns: 4,
+        think_time_us: 500_000,
+    };
+    let mut cfg = SimConfig::synthetic(4, syn);
+    cfg.engine.device_blocks = 4096;
+    // Session affinity would pin each conversation to its worker in both arms alike.
+    cfg.routing.sessions.enabled = false;
+    let plain = run(cfg.clone()).unwrap();
+    assert!(plain.experiment.is_none());
+    assert!(
+        !String::from_utf8(serde_json::to_vec(&plain).unwrap())
+            .unwrap()
+            .contains("experiment")
+    );
+    cfg.experiment = Some(ExperimentConfig {
+        name: "credit".into(),
+        b_share: 0.5,
+        a: ArmConfig::default(),
+        b: ArmConfig {
+            overlap_credit: Some(0.0),
+            ..ArmConfig::default()
+        },
+        prefix_tokens: 64,
+        ttft_slo_ms: Some(500.0),
+    });
+    let r = run(cfg.clone()).unwrap();
+    let e = r.experiment.as_ref().expect("the arms' figures");
+    let (a, b) = (&e.arms[0], &e.arms[1]);
+    assert_eq!((a.arm, b.arm), ("a", "b"));
+    assert_eq!(a.requests + b.requests, 400);
+    assert_eq!(a.completed + b.completed, r.completed);
+    assert_eq!(a.prompt_tokens + b.prompt_tokens, r.prompt_tokens);
+    assert_eq!(a.cached_tokens + b.cached_tokens, r.cached_tokens);
+    // By session: whole conversations of 4 turns, about half of them each.
+    assert!(a.requests % 4 == 0 && b.requests % 4 == 0, "{a:?} {b:?}");
+    assert!((120..=280).contains(&a.requests), "{a:?}");
+    assert!(
+        a.prefix_hit_rate > b.prefix_hit_rate + 0.03,
+        "kv {} vs load alone {}",
+        a.prefix_hit_rate,
+        b.prefix_hit_rate
+    );
+    assert!(r.to_markdown().contains("experiment credit arm b"));
+    // The same config, the same report.
+    assert_eq!(run(cfg.clone()).unwrap(), r);
+    // A bad experiment is refused before the run.
+    cfg.experiment.as_mut().unwrap().b_share = 2.0;
+    assert!(matches!(run(cfg), Err(SimError::InvalidConfig(m)) if m.contains("b_share")));
 }
