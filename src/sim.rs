@@ -101,6 +101,22 @@ pub struct SimArgs {
     /// report gives each arm's TTFT, hit rate and goodput side by side.
     #[arg(long, env = "TANDEM_SIM_EXPERIMENT")]
     experiment: Option<std::path::PathBuf>,
+    /// A model cascade: this share of the requests (0–1) is escalated from the simulated
+    /// cluster (the small model's pool) to a large model's pool, arriving there when the
+    /// small model's answer is done; the report gives both pools and the burstiness of
+    /// what each is sent.
+    #[arg(long, env = "TANDEM_SIM_CASCADE_ESCALATION_RATE")]
+    cascade_escalation_rate: Option<f64>,
+    /// How much a prompt's length decides whether it escalates (0: at random; 1: the longest
+    /// prompts): escalations are the harder requests.
+    #[arg(long, env = "TANDEM_SIM_CASCADE_CORRELATION", default_value_t = 0.7)]
+    cascade_correlation: f64,
+    /// Workers of the large model's pool (default: --workers).
+    #[arg(long, env = "TANDEM_SIM_CASCADE_LARGE_WORKERS")]
+    cascade_large_workers: Option<u32>,
+    /// The large model's engine speed relative to the small one's.
+    #[arg(long, env = "TANDEM_SIM_CASCADE_LARGE_SPEED", default_value_t = 0.5)]
+    cascade_large_speed: f64,
     #[command(flatten)]
     pub(crate) out: crate::args::workload::OutputArgs,
 }
@@ -182,6 +198,18 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             .as_ref()
             .map(|d| sweep.figures().write(d))
             .transpose()?;
+        return Ok(());
+    }
+    if let Some(escalation_rate) = args.cascade_escalation_rate {
+        let cascade = tandem_sim::CascadeConfig {
+            escalation_rate,
+            correlation: args.cascade_correlation,
+            large_workers: args.cascade_large_workers.unwrap_or(args.workers),
+            large_speed: args.cascade_large_speed,
+        };
+        let report = tandem_sim::run_cascade(config, &cascade)?;
+        print!("{}", report.to_markdown());
+        json.as_ref().map(|p| write_json(p, &report)).transpose()?;
         return Ok(());
     }
     let report = tandem_sim::run(config)?;

@@ -97,6 +97,14 @@ fn sim_refuses_bad_flags_with_a_clear_message() {
         ),
         (&["--isl-max-local-tokens=-1"][..], "--isl-max-local-tokens"),
         (
+            &["--cascade-escalation-rate", "2"][..],
+            "--cascade-escalation-rate must be in [0, 1]",
+        ),
+        (
+            &["--cascade-escalation-rate=0.1", "--cascade-large-workers=0"][..],
+            "--cascade-large-workers must be at least 1",
+        ),
+        (
             &["--prefill-busy-tokens", "lots"][..],
             "--prefill-busy-tokens",
         ),
@@ -328,9 +336,10 @@ fn sim_refuses_bad_trace_input_with_a_clear_error() {
 
 /// `--experiment` reads the `[experiment]` of a groups file (the rest of the file is the
 /// frontend's): the JSON record then holds each arm's figures; a file without one, or with a
-/// bad one, is refused with its name.
+/// bad one, is refused with its name. `--cascade-escalation-rate` runs a cascade: both pools
+/// in the record.
 #[test]
-fn sim_splits_an_experiment_from_a_groups_file() {
+fn sim_splits_an_experiment_from_a_groups_file_and_runs_a_cascade() {
     let dir = temp_dir("sim-experiment");
     let groups = dir.join("groups.toml");
     std::fs::write(
@@ -370,6 +379,32 @@ fn sim_splits_an_experiment_from_a_groups_file() {
     let arms = report["experiment"]["arms"].as_array().unwrap();
     let count = |i: usize| arms[i]["requests"].as_u64().unwrap();
     assert_eq!(count(0) + count(1), 40);
+    // A cascade from the command line: the JSON holds both pools.
+    let out = tandem(&[
+        "--requests",
+        "40",
+        "--rate",
+        "20",
+        "--isl",
+        "64",
+        "--isl-spread",
+        "0.5",
+        "--osl",
+        "4",
+        "--cascade-escalation-rate",
+        "0.25",
+        "--json",
+        json_arg,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(report["escalated"], 10);
+    assert_eq!(report["large"]["completed"], 10);
+    assert_eq!(report["small"]["completed"], 40);
     for (text, expect) in [
         ("[[model]]\nname = \"m\"\n", "has no [experiment]"),
         (

@@ -23,6 +23,8 @@
 //! - `queue.rs`: the event heap. `sim.rs`: the event loop and the request lifecycle.
 //!   `replica.rs`: what the event plane delivers to a replica, and its repairs answered.
 //!   `stats.rs`, `metrics.rs`: counters, the run's plain outcome, and [`SimReport`].
+//! - `cascade.rs`: a model cascade, the small model's pool then the large one's on the
+//!   escalated requests, and the burstiness of what each pool is sent ([`run_cascade`]).
 //! - `sweep.rs`: rate sweeps. `plan.rs`: `tandem size`'s search for the smallest cluster
 //!   meeting an SLO. Plots: [`tandem_workload::plot`] over [`SimReport::ttft_cdf_ms`] and
 //!   [`SweepReport::goodput_points`].
@@ -66,6 +68,7 @@
 //!
 //! Metric definitions are in `metrics.rs` ([`SimReport`]).
 
+mod cascade;
 mod config;
 mod error;
 mod metrics;
@@ -77,6 +80,7 @@ mod stats;
 mod sweep;
 mod workload;
 
+pub use cascade::{Burstiness, CascadeConfig, CascadeReport, run_cascade};
 pub use config::{EngineSettings, EventPlaneConfig, SimConfig, TopologyConfig, TransferConfig};
 pub use error::SimError;
 pub use metrics::{ArmReport, ExperimentReport, SimReport, Spread};
@@ -104,7 +108,17 @@ pub(crate) fn run_specs(
     config: &SimConfig,
     specs: &[workload::RequestSpec],
 ) -> Result<SimReport, SimError> {
+    Ok(run_specs_with_times(config, specs)?.0)
+}
+
+/// [`run_specs`], and each request's times (in `specs`' order).
+pub(crate) fn run_specs_with_times(
+    config: &SimConfig,
+    specs: &[workload::RequestSpec],
+) -> Result<(SimReport, Vec<stats::RequestTimes>), SimError> {
     let mut sim = sim::Sim::new(config, specs)?;
     let end = sim.run()?;
-    Ok(stats::report(config, specs, sim.outcome(end)))
+    let outcome = sim.outcome(end);
+    let times = outcome.requests.clone();
+    Ok((stats::report(config, specs, outcome), times))
 }

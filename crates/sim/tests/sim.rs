@@ -1,8 +1,9 @@
 //! `tandem_sim::run` end to end on small workloads (debug build, seconds).
 
 use tandem_sim::{
-    ArmConfig, ArrivalProcess, DisaggMode, ExperimentConfig, LengthDist, PolicyConfig, PolicyKind,
-    PromptShape, SimConfig, SimError, SyntheticConfig, TraceWorkload, WorkloadConfig, run, sweep,
+    ArmConfig, ArrivalProcess, CascadeConfig, DisaggMode, ExperimentConfig, LengthDist,
+    PolicyConfig, PolicyKind, PromptShape, SimConfig, SimError, SyntheticConfig, TraceWorkload,
+    WorkloadConfig, run, run_cascade, sweep,
 };
 
 fn shared_prefix(requests: usize, rate: f64) -> SyntheticConfig {
@@ -536,4 +537,59 @@ fn an_experiment_splits_by_session_and_reports_each_arm_side_by_side() {
     // A bad experiment is refused before the run.
     cfg.experiment.as_mut().unwrap().b_share = 2.0;
     assert!(matches!(run(cfg), Err(SimError::InvalidConfig(m)) if m.contains("b_share")));
+}
+
+/// A cascade: a fifth of the requests escalate to a slower pool of half the workers. With
+/// the escalations tied to prompt length (correlation 1) the large pool is sent the longest
+/// prompts and its TTFT grows past a random fifth's; at correlation 0 the escalated prompts
+/// are the workload's. Every escalated request arrives after its own arrival at the small
+/// pool, and both pools' runs are reproducible.
+#[test]
+fn a_cascade_sends_the_large_pool_the_harder_requests_after_the_small_answers() {
+    let mut syn = shared_prefix(300, 30.0);
+    syn.shape = PromptShape::Random;
+    syn.isl = LengthDist {
+        mean: 512,
+        spread: 0.8,
+    };
+    let mut cfg = SimConfig::synthetic(4, syn);
+    cfg.seed = 5;
+    let cascade = |correlation| CascadeConfig {
+        escalation_rate: 0.2,
+        correlation,
+        large_workers: 2,
+        large_speed: 0.5,
+    };
+    let tied = run_cascade(cfg.clone(), &cascade(1.0)).unwrap();
+    let random = run_cascade(cfg.clone(), &cascade(0.0)).unwrap();
+    for r in [&tied, &random] {
+        assert_eq!((r.requests, r.escalated), (300, 60));
+        assert_eq!(r.small.completed, 300);
+        assert_eq!(r.large.requests, 60);
+        assert_eq!(r.large.completed, 60);
+        assert_eq!(r.large_arrivals.arrivals, 60);
+        assert_eq!(
+            r.small,
+            run(cfg.clone()).unwrap(),
+            "the small pool is the plain run"
+        );
+    }
+    assert!(
+        tied.escalated_prompt_tokens_mean > 1.4 * tied.prompt_tokens_mean,
+        "{} vs {}",
+        tied.escalated_prompt_tokens_mean,
+        tied.prompt_tokens_mean
+    );
+    let ratio = random.escalated_prompt_tokens_mean / random.prompt_tokens_mean;
+    assert!((0.85..1.15).contains(&ratio), "{ratio}");
+    assert!(tied.large.ttft_ms.p50 > random.large.ttft_ms.p50);
+    assert_eq!(run_cascade(cfg.clone(), &cascade(1.0)).unwrap(), tied);
+    assert!(tied.to_markdown().contains("large model's pool"));
+    let bad = CascadeConfig {
+        escalation_rate: 1.5,
+        ..cascade(0.5)
+    };
+    assert!(
+        matches!(run_cascade(cfg, &bad), Err(SimError::InvalidConfig(m)) if m.contains("escalation"))
+    );
 }
