@@ -646,6 +646,85 @@ fn a_standalone_indexer_serves_the_frontends_routing() {
     );
 }
 
+/// `tandem bench` against a cluster running an A/B experiment: a multi-turn workload's
+/// conversations go out with their `x-session-id`, the frontend places each in an arm, and the
+/// bench reports the arms side by side; every record names its arm, and each conversation's
+/// turns share one.
+#[test]
+fn bench_reports_an_experiments_arms_side_by_side() {
+    let _serial = serial();
+    let dir = common::temp_dir("bench-ab");
+    let groups = dir.join("groups.toml");
+    std::fs::write(
+        &groups,
+        "[experiment]\nname = \"credit\"\nb_share = 0.5\n[experiment.b]\noverlap_credit = 0.0\n",
+    )
+    .unwrap();
+    let c = Cluster::start(
+        "bench-ab",
+        Options {
+            decode: 2,
+            frontend_args: vec![format!("--groups={}", groups.display())],
+            ..Options::default()
+        },
+    );
+    let (url, out) = (format!("http://{}", c.addr), c.dir.join("bench.json"));
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "bench",
+            "--url",
+            &url,
+            "--workload",
+            "multi-turn",
+            "--turns",
+            "3",
+            "--requests",
+            "36",
+            "--rate",
+            "30",
+            "--think-time-ms",
+            "100",
+            "--isl",
+            "48",
+            "--osl",
+            "4",
+            "--seed",
+            "5",
+            "--salt",
+            "ab",
+            "--quiet",
+            "--json",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(stdout.contains("| credit/a |"), "{stdout}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let arms = report["arms"].as_array().unwrap();
+    let names: Vec<&str> = arms.iter().map(|a| a["arm"].as_str().unwrap()).collect();
+    assert_eq!(names, ["credit/a", "credit/b"], "12 sessions, both arms");
+    let count = |a: &Value| a["requests"].as_u64().unwrap();
+    assert_eq!(count(&arms[0]) + count(&arms[1]), 36);
+    // Whole conversations: 3 turns each.
+    assert!(
+        count(&arms[0]) % 3 == 0 && count(&arms[1]) % 3 == 0,
+        "{arms:?}"
+    );
+    assert!(
+        report["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["arm"].as_str().is_some_and(|a| a.starts_with("credit/")))
+    );
+}
+
 /// `tandem bench` against a live cluster: every request of a shared-prefix workload
 /// completes, the endpoint's prefix-cache hits show, and the JSON record holds what was
 /// measured; a model the endpoint does not serve is refused before any load is sent.

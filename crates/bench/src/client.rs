@@ -26,6 +26,9 @@ pub(crate) struct Call {
     pub prompt: String,
     pub max_tokens: u32,
     pub ignore_eos: bool,
+    /// The conversation it belongs to (multi-turn workloads), sent as `x-session-id`: what a
+    /// chat client sends, and what session affinity and an experiment's split go by.
+    pub session: Option<String>,
 }
 
 impl Call {
@@ -69,6 +72,9 @@ pub struct Record {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub cached_tokens: u64,
+    /// The experiment arm tandem placed it in (`x-tandem-experiment: NAME/ARM`), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arm: Option<String>,
 }
 
 impl Record {
@@ -121,6 +127,9 @@ pub(crate) async fn send(
     if let Some(key) = api_key {
         req = req.bearer_auth(key);
     }
+    if let Some(session) = &call.session {
+        req = req.header("x-session-id", session);
+    }
     let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => return Record::failed(sent_ms, format!("request: {}", error_chain(&e))).into(),
@@ -137,6 +146,11 @@ pub(crate) async fn send(
     let mut stream = SseReader::default();
     let mut record = Record {
         sent_ms,
+        arm: resp
+            .headers()
+            .get("x-tandem-experiment")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
         ..Record::default()
     };
     let mut itl_ms = Vec::new();

@@ -47,6 +47,7 @@ pub(crate) async fn run_rate(
             prompt: format!("{salt} {}", text::prompt_text(&spec.prompt.tokens())),
             max_tokens: spec.max_tokens,
             ignore_eos: config.ignore_eos,
+            session: spec.session.map(|s| format!("{salt}-{s}")),
         };
         let (http, base, key) = (http.clone(), base.to_string(), config.api_key.clone());
         let (done, timeout) = (done.clone(), config.timeout);

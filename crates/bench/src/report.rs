@@ -74,6 +74,61 @@ pub struct BenchReport {
     pub ttft_cdf_ms: Vec<f64>,
     /// Every request, in send order.
     pub records: Vec<Record>,
+    /// Where the endpoint ran an A/B experiment (`x-tandem-experiment` on its answers): each
+    /// arm's requests side by side, in the arms' order. Empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub arms: Vec<BenchArm>,
+}
+
+/// One experiment arm's requests, as the endpoint placed them.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchArm {
+    /// As the endpoint named it: `EXPERIMENT/ARM`.
+    pub arm: String,
+    pub requests: usize,
+    pub completed: usize,
+    pub ttft_ms: LatencySummary,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub cache_hit_rate: f64,
+    pub slo_attainment: f64,
+    /// Its requests within the SLO per second of the whole run.
+    pub goodput: f64,
+}
+
+/// The arms of `records` (those that name one), over a run of `duration_s`.
+fn arms_of(records: &[Record], slo: &Slo, duration_s: f64) -> Vec<BenchArm> {
+    let mut names: Vec<&str> = records.iter().filter_map(|r| r.arm.as_deref()).collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+        .into_iter()
+        .map(|name| {
+            let mine: Vec<&Record> = records
+                .iter()
+                .filter(|r| r.arm.as_deref() == Some(name))
+                .collect();
+            let mut ttft = LatencyHistogram::default();
+            let ok: Vec<&&Record> = mine.iter().filter(|r| r.ok).collect();
+            ok.iter()
+                .filter_map(|r| r.ttft_ms)
+                .for_each(|t| ttft.record_ms(t));
+            let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
+            let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
+            let within = mine.iter().filter(|r| met_by(slo, r)).count();
+            BenchArm {
+                arm: name.to_string(),
+                requests: mine.len(),
+                completed: ok.len(),
+                ttft_ms: ttft.summary(),
+                prompt_tokens: prompt,
+                cached_tokens: cached,
+                cache_hit_rate: cached as f64 / prompt.max(1) as f64,
+                slo_attainment: within as f64 / mine.len().max(1) as f64,
+                goodput: within as f64 / duration_s,
+            }
+        })
+        .collect()
 }
 
 impl BenchReport {
@@ -103,6 +158,7 @@ impl BenchReport {
             }
         }
         let within = records.iter().filter(|r| met_by(&slo, r)).count();
+        let arms = arms_of(&records, &slo, duration_s);
         let slo_attainment = within as f64 / records.len().max(1) as f64;
         BenchReport {
             url: url.to_string(),
@@ -133,6 +189,7 @@ impl BenchReport {
             e2e_ms: c.e2e.summary(),
             ttft_cdf_ms: c.ttft.cdf_ms(),
             records,
+            arms,
         }
     }
 
@@ -175,6 +232,25 @@ impl BenchReport {
                 "| {name} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
                 p.mean, p.p50, p.p90, p.p99, p.max
             ));
+        }
+        if !self.arms.is_empty() {
+            s.push_str(
+                "\n| arm | requests | TTFT p50 | TTFT p99 | hit % | SLO % | goodput |\n\
+                 |---|---:|---:|---:|---:|---:|---:|\n",
+            );
+            for a in &self.arms {
+                s.push_str(&format!(
+                    "| {} | {}/{} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} |\n",
+                    a.arm,
+                    a.completed,
+                    a.requests,
+                    a.ttft_ms.p50,
+                    a.ttft_ms.p99,
+                    100.0 * a.cache_hit_rate,
+                    100.0 * a.slo_attainment,
+                    a.goodput
+                ));
+            }
         }
         for (why, n) in &self.failures {
             s.push_str(&format!("\nfailed ×{n}: {why}"));
@@ -260,6 +336,7 @@ mod tests {
                 prompt_tokens: 100,
                 completion_tokens: tokens,
                 cached_tokens: cached,
+                arm: None,
             },
             itl_ms: vec![(e2e - ttft) / (tokens - 1) as f64; tokens as usize - 1],
         }
@@ -304,6 +381,51 @@ mod tests {
         let sweep = BenchSweep { points: vec![r] };
         assert_eq!(sweep.goodput_points().len(), 1);
         assert!(sweep.to_markdown().contains("| 2 | 2/3 |"));
+        assert!(sweep.points[0].arms.is_empty());
+        let json = serde_json::to_string(&sweep.points[0]).unwrap();
+        assert!(
+            !json.contains("\"arm"),
+            "no experiment, no arm keys: {json}"
+        );
+    }
+
+    #[test]
+    fn an_experiments_arms_are_reported_side_by_side() {
+        let slo = Slo {
+            ttft_ms: 100.0,
+            tpot_ms: 10.0,
+            attainment: 0.5,
+        };
+        let arm = |t: Timed, arm: &str| Timed {
+            record: Record {
+                arm: Some(arm.into()),
+                ..t.record
+            },
+            ..t
+        };
+        let mut c = Collector::default();
+        c.add(arm(rec(0.0, 50.0, 140.0, 10, 80), "softer/a"));
+        c.add(arm(rec(100.0, 60.0, 150.0, 10, 60), "softer/a"));
+        c.add(arm(rec(200.0, 150.0, 240.0, 10, 0), "softer/b"));
+        c.add(Timed::from(Record {
+            sent_ms: 300.0,
+            error: Some("HTTP 500".into()),
+            arm: Some("softer/b".into()),
+            ..Record::default()
+        }));
+        let r = BenchReport::new("http://x", 2.0, slo, "s".into(), c);
+        let names: Vec<&str> = r.arms.iter().map(|a| a.arm.as_str()).collect();
+        assert_eq!(names, ["softer/a", "softer/b"]);
+        let (a, b) = (&r.arms[0], &r.arms[1]);
+        assert_eq!(
+            (a.requests, a.completed, b.requests, b.completed),
+            (2, 2, 2, 1)
+        );
+        assert!((a.cache_hit_rate - 0.7).abs() < 1e-9);
+        assert_eq!(b.cache_hit_rate, 0.0);
+        assert_eq!((a.slo_attainment, b.slo_attainment), (1.0, 0.0));
+        assert!((a.goodput - 2.0 / r.duration_s).abs() < 1e-9);
+        assert!(r.to_markdown().contains("| softer/a | 2/2 |"));
     }
 
     #[test]
