@@ -137,6 +137,17 @@ fn experiment_of(path: &std::path::Path) -> anyhow::Result<tandem_sim::Experimen
 }
 
 impl SimArgs {
+    /// The model cascade the `--cascade-*` flags describe, if `--cascade-escalation-rate` is
+    /// set.
+    pub(crate) fn cascade(&self) -> Option<tandem_sim::CascadeConfig> {
+        Some(tandem_sim::CascadeConfig {
+            escalation_rate: self.cascade_escalation_rate?,
+            correlation: self.cascade_correlation,
+            large_workers: self.cascade_large_workers.unwrap_or(self.workers),
+            large_speed: self.cascade_large_speed,
+        })
+    }
+
     pub(crate) fn config(&self) -> anyhow::Result<SimConfig> {
         let workload = self.workload.config()?;
         let routing = self.routing.config()?;
@@ -200,13 +211,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             .transpose()?;
         return Ok(());
     }
-    if let Some(escalation_rate) = args.cascade_escalation_rate {
-        let cascade = tandem_sim::CascadeConfig {
-            escalation_rate,
-            correlation: args.cascade_correlation,
-            large_workers: args.cascade_large_workers.unwrap_or(args.workers),
-            large_speed: args.cascade_large_speed,
-        };
+    if let Some(cascade) = args.cascade() {
         let report = tandem_sim::run_cascade(config, &cascade)?;
         print!("{}", report.to_markdown());
         json.as_ref().map(|p| write_json(p, &report)).transpose()?;

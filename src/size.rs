@@ -19,7 +19,9 @@ pub enum TopologyArg {
 pub struct SizeArgs {
     /// The load, the engine, the routing and the SLO, as for `tandem sim`. `--workers` is
     /// the largest cluster considered; `--disagg` the rule of the disaggregated candidates
-    /// (`never` means `isl-bounding` here).
+    /// (`never` means `isl-bounding` here). With `--cascade-escalation-rate`, the large
+    /// model's pool of a cascade is sized too (for the stream the cascade sends it, and, to
+    /// compare, for a random share of the raw traffic).
     #[command(flatten)]
     sim: SimArgs,
     /// Which kinds of cluster to plan.
@@ -43,8 +45,30 @@ pub fn run(args: SizeArgs) -> anyhow::Result<()> {
     };
     let plan = tandem_sim::plan(&base, max_workers, topologies)?;
     print!("{}", plan.to_markdown());
+    // A cascade: its large model's pool, behind the smallest aggregated cluster found (the
+    // largest considered where none meets the SLO), for the stream the cascade sends it.
+    let cascade = match args.sim.cascade() {
+        Some(cascade) => {
+            let mut small = base.clone();
+            small.topology.prefill_workers = 0;
+            small.topology.workers = plan
+                .aggregated
+                .as_ref()
+                .map_or(max_workers, |c| c.decode_workers);
+            let size = tandem_sim::size_large_pool(&small, &cascade, max_workers)?;
+            print!("{}", size.to_markdown());
+            Some(size)
+        }
+        None => None,
+    };
     if let Some(path) = &args.sim.out.json {
-        tandem_workload::plot::write_json(path, &plan)?;
+        match cascade {
+            None => tandem_workload::plot::write_json(path, &plan)?,
+            Some(cascade) => tandem_workload::plot::write_json(
+                path,
+                &serde_json::json!({"plan": plan, "cascade": cascade}),
+            )?,
+        }
     }
     Ok(())
 }

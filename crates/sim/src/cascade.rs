@@ -172,29 +172,11 @@ impl CascadeReport {
 /// Runs `config`'s workload through a cascade: its cluster as the small model's pool, then
 /// the escalated requests through the large model's.
 pub fn run_cascade(config: SimConfig, cascade: &CascadeConfig) -> Result<CascadeReport, SimError> {
-    config.validate()?;
-    cascade.validate()?;
-    let specs = workload::build(&config.workload, config.seed, config.arrival_jitter_us)?;
-    let (small, times) = crate::run_specs_with_times(&config, &specs)?;
-    let chosen = escalated(&specs, cascade, config.seed);
-    // Each escalated request, at the time the small pool finished it.
-    let mut large_specs: Vec<RequestSpec> = chosen
-        .iter()
-        .filter(|&&i| times[i].done && !times[i].rejected)
-        .map(|&i| RequestSpec {
-            arrival_us: times[i].last_token_us,
-            ..specs[i].clone()
-        })
-        .collect();
-    large_specs.sort_by_key(|s| s.arrival_us);
-    let mut large_cfg = config.clone();
-    large_cfg.topology.workers = cascade.large_workers;
-    large_cfg.topology.prefill_workers = 0;
-    large_cfg.engine.speedup_ratio *= cascade.large_speed;
-    large_cfg.worker_speedups.clear();
-    large_cfg.experiment = None;
-    large_cfg.validate()?;
-    let large = crate::run_specs(&large_cfg, &large_specs)?;
+    let (specs, small, large_specs) = escalated_stream(&config, cascade)?;
+    let large = crate::run_specs(
+        &large_config(&config, cascade, cascade.large_workers)?,
+        &large_specs,
+    )?;
     let mean = |xs: &mut dyn Iterator<Item = usize>| {
         let (sum, n) = xs.fold((0usize, 0usize), |(s, n), x| (s + x, n + 1));
         sum as f64 / n.max(1) as f64
@@ -212,6 +194,123 @@ pub fn run_cascade(config: SimConfig, cascade: &CascadeConfig) -> Result<Cascade
         ),
         small,
         large,
+    })
+}
+
+/// The workload, the small pool's run, and the escalated requests at the times the small pool
+/// finished them (in arrival order).
+fn escalated_stream(
+    config: &SimConfig,
+    cascade: &CascadeConfig,
+) -> Result<(Vec<RequestSpec>, SimReport, Vec<RequestSpec>), SimError> {
+    config.validate()?;
+    cascade.validate()?;
+    let specs = workload::build(&config.workload, config.seed, config.arrival_jitter_us)?;
+    let (small, times) = crate::run_specs_with_times(config, &specs)?;
+    let mut large_specs: Vec<RequestSpec> = escalated(&specs, cascade, config.seed)
+        .into_iter()
+        .filter(|&i| times[i].done && !times[i].rejected)
+        .map(|i| RequestSpec {
+            arrival_us: times[i].last_token_us,
+            ..specs[i].clone()
+        })
+        .collect();
+    large_specs.sort_by_key(|s| s.arrival_us);
+    Ok((specs, small, large_specs))
+}
+
+/// The large model's pool of `workers`: the small pool's settings but for its size and speed.
+fn large_config(
+    config: &SimConfig,
+    cascade: &CascadeConfig,
+    workers: u32,
+) -> Result<SimConfig, SimError> {
+    let mut large = config.clone();
+    large.topology.workers = workers;
+    large.topology.prefill_workers = 0;
+    large.engine.speedup_ratio *= cascade.large_speed;
+    large.worker_speedups.clear();
+    large.experiment = None;
+    large.validate()?;
+    Ok(large)
+}
+
+/// What `tandem size` finds for a cascade's large pool: the fewest workers (up to
+/// `max_workers`) meeting the SLO on the stream the cascade sends it, and on the stream a
+/// plan that takes "the escalation rate × the raw traffic" would size for (a random share of
+/// the requests, at their own arrival times).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LargePoolSize {
+    pub small_workers: u32,
+    pub max_workers: u32,
+    pub escalated: u64,
+    /// `None`: none up to `max_workers` meets the SLO.
+    pub large_workers: Option<u32>,
+    pub naive_large_workers: Option<u32>,
+}
+
+impl LargePoolSize {
+    pub fn to_markdown(&self) -> String {
+        let n = |w: Option<u32>| {
+            w.map_or_else(
+                || format!("none up to {}", self.max_workers),
+                |w| w.to_string(),
+            )
+        };
+        format!(
+            "\ncascade: the large model's pool behind {} small-model workers ({} escalated): \
+             {} workers (sized as a random share of the raw traffic: {})\n",
+            self.small_workers,
+            self.escalated,
+            n(self.large_workers),
+            n(self.naive_large_workers),
+        )
+    }
+}
+
+/// Sizes a cascade's large pool behind `config`'s cluster (see [`LargePoolSize`]).
+pub fn size_large_pool(
+    config: &SimConfig,
+    cascade: &CascadeConfig,
+    max_workers: u32,
+) -> Result<LargePoolSize, SimError> {
+    let (specs, _, large_specs) = escalated_stream(config, cascade)?;
+    let random = CascadeConfig {
+        correlation: 0.0,
+        ..cascade.clone()
+    };
+    let naive: Vec<RequestSpec> = escalated(&specs, &random, config.seed)
+        .into_iter()
+        .map(|i| specs[i].clone())
+        .collect();
+    let fewest = |stream: &[RequestSpec]| -> Result<Option<u32>, SimError> {
+        let meets = |w: u32| -> Result<bool, SimError> {
+            let cfg = large_config(config, cascade, w)?;
+            Ok(crate::run_specs(&cfg, stream)?.meets_slo(&config.slo))
+        };
+        if stream.is_empty() {
+            return Ok(Some(0));
+        }
+        if !meets(max_workers)? {
+            return Ok(None);
+        }
+        let (mut lo, mut hi) = (1, max_workers);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if meets(mid)? {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        Ok(Some(hi))
+    };
+    Ok(LargePoolSize {
+        small_workers: config.topology.workers,
+        max_workers,
+        escalated: large_specs.len() as u64,
+        large_workers: fewest(&large_specs)?,
+        naive_large_workers: fewest(&naive)?,
     })
 }
 

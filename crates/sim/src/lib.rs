@@ -80,7 +80,9 @@ mod stats;
 mod sweep;
 mod workload;
 
-pub use cascade::{Burstiness, CascadeConfig, CascadeReport, run_cascade};
+pub use cascade::{
+    Burstiness, CascadeConfig, CascadeReport, LargePoolSize, run_cascade, size_large_pool,
+};
 pub use config::{EngineSettings, EventPlaneConfig, SimConfig, TopologyConfig, TransferConfig};
 pub use error::SimError;
 pub use metrics::{ArmReport, ExperimentReport, SimReport, Spread};

@@ -3,7 +3,7 @@
 use tandem_sim::{
     ArmConfig, ArrivalProcess, CascadeConfig, DisaggMode, ExperimentConfig, LengthDist,
     PolicyConfig, PolicyKind, PromptShape, SimConfig, SimError, SyntheticConfig, TraceWorkload,
-    WorkloadConfig, run, run_cascade, sweep,
+    WorkloadConfig, run, run_cascade, size_large_pool, sweep,
 };
 
 fn shared_prefix(requests: usize, rate: f64) -> SyntheticConfig {
@@ -592,4 +592,52 @@ fn a_cascade_sends_the_large_pool_the_harder_requests_after_the_small_answers() 
     assert!(
         matches!(run_cascade(cfg, &bad), Err(SimError::InvalidConfig(m)) if m.contains("escalation"))
     );
+}
+
+/// Sizing a cascade's large pool: the fewest workers meeting the SLO on the escalated stream
+/// (checked against a cascade run with that many and one fewer), never fewer than a random
+/// share of the raw traffic needs when the escalations are the longest prompts.
+#[test]
+fn a_cascades_large_pool_is_sized_for_the_stream_it_is_sent() {
+    let mut syn = shared_prefix(200, 30.0);
+    syn.shape = PromptShape::Random;
+    syn.isl = LengthDist {
+        mean: 1024,
+        spread: 0.8,
+    };
+    syn.osl = LengthDist {
+        mean: 32,
+        spread: 0.5,
+    };
+    let mut cfg = SimConfig::synthetic(2, syn);
+    cfg.slo.ttft_ms = 400.0;
+    let cascade = CascadeConfig {
+        escalation_rate: 0.25,
+        correlation: 1.0,
+        large_workers: 1,
+        large_speed: 0.3,
+    };
+    let size = size_large_pool(&cfg, &cascade, 12).unwrap();
+    assert_eq!((size.small_workers, size.escalated), (2, 50));
+    let (large, naive) = (
+        size.large_workers.unwrap(),
+        size.naive_large_workers.unwrap(),
+    );
+    assert!(large >= naive, "{size:?}");
+    let with = |large_workers| {
+        let r = run_cascade(
+            cfg.clone(),
+            &CascadeConfig {
+                large_workers,
+                ..cascade.clone()
+            },
+        )
+        .unwrap();
+        r.large.meets_slo(&cfg.slo)
+    };
+    assert!(with(large));
+    if large > 1 {
+        assert!(!with(large - 1), "{size:?}");
+    }
+    assert!(size.to_markdown().contains("large model's pool"));
 }
