@@ -104,6 +104,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     if args.decode == 0 {
         anyhow::bail!("--decode must be at least 1");
     }
+    // The frontend's access flags, checked before anything starts (a model loads, etcd,
+    // NATS, workers): a bad key pair fails here, not in the frontend (a child process with
+    // --processes) once the rest is up.
+    args.access.access()?;
+    args.access.tls()?;
     let root = Shutdown::new();
     tandem_runtime::shutdown::shutdown_on_signals(root.clone());
     if args.processes {
@@ -265,6 +270,11 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
 }
 
 async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
+    let scheme = if args.access.tls()?.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     // With a GGUF model, the workers compute it (each loads the file: a named model is in the
     // cache by now) and the frontend takes the served name, tokenizer and context length from
     // it.
@@ -319,10 +329,6 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
             roles.spawn(name, &exe, flags.into_iter().chain(plane.clone()))?;
         }
     }
-    // The frontend's access checks start before its listener opens: a bad key pair fails
-    // here, not in the child.
-    args.access.access()?;
-    args.access.tls()?;
     roles.spawn_with_env(
         "frontend",
         &exe,
@@ -330,7 +336,7 @@ async fn run_processes(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         frontend_env(&args),
     )?;
     println!(
-        "tandem up --processes: http://{}:{}/v1  (etcd {}, nats {}; {} prefill, {} decode \
+        "tandem up --processes: {scheme}://{}:{}/v1  (etcd {}, nats {}; {} prefill, {} decode \
          processes; Ctrl-C stops)",
         args.host,
         args.port,
