@@ -1,6 +1,7 @@
 //! What a receiver publishes about an exposed region, and the vocabulary around it.
 
 use std::fmt;
+use std::ops::Range;
 use std::str::FromStr;
 
 use base64::Engine as _;
@@ -173,6 +174,19 @@ impl RegionDescriptor {
         }
         Ok(())
     }
+
+    /// Checks that bytes `range` of remote block `block` lie inside the region's block.
+    pub fn check_put_part(&self, block: u32, range: &Range<usize>) -> Result<(), TransferError> {
+        self.check_put(block, self.bytes_per_block as usize)?;
+        if range.start > range.end || range.end as u64 > self.bytes_per_block {
+            return Err(TransferError::BadPart {
+                start: range.start as u64,
+                end: range.end as u64,
+                bytes_per_block: self.bytes_per_block,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl fmt::Display for RegionDescriptor {
@@ -249,6 +263,16 @@ mod tests {
         assert!(matches!(
             d.check_put(0, 10),
             Err(TransferError::BlockSize { .. })
+        ));
+        assert!(d.check_put_part(3, &(4096..8192)).is_ok());
+        assert!(d.check_put_part(3, &(0..65536)).is_ok());
+        assert!(matches!(
+            d.check_put_part(3, &(65000..65537)),
+            Err(TransferError::BadPart { .. })
+        ));
+        assert!(matches!(
+            d.check_put_part(1024, &(0..16)),
+            Err(TransferError::OutOfRange { .. })
         ));
     }
 }

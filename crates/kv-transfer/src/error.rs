@@ -17,6 +17,13 @@ pub enum TransferError {
     /// A source buffer whose length is not one block.
     #[error("block size mismatch: expected {expected} bytes, got {got}")]
     BlockSize { expected: u64, got: u64 },
+    /// A part of a block that does not lie inside one block.
+    #[error("part {start}..{end} is not inside a block of {bytes_per_block} bytes")]
+    BadPart {
+        start: u64,
+        end: u64,
+        bytes_per_block: u64,
+    },
     /// A descriptor that cannot be decoded or does not fit the transport it was given to.
     #[error("bad region descriptor: {0}")]
     BadDescriptor(String),
@@ -77,6 +84,7 @@ impl TransferError {
             TransferError::InvalidArgument(_)
             | TransferError::OutOfRange { .. }
             | TransferError::BlockSize { .. }
+            | TransferError::BadPart { .. }
             | TransferError::BadDescriptor(_)
             | TransferError::Unsupported(_) => ErrorClass::InvalidRequest,
             TransferError::Overloaded(_) => ErrorClass::Overloaded,

@@ -3,6 +3,7 @@
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, LazyLock};
 
 use async_trait::async_trait;
@@ -135,6 +136,17 @@ impl BlockWriter for LocalWriter {
     ) -> Result<(), TransferError> {
         self.remote.check_put(dst_block, src.bytes_per_block())?;
         self.region.copy_block_from(dst_block, src, src_block)
+    }
+
+    async fn put_region_part(
+        &mut self,
+        dst_block: u32,
+        src: &Arc<Region>,
+        src_block: u32,
+        range: Range<usize>,
+    ) -> Result<(), TransferError> {
+        self.remote.check_put_part(dst_block, &range)?;
+        self.region.copy_part_from(dst_block, src, src_block, range)
     }
 
     async fn flush(&mut self) -> Result<(), TransferError> {

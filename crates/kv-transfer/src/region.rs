@@ -17,7 +17,7 @@
 
 use std::alloc::{self, Layout};
 use std::fmt;
-use std::ops::{Deref, DerefMut};
+use std::ops::{Deref, DerefMut, Range};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -259,6 +259,28 @@ impl Region {
         Ok(block as usize * self.bytes_per_block)
     }
 
+    /// Where bytes `range` of `block` start in the region, once both are in bounds.
+    pub(crate) fn check_part(
+        &self,
+        block: u32,
+        range: &Range<usize>,
+    ) -> Result<usize, TransferError> {
+        if block >= self.num_blocks {
+            return Err(TransferError::OutOfRange {
+                block,
+                num_blocks: self.num_blocks,
+            });
+        }
+        if range.start > range.end || range.end > self.bytes_per_block {
+            return Err(TransferError::BadPart {
+                start: range.start as u64,
+                end: range.end as u64,
+                bytes_per_block: self.bytes_per_block as u64,
+            });
+        }
+        Ok(block as usize * self.bytes_per_block + range.start)
+    }
+
     /// Takes `block` for writing: no reader and no other writer.
     fn lock(&self, block: u32) {
         let lock = &self.locks[block as usize];
@@ -345,17 +367,24 @@ impl Region {
 
     /// Copies `src` (exactly one block) into `block`.
     pub fn write_block(&self, block: u32, src: &[u8]) -> Result<(), TransferError> {
+        self.check(block, src.len())?;
+        self.write_part(block, 0, src)
+    }
+
+    /// Copies `src` into bytes `offset..offset + src.len()` of `block` (a part of it: one
+    /// layer's K/V, say).
+    pub fn write_part(&self, block: u32, offset: usize, src: &[u8]) -> Result<(), TransferError> {
         #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-        let offset = self.check(block, src.len())?;
+        let at = self.check_part(block, &(offset..offset.saturating_add(src.len())))?;
         match &self.memory {
             Memory::Host(_) => {
-                self.lock_block(block)?.copy_from_slice(src);
+                self.lock_block(block)?[offset..offset + src.len()].copy_from_slice(src);
                 Ok(())
             }
             #[cfg(feature = "cuda")]
             Memory::Cuda(dev) => {
                 self.lock(block);
-                let r = dev.htod(offset, src);
+                let r = dev.htod(at, src);
                 self.unlock(block);
                 r
             }
@@ -397,8 +426,21 @@ impl Region {
         src: &Region,
         src_block: u32,
     ) -> Result<(), TransferError> {
-        let dst_off = self.check(block, src.bytes_per_block)?;
-        let src_off = src.check(src_block, src.bytes_per_block)?;
+        self.check(block, src.bytes_per_block)?;
+        self.copy_part_from(block, src, src_block, 0..src.bytes_per_block)
+    }
+
+    /// [`copy_block_from`](Self::copy_block_from) of bytes `range` of the blocks only (the
+    /// same range in both: a part of a block, as a prefill computes it layer by layer).
+    pub fn copy_part_from(
+        &self,
+        block: u32,
+        src: &Region,
+        src_block: u32,
+        range: Range<usize>,
+    ) -> Result<(), TransferError> {
+        let dst_off = self.check_part(block, &range)?;
+        let src_off = src.check_part(src_block, &range)?;
         if self.id == src.id && block == src_block {
             return Ok(());
         }
@@ -411,16 +453,34 @@ impl Region {
             src.lock_shared(src_block);
             self.lock(block);
         }
-        let result = copy_bytes(
-            &self.memory,
-            dst_off,
-            &src.memory,
-            src_off,
-            self.bytes_per_block,
-        );
+        let result = copy_bytes(&self.memory, dst_off, &src.memory, src_off, range.len());
         src.unlock_shared(src_block);
         self.unlock(block);
         result
+    }
+
+    /// Copies bytes `offset..offset + dst.len()` of `block` into `dst`.
+    pub fn read_part_into(
+        &self,
+        block: u32,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<(), TransferError> {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+        let at = self.check_part(block, &(offset..offset.saturating_add(dst.len())))?;
+        match &self.memory {
+            Memory::Host(_) => {
+                dst.copy_from_slice(&self.read_lock_block(block)?[offset..offset + dst.len()]);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(dev) => {
+                self.lock_shared(block);
+                let r = dev.dtoh(dst, at);
+                self.unlock_shared(block);
+                r
+            }
+        }
     }
 
     /// Locks `block` for reading for as long as the returned lease lives: a transport holds
@@ -665,132 +725,5 @@ fn backoff(spins: &mut u32) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn host_region_is_aligned_zeroed_and_block_major() {
-        let r = Region::host(8, 1000).unwrap();
-        assert_eq!(r.base_address() % HOST_ALIGN as u64, 0);
-        assert_eq!(r.len_bytes(), 8000);
-        assert_eq!(r.memory_kind(), MemoryKind::Host);
-        assert!(r.read_block(7).unwrap().iter().all(|&b| b == 0));
-        r.write_block(3, &[3; 1000]).unwrap();
-        assert_eq!(r.read_block(3).unwrap(), vec![3; 1000]);
-        assert!(r.read_block(2).unwrap().iter().all(|&b| b == 0));
-        assert!(r.read_block(4).unwrap().iter().all(|&b| b == 0));
-        let mut g = r.lock_block(5).unwrap();
-        g[0] = 9;
-        drop(g);
-        assert_eq!(r.read_block(5).unwrap()[0], 9);
-    }
-
-    #[test]
-    fn bad_arguments_are_typed_errors() {
-        assert!(matches!(
-            Region::host(0, 10),
-            Err(TransferError::InvalidArgument(_))
-        ));
-        let r = Region::host(2, 16).unwrap();
-        assert!(matches!(
-            r.write_block(2, &[0; 16]),
-            Err(TransferError::OutOfRange {
-                block: 2,
-                num_blocks: 2
-            })
-        ));
-        assert!(matches!(
-            r.write_block(0, &[0; 15]),
-            Err(TransferError::BlockSize { .. })
-        ));
-        assert!(matches!(
-            r.read_block_into(1, &mut [0; 17]),
-            Err(TransferError::BlockSize { .. })
-        ));
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    #[test]
-    fn cuda_without_feature_is_unsupported() {
-        assert!(matches!(
-            Region::cuda(0, 4, 64),
-            Err(TransferError::Unsupported(_))
-        ));
-    }
-
-    #[cfg(feature = "cuda")]
-    #[test]
-    fn cuda_region_or_typed_error() {
-        match Region::cuda(0, 4, 64) {
-            Ok(r) => {
-                assert_eq!(r.memory_kind(), MemoryKind::Cuda);
-                r.write_block(2, &[5; 64]).unwrap();
-                assert_eq!(r.read_block(2).unwrap(), vec![5; 64]);
-                assert!(matches!(
-                    r.lock_block(0),
-                    Err(TransferError::Unsupported(_))
-                ));
-            }
-            Err(e) => assert!(matches!(e, TransferError::CudaUnavailable(_)), "{e}"),
-        }
-    }
-
-    #[test]
-    fn copy_between_regions_and_onto_itself() {
-        let a = Region::host(4, 32).unwrap();
-        let b = Region::host(4, 32).unwrap();
-        a.write_block(1, &[1; 32]).unwrap();
-        b.copy_block_from(2, &a, 1).unwrap();
-        assert_eq!(b.read_block(2).unwrap(), vec![1; 32]);
-        a.copy_block_from(1, &a, 1).unwrap();
-        a.copy_block_from(0, &a, 1).unwrap();
-        assert_eq!(a.read_block(0).unwrap(), vec![1; 32]);
-    }
-
-    #[test]
-    fn lease_excludes_writers_until_dropped() {
-        let r = Region::host(2, 8).unwrap();
-        let lease = r.lease_block(0).unwrap();
-        let r2 = Arc::clone(&r);
-        let writer = std::thread::spawn(move || r2.write_block(0, &[7; 8]).unwrap());
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        assert_eq!(lease.host_bytes().unwrap(), &[0; 8]);
-        drop(lease);
-        writer.join().unwrap();
-        assert_eq!(r.read_block(0).unwrap(), vec![7; 8]);
-    }
-
-    /// A source block queued for sending (leased) is still readable by its owner: the
-    /// engine reads prefix blocks while a prefill worker's TCP batch holds them, and the
-    /// batch is only written after the engine's next step. With one exclusive lock both
-    /// waited on each other (a prefill worker hung under load).
-    #[test]
-    fn readers_share_a_leased_block_and_writers_wait_for_all() {
-        let r = Region::host(2, 8).unwrap();
-        r.write_block(1, &[3; 8]).unwrap();
-        let lease = r.lease_block(1).unwrap();
-        let second = r.lease_block(1).unwrap();
-        // Same thread, lease held: would spin forever with an exclusive lease.
-        assert_eq!(r.read_block(1).unwrap(), vec![3; 8]);
-        assert_eq!(&*r.read_lock_block(1).unwrap(), &[3; 8]);
-        let dst = Region::host(2, 8).unwrap();
-        dst.copy_block_from(0, &r, 1).unwrap();
-        assert_eq!(dst.read_block(0).unwrap(), vec![3; 8]);
-        let r2 = Arc::clone(&r);
-        let (tx, rx) = std::sync::mpsc::channel();
-        let writer = std::thread::spawn(move || {
-            r2.write_block(1, &[9; 8]).unwrap();
-            tx.send(()).unwrap();
-        });
-        drop(lease);
-        assert!(
-            rx.recv_timeout(std::time::Duration::from_millis(50))
-                .is_err(),
-            "a writer went in while a reader held the block"
-        );
-        drop(second);
-        rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
-        writer.join().unwrap();
-        assert_eq!(r.read_block(1).unwrap(), vec![9; 8]);
-    }
-}
+#[path = "region_tests.rs"]
+mod tests;

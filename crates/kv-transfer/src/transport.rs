@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,6 +76,21 @@ pub trait BlockWriter: Send + fmt::Debug {
         dst_block: u32,
         src: &Arc<Region>,
         src_block: u32,
+    ) -> Result<(), TransferError>;
+
+    /// Writes bytes `range` of block `src_block` of the local region `src` into the same bytes
+    /// of remote block `dst_block`: a part of a block, sent as it is computed (a prefill
+    /// sends each layer's K/V when that layer is done, and a block is layer-major). Unlike
+    /// [`put_region`](BlockWriter::put_region), the source block is not held locked once
+    /// this returns — the owner goes on writing the block's other parts — so the caller must
+    /// leave `range` itself unchanged until the next [`flush`](BlockWriter::flush). Puts of
+    /// a writer land in call order, parts and whole blocks alike.
+    async fn put_region_part(
+        &mut self,
+        dst_block: u32,
+        src: &Arc<Region>,
+        src_block: u32,
+        range: Range<usize>,
     ) -> Result<(), TransferError>;
 
     /// Returns when every earlier put is visible in the remote region, or with the first

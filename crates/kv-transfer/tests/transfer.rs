@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{LOCAL, Setup, TCP};
-use tandem_kv_transfer::{ErrorClass, Region, RegionDescriptor, TransferError, TransportKind};
+use tandem_kv_transfer::{
+    ErrorClass, Region, RegionDescriptor, TransferError, Transport, TransportKind,
+};
 
 const BLOCKS: u32 = 300;
 const BPB: usize = 4096 + 64;
@@ -71,9 +73,72 @@ async fn round_trip_in(setup: Setup, transport_memory: bool) {
     w2.put(8, &block).await.unwrap();
     w2.flush().await.unwrap();
     assert_eq!(region.read_block(8).unwrap(), block);
+    parts_in_order(w2.as_mut(), send.as_ref(), &region).await;
 
     recv.withdraw(&desc).await.unwrap();
     assert!(recv.withdraw(&desc).await.is_err());
+}
+
+/// Blocks sent part by part through `w` into `region` (`BLOCKS` × `BPB`), as a prefill sends
+/// each layer's K/V when the layer is done (layer-major blocks: layer `l` is bytes
+/// `l · PART..(l + 1) · PART`), mixed with whole-block puts of the same blocks: everything
+/// lands, in call order. The source is memory the sending transport allocated.
+async fn parts_in_order(
+    w: &mut dyn tandem_kv_transfer::BlockWriter,
+    send: &dyn Transport,
+    region: &Region,
+) {
+    const N: u32 = 12;
+    const LAYERS: usize = 4;
+    const PART: usize = BPB / LAYERS;
+    let src = send.alloc_region(N, BPB).await.unwrap();
+    let mut bytes = vec![0u8; BPB];
+    for b in 0..N {
+        common::fill(7, b, &mut bytes);
+        src.write_block(b, &bytes).unwrap();
+    }
+    // Block 1 first goes whole, as zeros: its parts come after and win.
+    w.put(common::dst_of(1, N), &[0u8; BPB]).await.unwrap();
+    for layer in 0..LAYERS {
+        for b in 0..N {
+            let range = layer * PART..(layer + 1) * PART;
+            w.put_region_part(common::dst_of(b, N), &src, b, range)
+                .await
+                .unwrap();
+        }
+    }
+    // Block 0's parts went first: a whole block after them wins.
+    let other = vec![0xA5u8; BPB];
+    w.put(common::dst_of(0, N), &other).await.unwrap();
+    w.flush().await.unwrap();
+    for b in 1..N {
+        common::fill(7, b, &mut bytes);
+        assert_eq!(
+            region.read_block(common::dst_of(b, N)).unwrap(),
+            bytes,
+            "block {b}"
+        );
+    }
+    assert_eq!(region.read_block(common::dst_of(0, N)).unwrap(), other);
+
+    // A part past the block's end, or of a block past the region's, is refused.
+    let e = w
+        .put_region_part(0, &src, 0, BPB - 8..BPB + 8)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, TransferError::BadPart { .. }), "{e}");
+    assert_eq!(e.class(), ErrorClass::InvalidRequest);
+    let e = w.put_region_part(BLOCKS, &src, 0, 0..8).await.unwrap_err();
+    assert!(matches!(e, TransferError::OutOfRange { .. }), "{e}");
+    // An empty part moves nothing, and the writer still works.
+    w.put(N, &[0u8; BPB]).await.unwrap();
+    w.put_region_part(N, &src, 0, 16..16).await.unwrap();
+    w.put_region_part(N, &src, 2, PART..2 * PART).await.unwrap();
+    w.flush().await.unwrap();
+    let landed = region.read_block(N).unwrap();
+    common::fill(7, 2, &mut bytes);
+    assert_eq!(landed[PART..2 * PART], bytes[PART..2 * PART]);
+    assert!(landed[..PART].iter().all(|&b| b == 0));
 }
 
 #[tokio::test]

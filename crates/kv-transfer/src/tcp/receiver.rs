@@ -4,6 +4,7 @@
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::IoSliceMut;
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -14,7 +15,7 @@ use tokio::task::JoinSet;
 
 use super::wire::{
     Exposed, FRAME_HEADER, HELLO_LEN, MAGIC, MAX_CONNECTIONS, MAX_FRAME_BLOCKS, MAX_MESSAGE,
-    OP_FLUSH, OP_PUT, REPLY_ACK, REPLY_ERR, message_frame,
+    OP_FLUSH, OP_PUT, OP_PUT_PART, REPLY_ACK, REPLY_ERR, message_frame,
 };
 use crate::descriptor::MemoryKind;
 use crate::error::{TransferError, with_timeout};
@@ -96,12 +97,18 @@ async fn serve(
         }
         let arg = u64::from_le_bytes(header[1..].try_into().unwrap_or_default());
         let outcome = match header[0] {
-            OP_PUT => {
+            op @ (OP_PUT | OP_PUT_PART) => {
                 let landed = with_timeout("tcp block read", config.op_timeout, async {
-                    let ids = read_ids(&mut read, arg).await?;
-                    Ok(match check_ids(&ids, &region, &withdrawn) {
+                    let parts = if op == OP_PUT {
+                        let whole = 0..region.bytes_per_block();
+                        let ids = read_ids(&mut read, arg).await?;
+                        ids.into_iter().map(|id| (id, whole.clone())).collect()
+                    } else {
+                        read_parts(&mut read, arg).await?
+                    };
+                    Ok(match check_parts(&parts, &region, &withdrawn) {
                         Ok(()) => {
-                            receive(&mut read, &region, &ids, &mut staging).await?;
+                            receive(&mut read, &region, &parts, &mut staging).await?;
                             Ok(())
                         }
                         Err(reason) => Err(reason),
@@ -157,17 +164,21 @@ fn accept_hello(
     Ok((Arc::clone(&e.region), Arc::clone(&e.withdrawn)))
 }
 
-/// Reads the block ids of a `PUT` frame carrying `count` blocks.
-async fn read_ids(read: &mut OwnedReadHalf, count: u64) -> Result<Vec<u32>, TransferError> {
-    let n = usize::try_from(count)
+/// How many entries a frame of `count` may carry (`1..=MAX_FRAME_BLOCKS`).
+fn frame_entries(count: u64) -> Result<usize, TransferError> {
+    usize::try_from(count)
         .ok()
         .filter(|n| (1..=MAX_FRAME_BLOCKS).contains(n))
         .ok_or_else(|| {
             TransferError::PeerFailed(format!(
                 "PUT frame of {count} blocks (1..={MAX_FRAME_BLOCKS})"
             ))
-        })?;
-    let mut raw = vec![0u8; n * 4];
+        })
+}
+
+/// Reads the block ids of a `PUT` frame carrying `count` blocks.
+async fn read_ids(read: &mut OwnedReadHalf, count: u64) -> Result<Vec<u32>, TransferError> {
+    let mut raw = vec![0u8; frame_entries(count)? * 4];
     read.read_exact(&mut raw)
         .await
         .map_err(TransferError::io("tcp read"))?;
@@ -177,18 +188,52 @@ async fn read_ids(read: &mut OwnedReadHalf, count: u64) -> Result<Vec<u32>, Tran
         .collect())
 }
 
-/// Ids of one frame must be in range and distinct, and the region still exposed.
-fn check_ids(ids: &[u32], region: &Region, withdrawn: &AtomicBool) -> Result<(), String> {
+/// Reads the `(block, offset, length)` entries of a `PUT_PART` frame carrying `count` parts.
+async fn read_parts(
+    read: &mut OwnedReadHalf,
+    count: u64,
+) -> Result<Vec<(u32, Range<usize>)>, TransferError> {
+    let mut raw = vec![0u8; frame_entries(count)? * 12];
+    read.read_exact(&mut raw)
+        .await
+        .map_err(TransferError::io("tcp read"))?;
+    let word =
+        |c: &[u8], at: usize| u32::from_le_bytes(c[at..at + 4].try_into().unwrap_or_default());
+    Ok(raw
+        .chunks_exact(12)
+        .map(|c| {
+            let (start, len) = (word(c, 4) as usize, word(c, 8) as usize);
+            (word(c, 0), start..start.saturating_add(len))
+        })
+        .collect())
+}
+
+/// The blocks of one frame must be in range and distinct, each part inside its block, and
+/// the region still exposed.
+fn check_parts(
+    parts: &[(u32, Range<usize>)],
+    region: &Region,
+    withdrawn: &AtomicBool,
+) -> Result<(), String> {
     if withdrawn.load(Ordering::Acquire) {
         return Err("region withdrawn".into());
     }
-    if let Some(bad) = ids.iter().find(|&&b| b >= region.num_blocks()) {
+    if let Some((bad, _)) = parts.iter().find(|(b, _)| *b >= region.num_blocks()) {
         return Err(format!(
             "block {bad} out of range ({} blocks)",
             region.num_blocks()
         ));
     }
-    let mut sorted = ids.to_vec();
+    if let Some((block, range)) = parts
+        .iter()
+        .find(|(_, r)| r.start > r.end || r.end > region.bytes_per_block())
+    {
+        return Err(format!(
+            "part {range:?} of block {block} is not inside a block of {} bytes",
+            region.bytes_per_block()
+        ));
+    }
+    let mut sorted: Vec<u32> = parts.iter().map(|(b, _)| *b).collect();
     sorted.sort_unstable();
     if sorted.windows(2).any(|w| w[0] == w[1]) {
         return Err("a block appears twice in one frame".into());
@@ -196,39 +241,42 @@ fn check_ids(ids: &[u32], region: &Region, withdrawn: &AtomicBool) -> Result<(),
     Ok(())
 }
 
-/// Reads the frame's blocks into the region: straight into the (locked) blocks for host
-/// memory, through a staging buffer for device memory.
+/// Reads the frame's parts (whole blocks for `PUT`) into the region: straight into the
+/// (locked) blocks for host memory, through a staging buffer for device memory.
 async fn receive(
     read: &mut OwnedReadHalf,
     region: &Region,
-    ids: &[u32],
+    parts: &[(u32, Range<usize>)],
     staging: &mut Vec<u8>,
 ) -> Result<(), TransferError> {
-    let bpb = region.bytes_per_block();
     match region.memory_kind() {
         MemoryKind::Host => {
             // Lock in ascending block order (one global order: two connections cannot
             // deadlock), then read in frame order.
-            let mut order: Vec<usize> = (0..ids.len()).collect();
-            order.sort_unstable_by_key(|&i| ids[i]);
-            let mut locked = Vec::with_capacity(ids.len());
+            let mut order: Vec<usize> = (0..parts.len()).collect();
+            order.sort_unstable_by_key(|&i| parts[i].0);
+            let mut locked = Vec::with_capacity(parts.len());
             for i in order {
-                locked.push((i, region.lock_block(ids[i])?));
+                locked.push((i, region.lock_block(parts[i].0)?));
             }
             locked.sort_unstable_by_key(|(i, _)| *i);
+            // An empty slice would read as the end of the stream.
             let mut slices: Vec<IoSliceMut<'_>> = locked
                 .iter_mut()
-                .map(|(_, guard)| IoSliceMut::new(&mut guard[..]))
+                .map(|(i, guard)| IoSliceMut::new(&mut guard[parts[*i].1.clone()]))
+                .filter(|slice| !slice.is_empty())
                 .collect();
             read_all_vectored(read, &mut slices).await
         }
         MemoryKind::Cuda => {
-            staging.resize(ids.len() * bpb, 0);
+            staging.resize(parts.iter().map(|(_, r)| r.len()).sum(), 0);
             read.read_exact(staging)
                 .await
                 .map_err(TransferError::io("tcp block read"))?;
-            for (id, bytes) in ids.iter().zip(staging.chunks_exact(bpb)) {
-                region.write_block(*id, bytes)?;
+            let mut at = 0;
+            for (id, range) in parts {
+                region.write_part(*id, range.start, &staging[at..at + range.len()])?;
+                at += range.len();
             }
             Ok(())
         }

@@ -14,6 +14,8 @@ pub(super) const OP_PUT: u8 = 1;
 /// Most blocks one `PUT` frame may carry (the receiver's bound).
 pub(super) const MAX_FRAME_BLOCKS: usize = 1024;
 pub(super) const OP_FLUSH: u8 = 2;
+/// Parts of blocks: `(block, offset, length)` as three `u32` per part, then the bytes.
+pub(super) const OP_PUT_PART: u8 = 3;
 pub(super) const REPLY_ACK: u8 = 1;
 pub(super) const REPLY_ERR: u8 = 2;
 /// A batch of queued `put_region` blocks is written once it holds this many blocks...

@@ -3,6 +3,7 @@
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::IoSlice;
+use std::ops::Range;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -10,8 +11,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::wire::{
-    BATCH_BLOCKS, BATCH_BYTES, FRAME_HEADER, MAX_MESSAGE, OP_FLUSH, OP_PUT, PoolKey, REPLY_ACK,
-    REPLY_ERR,
+    BATCH_BLOCKS, BATCH_BYTES, FRAME_HEADER, MAX_MESSAGE, OP_FLUSH, OP_PUT, OP_PUT_PART, PoolKey,
+    REPLY_ACK, REPLY_ERR,
 };
 use crate::descriptor::RegionDescriptor;
 use crate::error::{TransferError, with_timeout};
@@ -31,6 +32,11 @@ pub(super) struct TcpWriter {
     /// `put_region` blocks not yet written (their source blocks stay locked): written as one
     /// `PUT` frame when the batch is full, before any other frame, and by `flush`.
     queued: Vec<(u32, BlockLease)>,
+    /// `put_region_part` parts not yet written, copied out of their blocks (which the owner
+    /// goes on writing): `(block, offset, bytes)`, written as one `PUT_PART` frame. At most
+    /// one of the two queues holds anything: a put of the other kind writes it first, so
+    /// puts land in call order.
+    parts: Vec<(u32, u32, Vec<u8>)>,
     staging: Vec<u8>,
     config: TransportConfig,
     idle: Arc<Mutex<HashMap<PoolKey, Vec<TcpStream>>>>,
@@ -77,6 +83,7 @@ impl TcpWriter {
             busy: false,
             seq: 0,
             queued: Vec::new(),
+            parts: Vec::new(),
             staging: Vec::new(),
             config,
             idle,
@@ -106,6 +113,7 @@ impl TcpWriter {
 
     /// Writes the queued blocks, then `extra` (a borrowed block) if any, as one `PUT` frame.
     async fn send(&mut self, extra: Option<(u32, &[u8])>) -> Result<(), TransferError> {
+        self.send_parts().await?;
         if self.queued.is_empty() && extra.is_none() {
             return Ok(());
         }
@@ -137,6 +145,39 @@ impl TcpWriter {
         .await;
         drop(slices);
         drop(queued); // unlocks the source blocks
+        self.busy = false;
+        r.map_err(|e| self.fail(e))
+    }
+
+    /// Writes the queued parts as one `PUT_PART` frame.
+    async fn send_parts(&mut self) -> Result<(), TransferError> {
+        if self.parts.is_empty() {
+            return Ok(());
+        }
+        let timeout = self.config.op_timeout;
+        let parts = std::mem::take(&mut self.parts);
+        let entries: Vec<u8> = parts
+            .iter()
+            .flat_map(|(block, offset, bytes)| {
+                [*block, *offset, bytes.len() as u32]
+                    .into_iter()
+                    .flat_map(u32::to_le_bytes)
+            })
+            .collect();
+        let mut header = [0u8; FRAME_HEADER];
+        header[0] = OP_PUT_PART;
+        header[1..].copy_from_slice(&(parts.len() as u64).to_le_bytes());
+        let mut slices: Vec<IoSlice<'_>> = [IoSlice::new(&header), IoSlice::new(&entries)]
+            .into_iter()
+            .chain(parts.iter().map(|(_, _, bytes)| IoSlice::new(bytes)))
+            .collect();
+        let stream = self.begin()?;
+        let r = with_timeout("tcp put", timeout, async {
+            write_all_vectored(stream, &mut slices)
+                .await
+                .map_err(TransferError::io("tcp put"))
+        })
+        .await;
         self.busy = false;
         r.map_err(|e| self.fail(e))
     }
@@ -192,8 +233,9 @@ impl BlockWriter for TcpWriter {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
-        if self.queued.iter().any(|(d, _)| *d == dst_block) {
-            self.send(None).await?; // ids within one frame are distinct
+        if !self.parts.is_empty() || self.queued.iter().any(|(d, _)| *d == dst_block) {
+            // Parts queued before go first; ids within one frame are distinct.
+            self.send(None).await?;
         }
         let lease = src.lease_block(src_block)?;
         if lease.host_bytes().is_some() {
@@ -212,6 +254,36 @@ impl BlockWriter for TcpWriter {
         let r = self.send(Some((dst_block, &staging))).await;
         self.staging = staging;
         r
+    }
+
+    async fn put_region_part(
+        &mut self,
+        dst_block: u32,
+        src: &Arc<Region>,
+        src_block: u32,
+        range: Range<usize>,
+    ) -> Result<(), TransferError> {
+        self.remote.check_put_part(dst_block, &range)?;
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        if !self.queued.is_empty() || self.parts.iter().any(|(d, _, _)| *d == dst_block) {
+            // Whole blocks queued before go first; blocks within one frame are distinct.
+            self.send(None).await?;
+        }
+        // Copied now: the block's lock is held for the copy only, not until the frame is
+        // written (the owner is computing the block's next part meanwhile).
+        let mut bytes = vec![0u8; range.len()];
+        src.read_part_into(src_block, range.start, &mut bytes)?;
+        self.parts.push((dst_block, range.start as u32, bytes));
+        let queued: usize = self.parts.iter().map(|(_, _, b)| b.len()).sum();
+        if self.parts.len() >= BATCH_BLOCKS || queued >= BATCH_BYTES {
+            return self.send_parts().await;
+        }
+        Ok(())
     }
 
     async fn flush(&mut self) -> Result<(), TransferError> {

@@ -539,23 +539,20 @@ impl Engine {
         w.inflight += 1;
         let (ep_id, rkey) = (w.ep, w.rkey);
         let (ptr, len, cuda, memh) = match &src {
-            PutSource::Borrowed(b) => (b.ptr, b.len, false, std::ptr::null_mut()),
+            PutSource::Borrowed(b) | PutSource::Owned { buf: b, .. } => {
+                (b.ptr, b.len, false, std::ptr::null_mut())
+            }
             PutSource::Run { leases, .. } => {
                 let Some(first) = leases.first() else {
                     w.inflight -= 1;
                     let _ = done.map(|d| d.complete(Ok(())));
                     return;
                 };
-                let region = first.region();
-                let cuda = region.memory_kind() == MemoryKind::Cuda;
                 // Consecutive blocks of `region` (`UcxWriter::put_region`): one range.
-                let address = first.address() as *const u8;
-                (
-                    address,
-                    region.bytes_per_block() * leases.len(),
-                    cuda,
-                    self.memh_of(region),
-                )
+                let (region, address) = (first.region(), first.address() as *const u8);
+                let cuda = region.memory_kind() == MemoryKind::Cuda;
+                let len = region.bytes_per_block() * leases.len();
+                (address, len, cuda, self.memh_of(region))
             }
         };
         let mut mask = 0;

@@ -48,6 +48,14 @@ unsafe impl Send for RawBuf {}
 
 pub(crate) enum PutSource {
     Borrowed(RawBuf),
+    /// Bytes the operation owns (a part of a block copied out of it), where they are, and
+    /// the writer's in-flight permit: all travel with the pending operation, so the buffer
+    /// outlives the put and the permit comes back when it completes.
+    Owned {
+        buf: RawBuf,
+        _bytes: Vec<u8>,
+        _permit: OwnedSemaphorePermit,
+    },
     /// Consecutive locked blocks of one local region, put to consecutive remote blocks with
     /// one operation, and the writer's in-flight permits (one per block), released (with the
     /// locks) when the put completes.

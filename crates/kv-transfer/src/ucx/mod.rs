@@ -39,6 +39,7 @@ mod ucp;
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -378,6 +379,51 @@ impl BlockWriter for UcxWriter {
             }
         }
         Ok(())
+    }
+
+    async fn put_region_part(
+        &mut self,
+        dst_block: u32,
+        src: &Arc<Region>,
+        src_block: u32,
+        range: Range<usize>,
+    ) -> Result<(), TransferError> {
+        self.remote.check_put_part(dst_block, &range)?;
+        if let Some(e) = self.state.error() {
+            return Err(e);
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        let offset = dst_block as usize * self.remote.bytes_per_block as usize + range.start;
+        // Copied out now (the block's lock is held for the copy only: its owner is computing
+        // the block's next part meanwhile).
+        let mut bytes = vec![0u8; range.len()];
+        src.read_part_into(src_block, range.start, &mut bytes)?;
+        if let Some(m) = &self.direct {
+            return m.write(offset, &bytes);
+        }
+        // Blocks gathered before go first: puts land in call order.
+        self.post_run()?;
+        // A permit, as a block's: parts in flight are bounded as blocks are.
+        let permit = Arc::clone(&self.inflight)
+            .acquire_owned()
+            .await
+            .map_err(|_| TransferError::Closed)?;
+        let raw = RawBuf {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+        };
+        self.engine.send(Command::Put {
+            writer: self.id,
+            remote_addr: self.remote.region + offset as u64,
+            src: PutSource::Owned {
+                buf: raw,
+                _bytes: bytes,
+                _permit: permit,
+            },
+            done: None,
+        })
     }
 
     async fn flush(&mut self) -> Result<(), TransferError> {
