@@ -118,12 +118,7 @@ impl KvExport {
         prompt_len: usize,
         bs: usize,
     ) {
-        let end = end.min(prompt_len);
-        let upto = if end == prompt_len {
-            prompt_len.div_ceil(bs)
-        } else {
-            end / bs
-        };
+        let upto = Self::ready_upto(end, prompt_len, bs);
         while self.next_block < upto {
             let Some(&block) = table.get(self.next_block) else {
                 return;
@@ -139,6 +134,38 @@ impl KvExport {
             });
             self.next_block += 1;
         }
+    }
+}
+
+impl KvExport {
+    /// Prompt blocks (absolute indices `..upto`) complete once the request's KV reaches `end`
+    /// tokens: whole blocks, and the partial last one when the prompt is done.
+    fn ready_upto(end: usize, prompt_len: usize, bs: usize) -> usize {
+        let end = end.min(prompt_len);
+        if end == prompt_len {
+            prompt_len.div_ceil(bs)
+        } else {
+            end / bs
+        }
+    }
+
+    /// The blocks [`copy_ready`](Self::copy_ready) will report by reference once the KV
+    /// reaches `end` tokens, without taking them.
+    fn upcoming(
+        &self,
+        table: &[u32],
+        end: usize,
+        prompt_len: usize,
+        bs: usize,
+    ) -> Vec<ExportedBlock> {
+        let upto = Self::ready_upto(end, prompt_len, bs).min(table.len());
+        (self.next_block.min(upto)..upto)
+            .map(|i| ExportedBlock {
+                index: i - self.first_block,
+                block: table[i],
+                bytes: Vec::new(),
+            })
+            .collect()
     }
 }
 
@@ -348,13 +375,21 @@ impl<M: Model> Engine<M> {
     /// step's start and completes it at its modelled end, so that its load reports and KV
     /// events follow the modelled time. Once per step; `finish_step` runs it if nobody did.
     pub fn compute_step(&mut self) {
+        self.compute_step_with(&crate::scheduler::NO_PROGRESS)
+    }
+
+    /// [`compute_step`](Self::compute_step), telling `progress` how many layers' K/V the
+    /// step has written as they complete (a model that computes layer by layer does; see
+    /// [`ModelView::progress`](crate::scheduler::ModelView::progress)).
+    pub fn compute_step_with(&mut self, progress: &(dyn Fn(u32) + Sync)) {
         if self.computed {
             return;
         }
         let bs = self.sched.pool().block_size().tokens();
-        let Some(view) = self.sched.model_view() else {
+        let Some(mut view) = self.sched.model_view() else {
             return;
         };
+        view.progress = progress;
         self.computed = true;
         self.sampled.clear();
         self.model.compute(view, &mut self.sampled);
@@ -372,6 +407,33 @@ impl<M: Model> Engine<M> {
                 export.copy_ready(view.arena, table, entry.tokens().end, seq.prompt_len(), bs);
             }
         }
+    }
+
+    /// For every request exported by reference that the in-flight step computes, the blocks
+    /// that step completes (what [`take_exported`](Self::take_exported) reports once it
+    /// ends), named where they live; empty without a step in flight. A host sends their
+    /// layers while the step computes them.
+    pub fn step_exports(&self) -> Vec<(RequestId, Vec<ExportedBlock>)> {
+        if !self.sched.in_flight() || self.exports.is_empty() {
+            return Vec::new();
+        }
+        let bs = self.sched.pool().block_size().tokens();
+        let mut out = Vec::new();
+        for (entry, table) in self.sched.plan().iter() {
+            let (Some(export), Some(seq)) =
+                (self.exports.get(&entry.id), self.sched.sequence(entry.id))
+            else {
+                continue;
+            };
+            if !export.by_reference {
+                continue;
+            }
+            let blocks = export.upcoming(table, entry.tokens().end, seq.prompt_len(), bs);
+            if !blocks.is_empty() {
+                out.push((entry.id, blocks));
+            }
+        }
+        out
     }
 
     /// Runs the in-flight step's model work (unless [`compute_step`](Self::compute_step) did)

@@ -92,6 +92,7 @@ impl Model for NativeModel {
             self.block_size,
             &mut self.scratch,
             &mut self.logits,
+            view.progress,
         );
         sample_step(
             &view,

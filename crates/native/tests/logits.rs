@@ -80,6 +80,8 @@ fn forward_all(llama: &Llama, ids: &[u32]) -> Vec<f32> {
         .collect();
     let compute = Compute::new(Kernels::new(Isa::detect()), 2);
     let mut logits = Vec::new();
+    // The forward pass tells how many layers' K/V are written, after each layer.
+    let layers = parking_lot::Mutex::new(Vec::new());
     llama.forward(
         &compute,
         &rows,
@@ -87,7 +89,10 @@ fn forward_all(llama: &Llama, ids: &[u32]) -> Vec<f32> {
         bs,
         &mut Scratch::default(),
         &mut logits,
+        &|done| layers.lock().push(done),
     );
+    let layers = layers.into_inner();
+    assert_eq!(layers, (1..=llama.cfg.n_layer as u32).collect::<Vec<_>>());
     logits
 }
 

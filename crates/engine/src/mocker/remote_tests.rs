@@ -6,7 +6,7 @@ use tandem_protocol::{RequestId, StorageTier, WorkerId};
 
 use super::tests::{drain, engine, prompt, request};
 use super::*;
-use crate::engine::{MockEngine, MockEngineConfig};
+use crate::engine::{ExportedBlock, MockEngine, MockEngineConfig};
 use crate::pool::BlockPoolConfig;
 use crate::scheduler::{EngineRequest, RemotePrefill, SchedulerConfig, SchedulerError};
 
@@ -409,4 +409,48 @@ fn an_export_by_reference_pins_its_blocks_until_released() {
     p.pool().check_invariants().unwrap();
     drain(&mut p, &mut now);
     p.add_request(r, now).unwrap();
+}
+
+/// Before a step computes, the engine names the blocks of an export by reference that the
+/// step completes — exactly what `take_exported` hands over once it ends — so a host can send
+/// their layers while they are computed. Exports that copy are not named (their bytes are
+/// taken when the step ends).
+#[test]
+fn a_step_names_the_exported_blocks_it_completes_before_computing_them() {
+    let sched = SchedulerConfig {
+        max_num_batched_tokens: 12,
+        ..SchedulerConfig::default()
+    };
+    let mut p = engine(64, BS as u32, sched.clone(), KvShape::MOCKER_DEFAULT);
+    p.add_request(request(1, prompt(6, 41), 1), 0).unwrap();
+    p.export_kv_by_reference(ID, 4);
+    let (mut now, mut steps, mut taken_all) = (0, 0, Vec::new());
+    while let Some(step) = p.begin_step(now) {
+        let named: Vec<ExportedBlock> = p
+            .step_exports()
+            .into_iter()
+            .filter(|(id, _)| *id == ID)
+            .flat_map(|(_, blocks)| blocks)
+            .collect();
+        now += step.duration_us();
+        p.finish_step(now);
+        let (taken, finished) = p.take_exported(ID).unwrap_or_default();
+        assert_eq!(named, taken, "step {steps}");
+        taken_all.extend(taken);
+        steps += 1;
+        if finished {
+            break;
+        }
+    }
+    assert!(steps >= 4, "chunked: {steps} steps");
+    // From token 4 on: blocks 1..=10 of the 41-token prompt (the last one partial).
+    let indices: Vec<usize> = taken_all.iter().map(|b| b.index).collect();
+    assert_eq!(indices, (0..10).collect::<Vec<_>>());
+    assert!(p.step_exports().is_empty(), "no step in flight");
+
+    let mut c = engine(64, BS as u32, sched, KvShape::MOCKER_DEFAULT);
+    c.add_request(request(1, prompt(6, 41), 1), 0).unwrap();
+    c.export_kv(ID, 0);
+    c.begin_step(0).unwrap();
+    assert!(c.step_exports().is_empty(), "copies are not named ahead");
 }

@@ -443,12 +443,29 @@ impl<'a> RunningSequences<'a> {
 
 /// What a model needs to run the in-flight step: the plan, the requests, and the device KV
 /// arena to write into, borrowed together.
-#[derive(Debug)]
 pub struct ModelView<'a> {
     pub plan: &'a StepPlan,
     pub sequences: RunningSequences<'a>,
     pub arena: &'a mut KvArena,
+    /// Told the number of layers whose K/V the step has written so far, as each layer
+    /// completes, by a model that computes layer by layer (the native engine): a prefill
+    /// worker sends those layers' parts of the step's blocks while the rest computes. A
+    /// model that does not call it has its blocks sent when the step ends.
+    pub progress: &'a (dyn Fn(u32) + Sync),
 }
+
+impl std::fmt::Debug for ModelView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelView")
+            .field("plan", &self.plan)
+            .field("sequences", &self.sequences)
+            .field("arena", &self.arena)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The [`ModelView::progress`] of a step nobody follows.
+pub static NO_PROGRESS: fn(u32) = |_| {};
 
 /// The continuous-batching scheduler of one worker; owns the worker's block pool.
 #[derive(Debug)]
@@ -620,6 +637,7 @@ impl Scheduler {
             plan: &self.plan,
             sequences: RunningSequences { seqs: &self.seqs },
             arena: self.pool.device_arena_mut(),
+            progress: &NO_PROGRESS,
         })
     }
 

@@ -196,6 +196,8 @@ impl Llama {
 
     /// Computes `rows` against the KV in `arena` (blocks of `block_size` tokens) and
     /// returns, in row order, the logits of every row that wants them (`n_vocab` each).
+    /// `progress` is told the number of layers whose K/V is in the arena after each one.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         c: &Compute,
@@ -204,6 +206,7 @@ impl Llama {
         block_size: usize,
         s: &mut Scratch,
         logits: &mut Vec<f32>,
+        progress: &(dyn Fn(u32) + Sync),
     ) {
         let cfg = &self.cfg;
         let (n, d) = (rows.len(), cfg.n_embd);
@@ -224,6 +227,8 @@ impl Llama {
         }
         for (l, layer) in self.layers.iter().enumerate() {
             self.attention_block(c, l, layer, rows, &blocks, arena, block_size, s);
+            // The layer's K/V is written: it may leave while the rest computes.
+            progress(l as u32 + 1);
             self.ffn_block(c, layer, n, s);
         }
         let out_rows: Vec<usize> = (0..n).filter(|&r| rows[r].logits).collect();
