@@ -285,6 +285,7 @@ impl WorkerArgs {
         c.transfer_fence_timeout = Duration::from_secs(self.transfer_fence_timeout_s);
         c.kv_memory = self.kv_memory;
         c.kv_digest = self.kv.kv_digest;
+        c.kv_layer_streaming = self.kv.kv_layer_streaming;
         c.metrics_listen = self.metrics_addr.clone();
         Ok(c)
     }

@@ -205,6 +205,7 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
         }
         cfg.corrupt_transfers = args.inject_kv_corruption && role == WorkerRole::Prefill;
         cfg.kv_digest = args.kv.kv_digest;
+        cfg.kv_layer_streaming = args.kv.kv_layer_streaming;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let (deps, stop) = (deps.clone(), workers_stop.clone());
         workers.spawn(async move {
@@ -656,6 +657,7 @@ mod tests {
             "--ucx-tls=tcp",
             "--kv-advertise-host=10.0.0.1",
             "--kv-digest=false",
+            "--kv-layer-streaming=false",
             "--inject-kv-corruption",
         ];
         let up = Up::try_parse_from(std::iter::once("up").chain(set))

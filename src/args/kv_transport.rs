@@ -32,6 +32,11 @@ pub struct KvTransportArgs {
     /// reads every block back to the host (crates/kv-transfer/BENCHMARKS.md).
     #[arg(long, env = "TANDEM_KV_DIGEST", default_value_t = true, action = clap::ArgAction::Set)]
     pub kv_digest: bool,
+    /// Prefill workers send each layer's K/V of the blocks a step computes as soon as the
+    /// layer is done, so the transfer overlaps the rest of the forward pass;
+    /// `--kv-layer-streaming=false` sends each block whole when its step ends.
+    #[arg(long, env = "TANDEM_KV_LAYER_STREAMING", default_value_t = true, action = clap::ArgAction::Set)]
+    pub kv_layer_streaming: bool,
 }
 
 impl KvTransportArgs {
@@ -46,7 +51,10 @@ impl KvTransportArgs {
         ]
         .into_iter()
         .filter_map(|(flag, v)| v.as_ref().map(|v| format!("--{flag}={v}")))
-        .chain(std::iter::once(format!("--kv-digest={}", self.kv_digest)))
+        .chain([
+            format!("--kv-digest={}", self.kv_digest),
+            format!("--kv-layer-streaming={}", self.kv_layer_streaming),
+        ])
         .collect()
     }
 

@@ -408,7 +408,7 @@ fn generate_stream(
                     return Some((Ok(chunk), next));
                 }
                 // Decode workers never export blocks.
-                Some(Ok(HostOutput::Blocks(_))) => continue,
+                Some(Ok(HostOutput::Blocks(_) | HostOutput::Computed { .. })) => continue,
                 None => {
                     return Some((
                         Err(ErrorClass::Unavailable.status("decode worker stopped")),

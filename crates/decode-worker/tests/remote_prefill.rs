@@ -126,7 +126,8 @@ fn tokens(chunks: &[GenerateChunk]) -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_prefill_decodes_like_local_inline() {
-    remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies(deps()).await;
+    remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies(deps(), true)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,14 +135,41 @@ async fn remote_prefill_decodes_like_local_over_each_transport() {
     for kind in [TransportKind::Local, TransportKind::Tcp, TransportKind::Ucx] {
         let mut d = deps();
         d.transport = Some(transport(kind).await);
-        remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies(d).await;
+        remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies(d, true)
+            .await;
     }
+    // Layer streaming off: every block goes whole when its step ends, the same tokens.
+    let mut d = deps();
+    d.transport = Some(transport(TransportKind::Tcp).await);
+    remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies(d, false).await;
+}
+
+/// The value of counter `name` on a worker's `/metrics` at `addr` (a plain HTTP/1.0 GET).
+async fn scrape_counter(addr: &str, name: &str) -> f64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {body}"))
 }
 
 async fn remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worker_dies(
     deps: WorkerDeps,
+    stream_layers: bool,
 ) {
-    let p = start(1, WorkerRole::Prefill, &deps).await;
+    let metrics = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        free.local_addr().unwrap().to_string()
+    };
+    let mut prefill = config(1, WorkerRole::Prefill);
+    prefill.metrics_listen = Some(metrics.clone());
+    prefill.kv_layer_streaming = stream_layers;
+    let p = start_with(prefill, &deps).await;
     let d1 = start(2, WorkerRole::Decode, &deps).await;
     let d2 = start(3, WorkerRole::Decode, &deps).await;
     let (mut c1, mut c2) = (client(&d1.addr).await, client(&d2.addr).await);
@@ -159,6 +187,14 @@ async fn remote_prefill_decodes_like_local_and_falls_back_when_the_prefill_worke
         tokens(&local),
         "remote prefill = local prefill"
     );
+    // Through a transport, the blocks' first layers left while the step computed the rest
+    // (the mocker's step is timed: its layers are told over the step's modelled time).
+    let early = scrape_counter(&metrics, "tandem_worker_kv_transfer_early_bytes_total").await;
+    if deps.transport.is_some() && stream_layers {
+        assert!(early > 0.0, "layers streamed ahead of the step's end");
+    } else {
+        assert_eq!(early, 0.0, "inline, or streaming off: blocks go whole");
+    }
 
     // The received blocks are in d2's prefix cache and published as stored.
     let mut sub_check = c2

@@ -17,6 +17,8 @@ pub mod transfers;
 use std::sync::Arc;
 use std::time::Duration;
 
+use hashbrown::HashMap;
+
 use futures::{StreamExt, stream};
 use tandem_engine::{EngineRequest, ExportedBlock};
 use tandem_kv_transfer::{Region, RegionDescriptor};
@@ -104,6 +106,7 @@ impl PrefillService {
         Ok(Sink::Transport {
             ticket,
             blocks: req.destination_blocks.clone(),
+            sent: HashMap::new(),
         })
     }
 
@@ -157,6 +160,9 @@ enum Sink {
         ticket: TransferTicket,
         /// Destination block in the remote region of each transferred block, in order.
         blocks: Vec<u32>,
+        /// Bytes of each block (by its index) already sent as the step computing it went
+        /// (its first layers); the rest goes when the step ends.
+        sent: HashMap<usize, usize>,
     },
 }
 
@@ -172,6 +178,9 @@ struct Prefill {
     aborted: CancellationToken,
     /// Fault injection: corrupt the first block sent, after hashing it.
     corrupt: bool,
+    /// Whether blocks' first layers go as the step computing them goes
+    /// (`WorkerConfig::kv_layer_streaming`).
+    stream_layers: bool,
     /// Whether the caller checks a digest (`PrefillRequest.skip_digest` unset): without it
     /// blocks are counted, not hashed (and not read back out of the arena to hash them).
     hash: bool,
@@ -197,6 +206,9 @@ impl Prefill {
             }
         };
         match next {
+            HostOutput::Computed { blocks, bytes } => {
+                Some(self.send_computed(&blocks, bytes).await)
+            }
             HostOutput::Blocks(blocks) => Some(self.send(blocks).await),
             HostOutput::Token(out) => {
                 if let Sink::Transport { ticket, .. } = &mut self.sink
@@ -223,6 +235,45 @@ impl Prefill {
                 }]))
             }
         }
+    }
+
+    /// The step computing `blocks` has written their first `bytes` (its first layers): what
+    /// of them is not sent yet goes now, while the step computes the rest.
+    async fn send_computed(
+        &mut self,
+        blocks: &[ExportedBlock],
+        bytes: usize,
+    ) -> Result<Vec<PrefillChunk>, Status> {
+        let (
+            Sink::Transport {
+                ticket,
+                blocks: dsts,
+                sent,
+            },
+            Some(source),
+            true,
+        ) = (&mut self.sink, &self.source, self.stream_layers)
+        else {
+            return Ok(Vec::new());
+        };
+        let writer = ticket
+            .writer()
+            .ok_or_else(|| ErrorClass::Internal.status("KV transfer without a writer"))?;
+        for b in blocks {
+            let Some(&dst) = dsts.get(b.index) else {
+                continue; // `send` reports it when the block comes whole
+            };
+            let done = sent.entry(b.index).or_default();
+            if bytes > *done {
+                writer
+                    .put_region_part(dst, source, b.block, *done..bytes)
+                    .await
+                    .map_err(|e| ErrorClass::Unavailable.status(format!("KV transfer put: {e}")))?;
+                self.metrics.transfer_sent_early((bytes - *done) as u64);
+                *done = bytes;
+            }
+        }
+        Ok(Vec::new())
     }
 
     async fn send(&mut self, blocks: Vec<ExportedBlock>) -> Result<Vec<PrefillChunk>, Status> {
@@ -263,7 +314,11 @@ impl Prefill {
                         data: b.bytes,
                     })),
                 }),
-                Sink::Transport { ticket, blocks } => {
+                Sink::Transport {
+                    ticket,
+                    blocks,
+                    sent: streamed,
+                } => {
                     let writer = ticket.writer().ok_or_else(|| {
                         ErrorClass::Internal.status("KV transfer without a writer")
                     })?;
@@ -274,8 +329,15 @@ impl Prefill {
                             blocks.len()
                         ))
                     })?;
-                    let put = match &self.source {
-                        Some(source) if b.bytes.is_empty() => {
+                    let bytes_per_block = self.bytes_per_block as usize;
+                    let put = match (&self.source, streamed.remove(&b.index)) {
+                        // Its first layers went as they were computed: the rest now.
+                        (Some(source), Some(done)) if b.bytes.is_empty() => {
+                            writer
+                                .put_region_part(dst, source, b.block, done..bytes_per_block)
+                                .await
+                        }
+                        (Some(source), _) if b.bytes.is_empty() => {
                             writer.put_region(dst, source, b.block).await
                         }
                         _ => writer.put(dst, &b.bytes).await,
@@ -375,6 +437,7 @@ impl WorkerCalls for PrefillService {
             source,
             aborted,
             corrupt: self.ctx.config.corrupt_transfers,
+            stream_layers: self.ctx.config.kv_layer_streaming,
             hash: !req.skip_digest,
             metrics: self.ctx.metrics.clone(),
             bytes_per_block: self.ctx.host.bytes_per_block() as u64,

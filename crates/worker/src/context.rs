@@ -72,6 +72,9 @@ pub struct WorkerConfig {
     /// Decode workers: check each remote prefill's KV against the prefill worker's digest
     /// (`--kv-digest`; a mismatch falls back to a local prefill). Off, neither side hashes.
     pub kv_digest: bool,
+    /// Prefill workers: send each layer's part of a step's blocks as soon as the layer is
+    /// computed (`--kv-layer-streaming`); off, each block goes whole when its step ends.
+    pub kv_layer_streaming: bool,
 }
 
 impl WorkerConfig {
@@ -98,6 +101,7 @@ impl WorkerConfig {
             metrics_listen: None,
             kv_disk: None,
             kv_digest: true,
+            kv_layer_streaming: true,
         }
     }
 }

@@ -29,6 +29,9 @@
 //!   (the worker's own cached prefix, not sent: the transfer is paged).
 //! - `tandem_worker_kv_transfer_seconds`: a decode worker's remote prefill, asked → KV in
 //!   place and checked.
+//! - `tandem_worker_kv_transfer_early_bytes_total`: of the bytes a prefill worker sent, those
+//!   that left while the step computing their block still ran (its first layers, sent as each
+//!   was computed): how much of the transfer overlapped the forward pass.
 //! - `tandem_worker_kv_transfer_fallbacks_total`: remote prefills that failed and were done
 //!   locally.
 //! - `tandem_worker_transfer_fences_total{outcome}`: abandoned transfers' blocks released,
@@ -69,6 +72,7 @@ pub struct WorkerMetrics {
     pub(crate) transfer_blocks: Family<KindLabel, Counter>,
     pub(crate) transfer_seconds: Histogram,
     pub(crate) transfer_fallbacks: Counter,
+    pub(crate) transfer_early_bytes: Counter,
     pub(crate) fences: Family<OutcomeLabel, Counter>,
     pub(crate) steps: StepMeter,
 }
@@ -82,6 +86,7 @@ impl Default for WorkerMetrics {
             // 1 ms .. 65 s.
             transfer_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             transfer_fallbacks: Counter::default(),
+            transfer_early_bytes: Counter::default(),
             fences: Family::default(),
             steps: StepMeter::default(),
         };
@@ -110,6 +115,16 @@ impl WorkerMetrics {
     /// KV bytes a prefill worker sent.
     pub fn transfer_sent(&self, bytes: u64) {
         self.transfer_bytes("sent", bytes);
+    }
+
+    /// Of those, `bytes` sent while the step computing their blocks still ran.
+    pub fn transfer_sent_early(&self, bytes: u64) {
+        self.transfer_early_bytes.inc_by(bytes);
+    }
+
+    /// The bytes [`transfer_sent_early`](Self::transfer_sent_early) counted so far.
+    pub fn transfer_early_bytes(&self) -> u64 {
+        self.transfer_early_bytes.get()
     }
 
     /// A decode worker's remote prefill completed: `moved` blocks (`bytes`) in place after

@@ -54,6 +54,12 @@ pub fn registry(
         metrics.transfer_seconds.clone(),
     );
     registry.register(
+        "tandem_worker_kv_transfer_early_bytes",
+        "KV bytes a prefill worker sent while the step computing their block still ran \
+         (its first layers, as each was computed)",
+        metrics.transfer_early_bytes.clone(),
+    );
+    registry.register(
         "tandem_worker_kv_transfer_fallbacks",
         "Remote prefills that failed and were computed locally",
         metrics.transfer_fallbacks.clone(),

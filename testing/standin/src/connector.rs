@@ -67,6 +67,8 @@ pub(crate) async fn prefill_for_remote(
     while let Some(out) = handle.next().await {
         match out {
             Ok(HostOutput::Blocks(b)) => blocks.extend(b),
+            // Copies, not references: never told ahead of the step's end.
+            Ok(HostOutput::Computed { .. }) => {}
             Ok(HostOutput::Token(o)) => {
                 first = Some(o.token);
                 follow.token(&o);

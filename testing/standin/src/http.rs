@@ -477,7 +477,7 @@ fn stream_response(s: Arc<Shared>, c: Completion, meta: Meta, handle: RequestHan
                             (h, f, meta, true, done),
                         ));
                     }
-                    Some(Ok(HostOutput::Blocks(_))) => continue,
+                    Some(Ok(HostOutput::Blocks(_) | HostOutput::Computed { .. })) => continue,
                     Some(Err(e)) => {
                         let text = format!(
                             "data: {}\n\ndata: [DONE]\n\n",
@@ -517,7 +517,7 @@ async fn whole_response(
                     break;
                 }
             }
-            Ok(HostOutput::Blocks(_)) => {}
+            Ok(HostOutput::Blocks(_) | HostOutput::Computed { .. }) => {}
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         }
     }

@@ -44,11 +44,19 @@ use tokio_util::task::TaskTracker;
 use crate::error::WorkerError;
 
 mod handle;
+mod progress;
 pub use handle::RequestHandle;
 
 /// What a request receives from the engine.
 #[derive(Debug)]
 pub enum HostOutput {
+    /// The first `bytes` of each of `blocks` are final: the layers the in-flight step has
+    /// computed so far (exports by reference only, while the step runs; any may be left out,
+    /// and the step's [`Blocks`](HostOutput::Blocks) follows either way).
+    Computed {
+        blocks: Arc<[ExportedBlock]>,
+        bytes: usize,
+    },
     /// Prompt KV blocks copied out as they were computed (exporting requests only); always
     /// before the token of the same step.
     Blocks(Vec<ExportedBlock>),
@@ -468,7 +476,7 @@ impl EngineHost {
                 .filter(|end| now.saturating_duration_since(*end) <= TIMER_SLACK)
                 .unwrap_or(now);
             let start_us = start.duration_since(self.inner.started).as_micros() as u64;
-            let planned = {
+            let (planned, followers) = {
                 let mut st = self.state();
                 let planned = st.engine.begin_step(start_us);
                 if planned.as_ref().is_some_and(|s| s.duration_us() == 0) {
@@ -476,7 +484,11 @@ impl EngineHost {
                     *self.inner.load_at_step.lock() = Some(st.engine.load_report(start_us));
                     self.inner.computing.store(true, Ordering::Release);
                 }
-                planned
+                let followers = match planned {
+                    Some(_) => progress::Followers::of(&st),
+                    None => progress::Followers::default(),
+                };
+                (planned, Arc::new(followers))
             };
             let Some(step) = planned else {
                 prev_end = None;
@@ -497,12 +509,12 @@ impl EngineHost {
                 // `block_in_place`, every step handed this worker's queue to another thread,
                 // and the extra threads woken on a machine whose cores the forward pass fills
                 // preempted its threads: 0.77× the bare engine's decode rate at batch 1.)
-                let host = self.clone();
+                let (host, followers) = (self.clone(), Arc::clone(&followers));
                 let computed = tokio::task::spawn_blocking(move || {
                     host.inner
                         .locked(host.inner.state.lock())
                         .engine
-                        .compute_step();
+                        .compute_step_with(&|done| followers.tell(done));
                     host.inner.computing.store(false, Ordering::Release);
                 });
                 tokio::select! {
@@ -530,6 +542,20 @@ impl EngineHost {
                 (start + Duration::from_micros(modelled), start_us + modelled)
             };
             if modelled > 0 {
+                // A timed model's KV is all written, but a device would finish its layers
+                // one by one over the step: the followers hear of each at its share of it.
+                for done in 1..if followers.is_empty() {
+                    0
+                } else {
+                    followers.layers
+                } {
+                    let at = modelled * u64::from(done) / u64::from(followers.layers);
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(start + Duration::from_micros(at)) => {}
+                        _ = cancel.cancelled() => return,
+                    }
+                    followers.tell(done);
+                }
                 tokio::select! {
                     _ = tokio::time::sleep_until(end) => {}
                     _ = cancel.cancelled() => return,
