@@ -503,13 +503,19 @@ fn a_prefill_worker_killed_mid_transfer_falls_back_to_the_same_tokens() {
     let (path, body) = requests()[5].clone();
     let front = c.addr_of(0);
     let asked = std::thread::spawn(move || http::post_json(front, path, &body.to_string()));
-    wait_for(
+    let early = wait_for(
         "the prefill worker to send its first chunk",
         Duration::from_secs(120),
         || {
             let m = Metrics::parse(&http::get(prefill, "/metrics").ok()?.text());
-            (m.get("tandem_worker_kv_transfer_bytes_total{direction=\"sent\"}") > 0.0).then_some(())
+            (m.get("tandem_worker_kv_transfer_bytes_total{direction=\"sent\"}") > 0.0)
+                .then(|| m.get("tandem_worker_kv_transfer_early_bytes_total"))
         },
+    );
+    // Its layers left one by one as the forward pass computed them (layer streaming).
+    assert!(
+        early > 0.0,
+        "nothing was sent before the first chunk's step ended"
     );
     c.worker(prefill_id(0)).kill9();
     let r = asked.join().unwrap().unwrap();

@@ -1,7 +1,8 @@
 //! End-to-end effect of a remote prefill: time from a decode worker's `Generate` to its
 //! first token for a fresh 16k-token prompt, prefilled locally vs remotely (the prefill
-//! worker computes it and its KV moves over each transport), with the mocker's GPU timing
-//! (speedup 1). One process, real gRPC on loopback, memory discovery and events.
+//! worker computes it and its KV moves over each transport, each block whole when its step
+//! ends or layer by layer as the step goes), with the mocker's GPU timing (speedup 1). One
+//! process, real gRPC on loopback, memory discovery and events.
 //!
 //! `cargo bench -p tandem-decode-worker --bench remote_ttft` — figures in
 //! crates/kv-transfer/BENCHMARKS.md.
@@ -26,13 +27,21 @@ const PROMPT: usize = 16_384;
 const RUNS: usize = 3;
 
 struct Worker {
+    id: u64,
     addr: String,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<Result<(), tandem_worker::WorkerError>>,
 }
 
-async fn start(id: u64, role: WorkerRole, shape: KvShape, deps: &WorkerDeps) -> Worker {
+async fn start(
+    id: u64,
+    role: WorkerRole,
+    shape: KvShape,
+    stream_layers: bool,
+    deps: &WorkerDeps,
+) -> Worker {
     let mut cfg = WorkerConfig::new(WorkerId(id), role);
+    cfg.kv_layer_streaming = stream_layers;
     cfg.engine.pool.device_blocks = (PROMPT / 16 * RUNS + 64) as u32;
     cfg.engine.mocker.kv_shape = shape;
     cfg.prefill_timeout = Duration::from_secs(60);
@@ -47,7 +56,12 @@ async fn start(id: u64, role: WorkerRole, shape: KvShape, deps: &WorkerDeps) -> 
             _ => tandem_decode_worker::run(cfg, listener, d, s).await,
         }
     });
-    Worker { addr, stop, task }
+    Worker {
+        id,
+        addr,
+        stop,
+        task,
+    }
 }
 
 /// Milliseconds from `Generate` to the first token, and how the prompt was prefilled.
@@ -73,7 +87,7 @@ async fn ttft(d: &Worker, p: &Worker, seed: u32, remote: bool) -> (f64, i32) {
         }),
         hash_seed: HashSeed::UNSALTED.0,
         remote_prefill: remote.then(|| RemotePrefillTarget {
-            worker_id: 1,
+            worker_id: p.id,
             address: p.addr.clone(),
         }),
         cache_salt: String::new(),
@@ -108,25 +122,33 @@ async fn run(shape_name: &str, shape: KvShape) {
             events: Arc::new(MemoryEventPlane::new()),
             transport,
         };
-        let p = start(1, WorkerRole::Prefill, shape, &deps).await;
-        let d = start(2, WorkerRole::Decode, shape, &deps).await;
+        // Two prefill workers: one sends each block whole when its step ends, the other
+        // each layer as it is computed (`--kv-layer-streaming`; inline sends go whole).
+        let whole = start(1, WorkerRole::Prefill, shape, false, &deps).await;
+        let streaming = start(3, WorkerRole::Prefill, shape, true, &deps).await;
+        let d = start(2, WorkerRole::Decode, shape, true, &deps).await;
         let name = kind.map_or("inline (gRPC)", |k| k.as_str());
-        let (mut local, mut remote) = (LatencyHistogram::default(), LatencyHistogram::default());
+        let mut hist: [LatencyHistogram; 3] = Default::default();
         for i in 0..RUNS as u32 {
-            let (ms, how) = ttft(&d, &p, 1000 + i, false).await;
+            let (ms, how) = ttft(&d, &whole, 1000 + i, false).await;
             assert_eq!(how, PrefillOutcome::Local as i32);
-            local.record_ms(ms);
-            let (ms, how) = ttft(&d, &p, 2000 + i, true).await;
-            assert_eq!(how, PrefillOutcome::Remote as i32, "{name}: fell back");
-            remote.record_ms(ms);
+            hist[0].record_ms(ms);
+            for (k, p) in [(1, &whole), (2, &streaming)] {
+                let (ms, how) = ttft(&d, p, 2000 * k + i, true).await;
+                assert_eq!(how, PrefillOutcome::Remote as i32, "{name}: fell back");
+                hist[k as usize].record_ms(ms);
+            }
         }
-        let (l, r) = (local.quantile_ms(0.5), remote.quantile_ms(0.5));
+        let [l, w, y] = hist.map(|h| h.quantile_ms(0.5));
+        let layered = match kind {
+            Some(_) => format!("{y:.0} ({:.2}×)", y / l),
+            None => String::new(),
+        };
         println!(
-            "| {shape_name} ({kv_mib:.0} MiB of KV) | {name} | {l:.0} | {r:.0} | {:+.0} ({:.2}×) |",
-            r - l,
-            r / l
+            "| {shape_name} ({kv_mib:.0} MiB of KV) | {name} | {l:.0} | {w:.0} ({:.2}×) | {layered} |",
+            w / l
         );
-        for w in [p, d] {
+        for w in [whole, streaming, d] {
             w.stop.cancel();
             w.task.await.unwrap().unwrap();
         }
@@ -139,7 +161,9 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    println!("| KV shape | transport | local TTFT ms | remote TTFT ms | remote − local ms |");
+    println!(
+        "| KV shape | transport | local TTFT ms | remote, whole blocks (÷ local) | remote, layer by layer (÷ local) |"
+    );
     println!("|---|---|---:|---:|---:|");
     rt.block_on(async {
         run("mocker default, 512 B/token", KvShape::MOCKER_DEFAULT).await;
