@@ -136,6 +136,8 @@ pub async fn fetch(
         .map_err(|s| WorkerError::BadTransfer(format!("prefill worker refused: {s}")))?
         .into_inner();
     let mut digest = KvDigest::default();
+    // Blocks came on the stream (the prefill worker has no transport into this region).
+    let mut inline = false;
     loop {
         let chunk = stream
             .message()
@@ -144,6 +146,7 @@ pub async fn fetch(
             .ok_or_else(|| WorkerError::BadTransfer("prefill stream ended early".into()))?;
         match chunk.item {
             Some(prefill_chunk::Item::Block(b)) => {
+                inline = true;
                 if b.index != digest.blocks() {
                     return Err(WorkerError::BadTransfer(format!(
                         "block {} arrived, expected block {}",
@@ -169,25 +172,54 @@ pub async fn fetch(
                     digest.count();
                 }
             }
+            Some(prefill_chunk::Item::Landed(landed)) => {
+                // Blocks up to `landed.blocks` are flushed into the region: checked now,
+                // while the prefill worker computes the rest.
+                let upto = landed.blocks as usize;
+                let from = digest.blocks() as usize;
+                let Some(exposed) = exposed.filter(|_| check) else {
+                    continue;
+                };
+                if upto < from || upto > rp.blocks.len() {
+                    return Err(WorkerError::BadTransfer(format!(
+                        "{upto} blocks landed, after {from}, of {} reserved",
+                        rp.blocks.len()
+                    )));
+                }
+                tandem_worker::cpu_bound(|| {
+                    tandem_worker::digest_blocks(
+                        &exposed.region,
+                        &rp.blocks[from..upto],
+                        &mut digest,
+                    )
+                })
+                .map_err(|e| WorkerError::BadTransfer(format!("reading received KV: {e}")))?;
+            }
             Some(prefill_chunk::Item::Done(done)) => {
                 // The prefill worker flushed its writer before saying so: nothing more of
                 // this transfer can arrive.
                 if let Some(hold) = hold {
                     hold.release();
                 }
-                if digest.blocks() == 0
-                    && !rp.blocks.is_empty()
-                    && let Some(exposed) = exposed
+                // Through the region: what no `KvLanded` covered is checked now.
+                let from = digest.blocks() as usize;
+                if let Some(exposed) = exposed
+                    && from < rp.blocks.len()
+                    && !inline
                 {
                     if check {
-                        digest = tandem_worker::cpu_bound(|| {
-                            tandem_worker::region_digest(&exposed.region, &rp.blocks)
+                        tandem_worker::cpu_bound(|| {
+                            tandem_worker::digest_blocks(
+                                &exposed.region,
+                                &rp.blocks[from..],
+                                &mut digest,
+                            )
                         })
                         .map_err(|e| {
                             WorkerError::BadTransfer(format!("reading received KV: {e}"))
                         })?;
                     } else {
-                        rp.blocks.iter().for_each(|_| digest.count());
+                        rp.blocks[from..].iter().for_each(|_| digest.count());
                     }
                 }
                 if done.blocks as usize != rp.blocks.len() || done.blocks != digest.blocks() {

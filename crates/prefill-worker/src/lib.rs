@@ -24,8 +24,8 @@ use tandem_engine::{EngineRequest, ExportedBlock};
 use tandem_kv_transfer::{Region, RegionDescriptor};
 use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
-    AbortPrefillReply, AbortPrefillRequest, KvBlock, PrefillChunk, PrefillDone, PrefillRequest,
-    prefill_chunk,
+    AbortPrefillReply, AbortPrefillRequest, KvBlock, KvLanded, PrefillChunk, PrefillDone,
+    PrefillRequest, prefill_chunk,
 };
 use tandem_protocol::{HashSeed, RequestId, WorkerRole};
 use tandem_runtime::shutdown::Shutdown;
@@ -209,7 +209,7 @@ impl Prefill {
             HostOutput::Computed { blocks, bytes } => {
                 Some(self.send_computed(&blocks, bytes).await)
             }
-            HostOutput::Blocks(blocks) => Some(self.send(blocks).await),
+            HostOutput::Blocks(blocks) => Some(self.send_landed(blocks).await),
             HostOutput::Token(out) => {
                 if let Sink::Transport { ticket, .. } = &mut self.sink
                     && let Some(writer) = ticket.writer()
@@ -274,6 +274,30 @@ impl Prefill {
             }
         }
         Ok(Vec::new())
+    }
+
+    /// [`send`](Self::send) a step's blocks; through a transport, with the caller checking a
+    /// digest, then flush them and say so (`KvLanded`): the decode worker checks them while
+    /// the rest of the prompt computes, instead of all of them after `PrefillDone`.
+    async fn send_landed(
+        &mut self,
+        blocks: Vec<ExportedBlock>,
+    ) -> Result<Vec<PrefillChunk>, Status> {
+        let mut chunks = self.send(blocks).await?;
+        if let (Sink::Transport { ticket, .. }, true) = (&mut self.sink, self.hash)
+            && let Some(writer) = ticket.writer()
+        {
+            writer
+                .flush()
+                .await
+                .map_err(|e| ErrorClass::Unavailable.status(format!("KV transfer flush: {e}")))?;
+            chunks.push(PrefillChunk {
+                item: Some(prefill_chunk::Item::Landed(KvLanded {
+                    blocks: self.digest.blocks(),
+                })),
+            });
+        }
+        Ok(chunks)
     }
 
     async fn send(&mut self, blocks: Vec<ExportedBlock>) -> Result<Vec<PrefillChunk>, Status> {

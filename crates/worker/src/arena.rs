@@ -174,10 +174,20 @@ impl ArenaStorage for RegionStorage {
 /// block-sized buffer (device).
 pub fn region_digest(region: &Region, blocks: &[u32]) -> Result<KvDigest, TransferError> {
     let mut digest = KvDigest::default();
-    for &b in blocks {
-        digest_block(region, b, &mut digest)?;
-    }
+    digest_blocks(region, blocks, &mut digest)?;
     Ok(digest)
+}
+
+/// Folds `blocks` of `region`, in order, into `digest` (a transfer checked as it lands).
+pub fn digest_blocks(
+    region: &Region,
+    blocks: &[u32],
+    digest: &mut KvDigest,
+) -> Result<(), TransferError> {
+    for &b in blocks {
+        digest_block(region, b, digest)?;
+    }
+    Ok(())
 }
 
 /// Folds block `block` of `region` into `digest`, read in place (host) or through a

@@ -29,7 +29,7 @@ pub mod scrape;
 pub mod served;
 pub mod trace;
 
-pub use arena::{KvMemory, RegionStorage, digest_block, region_digest};
+pub use arena::{KvMemory, RegionStorage, digest_block, digest_blocks, region_digest};
 pub use context::{ExposedArena, NativeEngine, WorkerConfig, WorkerContext, WorkerDeps};
 pub use digest::KvDigest;
 pub use disk::{FileDiskStore, KvDiskConfig};
