@@ -4,8 +4,22 @@ use tandem_runtime::events::MemoryEventPlane;
 use super::*;
 
 fn host(output_buffer: usize, tasks: &TaskTracker, stop: &CancellationToken) -> EngineHost {
+    host_of(
+        output_buffer,
+        tandem_engine::KvShape::TIMING_ONLY,
+        tasks,
+        stop,
+    )
+}
+
+fn host_of(
+    output_buffer: usize,
+    shape: tandem_engine::KvShape,
+    tasks: &TaskTracker,
+    stop: &CancellationToken,
+) -> EngineHost {
     let mut cfg = MockEngineConfig::new(BlockPoolConfig::new(WorkerId(1), 64));
-    cfg.mocker.kv_shape = tandem_engine::KvShape::TIMING_ONLY;
+    cfg.mocker.kv_shape = shape;
     let publishing = HostPublishing {
         events: Arc::new(MemoryEventPlane::new()),
         kv_subject: "kv".into(),
@@ -100,4 +114,62 @@ async fn a_consumer_that_falls_behind_loses_its_request_not_memory() {
     stop.cancel();
     tasks.close();
     tasks.wait().await;
+}
+
+/// An export by reference hears of its step's layers while the step runs (a timed model: at
+/// each layer's share of the modelled step), each time more of every block, always before
+/// the step's blocks and token; and progress never takes the slots those need, so a consumer
+/// that reads nothing until the step is over loses no output.
+#[tokio::test(start_paused = true)]
+async fn a_steps_layers_are_told_before_its_blocks_and_never_crowd_them_out() {
+    let shape = tandem_engine::KvShape {
+        num_layers: 8,
+        ..tandem_engine::KvShape::MOCKER_DEFAULT
+    };
+    for (buffer, told) in [(64, 7), (3, 1)] {
+        let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+        let host = host_of(buffer, shape, &tasks, &stop);
+        let layer = host.bytes_per_block() / 8;
+        let mut h = host
+            .submit_exporting(request(1, 1), 0, true)
+            .expect("submitted");
+        // Nothing read until the step is over.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let mut outs = Vec::new();
+        while let Some(out) = h.next().await {
+            outs.push(out.expect("no output lost"));
+        }
+        let progress: Vec<usize> = outs
+            .iter()
+            .filter_map(|o| match o {
+                HostOutput::Computed { blocks, bytes } => {
+                    assert_eq!(blocks.len(), 3, "the 40-token prompt's blocks");
+                    Some(*bytes)
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(progress.len(), told, "buffer {buffer}: {progress:?}");
+        assert_eq!(progress[0], layer, "the first layer");
+        assert!(progress.windows(2).all(|w| w[0] < w[1]), "{progress:?}");
+        assert!(
+            progress.iter().all(|&b| b < 8 * layer),
+            "the last layer comes whole"
+        );
+        let n = outs.len();
+        assert!(
+            matches!(outs[n - 2], HostOutput::Blocks(_)),
+            "{:?}",
+            outs[n - 2]
+        );
+        assert!(
+            matches!(outs[n - 1], HostOutput::Token(_)),
+            "{:?}",
+            outs[n - 1]
+        );
+        host.release_export(RequestId(1));
+        stop.cancel();
+        tasks.close();
+        tasks.wait().await;
+    }
 }
