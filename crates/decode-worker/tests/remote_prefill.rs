@@ -9,8 +9,9 @@ use tandem_kv_transfer::{RegionDescriptor, Transport, TransportConfig, Transport
 use tandem_protocol::ErrorClass;
 use tandem_protocol::grpc::{
     AbortPrefillReply, AbortPrefillRequest, GenerateChunk, GenerateRequest, HealthReply,
-    HealthRequest, KvEventsReply, KvEventsRequest, PrefillChunk, PrefillOutcome, PrefillRequest,
-    RemotePrefillTarget, Sampling, kv_events_reply, worker_client::WorkerClient, worker_server,
+    HealthRequest, KvEventsReply, KvEventsRequest, KvLanded, PrefillChunk, PrefillOutcome,
+    PrefillRequest, RemotePrefillTarget, Sampling, kv_events_reply, prefill_chunk,
+    worker_client::WorkerClient, worker_server,
 };
 use tandem_protocol::{Envelope, KvEvent, WorkerId, WorkerRole};
 use tandem_runtime::discovery::MemoryDiscovery;
@@ -455,6 +456,8 @@ struct RogueWriter {
     stop_writing: CancellationToken,
     writer_task: Arc<tokio::sync::Mutex<Option<JoinHandle<()>>>>,
     aborts: Arc<std::sync::atomic::AtomicUsize>,
+    /// Says this many blocks have landed, first thing (a lie past the reserved blocks).
+    landed: Option<u32>,
 }
 
 impl RogueWriter {
@@ -466,6 +469,7 @@ impl RogueWriter {
             stop_writing: CancellationToken::new(),
             writer_task: Arc::default(),
             aborts: Arc::default(),
+            landed: None,
         }
     }
 }
@@ -504,7 +508,14 @@ impl worker_server::Worker for RogueWriter {
             }
         });
         *self.writer_task.lock().await = Some(task);
-        Ok(tonic::Response::new(Box::pin(futures::stream::pending())))
+        let landed = self.landed.map(|blocks| {
+            Ok(PrefillChunk {
+                item: Some(prefill_chunk::Item::Landed(KvLanded { blocks })),
+            })
+        });
+        use futures::StreamExt as _;
+        let chunks = futures::stream::iter(landed).chain(futures::stream::pending());
+        Ok(tonic::Response::new(Box::pin(chunks)))
     }
 
     async fn abort_prefill(
@@ -610,6 +621,39 @@ async fn an_abandoned_transfer_cannot_corrupt_the_blocks_used_after_it() {
             w.stop.cancel();
             w.task.await.unwrap().unwrap();
         }
+    }
+}
+
+/// A prefill worker that says more blocks landed than were reserved fails its transfer at
+/// once (not at the prefill timeout): the decode worker aborts it and prefills locally, the
+/// same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_landed_count_past_the_reserved_blocks_fails_the_transfer_at_once() {
+    let mut deps = deps();
+    let transport = transport(TransportKind::Tcp).await;
+    deps.transport = Some(transport.clone());
+    let mut rogue = RogueWriter::new(transport, true, Duration::ZERO);
+    rogue.landed = Some(10_000);
+    let (p, _) = start_rogue(rogue.clone()).await;
+    let mut dcfg = config(2, WorkerRole::Decode);
+    dcfg.prefill_timeout = Duration::from_secs(60);
+    let d = start_with(dcfg, &deps).await;
+    let reference = start(3, WorkerRole::Decode, &deps).await;
+    let (mut c, mut r) = (client(&d.addr).await, client(&reference.addr).await);
+    let long = prompt(21, 300);
+    let expected = generate(&mut r, request(95, long.clone(), None)).await;
+    let started = std::time::Instant::now();
+    let got = generate(&mut c, request(96, long, Some(&p))).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "failed at once, not at the timeout"
+    );
+    assert_eq!(got[0].prefill, PrefillOutcome::Fallback as i32);
+    assert_eq!(tokens(&got), tokens(&expected));
+    assert_eq!(rogue.aborts.load(std::sync::atomic::Ordering::SeqCst), 1);
+    for w in [p, d, reference] {
+        w.stop.cancel();
+        w.task.await.unwrap().unwrap();
     }
 }
 
