@@ -117,7 +117,6 @@ impl TcpWriter {
         if self.queued.is_empty() && extra.is_none() {
             return Ok(());
         }
-        let timeout = self.config.op_timeout;
         let queued = std::mem::take(&mut self.queued);
         let ids: Vec<u8> = queued
             .iter()
@@ -125,17 +124,32 @@ impl TcpWriter {
             .chain(extra.map(|(dst, _)| dst))
             .flat_map(u32::to_le_bytes)
             .collect();
-        let mut header = [0u8; FRAME_HEADER];
-        header[0] = OP_PUT;
-        header[1..].copy_from_slice(&((ids.len() / 4) as u64).to_le_bytes());
         let bodies = queued
             .iter()
             .map(|(_, lease)| lease.host_bytes().unwrap_or_default())
             .chain(extra.map(|(_, bytes)| bytes));
-        let mut slices: Vec<IoSlice<'_>> = [IoSlice::new(&header), IoSlice::new(&ids)]
-            .into_iter()
-            .chain(bodies.map(IoSlice::new))
-            .collect();
+        let r = self.write_frame(OP_PUT, ids.len() / 4, &ids, bodies).await;
+        drop(queued); // unlocks the source blocks
+        r
+    }
+
+    /// Writes one frame: `op`, `count`, the `entries` that describe its bodies, the bodies.
+    async fn write_frame<'a>(
+        &mut self,
+        op: u8,
+        count: usize,
+        entries: &[u8],
+        bodies: impl Iterator<Item = &'a [u8]>,
+    ) -> Result<(), TransferError> {
+        let timeout = self.config.op_timeout;
+        let mut header = [0u8; FRAME_HEADER];
+        header[0] = op;
+        header[1..].copy_from_slice(&(count as u64).to_le_bytes());
+        let mut slices = vec![IoSlice::new(&header), IoSlice::new(entries)];
+        slices.extend(bodies.map(|body| {
+            let body: &[u8] = body; // as long as the header's
+            IoSlice::new(body)
+        }));
         let stream = self.begin()?;
         let r = with_timeout("tcp put", timeout, async {
             write_all_vectored(stream, &mut slices)
@@ -143,8 +157,6 @@ impl TcpWriter {
                 .map_err(TransferError::io("tcp put"))
         })
         .await;
-        drop(slices);
-        drop(queued); // unlocks the source blocks
         self.busy = false;
         r.map_err(|e| self.fail(e))
     }
@@ -154,7 +166,6 @@ impl TcpWriter {
         if self.parts.is_empty() {
             return Ok(());
         }
-        let timeout = self.config.op_timeout;
         let parts = std::mem::take(&mut self.parts);
         let entries: Vec<u8> = parts
             .iter()
@@ -164,22 +175,9 @@ impl TcpWriter {
                     .flat_map(u32::to_le_bytes)
             })
             .collect();
-        let mut header = [0u8; FRAME_HEADER];
-        header[0] = OP_PUT_PART;
-        header[1..].copy_from_slice(&(parts.len() as u64).to_le_bytes());
-        let mut slices: Vec<IoSlice<'_>> = [IoSlice::new(&header), IoSlice::new(&entries)]
-            .into_iter()
-            .chain(parts.iter().map(|(_, _, bytes)| IoSlice::new(bytes)))
-            .collect();
-        let stream = self.begin()?;
-        let r = with_timeout("tcp put", timeout, async {
-            write_all_vectored(stream, &mut slices)
-                .await
-                .map_err(TransferError::io("tcp put"))
-        })
-        .await;
-        self.busy = false;
-        r.map_err(|e| self.fail(e))
+        let bodies = parts.iter().map(|(_, _, bytes)| bytes.as_slice());
+        self.write_frame(OP_PUT_PART, parts.len(), &entries, bodies)
+            .await
     }
 
     async fn await_ack(stream: &mut TcpStream, seq: u64) -> Result<(), TransferError> {
