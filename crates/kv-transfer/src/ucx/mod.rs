@@ -396,6 +396,12 @@ impl BlockWriter for UcxWriter {
             return Ok(());
         }
         let offset = dst_block as usize * self.remote.bytes_per_block as usize + range.start;
+        if let Some(m) = &self.direct
+            && src.memory_kind() == MemoryKind::Host
+        {
+            // Mapped: one copy, under the source block's lock for its length only.
+            return m.write(offset, &src.read_lock_block(src_block)?[range]);
+        }
         // Copied out now (the block's lock is held for the copy only: its owner is computing
         // the block's next part meanwhile).
         let mut bytes = vec![0u8; range.len()];
