@@ -262,21 +262,25 @@ mod ucx {
 
     #[tokio::test]
     async fn ucx_default_round_trip() {
+        let _one = common::ucx_alone().await;
         round_trip(UCX_DEFAULT).await;
     }
 
     #[tokio::test]
     async fn ucx_shared_memory_round_trip() {
+        let _one = common::ucx_alone().await;
         round_trip(UCX_SM).await;
     }
 
     #[tokio::test]
     async fn ucx_tcp_round_trip() {
+        let _one = common::ucx_alone().await;
         round_trip(UCX_TCP).await;
     }
 
     #[tokio::test]
     async fn ucx_puts_gather_into_runs_with_few_puts_in_flight() {
+        let _one = common::ucx_alone().await;
         // A writer holds a permit per gathered block: with one or three allowed in flight,
         // runs are posted early and every block still arrives.
         for max_inflight_puts in [1, 3] {
@@ -296,6 +300,7 @@ mod ucx {
 
     #[tokio::test]
     async fn ucx_same_transport_loopback() {
+        let _one = common::ucx_alone().await;
         // Expose and connect on one transport: UCX's `self` path.
         let t = UCX_DEFAULT.open().await;
         let region = Region::host(16, 1024).unwrap();
@@ -307,6 +312,7 @@ mod ucx {
 
     #[tokio::test]
     async fn ucx_connect_to_dead_worker_fails_in_bounded_time() {
+        let _one = common::ucx_alone().await;
         for (setup, transport_memory) in
             [(UCX_DEFAULT, false), (UCX_DEFAULT, true), (UCX_TCP, false)]
         {
@@ -342,6 +348,7 @@ mod ucx {
 
     #[tokio::test]
     async fn ucx_rejects_garbage_descriptors() {
+        let _one = common::ucx_alone().await;
         let t = UCX_DEFAULT.open().await;
         let region = Region::host(4, 4096).unwrap();
         let good = t.expose(region).await.unwrap();

@@ -179,35 +179,41 @@ mod ucx {
 
     #[tokio::test]
     async fn ucx_child_sends_into_ucx_memory() {
+        let _one = common::ucx_alone().await;
         // Same host: the child maps this process's shared memory and copies directly.
         child_sends(UCX_DEFAULT, true).await;
     }
 
     #[tokio::test]
     async fn ucx_child_sends_into_plain_memory() {
+        let _one = common::ucx_alone().await;
         // Memory registered with ucp_mem_map: one-sided ucp_put_nbx.
         child_sends(UCX_DEFAULT, false).await;
     }
 
     #[tokio::test]
     async fn ucx_shared_memory_child_sends() {
+        let _one = common::ucx_alone().await;
         child_sends(UCX_SM, false).await;
         child_sends(UCX_SM, true).await;
     }
 
     #[tokio::test]
     async fn ucx_tcp_child_sends() {
+        let _one = common::ucx_alone().await;
         child_sends(UCX_TCP, false).await;
         child_sends(UCX_TCP, true).await;
     }
 
     #[tokio::test]
     async fn ucx_receiver_dies() {
+        let _one = common::ucx_alone().await;
         receiver_dies(UCX_DEFAULT).await;
     }
 
     #[tokio::test]
     async fn ucx_tcp_receiver_dies() {
+        let _one = common::ucx_alone().await;
         receiver_dies(UCX_TCP).await;
     }
 }

@@ -10,6 +10,16 @@ use tandem_kv_transfer::{
     BlockWriter, Region, RegionDescriptor, Transport, TransportConfig, TransportKind, UcxConfig,
 };
 
+/// Holds the UCX tests of one test binary to one at a time. UCX 1.13 aborts the process (an
+/// assertion in `ucp_request.c` on a pending wireup reply, from `uct_tcp_ep_set_failed`) when
+/// an endpoint to a peer that went away fails while a UCX worker created meanwhile, in the same
+/// process or a child, has taken the dead peer's port: the tests that kill peers or connect to
+/// dead ones must not overlap the tests that start new workers. Seen under load in CI.
+pub async fn ucx_alone() -> tokio::sync::MutexGuard<'static, ()> {
+    static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    ONE.lock().await
+}
+
 /// A named transport set-up: the kind plus the UCX transport list where it matters.
 #[derive(Clone, Debug)]
 pub struct Setup {
