@@ -38,6 +38,7 @@
 use std::collections::BTreeSet;
 
 use hashbrown::HashMap;
+use tandem_indexer::{OverlapScores, TierCounts};
 use tandem_protocol::{AdapterId, WorkerId};
 
 use super::{KvSource, Member, Overlaps, Pool, RouteInput, RoutingReplica};
@@ -49,6 +50,52 @@ use crate::view::{WorkerLoad, WorkerView};
 /// instead of every one (they all cost the same).
 const IDLE_TIE_LIMIT: usize = 64;
 const IDLE_SAMPLE: usize = 16;
+
+/// A group of holders this small is looked up member by member; a larger one is found from
+/// the load order. Small in unit tests, so that their small pools take both ways.
+const FEW_HOLDERS: usize = if cfg!(test) { 2 } else { 8 };
+
+/// Above this many distinct overlaps the holders are grouped by sorting them.
+const MAX_GROUPS: usize = 16;
+
+/// A holder candidate: its overlap, its key in the load order, its id.
+type Holder = (TierCounts, f64, WorkerId);
+
+/// How a walk of the load order for a group's least loaded ended.
+enum Walk {
+    Found,
+    TooFar,
+    ManyIdle,
+}
+
+/// Holders of one overlap from one source, as the answer lists them.
+struct Group {
+    source: KvSource,
+    overlap: TierCounts,
+    /// The first [`FEW_HOLDERS`] members.
+    few: [WorkerId; FEW_HOLDERS],
+    count: usize,
+}
+
+impl Group {
+    fn new(source: KvSource, overlap: TierCounts, id: WorkerId) -> Self {
+        let mut g = Group {
+            source,
+            overlap,
+            few: [WorkerId(0); FEW_HOLDERS],
+            count: 0,
+        };
+        g.add(id);
+        g
+    }
+
+    fn add(&mut self, id: WorkerId) {
+        if let Some(slot) = self.few.get_mut(self.count) {
+            *slot = id;
+        }
+        self.count += 1;
+    }
+}
 
 /// Pools this small are scored whole: the shortcut's bookkeeping costs more than it saves
 /// (measured at 64 workers, BENCHMARKS.md). The crate's unit tests take it at every size.
@@ -147,11 +194,7 @@ impl RoutingReplica {
         adapter: Option<AdapterId>,
         now_ms: u64,
     ) -> WorkerView {
-        let scores = match m.kv {
-            KvSource::Events => scores.exact,
-            KvSource::Approximate => scores.approx,
-        };
-        let overlap = scores.get(id).unwrap_or_default();
+        let overlap = scores.of(m.kv).get(id).unwrap_or_default();
         self.view_with(id, m, cfg, overlap, adapter, now_ms)
     }
 
@@ -161,7 +204,7 @@ impl RoutingReplica {
         id: WorkerId,
         m: &Member,
         cfg: &PoolConfig,
-        overlap: tandem_indexer::TierCounts,
+        overlap: TierCounts,
         adapter: Option<AdapterId>,
         now_ms: u64,
     ) -> WorkerView {
@@ -290,62 +333,20 @@ impl RoutingReplica {
             );
         };
         self.refresh_order(weights);
-        let is_holder = |id: WorkerId, m: &Member| match m.kv {
-            KvSource::Events => scores.exact.get(id).is_some(),
-            KvSource::Approximate => scores.approx.get(id).is_some(),
-        };
+        let is_holder = |id: WorkerId, m: &Member| scores.of(m.kv).get(id).is_some();
         // The prompt's own term, for the tie tolerance (costs tie within 1e-9 of their size).
         let prompt = weights.prefill_scale * input.route.prompt_blocks();
         let near = |key: f64, least: f64| key - least <= 1e-6 * (least + prompt).max(1.0);
-        // The holders, with their overlap from the answer itself (no lookup per worker).
-        let exact = scores.exact.iter().map(|e| (e, KvSource::Events));
-        let approx = scores.approx.iter().map(|e| (e, KvSource::Approximate));
-        let mut holders: Vec<(tandem_indexer::TierCounts, f64, WorkerId)> = exact
-            .chain(approx)
-            .filter_map(|(&(id, overlap), source)| {
-                let m = self.decode.get(&id)?;
-                let key = f64::from_bits(*self.order.keys.get(&id)?);
-                (m.kv == source && !excluded.contains(&id)).then_some((overlap, key, id))
-            })
-            .collect();
-        if weights.unclamped {
-            // Holders of equal overlap differ by their key alone: only each group's least
-            // loaded (and those tied with it) can be the pick.
-            let tiers = |t: &tandem_indexer::TierCounts| (t.device, t.host, t.disk);
-            holders
-                .sort_unstable_by(|a, b| tiers(&a.0).cmp(&tiers(&b.0)).then(a.1.total_cmp(&b.1)));
-            let mut group: Option<(tandem_indexer::TierCounts, f64)> = None;
-            holders.retain(|&(overlap, key, _)| match group {
-                Some((o, least)) if o == overlap => near(key, least),
-                _ => {
-                    group = Some((overlap, key));
-                    true
-                }
-            });
-            // A group whose least loaded are many (idle holders of a common prefix): a
-            // uniform sample of them, as for idle non-holders.
-            let mut start = 0;
-            let mut kept = Vec::with_capacity(holders.len());
-            while start < holders.len() {
-                let end = start
-                    + holders[start..]
-                        .iter()
-                        .take_while(|h| h.0 == holders[start].0)
-                        .count();
-                let g = &mut holders[start..end];
-                if g.len() > IDLE_TIE_LIMIT {
-                    for i in 0..IDLE_SAMPLE {
-                        let j = i + self.rng.below(g.len() - i);
-                        g.swap(i, j);
-                    }
-                    kept.extend_from_slice(&g[..IDLE_SAMPLE]);
-                } else {
-                    kept.extend_from_slice(g);
-                }
-                start = end;
+        let holders = if weights.unclamped {
+            self.least_holders(scores, excluded, &near)
+        } else {
+            let mut all = Vec::new();
+            for (answer, source) in scores.by_source() {
+                let members = answer.iter().map(|&(id, overlap)| (id, overlap));
+                self.look_up_holders(members, source, excluded, &mut all);
             }
-            holders = kept;
-        }
+            all
+        };
         let views: Vec<WorkerView> = holders
             .iter()
             .filter_map(|&(overlap, _, id)| {
@@ -388,6 +389,203 @@ impl RoutingReplica {
         self.merge_views(views, &mut ids, cfg, now_ms)
     }
 
+    /// The holders `members` (id, overlap) of `source` that can be candidates, with their
+    /// keys, appended to `out`.
+    fn look_up_holders(
+        &self,
+        members: impl Iterator<Item = (WorkerId, TierCounts)>,
+        source: KvSource,
+        excluded: &[WorkerId],
+        out: &mut Vec<Holder>,
+    ) {
+        out.extend(members.filter_map(|(id, overlap)| {
+            let m = self.decode.get(&id)?;
+            let key = f64::from_bits(*self.order.keys.get(&id)?);
+            (m.kv == source && !excluded.contains(&id)).then_some((overlap, key, id))
+        }));
+    }
+
+    /// With credit weights of at most 1, holders of equal overlap differ by their key alone:
+    /// of each such group only the least loaded (and those tied with it) can be the pick. A
+    /// group of many holders (half the pool holding a common prefix) is found from the load
+    /// order, where its least loaded come within a few steps, instead of by looking up every
+    /// member; a group whose least loaded are many (idle holders) is sampled uniformly, as
+    /// idle non-holders are.
+    fn least_holders(
+        &mut self,
+        scores: Overlaps<'_>,
+        excluded: &[WorkerId],
+        near: &impl Fn(f64, f64) -> bool,
+    ) -> Vec<Holder> {
+        let mut groups: Vec<Group> = Vec::new();
+        for (answer, source) in scores.by_source() {
+            for &(id, overlap) in answer.iter() {
+                match groups
+                    .iter_mut()
+                    .find(|g| g.overlap == overlap && g.source == source)
+                {
+                    Some(g) => g.add(id),
+                    None => groups.push(Group::new(source, overlap, id)),
+                }
+                if groups.len() > MAX_GROUPS {
+                    // Many distinct overlaps: every holder looked up, grouped by sorting.
+                    return self.least_holders_sorted(scores, excluded, near);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for g in &groups {
+            let start = out.len();
+            if g.count > FEW_HOLDERS {
+                match self.walk_group(g, scores, excluded, near, &mut out) {
+                    Walk::Found => continue,
+                    Walk::ManyIdle => {
+                        out.truncate(start);
+                        if self.sample_idle_members(g, scores, excluded, &mut out) {
+                            continue;
+                        }
+                    }
+                    Walk::TooFar => {}
+                }
+            }
+            out.truncate(start);
+            let mut members = Vec::new();
+            if g.count <= FEW_HOLDERS {
+                let few = g.few[..g.count].iter().map(|&id| (id, g.overlap));
+                self.look_up_holders(few, g.source, excluded, &mut members);
+            } else {
+                let answer = scores.of(g.source).iter();
+                let all = answer.filter(|e| e.1 == g.overlap).copied();
+                self.look_up_holders(all, g.source, excluded, &mut members);
+            }
+            let Some(least) = members.iter().map(|h| h.1).min_by(f64::total_cmp) else {
+                continue;
+            };
+            members.retain(|h| near(h.1, least));
+            self.keep_sample(&mut members);
+            out.extend(members);
+        }
+        out
+    }
+
+    /// `g`'s least loaded holders (those tied with the least included), found by walking the
+    /// load order: [`Walk::TooFar`], with `out` partly written, when it passes more
+    /// non-members than a few per member expected; [`Walk::ManyIdle`] when more than [`IDLE_TIE_LIMIT`]
+    /// tie with nothing in flight.
+    fn walk_group(
+        &self,
+        g: &Group,
+        scores: Overlaps<'_>,
+        excluded: &[WorkerId],
+        near: &impl Fn(f64, f64) -> bool,
+        out: &mut Vec<Holder>,
+    ) -> Walk {
+        let answer = scores.of(g.source);
+        let limit = 16 + 4 * self.order.order.len() / g.count;
+        let mut least: Option<f64> = None;
+        let mut tied = 0;
+        for (step, &(bits, id)) in self.order.order.iter().enumerate() {
+            let key = f64::from_bits(bits);
+            if least.is_some_and(|l| !near(key, l)) {
+                return Walk::Found;
+            }
+            if step - tied >= limit {
+                return Walk::TooFar;
+            }
+            if self.is_member(g, answer, excluded, id) {
+                let least = *least.get_or_insert(key);
+                out.push((g.overlap, key, id));
+                tied += 1;
+                if tied > IDLE_TIE_LIMIT {
+                    // Idle members tie exactly; unless a loaded worker's key is within the
+                    // tolerance of zero (practically never), the tied are the idle members.
+                    let loaded = self.order.order.range((1u64, WorkerId(0))..).next();
+                    let only_idle =
+                        least == 0.0 && loaded.is_none_or(|&(b, _)| !near(f64::from_bits(b), 0.0));
+                    return if only_idle {
+                        Walk::ManyIdle
+                    } else {
+                        Walk::TooFar
+                    };
+                }
+            }
+        }
+        Walk::Found
+    }
+
+    /// Whether `id` is a candidate member of `g`.
+    fn is_member(
+        &self,
+        g: &Group,
+        answer: &OverlapScores,
+        excluded: &[WorkerId],
+        id: WorkerId,
+    ) -> bool {
+        answer.get(id) == Some(g.overlap)
+            && !excluded.contains(&id)
+            && self.decode.get(&id).is_some_and(|m| m.kv == g.source)
+    }
+
+    /// Up to [`IDLE_SAMPLE`] distinct idle members of `g`, drawn uniformly from the idle
+    /// members by rejection from all idle workers; false when a bounded number of draws
+    /// found none (the group is a small part of the idle pool).
+    fn sample_idle_members(
+        &mut self,
+        g: &Group,
+        scores: Overlaps<'_>,
+        excluded: &[WorkerId],
+        out: &mut Vec<Holder>,
+    ) -> bool {
+        let answer = scores.of(g.source);
+        let start = out.len();
+        let n = self.order.idle.len();
+        for _ in 0..8 * IDLE_SAMPLE {
+            let id = self.order.idle[self.rng.below(n)];
+            if self.is_member(g, answer, excluded, id) && !out[start..].iter().any(|h| h.2 == id) {
+                out.push((g.overlap, 0.0, id));
+                if out.len() - start == IDLE_SAMPLE {
+                    break;
+                }
+            }
+        }
+        out.len() > start
+    }
+
+    /// [`RoutingReplica::least_holders`] by looking up every holder and sorting them.
+    fn least_holders_sorted(
+        &mut self,
+        scores: Overlaps<'_>,
+        excluded: &[WorkerId],
+        near: &impl Fn(f64, f64) -> bool,
+    ) -> Vec<Holder> {
+        let mut holders = Vec::new();
+        for (answer, source) in scores.by_source() {
+            let members = answer.iter().map(|&(id, overlap)| (id, overlap));
+            self.look_up_holders(members, source, excluded, &mut holders);
+        }
+        let tiers = |t: &TierCounts| (t.device, t.host, t.disk);
+        holders.sort_unstable_by(|a, b| tiers(&a.0).cmp(&tiers(&b.0)).then(a.1.total_cmp(&b.1)));
+        let mut out = Vec::with_capacity(holders.len());
+        for g in holders.chunk_by_mut(|a, b| a.0 == b.0) {
+            let least = g[0].1;
+            let mut members: Vec<Holder> = g.iter().copied().filter(|h| near(h.1, least)).collect();
+            self.keep_sample(&mut members);
+            out.extend(members);
+        }
+        out
+    }
+
+    /// Keeps [`IDLE_SAMPLE`] of `members` drawn uniformly when more than [`IDLE_TIE_LIMIT`] tie.
+    fn keep_sample(&mut self, members: &mut Vec<Holder>) {
+        if members.len() > IDLE_TIE_LIMIT {
+            for i in 0..IDLE_SAMPLE {
+                let j = i + self.rng.below(members.len() - i);
+                members.swap(i, j);
+            }
+            members.truncate(IDLE_SAMPLE);
+        }
+    }
+
     /// The holders' views and those of the non-holders `ids` (no overlap), in id order,
     /// each once.
     fn merge_views(
@@ -399,7 +597,7 @@ impl RoutingReplica {
     ) -> Vec<WorkerView> {
         ids.sort_unstable();
         ids.dedup();
-        let none = tandem_indexer::TierCounts::default();
+        let none = TierCounts::default();
         views.extend(
             ids.iter()
                 .filter_map(|id| self.decode.get(id).map(|m| (*id, m)))

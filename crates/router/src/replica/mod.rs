@@ -218,6 +218,24 @@ struct Overlaps<'a> {
     approx: &'a OverlapScores,
 }
 
+impl<'a> Overlaps<'a> {
+    /// The answer a member of `source` reads.
+    fn of(&self, source: KvSource) -> &'a OverlapScores {
+        match source {
+            KvSource::Events => self.exact,
+            KvSource::Approximate => self.approx,
+        }
+    }
+
+    /// Both answers with their source.
+    fn by_source(&self) -> [(&'a OverlapScores, KvSource); 2] {
+        [
+            (self.exact, KvSource::Events),
+            (self.approx, KvSource::Approximate),
+        ]
+    }
+}
+
 /// One router replica (see the module docs).
 #[derive(Debug)]
 pub struct RoutingReplica {
