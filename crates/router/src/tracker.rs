@@ -8,12 +8,25 @@
 //!   cost no prefill time. They leave at the first token ([`ActiveSequences::prefill_done`]).
 //! - `potential_decode_blocks`: the KV blocks the worker's in-flight requests hold or will hold:
 //!   their distinct full prompt blocks — a block shared by several requests on one worker is
-//!   one block in its pool, so it is counted once, reference counted by sequence hash — plus
+//!   one block in its pool, so it is counted once (see [Distinct blocks](#distinct-blocks)) — plus
 //!   each request's *private* blocks: its trailing partial prompt block and the blocks its
 //!   expected output will fill ([`NewSequence::private_blocks_for`]). Counting the expected
 //!   output is deliberate: a long generation holds its KV until the end, and a worker full of
 //!   them is about to preempt or stall. A caller with no estimate passes 0 expected tokens.
 //! - `active_requests`: requests added and not freed, queued ones included.
+//!
+//! # Distinct blocks
+//!
+//! Sequence hashes chain (each names its whole prefix, docs/ARCHITECTURE.md §2), so two
+//! prompts share exactly their longest common prefix of hashes. A worker's prompts in flight
+//! are kept sorted; the distinct blocks among them are the sum of their lengths less the
+//! common prefix of each sorted neighbour pair (the nodes of their trie). A request that joins
+//! or leaves changes the count by its length less its longer common prefix with its two
+//! neighbours: a few comparisons of hashes it shares, not a reference count per block, which
+//! at 256 blocks a prompt over hundreds of workers' cold maps was most of a routing
+//! decision's booking (crates/router/BENCHMARKS.md). For hash lists that do not chain (a
+//! malformed peer message) the same sum counts their distinct prefixes: still bounded by
+//! their lengths, and the same whatever order the messages come in.
 //!
 //! # Replica sync
 //!
@@ -33,8 +46,11 @@
 //! was first seen, and becomes a tombstone like a freed one. Time is passed in; a clock that
 //! goes backwards is treated as the latest time seen.
 
-use std::collections::VecDeque;
+use std::cmp::Ordering;
+use std::collections::{BTreeSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::ops::Bound;
+use std::sync::Arc;
 
 use hashbrown::HashMap;
 
@@ -166,9 +182,8 @@ impl TrackedLoad {
 
 type Key = (RouterId, RequestId);
 
-/// Hasher for keys made of u64 words (sequence hashes are xxh3 outputs already; ids are
-/// counters): a multiply-fold per word. SipHash would cost most of a routing decision, which
-/// touches every prompt block twice (add and free).
+/// Hasher for keys made of u64 words (ids are counters): a multiply-fold per word, for the
+/// maps every request and sync message looks up.
 #[derive(Default)]
 struct WordHasher(u64);
 
@@ -196,7 +211,7 @@ type WordMap<K, V> = HashMap<K, V, BuildHasherDefault<WordHasher>>;
 #[derive(Clone, Debug)]
 struct AddInfo {
     worker: WorkerId,
-    blocks: Vec<SequenceHash>,
+    blocks: Arc<[SequenceHash]>,
     prefill_tokens: u64,
     private_blocks: u64,
 }
@@ -217,15 +232,71 @@ impl Entry {
     }
 }
 
+/// One request's prompt in a worker's sorted set: by its hashes, then by the request.
+#[derive(Clone, Debug)]
+struct Prompt {
+    blocks: Arc<[SequenceHash]>,
+    key: Key,
+}
+
+impl PartialEq for Prompt {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Prompt {}
+
+impl PartialOrd for Prompt {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Prompt {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.blocks[..]
+            .cmp(&other.blocks[..])
+            .then(self.key.cmp(&other.key))
+    }
+}
+
+/// The length of the common prefix of two prompts' hashes.
+fn common(a: &Prompt, b: &Prompt) -> u64 {
+    a.blocks
+        .iter()
+        .zip(b.blocks.iter())
+        .take_while(|(x, y)| x == y)
+        .count() as u64
+}
+
 #[derive(Clone, Debug, Default)]
 struct WorkerState {
-    /// Prompt block → in-flight requests on this worker holding it.
-    blocks: WordMap<SequenceHash, u32>,
+    /// The prompts of its requests in flight, sorted (the module docs' *Distinct blocks*).
+    prompts: BTreeSet<Prompt>,
+    /// The distinct full prompt blocks among them.
+    distinct: u64,
     private_blocks: u64,
     prefill_tokens: u64,
     requests: u64,
     /// Listed in [`ActiveSequences::dirty`].
     dirty: bool,
+}
+
+impl WorkerState {
+    /// The blocks `p` adds to the others' (its length less its longer common prefix with
+    /// its neighbours in the sorted set); `p` itself must not be in the set.
+    fn own_blocks(&self, p: &Prompt) -> u64 {
+        let before = self.prompts.range(..p).next_back();
+        let after = self
+            .prompts
+            .range((Bound::Excluded(p), Bound::Unbounded))
+            .next();
+        let shared = before
+            .map_or(0, |b| common(b, p))
+            .max(after.map_or(0, |a| common(p, a)));
+        p.blocks.len() as u64 - shared
+    }
 }
 
 /// A change to one entry, the lattice's join operands.
@@ -336,7 +407,7 @@ impl ActiveSequences {
             .get(&worker)
             .map_or_else(TrackedLoad::default, |w| TrackedLoad {
                 active_prefill_tokens: w.prefill_tokens,
-                potential_decode_blocks: w.blocks.len() as u64 + w.private_blocks,
+                potential_decode_blocks: w.distinct.saturating_add(w.private_blocks),
                 active_requests: w.requests,
             })
     }
@@ -443,7 +514,7 @@ impl ActiveSequences {
             } => {
                 let info = AddInfo {
                     worker: *worker,
-                    blocks: blocks.clone(),
+                    blocks: Arc::from(&blocks[..]),
                     prefill_tokens: *prefill_tokens,
                     private_blocks: *private_blocks,
                 };
@@ -500,9 +571,12 @@ impl ActiveSequences {
             self.dirty.push(add.worker);
         }
         if !was_active && now_active {
-            for b in &add.blocks {
-                *w.blocks.entry(*b).or_insert(0) += 1;
-            }
+            let p = Prompt {
+                blocks: Arc::clone(&add.blocks),
+                key,
+            };
+            w.distinct = w.distinct.saturating_add(w.own_blocks(&p));
+            w.prompts.insert(p);
             w.private_blocks = w.private_blocks.saturating_add(add.private_blocks);
             w.requests += 1;
         }
@@ -513,17 +587,16 @@ impl ActiveSequences {
             w.prefill_tokens = w.prefill_tokens.saturating_sub(add.prefill_tokens);
         }
         if was_active && !now_active {
-            for b in &add.blocks {
-                if let Some(n) = w.blocks.get_mut(b) {
-                    *n -= 1;
-                    if *n == 0 {
-                        w.blocks.remove(b);
-                    }
-                }
+            let p = Prompt {
+                blocks: Arc::clone(&add.blocks),
+                key,
+            };
+            if w.prompts.remove(&p) {
+                w.distinct = w.distinct.saturating_sub(w.own_blocks(&p));
             }
             w.private_blocks = w.private_blocks.saturating_sub(add.private_blocks);
-            // An idle worker keeps its (empty) state: dropping it would reallocate its block
-            // map on its next request. Departed workers go through `remove_worker`.
+            // An idle worker keeps its (empty) state and stays listed: departed workers go
+            // through `remove_worker`.
             w.requests -= 1;
         }
         if !now_active && e.freed {

@@ -57,6 +57,36 @@ fn shared_blocks_count_once_and_leave_with_the_last_holder() {
 }
 
 #[test]
+fn prompts_count_their_shared_prefix_once_whatever_order_they_come_and_go() {
+    let mut t = tracker();
+    let w = WorkerId(4);
+    // Sorted, [1,2,3] and [1,2,4] share 2 blocks, [1,2,4] and [1,5] one: 1..=5 distinct.
+    t.add(seq(1, 4, &[1, 2, 4], 0, 0), 0);
+    t.add(seq(2, 4, &[1, 5], 0, 0), 0);
+    t.add(seq(3, 4, &[1, 2, 3], 0, 0), 0);
+    assert_eq!(t.load(w).potential_decode_blocks, 5);
+    // The same prompt twice adds nothing; its blocks stay until both leave.
+    t.add(seq(4, 4, &[1, 2, 3], 0, 0), 0);
+    assert_eq!(t.load(w).potential_decode_blocks, 5);
+    t.free(RequestId(3), 1);
+    assert_eq!(t.load(w).potential_decode_blocks, 5);
+    t.free(RequestId(1), 1);
+    assert_eq!(t.load(w).potential_decode_blocks, 4, "1, 2, 3 and 5");
+    t.free(RequestId(4), 1);
+    assert_eq!(t.load(w).potential_decode_blocks, 2, "1 and 5");
+    t.free(RequestId(2), 1);
+    assert_eq!(t.load(w).potential_decode_blocks, 0);
+    // Hashes that do not chain (a malformed peer message) count their distinct prefixes,
+    // and leave nothing behind.
+    t.add(seq(5, 4, &[7, 8], 0, 0), 2);
+    t.add(seq(6, 4, &[9, 8], 0, 0), 2);
+    assert_eq!(t.load(w).potential_decode_blocks, 4);
+    t.free(RequestId(5), 3);
+    t.free(RequestId(6), 3);
+    assert_eq!(t.load(w), TrackedLoad::default());
+}
+
+#[test]
 fn private_blocks_cover_the_partial_block_and_the_expected_output() {
     // 40 prompt tokens (2 full blocks of 16) + 30 output: 70 tokens need 5 blocks, 3 private.
     assert_eq!(NewSequence::private_blocks_for(40, 30, bs(16)), 3);
@@ -186,10 +216,16 @@ fn life() -> impl Strategy<Value = Life> {
     )
         .prop_map(
             |(router, worker, blocks, prefill, private, prefill_done, freed)| {
-                // A prompt's sequence hashes are distinct.
-                let mut blocks = blocks;
-                blocks.sort_unstable();
-                blocks.dedup();
+                // Sequence hashes chain: a prompt's i-th hash names its first i + 1 blocks
+                // (here the path of choices, in base 4 with digits 1..=3), so prompts share
+                // exactly their common prefix.
+                let blocks = blocks
+                    .iter()
+                    .scan(0u64, |h, &c| {
+                        *h = *h * 4 + c % 3 + 1;
+                        Some(*h)
+                    })
+                    .collect();
                 Life {
                     router,
                     worker,
