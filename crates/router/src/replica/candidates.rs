@@ -61,6 +61,26 @@ const MAX_GROUPS: usize = 16;
 /// A holder candidate: its overlap, its key in the load order, its id.
 type Holder = (TierCounts, f64, WorkerId);
 
+/// `id`'s overlap in `answer`, searched from `*at` when `id` is not below the entry there
+/// (ids looked up in ascending order cost a step or two each); `*at` is left at the entry
+/// found or where it would be.
+fn overlap_from(answer: &OverlapScores, at: &mut usize, id: WorkerId) -> Option<TierCounts> {
+    let s = &answer.scores;
+    if s.get(*at).is_none_or(|e| e.0 > id) {
+        *at = 0;
+    }
+    // A few steps forward, then a binary search of the rest.
+    let mut i = *at;
+    while i < s.len() && i < *at + 4 && s[i].0 < id {
+        i += 1;
+    }
+    if i < s.len() && s[i].0 < id {
+        i += s[i..].partition_point(|e| e.0 < id);
+    }
+    *at = i;
+    s.get(i).filter(|e| e.0 == id).map(|e| e.1)
+}
+
 /// How a walk of the load order for a group's least loaded ended.
 enum Walk {
     Found,
@@ -484,6 +504,8 @@ impl RoutingReplica {
         let limit = 16 + 4 * self.order.order.len() / g.count;
         let mut least: Option<f64> = None;
         let mut tied = 0;
+        // Idle members come in id order, as the answer does: look them up from the last.
+        let mut at = 0;
         for (step, &(bits, id)) in self.order.order.iter().enumerate() {
             let key = f64::from_bits(bits);
             if least.is_some_and(|l| !near(key, l)) {
@@ -492,7 +514,10 @@ impl RoutingReplica {
             if step - tied >= limit {
                 return Walk::TooFar;
             }
-            if self.is_member(g, answer, excluded, id) {
+            let member = overlap_from(answer, &mut at, id) == Some(g.overlap)
+                && !excluded.contains(&id)
+                && self.decode.get(&id).is_some_and(|m| m.kv == g.source);
+            if member {
                 let least = *least.get_or_insert(key);
                 out.push((g.overlap, key, id));
                 tied += 1;
