@@ -20,7 +20,9 @@
 //! prompt's own term, so two holders of the same overlap (per tier) differ in cost by their
 //! key alone, and only the least loaded of each such group (with those tied with it) is
 //! scored. A prompt whose first blocks half the pool holds is then scored on a handful of
-//! workers, not on half the pool.
+//! workers, not on half the pool. Nor is every member of such a group looked up: a large
+//! group's least loaded are found by walking the load order from its start (about
+//! pool / group steps), and its idle members, when many tie, drawn from the idle list.
 //!
 //! One exception: when more than 64 members are idle (nothing in flight: they all tie on
 //! the least load), or more than 64 holders of one overlap tie on their least load, 16 of
