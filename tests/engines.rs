@@ -790,6 +790,15 @@ fn a_plain_openai_server_that_answers_text_only_is_served_through_backend_url() 
         .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
         .collect();
     assert_eq!(text.split_whitespace().collect::<Vec<_>>(), words[..2]);
+    // Embeddings are the server's own endpoint: not proxied, refused with the reason.
+    let r = http::post_json(
+        d.addr,
+        "/v1/embeddings",
+        &json!({"input": "hi"}).to_string(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("/v1/embeddings"), "{}", r.text());
 }
 
 #[test]

@@ -121,8 +121,8 @@ fn tandem_up_serves_real_text_and_disaggregation_changes_no_token() {
 
 /// The official `openai` client (tests/native_openai.py, the `sdk` venv) against a
 /// disaggregated `tandem up --model`: a streamed chat with usage and logprobs (the first token's
-/// drawn on the prefill worker), top_k and min_p, completions logprobs, and a repeated long
-/// prompt reported cached.
+/// drawn on the prefill worker), top_k and min_p, completions logprobs, a repeated long
+/// prompt reported cached, and `/v1/embeddings` (prefilled on the decode worker).
 #[test]
 fn the_openai_client_gets_usage_logprobs_and_cached_tokens_from_the_real_model() {
     let _serial = common::chat::serial();
@@ -157,6 +157,8 @@ fn the_openai_client_gets_usage_logprobs_and_cached_tokens_from_the_real_model()
     assert!(cached[0] < prompt / 2, "the first time is cold: {cached:?}");
     // Every full block but the last token's is served from the cache.
     assert!(cached[1] + 16 >= prompt - 1, "{cached:?} of {prompt}");
+    // The model's hidden size (SmolLM2-135M: 576).
+    assert_eq!(v["embedding_dim"], 576);
     assert_eq!(mismatches(&up), 0.0);
 }
 

@@ -1,12 +1,15 @@
 """The official `openai` client against `tandem up --model` (tests/native.rs): a streamed chat
-with usage and logprobs, top_k / min_p that make a draw greedy, completions logprobs, and a
-repeated long prompt's cached tokens. Asserts on the client's parsed objects; prints what the
+with usage and logprobs, top_k / min_p that make a draw greedy, completions logprobs, a
+repeated long prompt's cached tokens, and embeddings (base64 as the client asks by default,
+and float). Asserts on the client's parsed objects; prints what the
 Rust test checks too, as JSON."""
 
 import json
+import math
 import sys
 import time
 
+import openai
 from openai import OpenAI
 
 client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
@@ -66,4 +69,34 @@ for _ in range(2):
     out.setdefault("cached", []).append(r.usage.prompt_tokens_details.cached_tokens)
 out["long_prompt_tokens"] = r.usage.prompt_tokens
 out["long_seconds"] = times
+
+# Embeddings: three inputs in one request (the client asks for base64 and decodes it), then
+# the first again as floats; a paraphrase lies closer than an unrelated sentence.
+texts = ["How do I reset my password?", "What is the way to change my password?",
+         "The weather in Paris is sunny today."]
+e = client.embeddings.create(model=model, input=texts)
+assert [d.index for d in e.data] == [0, 1, 2], e.data
+vectors = [list(d.embedding) for d in e.data]
+dim = len(vectors[0])
+assert all(len(v) == dim for v in vectors)
+for v in vectors:
+    assert abs(math.sqrt(sum(x * x for x in v)) - 1.0) < 1e-4
+assert e.usage.prompt_tokens == e.usage.total_tokens > 0, e.usage
+f = client.embeddings.create(model=model, input=texts[0], encoding_format="float")
+assert max(abs(a - b) for a, b in zip(f.data[0].embedding, vectors[0])) < 1e-6
+
+
+def cosine(a, b):
+    return sum(x * y for x, y in zip(a, b))
+
+
+out["embedding_dim"] = dim
+out["cosines"] = [cosine(vectors[0], vectors[1]), cosine(vectors[0], vectors[2])]
+assert out["cosines"][0] > out["cosines"][1], out["cosines"]
+# The model's embeddings cannot be shortened: a 400 the client raises.
+try:
+    client.embeddings.create(model=model, input="x", dimensions=8)
+    raise AssertionError("dimensions=8 was accepted")
+except openai.BadRequestError as err:
+    assert "dimensions" in str(err), err
 print(json.dumps(out))

@@ -389,6 +389,7 @@ fn generate_stream(
                             .map(tandem_worker::logprobs_to_wire)
                             .into_iter()
                             .collect(),
+                        embedding: out.embedding.map(Vec::from).unwrap_or_default(),
                         ..Default::default()
                     };
                     let tokens = tokens + 1;
@@ -437,7 +438,9 @@ impl WorkerCalls for DecodeService {
             engine_req.stop_token = self.ctx.config.native.as_ref().and_then(|n| n.eos_token);
         }
         let cancel = self.ctx.stopping().child_token();
-        let (handle, outcome) = match req.remote_prefill {
+        // An embedding is the prompt's last hidden state: only a local prefill computes it.
+        let remote = req.remote_prefill.filter(|_| !engine_req.sampling.embed);
+        let (handle, outcome) = match remote {
             None => (
                 self.ctx.host.submit(engine_req)?,
                 outcome(PrefillOutcome::Local),

@@ -51,3 +51,17 @@ impl Model for Box<dyn Model> {
         (**self).forget(id)
     }
 }
+
+/// Scales `v` to length 1, as embeddings are returned (a zero vector stays zero).
+pub fn normalize(v: &mut [f32]) {
+    let norm = v
+        .iter()
+        .map(|x| f64::from(*x) * f64::from(*x))
+        .sum::<f64>()
+        .sqrt();
+    if norm > 0.0 {
+        for x in v {
+            *x = (f64::from(*x) / norm) as f32;
+        }
+    }
+}

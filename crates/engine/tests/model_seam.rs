@@ -69,6 +69,7 @@ impl Model for ReadBack {
                     id: entry.id,
                     token: sum % 1000,
                     logprobs: None,
+                    embedding: None,
                 });
             }
         }

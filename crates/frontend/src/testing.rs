@@ -27,6 +27,7 @@ pub fn token_chunks(tokens: &[u32], per: usize, finish: FinishReason) -> Chunks 
                 text: None,
                 text_tokens: 0,
                 logprobs: Vec::new(),
+                embedding: Vec::new(),
             })
         })
         .collect()

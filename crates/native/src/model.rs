@@ -96,8 +96,8 @@ impl Model for NativeModel {
         );
         sample_step(
             &view,
-            &self.logits,
-            self.llama.cfg.n_vocab,
+            (&self.logits, self.llama.cfg.n_vocab),
+            Some((self.scratch.output_hidden(), self.llama.cfg.n_embd)),
             &mut self.sampler,
             sampled,
         );
@@ -130,11 +130,13 @@ pub(crate) fn step_rows<'a>(view: &ModelView<'a>) -> Vec<StepRow<'a>> {
 }
 
 /// One token for every entry of `view`'s plan that samples, drawn from its row of `logits`
-/// (`n_vocab` each, in plan order, as [`step_rows`] marked them), pushed to `sampled`.
+/// (`n_vocab` each, in plan order, as [`step_rows`] marked them), pushed to `sampled`; with
+/// the row's final hidden state from `hidden` (`n_embd` each, the same order), normalized,
+/// as the embedding of a request that asked for one (none where `hidden` is `None`).
 pub(crate) fn sample_step(
     view: &ModelView<'_>,
-    logits: &[f32],
-    n_vocab: usize,
+    (logits, n_vocab): (&[f32], usize),
+    hidden: Option<(&[f32], usize)>,
     sampler: &mut Sampler,
     sampled: &mut Vec<SampledToken>,
 ) {
@@ -147,6 +149,14 @@ pub(crate) fn sample_step(
             continue;
         };
         let row = &logits[i * n_vocab..(i + 1) * n_vocab];
+        // The prompt's last row (the first token's draw) carries its embedding.
+        let embedding = hidden
+            .filter(|_| seq.sampling().embed && entry.tokens().end == seq.prompt_len())
+            .map(|(h, d)| {
+                let mut v = h[i * d..(i + 1) * d].to_vec();
+                tandem_engine::model::normalize(&mut v);
+                v.into_boxed_slice()
+            });
         i += 1;
         // The draw for the token at position `end` (the sequence's next one).
         let pos = entry.tokens().end as u64;
@@ -155,6 +165,7 @@ pub(crate) fn sample_step(
             id: entry.id,
             token: choice.token,
             logprobs: choice.logprobs,
+            embedding,
         });
     }
 }

@@ -163,6 +163,8 @@ fn greedy(id: u64, prompt: &[u32], max_tokens: u32) -> EngineRequest {
 struct Run {
     tokens: HashMap<u64, Vec<u32>>,
     logits: HashMap<u64, Vec<Vec<f32>>>,
+    /// Every embedding a request's outputs carried, with the index of the token it came with.
+    embeddings: HashMap<u64, Vec<(usize, Vec<f32>)>>,
 }
 
 fn drive(e: &mut NativeEngine, run: &mut Run) {
@@ -187,7 +189,15 @@ fn drive(e: &mut NativeEngine, run: &mut Run) {
                 .push(logits[i * n_vocab..(i + 1) * n_vocab].to_vec());
         }
         for o in outputs {
-            run.tokens.entry(o.id.0).or_default().push(o.token);
+            let tokens = run.tokens.entry(o.id.0).or_default();
+            if let Some(v) = o.embedding {
+                let at = tokens.len();
+                run.embeddings
+                    .entry(o.id.0)
+                    .or_default()
+                    .push((at, v.into()));
+            }
+            tokens.push(o.token);
         }
     }
     panic!("did not drain");
@@ -361,6 +371,83 @@ fn the_model_answers_in_real_text(b: Backend) {
     for color in ["red", "blue", "green"] {
         assert!(text.contains(color), "{color} in {text:?}");
     }
+}
+
+/// `/v1/embeddings` from the engine: a request that asks for it gets, with its first token
+/// only, its prompt's last final hidden state at length 1 — bitwise the same in chunks,
+/// batched, or from a prefix hit of the whole prompt but its last token.
+fn an_embedding_comes_with_the_first_token_whatever_the_chunks_or_hits(b: Backend) {
+    let embed = |id: u64, p: &[u32]| {
+        let mut r = greedy(id, p, 3);
+        r.sampling.embed = true;
+        r
+    };
+    let p = prompt(11, 70);
+    let one = |cfg: SchedulerConfig, others: &[(u64, Vec<u32>)]| {
+        let mut e = engine(b, 128, cfg, 2);
+        for (id, q) in others {
+            e.add_request(greedy(*id, q, 4), 0).unwrap();
+        }
+        e.add_request(embed(1, &p), 0).unwrap();
+        let mut run = Run::default();
+        drive(&mut e, &mut run);
+        assert!(
+            !run.embeddings.contains_key(&7),
+            "asked by none of the others"
+        );
+        run.embeddings.remove(&1).unwrap_or_default()
+    };
+    let want = one(SchedulerConfig::default(), &[]);
+    assert_eq!(want.len(), 1, "one embedding, with the first token");
+    let (at, v) = &want[0];
+    assert_eq!((*at, v.len()), (0, llama().cfg.n_embd));
+    let norm: f64 = v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "length {norm}");
+    let chunked = SchedulerConfig {
+        max_prefill_chunk: Some(16),
+        ..SchedulerConfig::default()
+    };
+    assert_eq!(
+        bits(&[one(chunked, &[]).remove(0).1]),
+        bits(std::slice::from_ref(v)),
+        "chunks"
+    );
+    let batched = one(SchedulerConfig::default(), &[(7, prompt(12, 40))]);
+    assert_eq!(
+        bits(std::slice::from_ref(&batched[0].1)),
+        bits(std::slice::from_ref(v)),
+        "batched"
+    );
+    // The same prompt again on a warm engine: all but its last token from the cache.
+    let mut e = engine(b, 64, SchedulerConfig::default(), 1);
+    e.add_request(embed(1, &p), 0).unwrap();
+    drive(&mut e, &mut Run::default());
+    e.add_request(embed(2, &p), 1000).unwrap();
+    let mut run = Run::default();
+    drive(&mut e, &mut run);
+    assert_eq!(e.stats().cached_tokens, 64, "{:?}", e.stats());
+    assert_eq!(
+        bits(std::slice::from_ref(&run.embeddings[&2][0].1)),
+        bits(std::slice::from_ref(v)),
+        "prefix hit"
+    );
+    // Another prompt, another direction.
+    let mut e = engine(b, 64, SchedulerConfig::default(), 1);
+    e.add_request(embed(3, &prompt(13, 70)), 0).unwrap();
+    let mut run = Run::default();
+    drive(&mut e, &mut run);
+    let w = &run.embeddings[&3][0].1;
+    let cos: f64 = v
+        .iter()
+        .zip(w)
+        .map(|(x, y)| f64::from(*x) * f64::from(*y))
+        .sum();
+    assert!(cos < 0.999, "cosine {cos} between two prompts");
+}
+
+#[test]
+fn an_embedding_comes_with_the_first_token_whatever_the_chunks_or_hits_on_the_cpu() {
+    an_embedding_comes_with_the_first_token_whatever_the_chunks_or_hits(Backend::Cpu);
 }
 
 #[test]

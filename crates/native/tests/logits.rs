@@ -2,7 +2,9 @@
 //! GGUF authors' `gguf` package (tests/reference_forward.py, in float64 with an f16 KV cache).
 //!
 //! - In f32 mode (every weight dequantized, f32 activations) tandem's logits agree with it to
-//!   a relative error of 1e-3 on five prompts.
+//!   a relative error of 1e-3 on five prompts, and so do the embeddings (the last position's
+//!   final hidden state at length 1, what `/v1/embeddings` returns): cosine ≥ 0.9999; in the
+//!   quantized mode ≥ 0.99.
 //! - In its quantized mode (the file's Q4_1 / Q8_0 weights, 8-bit activations) tandem picks
 //!   the same most likely token at ≥ 95 % of 500 teacher-forced positions, and at every one
 //!   where the reference's top token leads by half a logit or more: 8-bit activations change
@@ -61,8 +63,9 @@ fn model_path() -> PathBuf {
     p
 }
 
-/// Every position's logits of `ids`, computed in one step over a fresh arena.
-fn forward_all(llama: &Llama, ids: &[u32]) -> Vec<f32> {
+/// Every position's logits of `ids`, computed in one step over a fresh arena, and the last
+/// position's final hidden state at length 1 (its embedding).
+fn forward_all(llama: &Llama, ids: &[u32]) -> (Vec<f32>, Vec<f32>) {
     let bs = 16;
     let blocks = ids.len().div_ceil(bs);
     let shape = NativeModel::kv_shape_of(llama);
@@ -80,6 +83,7 @@ fn forward_all(llama: &Llama, ids: &[u32]) -> Vec<f32> {
         .collect();
     let compute = Compute::new(Kernels::new(Isa::detect()), 2);
     let mut logits = Vec::new();
+    let mut scratch = Scratch::default();
     // The forward pass tells how many layers' K/V are written, after each layer.
     let layers = parking_lot::Mutex::new(Vec::new());
     llama.forward(
@@ -87,13 +91,27 @@ fn forward_all(llama: &Llama, ids: &[u32]) -> Vec<f32> {
         &rows,
         &mut arena,
         bs,
-        &mut Scratch::default(),
+        &mut scratch,
         &mut logits,
         &|done| layers.lock().push(done),
     );
     let layers = layers.into_inner();
     assert_eq!(layers, (1..=llama.cfg.n_layer as u32).collect::<Vec<_>>());
-    logits
+    let d = llama.cfg.n_embd;
+    let hidden = scratch.output_hidden();
+    let mut last = hidden[hidden.len() - d..].to_vec();
+    tandem_engine::model::normalize(&mut last);
+    (logits, last)
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .map(|(p, q)| f64::from(*p) * f64::from(*q))
+            .sum::<f64>()
+    };
+    dot(a, b) / (dot(a, a) * dot(b, b)).sqrt()
 }
 
 fn argmax(v: &[f32]) -> u32 {
@@ -142,19 +160,25 @@ fn logits_agree_with_an_independent_forward_pass() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let reference = |i: usize| -> Vec<f32> {
-        std::fs::read(dir.join(format!("{i}.f32")))
+    let read = |name: String| -> Vec<f32> {
+        std::fs::read(dir.join(name))
             .unwrap()
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     };
+    let reference = |i: usize| read(format!("{i}.f32"));
+    let reference_embedding = |i: usize| read(format!("{i}.hidden.f32"));
 
     // f32 mode: every logit within 1e-3 of the largest one's magnitude.
     let f32_model = tandem_native::load(&file, Precision::F32).unwrap();
     let n_vocab = f32_model.cfg.n_vocab;
     for (i, p) in prompts.iter().take(5).enumerate() {
-        let all = forward_all(&f32_model, p);
+        let (all, embedding) = forward_all(&f32_model, p);
+        let want = reference_embedding(i);
+        assert_eq!(embedding.len(), want.len());
+        let c = cosine(&embedding, &want);
+        assert!(c >= 0.9999, "prompt {i}: embedding cosine {c}");
         let ours = &all[(p.len() - 1) * n_vocab..];
         let want = reference(i);
         let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -172,7 +196,11 @@ fn logits_agree_with_an_independent_forward_pass() {
 
     // Quantized mode: the same top-1 at ≥ 98 % of 500 teacher-forced positions.
     let q = tandem_native::load(&file, Precision::Quantized).unwrap();
-    let all = forward_all(&q, &long);
+    for (i, p) in prompts.iter().take(5).enumerate() {
+        let c = cosine(&forward_all(&q, p).1, &reference_embedding(i));
+        assert!(c >= 0.99, "prompt {i}: quantized embedding cosine {c}");
+    }
+    let (all, _) = forward_all(&q, &long);
     let reference: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("5.argmax.json")).unwrap()).unwrap();
     let at = |key: &str, pos: usize| reference[key][pos].as_f64().unwrap();

@@ -4,7 +4,9 @@
     python3 reference_forward.py MODEL.gguf PROMPTS.json OUT_DIR
 
 PROMPTS.json is a list of token-id lists; for prompt i, OUT_DIR/i.f32 receives the logits of
-its last position (little-endian float32, n_vocab values) and OUT_DIR/i.argmax.json the most
+its last position (little-endian float32, n_vocab values), OUT_DIR/i.hidden.f32 that
+position's final (output-normed) hidden state scaled to length 1 (its embedding, n_embd
+values), and OUT_DIR/i.argmax.json the most
 likely next token at every position (teacher forcing) with its margin over the second. Computed in float64, with K and V
 rounded to float16 as a KV cache in half precision holds them (tandem's and llama.cpp's).
 Llama architecture only: RMSNorm, RoPE on adjacent pairs (ggml's normal mode), grouped-query
@@ -100,8 +102,11 @@ def main():
             g = h @ L["ffn_gate"].T
             u = h @ L["ffn_up"].T
             x = x + (g / (1 + np.exp(-g)) * u) @ L["ffn_down"].T
-        logits = rms(x, out_norm) @ output.T
+        hidden = rms(x, out_norm)
+        logits = hidden @ output.T
         logits[-1].astype("<f4").tofile(os.path.join(out_dir, f"{n}.f32"))
+        last = hidden[-1] / np.linalg.norm(hidden[-1])
+        last.astype("<f4").tofile(os.path.join(out_dir, f"{n}.hidden.f32"))
         top2 = np.sort(logits, axis=-1)[:, -2:]
         with open(os.path.join(out_dir, f"{n}.argmax.json"), "w") as f:
             json.dump({"argmax": [int(i) for i in logits.argmax(axis=-1)],

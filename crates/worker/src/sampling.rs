@@ -23,6 +23,8 @@ pub struct WireSampling {
     pub min_p: Option<f32>,
     /// Absent: no logprobs.
     pub logprobs: Option<u32>,
+    /// Return the prompt's embedding (never asked of a prefill worker).
+    pub embed: bool,
 }
 
 impl From<&grpc::Sampling> for WireSampling {
@@ -33,6 +35,7 @@ impl From<&grpc::Sampling> for WireSampling {
             top_k: s.top_k,
             min_p: s.min_p,
             logprobs: s.logprobs,
+            embed: s.embed,
         }
     }
 }
@@ -45,6 +48,7 @@ impl From<&grpc::PrefillRequest> for WireSampling {
             top_k: r.top_k,
             min_p: r.min_p,
             logprobs: r.logprobs,
+            embed: false,
         }
     }
 }
@@ -59,6 +63,7 @@ impl WireSampling {
             top_k: (p.top_k > 0).then_some(p.top_k),
             min_p: (p.min_p > 0.0).then_some(p.min_p),
             logprobs: p.logprobs.map(u32::from),
+            embed: p.embed,
         }
     }
 }
@@ -95,6 +100,7 @@ pub fn sampling_params(w: WireSampling) -> Result<SamplingParams, WorkerError> {
         top_k: w.top_k.unwrap_or(0),
         min_p,
         logprobs,
+        embed: w.embed,
     })
 }
 
@@ -147,11 +153,19 @@ mod tests {
             top_k: Some(40),
             min_p: Some(0.05),
             logprobs: Some(5),
+            embed: true,
         };
         let p = sampling_params(w).unwrap();
         assert_eq!(
-            (p.temperature, p.top_p, p.top_k, p.min_p, p.logprobs),
-            (0.8, 0.9, 40, 0.05, Some(5))
+            (
+                p.temperature,
+                p.top_p,
+                p.top_k,
+                p.min_p,
+                p.logprobs,
+                p.embed
+            ),
+            (0.8, 0.9, 40, 0.05, Some(5), true)
         );
         assert_eq!(WireSampling::of(&p), w, "and back onto the wire");
         assert_eq!(

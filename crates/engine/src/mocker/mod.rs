@@ -26,7 +26,7 @@ mod remote_tests;
 #[cfg(test)]
 mod tests;
 
-pub use model::Mocker;
+pub use model::{EMBEDDING_DIM, Mocker, embedding};
 
 use crate::arena::KvShape;
 

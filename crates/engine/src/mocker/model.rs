@@ -76,6 +76,7 @@ impl Model for Mocker {
                     state,
                     self.cfg.vocab_size,
                 );
+                let first = end == seq.prompt_len();
                 sampled.push(SampledToken {
                     id: entry.id,
                     token,
@@ -83,6 +84,8 @@ impl Model for Mocker {
                         .sampling()
                         .logprobs
                         .map(|n| TokenLogprobs::certain(token, n)),
+                    embedding: (first && seq.sampling().embed)
+                        .then(|| embedding(&seq.tokens()[..end])),
                 });
             }
         }
@@ -91,4 +94,29 @@ impl Model for Mocker {
     fn forget(&mut self, id: RequestId) {
         self.digests.remove(&id);
     }
+}
+
+/// Dimensions of the mocker's embeddings.
+pub const EMBEDDING_DIM: usize = 256;
+
+/// The mocker's embedding of a prompt: its tokens hashed into [`EMBEDDING_DIM`] signed
+/// buckets (the hashing trick), normalized to length 1. Not a model's meaning, but a fixed
+/// function of the prompt in which prompts sharing most of their tokens lie close: enough
+/// for what sits on top of embeddings (a semantic cache) to be exercised without a model.
+pub fn embedding(tokens: &[u32]) -> Box<[f32]> {
+    let mut v = vec![0f32; EMBEDDING_DIM];
+    for &t in tokens {
+        // splitmix64 of the token: four buckets, each with its own sign.
+        let mut z = u64::from(t).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        for k in 0..4 {
+            let bits = z >> (16 * k);
+            let sign = if bits & 0x100 == 0 { 1.0 } else { -1.0 };
+            v[(bits & 0xFF) as usize % EMBEDDING_DIM] += sign;
+        }
+    }
+    crate::model::normalize(&mut v);
+    v.into_boxed_slice()
 }

@@ -433,3 +433,49 @@ fn logprobs_come_with_each_token_when_asked() {
         assert_eq!(a.logprobs, Some(TokenLogprobs::certain(a.token, 3)));
     }
 }
+
+/// Asked for an embedding, a request gets it with its first token only: the prompt's hashed
+/// tokens at length 1 ([`crate::mocker::embedding`]); prompts sharing most of their tokens
+/// lie closer than prompts sharing none. The tokens are the same as without.
+#[test]
+fn an_embedding_comes_with_the_first_token_when_asked() {
+    let mut e = small(64);
+    let p = prompt(3, 40);
+    let plain = request(1, p.clone(), 3);
+    let mut asked = request(2, p.clone(), 3);
+    asked.sampling.embed = true;
+    let mut now = 0;
+    e.add_request(plain, now).unwrap();
+    e.add_request(asked, now).unwrap();
+    let mut outs: BTreeMap<RequestId, Vec<RequestOutput>> = BTreeMap::new();
+    while let Some(step) = e.begin_step(now) {
+        now += step.duration_us();
+        for o in e.finish_step(now) {
+            outs.entry(o.id).or_default().push(o);
+        }
+    }
+    let (plain, asked) = (&outs[&RequestId(1)], &outs[&RequestId(2)]);
+    assert_eq!(
+        plain.iter().map(|o| o.token).collect::<Vec<_>>(),
+        asked.iter().map(|o| o.token).collect::<Vec<_>>()
+    );
+    assert!(plain.iter().all(|o| o.embedding.is_none()));
+    assert!(asked[1..].iter().all(|o| o.embedding.is_none()));
+    let v = asked[0].embedding.as_deref().expect("with the first token");
+    assert_eq!(v, &*crate::mocker::embedding(&p));
+    assert_eq!(v.len(), crate::mocker::EMBEDDING_DIM);
+    let norm: f32 = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+    let cos = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    let mut near = p.clone();
+    near[5] += 1;
+    let near = crate::mocker::embedding(&near);
+    let far = crate::mocker::embedding(&prompt(9, 40));
+    assert!(cos(v, &near) > 0.9, "{}", cos(v, &near));
+    assert!(
+        cos(v, &near) > cos(v, &far) + 0.3,
+        "{} {}",
+        cos(v, &near),
+        cos(v, &far)
+    );
+}

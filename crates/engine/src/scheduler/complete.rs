@@ -3,7 +3,6 @@
 
 use super::{
     RequestOutput, RequestPhase, SampledToken, ScheduledRequest, Scheduler, SchedulerError,
-    TokenLogprobs,
 };
 
 impl Scheduler {
@@ -29,7 +28,7 @@ impl Scheduler {
             let token = match outputs.get(cursor) {
                 Some(o) if entry.samples && o.id == entry.id => {
                     cursor += 1;
-                    Some((o.token, o.logprobs.clone()))
+                    Some(o)
                 }
                 _ => None,
             };
@@ -85,7 +84,7 @@ impl Scheduler {
     fn advance(
         &mut self,
         entry: &ScheduledRequest,
-        token: Option<(u32, Option<Box<TokenLogprobs>>)>,
+        token: Option<&SampledToken>,
         now_us: u64,
         emitted: &mut Vec<RequestOutput>,
     ) -> Result<bool, SchedulerError> {
@@ -101,7 +100,8 @@ impl Scheduler {
             self.stats.decode_tokens += 1;
         }
         let mut finish = None;
-        if let Some((token, logprobs)) = token {
+        if let Some(out) = token {
+            let token = out.token;
             let first_token = seq.generated == 0;
             finish = seq.push_token(token);
             seq.phase = RequestPhase::Decoding;
@@ -114,7 +114,8 @@ impl Scheduler {
                 completion_tokens: seq.generated,
                 finish,
                 time_to_first_token_us: first_token.then(|| now_us.saturating_sub(seq.arrival_us)),
-                logprobs,
+                logprobs: out.logprobs.clone(),
+                embedding: out.embedding.clone(),
             });
         }
         // Commit before a finished request is freed, so its blocks stay reusable.

@@ -109,6 +109,9 @@ pub struct SamplingParams {
     /// Report each sampled token's log-probability and this many of the most likely
     /// alternatives with theirs (OpenAI's `logprobs` / `top_logprobs`); `None`: report none.
     pub logprobs: Option<u8>,
+    /// Also return the prompt's embedding with the first token ([`SampledToken::embedding`]):
+    /// what `/v1/embeddings` asks of a model.
+    pub embed: bool,
 }
 
 impl SamplingParams {
@@ -119,6 +122,7 @@ impl SamplingParams {
         top_k: 0,
         min_p: 0.0,
         logprobs: None,
+        embed: false,
     };
 }
 
@@ -336,6 +340,10 @@ pub struct SampledToken {
     pub token: u32,
     /// When the request asked for them ([`SamplingParams::logprobs`]).
     pub logprobs: Option<Box<TokenLogprobs>>,
+    /// When the request asked for it ([`SamplingParams::embed`]), with its first token: the
+    /// model's final hidden state of the prompt's last token, normalized to length 1 (the
+    /// last-token pooling vLLM applies to decoder models). `None` from a model that has none.
+    pub embedding: Option<Box<[f32]>>,
 }
 
 /// A sampled token's log-probability and the most likely alternatives', under the model's
@@ -395,6 +403,9 @@ pub struct RequestOutput {
     pub time_to_first_token_us: Option<u64>,
     /// When the request asked for them.
     pub logprobs: Option<Box<TokenLogprobs>>,
+    /// The prompt's embedding, on the first token of a request that asked for it
+    /// ([`SampledToken::embedding`]).
+    pub embedding: Option<Box<[f32]>>,
 }
 
 /// Counters since the scheduler was made.

@@ -138,6 +138,8 @@ impl Scheduler {
             finish,
             time_to_first_token_us: Some(now_us.saturating_sub(seq.arrival_us)),
             logprobs,
+            // (A remote prefill's worker computed the prompt: no embedding comes with it.)
+            embedding: None,
         };
         if finish.is_some() {
             self.seqs.remove(&id);

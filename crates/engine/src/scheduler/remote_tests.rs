@@ -72,6 +72,7 @@ fn begin_reserves_the_uncached_prompt_and_finish_decodes_on() {
             finish: None,
             time_to_first_token_us: Some(50),
             logprobs: Some(logprobs),
+            embedding: None,
         }
     );
     // The one received full block is now cached and published; the partial one is not.

@@ -31,6 +31,7 @@ pub(super) fn fake_tokens(s: &Scheduler) -> Vec<SampledToken> {
             id: e.id,
             token: 500 + e.tokens().end as u32,
             logprobs: None,
+            embedding: None,
         })
         .collect()
 }
@@ -342,6 +343,7 @@ fn complete_step_checks_outputs_against_the_plan() {
         id: RequestId(9),
         token: 1,
         logprobs: None,
+        embedding: None,
     }];
     assert!(s.complete_step(&wrong, 1).is_err());
     let extra = [
@@ -349,11 +351,13 @@ fn complete_step_checks_outputs_against_the_plan() {
             id: RequestId(1),
             token: 1,
             logprobs: None,
+            embedding: None,
         },
         SampledToken {
             id: RequestId(1),
             token: 2,
             logprobs: None,
+            embedding: None,
         },
     ];
     assert!(s.complete_step(&extra, 1).is_err());

@@ -337,6 +337,15 @@ impl Sidecar {
         &self,
         req: GenerateRequest,
     ) -> Result<ChunkStream<GenerateChunk>, Status> {
+        if req.sampling.as_ref().is_some_and(|s| s.embed) {
+            // An external engine's embeddings are its own `/v1/embeddings` (when it serves
+            // them at all, vLLM with `--task embed`): not proxied through a sidecar.
+            return Err(Status::invalid_argument(format!(
+                "embeddings are not served through the {} sidecar: ask the engine's own \
+                 /v1/embeddings",
+                self.inner.config.engine.as_str()
+            )));
+        }
         let mut engine_req = self.engine_request(&req)?;
         // Until the engine's own count arrives with its usage (at the end), the first chunk
         // says what the engine's events say it held of the prompt, taken before the engine
@@ -470,6 +479,7 @@ impl Sidecar {
                 };
                 text_tokens += counted;
                 let chunk = GenerateChunk {
+                    embedding: Vec::new(),
                     text: d.text,
                     completion_tokens: counted,
                     tokens: d.tokens,

@@ -21,15 +21,19 @@ pub enum Endpoint {
     Responses,
     /// `POST /v1/messages` (Anthropic Messages): the chat template applied to `messages`.
     Messages,
+    /// `POST /v1/embeddings`: one request per input, each answering its prompt's embedding
+    /// with one token.
+    Embeddings,
 }
 
 impl Endpoint {
     /// Every endpoint, for metrics that start at zero.
-    pub const ALL: [Endpoint; 4] = [
+    pub const ALL: [Endpoint; 5] = [
         Endpoint::Chat,
         Endpoint::Completion,
         Endpoint::Responses,
         Endpoint::Messages,
+        Endpoint::Embeddings,
     ];
 
     /// The label used in metrics and logs.
@@ -39,6 +43,7 @@ impl Endpoint {
             Endpoint::Completion => "completion",
             Endpoint::Responses => "responses",
             Endpoint::Messages => "messages",
+            Endpoint::Embeddings => "embeddings",
         }
     }
 
@@ -50,6 +55,7 @@ impl Endpoint {
             Endpoint::Completion => "cmpl",
             Endpoint::Responses => "resp",
             Endpoint::Messages => "msg",
+            Endpoint::Embeddings => "embd",
         }
     }
 }
@@ -90,6 +96,9 @@ pub struct ValidRequest {
     /// `Some(n)`: report each generated token's log-probability and the `n` (at most 20)
     /// most likely alternatives' (chat `logprobs` / `top_logprobs`, completions `logprobs`).
     pub logprobs: Option<u8>,
+    /// Return the prompt's embedding with the first token ([`TokenChunk::embedding`]):
+    /// `/v1/embeddings`.
+    pub embed: bool,
     pub seed: Option<u64>,
     /// Stop strings (non-empty ones only). The edge applies them to the text itself and drops
     /// the stream at a match; a worker may use them too but does not have to.
@@ -230,6 +239,9 @@ pub struct TokenChunk {
     /// When the request asked for them ([`ValidRequest::logprobs`]): one per entry of
     /// `tokens`; otherwise empty.
     pub logprobs: Vec<TokenLogprob>,
+    /// With the first token of a request that asked for it ([`ValidRequest::embed`]): the
+    /// prompt's embedding, unit length; otherwise (or from an engine without) empty.
+    pub embedding: Vec<f32>,
 }
 
 /// A generated token's log-probability and the most likely alternatives', most likely

@@ -159,8 +159,8 @@ mod text;
 // The groups' modules, by their own names (`crate::http::generate`, …).
 use access::{auth, tls};
 use api::{
-    body, format, format_chat, generate, groups, hints, ids, logprobs, messages, models, openai,
-    output, pyjson, responses, responses_store, stop, tool_calls, validate,
+    body, embeddings, format, format_chat, generate, groups, hints, ids, logprobs, messages,
+    models, openai, output, pyjson, responses, responses_store, stop, tool_calls, validate,
 };
 use observe::{metrics, recent, status, trace};
 pub use text::tokenizer;
@@ -230,6 +230,7 @@ fn routes(state: HttpState, listener: Listener) -> Router {
             .route("/v1/completions", post(generate::completions))
             .route("/v1/responses", post(generate::responses))
             .route("/v1/messages", post(generate::messages))
+            .route("/v1/embeddings", post(embeddings::embeddings))
             .route("/v1/models", get(models::models))
             .route("/v1/models/{*model}", get(models::model)),
         Listener::Admin => Router::new(),

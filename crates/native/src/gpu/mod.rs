@@ -697,7 +697,14 @@ impl Model for GpuModel {
             device_failed(&e);
         }
         let n_vocab = self.w.llama.cfg.n_vocab;
-        sample_step(&view, &self.logits, n_vocab, &mut self.sampler, sampled);
+        // (The graph keeps its hidden states on the device: no embeddings from it yet.)
+        sample_step(
+            &view,
+            (&self.logits, n_vocab),
+            None,
+            &mut self.sampler,
+            sampled,
+        );
     }
 
     fn forget(&mut self, _: RequestId) {}

@@ -183,6 +183,14 @@ pub struct Scratch {
     sin: Vec<f32>,
 }
 
+impl Scratch {
+    /// After [`Llama::forward`]: the final (output-normed) hidden state of every row that
+    /// wanted logits, in the logits' order (`n_embd` each) — what the output projection read.
+    pub fn output_hidden(&self) -> &[f32] {
+        &self.h
+    }
+}
+
 impl Llama {
     /// Bytes of KV one token takes in one layer (K and V, f16).
     pub fn kv_bytes_per_token_layer(&self) -> usize {

@@ -171,6 +171,7 @@ impl ClusterBackend {
                 top_k: (job.req.top_k > 0).then_some(job.req.top_k),
                 min_p: (job.req.min_p > 0.0).then_some(job.req.min_p),
                 logprobs: job.req.logprobs.map(u32::from),
+                embed: job.req.embed,
             }),
             hash_seed: job.seed.0,
             remote_prefill: job.kv_from.clone().or_else(|| {

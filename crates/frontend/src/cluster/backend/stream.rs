@@ -239,5 +239,6 @@ pub(super) fn token_chunk(c: &GenerateChunk) -> TokenChunk {
                 top: l.top_pairs().unwrap_or_default(),
             })
             .collect(),
+        embedding: c.embedding.clone(),
     }
 }

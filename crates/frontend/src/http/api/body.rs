@@ -99,6 +99,11 @@ impl BodyCheck {
                     "the endpoint picker reads no Responses API prompts",
                 ));
             }
+            Endpoint::Embeddings => {
+                return Err(ServeError::invalid(
+                    "the endpoint picker reads no embeddings requests",
+                ));
+            }
         };
         let custom_session = match &config.session_field {
             crate::http::SessionField::Field(name) => hints::session_from_body(body, name),

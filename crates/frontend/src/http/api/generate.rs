@@ -209,10 +209,10 @@ async fn serve(
 }
 
 /// A request's body, read after its key and the drain were checked.
-struct Received {
-    tenant: Option<crate::http::auth::Tenant>,
-    arrived: std::time::Instant,
-    bytes: Bytes,
+pub(crate) struct Received {
+    pub(crate) tenant: Option<crate::http::auth::Tenant>,
+    pub(crate) arrived: std::time::Instant,
+    pub(crate) bytes: Bytes,
 }
 
 /// Where the backend groups sent a request (`groups.rs`).
@@ -299,7 +299,7 @@ pub(crate) fn error_response(endpoint: Endpoint, e: ServeError) -> Response {
 }
 
 /// The API key, the drain check and the body: what comes before anything is parsed.
-async fn receive(
+pub(crate) async fn receive(
     state: &HttpState,
     headers: &HeaderMap,
     body: Body,
@@ -345,6 +345,12 @@ async fn admit(
             checked
         }
         Endpoint::Messages => messages::check(validate::parse_json(&bytes)?, config)?,
+        // (Embeddings have their own admission, one request per input: `embeddings.rs`.)
+        Endpoint::Embeddings => {
+            return Err(ServeError::internal(
+                "an embeddings request reached the generation path",
+            ));
+        }
     };
     let custom_session = match &config.session_field {
         crate::http::SessionField::Field(name) => hints::session_from_body(&bytes, name),
@@ -378,7 +384,10 @@ async fn admit(
 /// Tokenizes (through the chat template for conversations). Long prompts take milliseconds:
 /// they go to a blocking thread, awaited right here so it has an owner; if the client
 /// leaves, it runs to completion and its result is dropped.
-async fn tokenize(state: &HttpState, checked: Checked) -> Result<(Checked, Vec<u32>), ServeError> {
+pub(crate) async fn tokenize(
+    state: &HttpState,
+    checked: Checked,
+) -> Result<(Checked, Vec<u32>), ServeError> {
     if !checked.is_large() {
         let tokens = checked.tokenize(state.tokenizer(), state.prompts())?;
         return Ok((checked, tokens));

@@ -37,7 +37,7 @@ impl RequestIds {
     pub(crate) fn next(&self, endpoint: Endpoint) -> (u64, String) {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let text = match endpoint {
-            Endpoint::Chat | Endpoint::Completion => {
+            Endpoint::Chat | Endpoint::Completion | Endpoint::Embeddings => {
                 format!("{}-{}-{id}", endpoint.id_prefix(), self.prefix)
             }
             Endpoint::Responses | Endpoint::Messages => {

@@ -133,6 +133,7 @@ mod tests {
             text: None,
             text_tokens: 0,
             logprobs: Vec::new(),
+            embedding: Vec::new(),
         }
     }
 

@@ -646,6 +646,7 @@ impl Checked {
         Ok(ValidRequest {
             id,
             response_id,
+            embed: self.endpoint == Endpoint::Embeddings,
             endpoint: self.endpoint,
             model: self.model,
             adapter: self.adapter,

@@ -370,6 +370,18 @@ impl RequestRecord {
         self.check_prompt_tokens();
     }
 
+    /// The request's prompt and cached tokens, for a request that produces no tokens (its
+    /// latency is not a time to first token): `/v1/embeddings`.
+    pub(crate) fn counted(&mut self, prompt_tokens: u64, cached_tokens: u64) {
+        self.prompt_tokens = prompt_tokens;
+        self.cached_tokens = cached_tokens;
+        let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.span
+            .record("gen_ai.usage.input_tokens", as_i64(prompt_tokens));
+        self.span
+            .record("tandem.cached_tokens", as_i64(cached_tokens));
+    }
+
     /// The response head is decided.
     pub(crate) fn status(&mut self, status: u16) {
         self.status = Some(status);

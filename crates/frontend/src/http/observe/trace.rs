@@ -21,6 +21,7 @@ use crate::http::backend::{Endpoint, ValidRequest};
 fn operation(endpoint: Endpoint) -> &'static str {
     match endpoint {
         Endpoint::Completion => "text_completion",
+        Endpoint::Embeddings => "embeddings",
         Endpoint::Chat | Endpoint::Responses | Endpoint::Messages => "chat",
     }
 }
@@ -33,6 +34,7 @@ pub(crate) fn request_span(endpoint: Endpoint, headers: &HeaderMap) -> tracing::
         Endpoint::Completion => "/v1/completions",
         Endpoint::Responses => "/v1/responses",
         Endpoint::Messages => "/v1/messages",
+        Endpoint::Embeddings => "/v1/embeddings",
     };
     let span = tracing::info_span!(
         "generation",

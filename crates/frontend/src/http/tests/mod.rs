@@ -5,6 +5,7 @@ mod agents;
 mod auth;
 mod budgets;
 mod cascade_verifier;
+mod embeddings;
 mod errors;
 mod experiment;
 mod groups;
@@ -81,6 +82,16 @@ pub(crate) struct FakeBackend {
     changed: Arc<tokio::sync::Notify>,
     /// Retries left in its budget (`None`: no budget kept).
     retries: Mutex<Option<u32>>,
+    /// Answers a request that asks for an embedding with [`fake_embedding`] (else none, as
+    /// an engine without embeddings).
+    pub embeds: AtomicBool,
+}
+
+/// The fake's embedding of a prompt: `(len, 1, 0)` at length 1.
+pub(crate) fn fake_embedding(prompt_tokens: usize) -> Vec<f32> {
+    let n = prompt_tokens as f32;
+    let norm = (n * n + 1.0).sqrt();
+    vec![n / norm, 1.0 / norm, 0.0]
 }
 
 impl FakeBackend {
@@ -97,6 +108,7 @@ impl FakeBackend {
             dropped: Arc::new(AtomicBool::new(false)),
             changed: Arc::new(tokio::sync::Notify::new()),
             retries: Mutex::new(None),
+            embeds: AtomicBool::new(true),
         })
     }
 
@@ -198,6 +210,8 @@ impl Backend for FakeBackend {
             req.engine.set_prompt_tokens(u32::try_from(n).unwrap_or(0));
         }
         let asked = req.logprobs;
+        let embedding = (req.embed && self.embeds.load(Ordering::SeqCst))
+            .then(|| fake_embedding(req.prompt_tokens.len()));
         self.seen.lock().push(req);
         self.dropped.store(false, Ordering::SeqCst);
         self.changed.notify_waiters();
@@ -236,7 +250,10 @@ impl Backend for FakeBackend {
                 c
             })
         });
-        let items: Vec<_> = items.collect();
+        let mut items: Vec<_> = items.collect();
+        if let (Some(v), Some(Ok(first))) = (embedding, items.first_mut()) {
+            first.embedding = v;
+        }
         let flag = DropFlag(self.dropped.clone(), self.changed.clone());
         let tail = if hang {
             futures::stream::pending().boxed()

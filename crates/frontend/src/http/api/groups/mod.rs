@@ -242,7 +242,7 @@ async fn serve_from(
     let path = match endpoint {
         Endpoint::Chat => "/chat/completions",
         Endpoint::Completion => "/completions",
-        Endpoint::Responses | Endpoint::Messages => {
+        Endpoint::Responses | Endpoint::Messages | Endpoint::Embeddings => {
             return Routed::Done(
                 ServeError::invalid(format!(
                     "model {model:?} is served by backend groups, which take \
