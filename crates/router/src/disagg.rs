@@ -245,6 +245,8 @@ pub enum DisaggReason {
     /// A remote prefill was chosen, but the caller prefills locally after all (the simulator's
     /// decode worker had no room to reserve the KV's blocks).
     Fallback,
+    /// The request asked to be prefilled where it decodes ([`RouteRequest::local_prefill`]).
+    LocalOnly,
 }
 
 /// Where a request goes.
@@ -353,7 +355,7 @@ pub fn decide(
         prefill: None,
         why,
     };
-    if cfg.mode == DisaggMode::Always && !prefill.is_empty() {
+    if cfg.mode == DisaggMode::Always && !prefill.is_empty() && !req.local_prefill {
         // D's cache plays no part: credit 0 for every tier, whatever the request asks.
         let mut load_only = *req;
         load_only.overrides.overlap_credit = None;
@@ -370,6 +372,9 @@ pub fn decide(
     let (d, d_view) = pick(&cfg.decode_kv, &cfg.decode_pool, req, decode, rng)?;
     if prefill.is_empty() {
         return Ok(local(d, DisaggReason::NoPrefillPool));
+    }
+    if req.local_prefill {
+        return Ok(local(d, DisaggReason::LocalOnly));
     }
     let target = (d.worker, d_view.overlap.total());
     let effective = effective_prompt_tokens(req, d_view.overlap.total());

@@ -119,6 +119,10 @@ pub struct RouteRequest {
     pub priority: crate::Priority,
     /// Its LoRA adapter ([`crate::adapters`]); `None`: the base model.
     pub adapter: Option<AdapterId>,
+    /// Prefilled where it decodes, whatever the disaggregation rule would say: an
+    /// embedding is the prompt's last hidden state, which only the worker that computes the
+    /// prompt has ([`crate::DisaggReason::LocalOnly`]).
+    pub local_prefill: bool,
 }
 
 impl RouteRequest {
@@ -131,6 +135,7 @@ impl RouteRequest {
             overrides: KvOverrides::default(),
             priority: crate::Priority::Standard,
             adapter: None,
+            local_prefill: false,
         }
     }
 

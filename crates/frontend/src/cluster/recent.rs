@@ -216,6 +216,7 @@ fn disagg_reason(why: &DisaggReason) -> String {
             local_cost,
         } => format!("local: sooner here (remote {remote_cost:.1} > local {local_cost:.1})"),
         DisaggReason::Fallback => "local: fallback".into(),
+        DisaggReason::LocalOnly => "local: asked (an embedding)".into(),
     }
 }
 

@@ -76,6 +76,27 @@ fn no_prefill_pool_or_never_means_local() {
 }
 
 #[test]
+fn a_request_that_asks_to_prefill_where_it_decodes_does_in_every_mode() {
+    let r = RouteRequest {
+        local_prefill: true,
+        ..req(10_000, 16)
+    };
+    for mode in DisaggMode::ALL {
+        let d = run(mode, &r, &[idle(1)], &[prefill(9, 0)]);
+        assert!(!d.is_remote(), "{mode:?}");
+        assert_eq!(d.why, DisaggReason::LocalOnly, "{mode:?}");
+    }
+    // Not asked: the same prompt goes remote under `always`.
+    let d = run(
+        DisaggMode::Always,
+        &req(10_000, 16),
+        &[idle(1)],
+        &[prefill(9, 0)],
+    );
+    assert!(d.is_remote());
+}
+
+#[test]
 fn always_picks_decode_on_load_alone_and_prefill_by_overlap() {
     // 4096-token prompt = 256 blocks. D1 caches it all but has 5 decode blocks; D2 is empty.
     let decode = [view(1, tiers(256, 0, 0), 0, 5, 0), idle(2)];

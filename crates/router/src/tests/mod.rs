@@ -31,6 +31,7 @@ pub(crate) fn req(prompt_tokens: u64, block_size: u32) -> RouteRequest {
         overrides: KvOverrides::default(),
         priority: crate::Priority::Standard,
         adapter: None,
+        local_prefill: false,
     }
 }
 

@@ -258,6 +258,8 @@ impl ClusterBackend {
             overrides: job.req.routing.overrides,
             priority: job.req.priority,
             adapter: job.req.adapter.as_deref().map(AdapterId::of),
+            // An embedding is the last hidden state of the prompt's own prefill.
+            local_prefill: job.req.embed,
             ..self
                 .shared
                 .cfg
