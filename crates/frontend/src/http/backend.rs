@@ -151,6 +151,22 @@ impl PromptSource {
         PromptSource(Arc::new(Source::Chat(conversation)))
     }
 
+    /// A completion's prompt text.
+    pub(crate) fn as_completion(&self) -> Option<&str> {
+        match &*self.0 {
+            Source::Completion(t) => Some(t),
+            Source::Chat(_) => None,
+        }
+    }
+
+    /// A chat's conversation.
+    pub(crate) fn conversation(&self) -> Option<&crate::http::text::conversation::Conversation> {
+        match &*self.0 {
+            Source::Chat(c) => Some(c),
+            Source::Completion(_) => None,
+        }
+    }
+
     /// The prompt as the request plane carries it: a completions prompt as is, a
     /// conversation as chat completions' `messages` and `tools` JSON.
     pub fn text(&self) -> tandem_protocol::grpc::PromptText {

@@ -160,7 +160,8 @@ mod text;
 use access::{auth, tls};
 use api::{
     body, embeddings, format, format_chat, generate, groups, hints, ids, logprobs, messages,
-    models, openai, output, pyjson, responses, responses_store, stop, tool_calls, validate,
+    models, openai, output, pyjson, responses, responses_store, semantic_cache, stop, tool_calls,
+    validate,
 };
 use observe::{metrics, recent, status, trace};
 pub use text::tokenizer;
@@ -188,6 +189,7 @@ pub(crate) use metrics::TenantLabels;
 pub use prompt::Prompts;
 pub use recent::{LatencySnapshot, Percentiles, RecentLatency, SlotPoint};
 pub use responses_store::ResponsesStoreConfig;
+pub use semantic_cache::{SemanticCache, SemanticCacheConfig, SemanticCacheError};
 pub use state::AdapterNameError;
 pub use state::watch_api_keys;
 pub use state::{HttpConfig, HttpState, HttpStateBuilder, StateError};

@@ -60,6 +60,8 @@ pub struct HttpConfig {
     /// The body field that names a request's session (for session affinity), besides the
     /// `x-session-id` header and `tandem.session_id`. Default: `user`.
     pub session_field: super::SessionField,
+    /// The semantic cache (`semantic_cache.rs`). Default: off.
+    pub semantic_cache: super::SemanticCacheConfig,
 }
 
 impl HttpConfig {
@@ -91,6 +93,7 @@ impl Default for HttpConfig {
             access: AccessConfig::default(),
             tls: None,
             session_field: super::SessionField::User,
+            semantic_cache: super::SemanticCacheConfig::default(),
         }
     }
 }
@@ -121,6 +124,8 @@ struct Inner {
     tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     /// The backend groups, when a groups file was given.
     groups: Option<Arc<GroupGate>>,
+    /// The semantic cache, when on.
+    semantic_cache: Option<Arc<super::SemanticCache>>,
 }
 
 /// Why an [`HttpState`] could not be made (at startup: each should stop the process).
@@ -136,6 +141,8 @@ pub enum StateError {
     Adapters(#[from] AdapterNameError),
     #[error(transparent)]
     Groups(#[from] GroupsError),
+    #[error(transparent)]
+    SemanticCache(#[from] super::SemanticCacheError),
 }
 
 impl fmt::Debug for HttpState {
@@ -230,6 +237,13 @@ impl HttpStateBuilder {
         );
         let prompts = Prompts::new(template, tokenizer.clone());
         let responses = Arc::new(ResponseStore::new(config.responses_store));
+        config.semantic_cache.validate()?;
+        let semantic_cache = config.semantic_cache.enabled.then(|| {
+            Arc::new(super::SemanticCache::new(
+                config.semantic_cache.clone(),
+                &mut registry,
+            ))
+        });
         Ok(HttpState {
             inner: Arc::new(Inner {
                 backend,
@@ -246,6 +260,7 @@ impl HttpStateBuilder {
                 access,
                 tls,
                 groups,
+                semantic_cache,
             }),
         })
     }
@@ -289,6 +304,10 @@ impl HttpState {
 
     pub(crate) fn groups(&self) -> Option<&Arc<GroupGate>> {
         self.inner.groups.as_ref()
+    }
+
+    pub(crate) fn semantic_cache(&self) -> Option<&Arc<super::SemanticCache>> {
+        self.inner.semantic_cache.as_ref()
     }
 
     pub fn is_draining(&self) -> bool {

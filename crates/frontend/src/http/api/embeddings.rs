@@ -85,8 +85,8 @@ struct EmbeddingsUsage {
 }
 
 /// One input's answer: its embedding and its prompt and cached tokens.
-struct Embedded {
-    vector: Vec<f32>,
+pub(crate) struct Embedded {
+    pub(crate) vector: Vec<f32>,
     prompt_tokens: u32,
     cached_tokens: u32,
 }
@@ -254,7 +254,10 @@ fn inputs(input: Option<Prompt>) -> Result<Vec<PromptInput>, ServeError> {
 }
 
 /// One input through the backend: its first (and only) chunk carries the embedding.
-async fn embed_one(state: &HttpState, req: ValidRequest) -> Result<Embedded, ServeError> {
+pub(crate) async fn embed_one(
+    state: &HttpState,
+    req: ValidRequest,
+) -> Result<Embedded, ServeError> {
     let sent = u32::try_from(req.prompt_tokens.len()).unwrap_or(u32::MAX);
     let engine = req.engine.clone();
     let generation = state.backend().generate(req).await?;

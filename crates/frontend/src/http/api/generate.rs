@@ -41,6 +41,7 @@ use crate::http::metrics::RequestRecord;
 use crate::http::openai::Usage;
 use crate::http::output::Output;
 use crate::http::responses;
+use crate::http::semantic_cache::{self, Lookup};
 use crate::http::state::HttpState;
 use crate::http::tool_calls::{Piece, ToolCallStream};
 use crate::http::trace;
@@ -172,7 +173,14 @@ async fn serve(
         "admitted"
     );
     let spill = marks.as_deref().is_some_and(groups::Marks::can_spill);
-    let (mut response, marks) = match (respond(&state, admitted, record, spill).await, marks) {
+    // Before routing: an answer the semantic cache holds for a request that means the same.
+    let cached = match state.semantic_cache() {
+        Some(cache) => semantic_cache::look_up(&state, cache, &admitted.req, &headers).await,
+        None => Lookup::Skip,
+    };
+    let said = cached.header();
+    let answered = respond(&state, admitted, record, spill, cached).await;
+    let (mut response, marks) = match (answered, marks) {
         (Ok(response), marks) => (response, marks),
         (Err((e, mut record)), Some(marks)) => {
             // The pool refused before anything went out: the groups may go on.
@@ -205,6 +213,7 @@ async fn serve(
     if let Some(arm) = arm {
         response.headers_mut().insert("x-tandem-experiment", arm);
     }
+    semantic_cache::mark(&mut response, said);
     response
 }
 
@@ -507,6 +516,7 @@ async fn respond(
     admitted: Admitted,
     mut record: RequestRecord,
     spill: bool,
+    cached: Lookup,
 ) -> Result<Response, (ServeError, RequestRecord)> {
     let Admitted {
         req,
@@ -527,12 +537,18 @@ async fn respond(
     };
     record.sent(req.id, req.prompt_tokens.len(), req.engine.clone());
 
-    let generation = match state.backend().generate(req).await {
-        Ok(g) => g,
-        Err(e) if spill && tandem_router::groups::spills(e.status().as_u16(), false) => {
-            return Err((e, record));
-        }
-        Err(e) => return Ok(fail(endpoint, e, &id, &mut record)),
+    let generation = match cached {
+        Lookup::Hit(answer, _) => semantic_cache::replay(&answer, prompt_tokens),
+        cached => match state.backend().generate(req).await {
+            Ok(g) => match (cached, state.semantic_cache()) {
+                (Lookup::Miss(key), Some(cache)) => semantic_cache::storing(g, cache.clone(), key),
+                _ => g,
+            },
+            Err(e) if spill && tandem_router::groups::spills(e.status().as_u16(), false) => {
+                return Err((e, record));
+            }
+            Err(e) => return Ok(fail(endpoint, e, &id, &mut record)),
+        },
     };
     let route = generation.route;
     record.span().record(

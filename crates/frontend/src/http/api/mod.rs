@@ -21,6 +21,7 @@ pub(crate) mod output;
 pub(crate) mod pyjson;
 pub(crate) mod responses;
 pub(crate) mod responses_store;
+pub(crate) mod semantic_cache;
 pub(crate) mod stop;
 pub(crate) mod tool_calls;
 pub(crate) mod validate;

@@ -35,7 +35,7 @@ async fn each_input_is_a_one_token_request_that_asks_for_its_embedding() {
         assert_eq!(v["data"][i]["object"], "embedding");
         assert_eq!(v["data"][i]["index"], i);
         let got: Vec<f32> = serde_json::from_value(v["data"][i]["embedding"].clone()).unwrap();
-        assert_eq!(got, fake_embedding(r.prompt_tokens.len()));
+        assert_eq!(got, fake_embedding(&r.prompt_tokens));
     }
     let total = hello.len() + kenobi.len();
     assert_eq!(
@@ -67,7 +67,7 @@ async fn base64_is_the_floats_little_endian_bytes() {
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
-    assert_eq!(floats, fake_embedding(3));
+    assert_eq!(floats, fake_embedding(&[1, 2, 3]));
 }
 
 #[tokio::test]
@@ -85,7 +85,7 @@ async fn bad_input_and_an_engine_without_embeddings_are_refused_with_the_reason(
             "encoding_format",
         ),
         (json!({"input": "a", "dimensions": 0}), 400, "dimensions"),
-        // The fake's embeddings have 3 dimensions: they cannot be made 2.
+        // The fake's embeddings have 16 dimensions: they cannot be made 2.
         (json!({"input": "a", "dimensions": 2}), 400, "dimensions"),
         (json!({"input": 7}), 422, ""),
     ] {
@@ -98,7 +98,7 @@ async fn bad_input_and_an_engine_without_embeddings_are_refused_with_the_reason(
     }
     let resp = send(
         &app,
-        post_json("/v1/embeddings", &json!({"input": "a", "dimensions": 3})),
+        post_json("/v1/embeddings", &json!({"input": "a", "dimensions": 16})),
     )
     .await;
     assert_eq!(resp.status(), StatusCode::OK, "the model's own size");

@@ -13,6 +13,7 @@ mod hints;
 mod lora;
 mod ops;
 mod responses;
+mod semantic_cache;
 mod templates;
 
 use crate::http::TokenLogprob;
@@ -87,11 +88,15 @@ pub(crate) struct FakeBackend {
     pub embeds: AtomicBool,
 }
 
-/// The fake's embedding of a prompt: `(len, 1, 0)` at length 1.
-pub(crate) fn fake_embedding(prompt_tokens: usize) -> Vec<f32> {
-    let n = prompt_tokens as f32;
-    let norm = (n * n + 1.0).sqrt();
-    vec![n / norm, 1.0 / norm, 0.0]
+/// The fake's embedding of a prompt: its tokens counted into 16 buckets, at length 1 (the
+/// same tokens in any order give the same vector; one token more or less moves it a little).
+pub(crate) fn fake_embedding(prompt: &[u32]) -> Vec<f32> {
+    let mut v = [0.0f32; 16];
+    for &t in prompt {
+        v[(t.wrapping_mul(2_654_435_761) >> 28) as usize] += 1.0;
+    }
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    v.iter().map(|x| x / norm.max(f32::MIN_POSITIVE)).collect()
 }
 
 impl FakeBackend {
@@ -211,7 +216,7 @@ impl Backend for FakeBackend {
         }
         let asked = req.logprobs;
         let embedding = (req.embed && self.embeds.load(Ordering::SeqCst))
-            .then(|| fake_embedding(req.prompt_tokens.len()));
+            .then(|| fake_embedding(&req.prompt_tokens));
         self.seen.lock().push(req);
         self.dropped.store(false, Ordering::SeqCst);
         self.changed.notify_waiters();
