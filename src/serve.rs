@@ -395,11 +395,38 @@ pub struct SemanticCacheArgs {
         value_delimiter = ','
     )]
     pub vary_by: Vec<String>,
+    /// An OpenAI-compatible embeddings endpoint (the whole URL, ending in /v1/embeddings) to
+    /// compare with, instead of the pool's own model.
+    #[arg(
+        long = "semantic-cache-embeddings-url",
+        env = "TANDEM_SEMANTIC_CACHE_EMBEDDINGS_URL"
+    )]
+    pub embeddings_url: Option<String>,
+    /// The `model` asked of that endpoint.
+    #[arg(
+        long = "semantic-cache-embeddings-model",
+        env = "TANDEM_SEMANTIC_CACHE_EMBEDDINGS_MODEL"
+    )]
+    pub embeddings_model: Option<String>,
+    /// The environment variable holding that endpoint's API key.
+    #[arg(
+        long = "semantic-cache-embeddings-key-env",
+        env = "TANDEM_SEMANTIC_CACHE_EMBEDDINGS_KEY_ENV"
+    )]
+    pub embeddings_key_env: Option<String>,
 }
 
 impl SemanticCacheArgs {
-    pub fn config(&self) -> tandem_frontend::http::SemanticCacheConfig {
-        tandem_frontend::http::SemanticCacheConfig {
+    pub fn config(&self) -> anyhow::Result<tandem_frontend::http::SemanticCacheConfig> {
+        // The binary is where the environment is read.
+        #[allow(clippy::disallowed_methods)]
+        let key = match &self.embeddings_key_env {
+            Some(var) => Some(std::env::var(var).map_err(|_| {
+                anyhow::anyhow!("--semantic-cache-embeddings-key-env: {var} is not set")
+            })?),
+            None => None,
+        };
+        Ok(tandem_frontend::http::SemanticCacheConfig {
             enabled: self.enabled,
             threshold: self.threshold,
             ttl: Duration::from_secs(self.ttl_s),
@@ -412,7 +439,10 @@ impl SemanticCacheArgs {
                 .map(|h| h.trim().to_ascii_lowercase())
                 .filter(|h| !h.is_empty())
                 .collect(),
-        }
+            embeddings_url: self.embeddings_url.clone(),
+            embeddings_model: self.embeddings_model.clone(),
+            embeddings_key: key.map(|k| tandem_frontend::http::ApiKey(k.trim().to_string())),
+        })
     }
 
     fn to_args(&self) -> Vec<String> {
@@ -429,6 +459,15 @@ impl SemanticCacheArgs {
                 "--semantic-cache-vary-by={}",
                 self.vary_by.join(",")
             ));
+        }
+        if let Some(url) = &self.embeddings_url {
+            a.push(format!("--semantic-cache-embeddings-url={url}"));
+        }
+        if let Some(model) = &self.embeddings_model {
+            a.push(format!("--semantic-cache-embeddings-model={model}"));
+        }
+        if let Some(var) = &self.embeddings_key_env {
+            a.push(format!("--semantic-cache-embeddings-key-env={var}"));
         }
         a
     }
@@ -548,7 +587,7 @@ pub fn frontend_config(
                 max_bytes: http.responses_store_max_bytes,
             },
             session_field: http.session_field.parse().unwrap_or_default(),
-            semantic_cache: http.semantic_cache.config(),
+            semantic_cache: http.semantic_cache.config()?,
             ..Default::default()
         },
         tokenizer,

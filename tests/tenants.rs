@@ -158,3 +158,71 @@ fn a_tenants_cached_prefix_gives_another_tenant_no_hit_and_no_speedup() {
     assert!(same_salt.ttft < b.ttft, "{seen}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The semantic cache on a real cluster (`--semantic-cache`, the mocker's embeddings through
+/// the pool): a paraphrase of a question answered before is answered from the cache, the
+/// same answer, with no worker; the same question from another tenant is not.
+#[test]
+fn the_semantic_cache_answers_a_paraphrase_and_never_another_tenant() {
+    let _serial = serial();
+    let dir = common::temp_dir("semantic-keys");
+    let keys = dir.join("keys.json");
+    std::fs::write(
+        &keys,
+        json!({"tenants": {"a": {"keys": [KEY_A]}, "b": {"keys": [KEY_B]}}}).to_string(),
+    )
+    .unwrap();
+    let c = Cluster::start(
+        "semantic",
+        Options {
+            frontend_args: vec![
+                format!("--api-keys-file={}", keys.display()),
+                "--semantic-cache".into(),
+                // The mocker's embeddings hash tokens: a paraphrase sharing most of them lies
+                // within 0.3; a question sharing few, beyond.
+                "--semantic-cache-threshold=0.3".into(),
+            ],
+            ..Options::default()
+        },
+    );
+    let ask = |key: &str, question: &str| {
+        let body = chat("You are a support agent.", question, 12).to_string();
+        let auth = format!("Bearer {key}");
+        let r = http::request(
+            c.addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(body.as_bytes()),
+            &[("authorization", auth.as_str())],
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let said = |h: &str| r.header(h).map(str::to_string);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        (
+            said("x-tandem-semantic-cache"),
+            said("x-tandem-semantic-cache-distance"),
+            said("x-tandem-decode-worker"),
+            text,
+        )
+    };
+    let first = ask(KEY_A, "How do I reset my password on the website?");
+    assert_eq!(first.0.as_deref(), Some("miss"), "{first:?}");
+    assert!(first.2.is_some());
+    let para = ask(KEY_A, "How do I reset my password on this website?");
+    eprintln!("first {first:?}\nparaphrase {para:?}");
+    assert_eq!(para.0.as_deref(), Some("hit"), "{para:?}");
+    assert_eq!(para.2, None, "no worker answered");
+    assert_eq!(para.3, first.3, "the answer given before");
+    // The same question from another tenant: answered by a worker, from its own cache only.
+    let other = ask(KEY_B, "How do I reset my password on the website?");
+    assert_eq!(other.0.as_deref(), Some("miss"), "{other:?}");
+    assert!(other.2.is_some());
+    // Another question of the first tenant.
+    let far = ask(KEY_A, "Which trains leave for Lyon after six tonight?");
+    assert_eq!(far.0.as_deref(), Some("miss"), "{far:?}");
+}

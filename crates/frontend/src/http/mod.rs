@@ -189,7 +189,7 @@ pub(crate) use metrics::TenantLabels;
 pub use prompt::Prompts;
 pub use recent::{LatencySnapshot, Percentiles, RecentLatency, SlotPoint};
 pub use responses_store::ResponsesStoreConfig;
-pub use semantic_cache::{SemanticCache, SemanticCacheConfig, SemanticCacheError};
+pub use semantic_cache::{ApiKey, SemanticCache, SemanticCacheConfig, SemanticCacheError};
 pub use state::AdapterNameError;
 pub use state::watch_api_keys;
 pub use state::{HttpConfig, HttpState, HttpStateBuilder, StateError};

@@ -57,6 +57,9 @@ use crate::http::embeddings;
 use crate::http::error::ServeError;
 use crate::http::state::HttpState;
 
+/// The most an embeddings endpoint may take to answer a lookup (a miss after it).
+const EMBEDDING_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The cache's knobs (`HttpConfig::semantic_cache`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SemanticCacheConfig {
@@ -76,6 +79,24 @@ pub struct SemanticCacheConfig {
     /// Request headers whose values partition the cache too (lower case), beside the tenant
     /// and the model, which always do.
     pub vary_by: Vec<String>,
+    /// An OpenAI-compatible embeddings endpoint (the whole URL, `…/v1/embeddings`) to embed
+    /// with instead of the pool's own model: an embedding model separates meanings far better
+    /// than a small chat model's last hidden state (README, "Semantic cache").
+    pub embeddings_url: Option<String>,
+    /// The `model` sent to it.
+    pub embeddings_model: Option<String>,
+    /// Its API key (sent as a bearer token).
+    pub embeddings_key: Option<ApiKey>,
+}
+
+/// An API key, never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(pub String);
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(…)")
+    }
 }
 
 /// (The threshold is never NaN: [`SemanticCacheConfig::validate`] refuses it.)
@@ -91,6 +112,9 @@ impl Default for SemanticCacheConfig {
             last_messages: 4,
             include_system: false,
             vary_by: Vec::new(),
+            embeddings_url: None,
+            embeddings_model: None,
+            embeddings_key: None,
         }
     }
 }
@@ -104,6 +128,8 @@ pub enum SemanticCacheError {
     MaxEntries,
     #[error("--semantic-cache-messages must be at least 1")]
     Messages,
+    #[error("--semantic-cache-embeddings-url {0:?}: {1}")]
+    Url(String, String),
 }
 
 impl SemanticCacheConfig {
@@ -116,6 +142,21 @@ impl SemanticCacheConfig {
         }
         if self.last_messages == 0 {
             return Err(SemanticCacheError::Messages);
+        }
+        if let Some(url) = &self.embeddings_url {
+            let parsed = reqwest::Url::parse(url)
+                .map_err(|e| SemanticCacheError::Url(url.clone(), e.to_string()))?;
+            if !matches!(parsed.scheme(), "http" | "https") {
+                return Err(SemanticCacheError::Url(url.clone(), "not http(s)".into()));
+            }
+        }
+        if let Some(key) = &self.embeddings_key
+            && HeaderValue::from_str(&format!("Bearer {}", key.0)).is_err()
+        {
+            return Err(SemanticCacheError::Url(
+                self.embeddings_url.clone().unwrap_or_default(),
+                "its API key is not a valid header value".into(),
+            ));
         }
         Ok(())
     }
@@ -240,6 +281,8 @@ pub struct SemanticCache {
     config: SemanticCacheConfig,
     inner: Mutex<Inner>,
     metrics: Metrics,
+    /// For [`SemanticCacheConfig::embeddings_url`].
+    client: reqwest::Client,
 }
 
 impl std::fmt::Debug for SemanticCache {
@@ -293,6 +336,11 @@ impl SemanticCache {
             config,
             inner: Mutex::new(Inner::default()),
             metrics,
+            client: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .timeout(EMBEDDING_TIMEOUT)
+                .build()
+                .unwrap_or_default(),
         }
     }
 
@@ -379,6 +427,47 @@ impl SemanticCache {
                 embedding,
             })),
         }
+    }
+
+    /// `text`'s embedding from the configured endpoint (OpenAI's embeddings API).
+    async fn embed_remote(&self, url: &str, text: &str) -> Result<Vec<f32>, ServeError> {
+        let fail = |why: String| ServeError::unavailable(format!("the embeddings endpoint: {why}"));
+        let mut body = serde_json::json!({"input": text, "encoding_format": "float"});
+        if let Some(model) = &self.config.embeddings_model {
+            body["model"] = serde_json::json!(model);
+        }
+        let mut asked = self.client.post(url).json(&body);
+        if let Some(key) = &self.config.embeddings_key {
+            asked = asked.bearer_auth(&key.0);
+        }
+        let answer = asked.send().await.map_err(|e| fail(e.to_string()))?;
+        let status = answer.status();
+        if !status.is_success() {
+            return Err(fail(format!("HTTP {status}")));
+        }
+        #[derive(serde::Deserialize)]
+        struct Answer {
+            data: Vec<Datum>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Datum {
+            embedding: Vec<f32>,
+        }
+        let answer: Answer = answer.json().await.map_err(|e| fail(e.to_string()))?;
+        let mut vector = answer
+            .data
+            .into_iter()
+            .next()
+            .map(|d| d.embedding)
+            .filter(|v| !v.is_empty() && v.iter().all(|x| x.is_finite()))
+            .ok_or_else(|| fail("no embedding in its answer".into()))?;
+        // Cosine distance does not need it, but a zero vector would match nothing.
+        let norm = vector.iter().map(|x| x * x).sum::<f32>().sqrt();
+        if norm == 0.0 {
+            return Err(fail("a zero embedding".into()));
+        }
+        vector.iter_mut().for_each(|x| *x /= norm);
+        Ok(vector)
     }
 
     /// Counts a lookup whose embedding failed.
@@ -485,7 +574,9 @@ pub(crate) async fn look_up(
     let Some(text) = cache.key_text(req) else {
         return Lookup::Skip;
     };
+    let pool_text = text.clone();
     let embedded = async {
+        let text = pool_text;
         let tokens = state
             .tokenizer()
             .encode(&text)
@@ -519,10 +610,16 @@ pub(crate) async fn look_up(
             adapter: None,
             ..req.clone()
         };
-        embeddings::embed_one(state, asked).await
+        embeddings::embed_one(state, asked).await.map(|e| e.vector)
+    };
+    let embedded = async {
+        match &cache.config.embeddings_url {
+            Some(url) => cache.embed_remote(url, &text).await,
+            None => embedded.await,
+        }
     };
     match embedded.await {
-        Ok(e) => cache.find(cache.partition(req, headers), e.vector, Instant::now()),
+        Ok(vector) => cache.find(cache.partition(req, headers), vector, Instant::now()),
         Err(e) => {
             tracing::debug!(error = %e, "semantic cache: the embedding failed (a miss)");
             cache.embedding_failed();

@@ -166,8 +166,27 @@ fn bad_knobs_are_refused() {
     assert_eq!(
         bad(SemanticCacheConfig {
             last_messages: 0,
-            ..d
+            ..d.clone()
         }),
         SemanticCacheError::Messages
+    );
+    for url in ["not a url", "ftp://host/v1/embeddings"] {
+        assert!(matches!(
+            bad(SemanticCacheConfig {
+                embeddings_url: Some(url.into()),
+                ..d.clone()
+            }),
+            SemanticCacheError::Url(..)
+        ));
+    }
+    let key = SemanticCacheConfig {
+        embeddings_url: Some("http://127.0.0.1:1/v1/embeddings".into()),
+        embeddings_key: Some(ApiKey("bad\nkey".into())),
+        ..d
+    };
+    assert!(matches!(bad(key.clone()), SemanticCacheError::Url(..)));
+    assert!(
+        !format!("{key:?}").contains("bad"),
+        "the key is never printed"
     );
 }

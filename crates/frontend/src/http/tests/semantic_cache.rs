@@ -229,3 +229,88 @@ async fn an_embedding_that_fails_is_a_miss_that_goes_on_to_the_pool() {
         "{metrics}"
     );
 }
+
+/// What the stand-in endpoint was asked: (authorization header, body), in order.
+type Asked = Arc<Mutex<Vec<(String, Value)>>>;
+
+/// A stand-in embeddings endpoint on a loopback port: the text's bytes counted into buckets;
+/// records what it was asked (the bearer key and the model); `fail` answers 500.
+async fn embeddings_endpoint(fail: bool) -> (String, Asked) {
+    use axum::extract::State as S;
+    let asked: Asked = Arc::default();
+    let app = axum::Router::new()
+        .route(
+            "/v1/embeddings",
+            axum::routing::post(
+                move |S(asked): S<Asked>,
+                      headers: axum::http::HeaderMap,
+                      axum::Json(body): axum::Json<Value>| async move {
+                    let auth = headers
+                        .get("authorization")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_string();
+                    let text = body["input"].as_str().unwrap_or_default().to_string();
+                    asked.lock().push((auth, body));
+                    if fail {
+                        return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(json!({})));
+                    }
+                    let bytes: Vec<u32> = text.bytes().map(u32::from).collect();
+                    let v = fake_embedding(&bytes);
+                    (
+                        StatusCode::OK,
+                        axum::Json(json!({"data": [{"embedding": v}]})),
+                    )
+                },
+            ),
+        )
+        .with_state(asked.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}/v1/embeddings"), asked)
+}
+
+fn remote_config(url: String) -> HttpConfig {
+    let mut c = cached_config();
+    c.semantic_cache.embeddings_url = Some(url);
+    c.semantic_cache.embeddings_model = Some("e5-small".into());
+    c.semantic_cache.embeddings_key = Some(crate::http::ApiKey("sk-embed".into()));
+    c
+}
+
+#[tokio::test]
+async fn a_configured_embeddings_endpoint_embeds_instead_of_the_pool() {
+    let (url, asked) = embeddings_endpoint(false).await;
+    let backend = FakeBackend::text("an answer");
+    let (app, _) = setup(backend.clone(), remote_config(url));
+    let first = send(&app, chat(ACME, "s", "Hello there?", false)).await;
+    assert_eq!(header(&first, "x-tandem-semantic-cache"), Some("miss"));
+    let again = send(&app, chat(ACME, "s", "Hello there?", false)).await;
+    assert_eq!(header(&again, "x-tandem-semantic-cache"), Some("hit"));
+    assert_eq!(seen(&backend), (1, 0), "the pool embedded nothing");
+    let asked = asked.lock().clone();
+    assert_eq!(asked.len(), 2);
+    assert_eq!(asked[0].0, "Bearer sk-embed");
+    assert_eq!(asked[0].1["model"], "e5-small");
+    assert_eq!(asked[0].1["input"], "user: Hello there?\n");
+}
+
+#[tokio::test]
+async fn an_embeddings_endpoint_that_fails_leaves_requests_to_the_pool() {
+    let (url, asked) = embeddings_endpoint(true).await;
+    let backend = FakeBackend::text("an answer");
+    let (app, state) = setup(backend.clone(), remote_config(url));
+    for _ in 0..2 {
+        let resp = send(&app, chat(ACME, "s", "Hello there?", false)).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(header(&resp, "x-tandem-semantic-cache"), None);
+    }
+    assert_eq!(asked.lock().len(), 2);
+    assert_eq!(seen(&backend), (2, 0));
+    let metrics = scrape(&state).await;
+    assert!(
+        metrics.contains("tandem_frontend_semantic_cache_embedding_errors_total 2"),
+        "{metrics}"
+    );
+}
