@@ -407,6 +407,25 @@ fn a_step_that_loads_an_adapter_takes_the_load_time_longer() {
     assert_eq!(e.load_report(30).adapters.resident, vec!["a".to_string()]);
 }
 
+/// Runs two requests added at once to the end; every output of each.
+fn run_pair(
+    e: &mut MockEngine,
+    a: EngineRequest,
+    b: EngineRequest,
+) -> BTreeMap<RequestId, Vec<RequestOutput>> {
+    let mut now = 0;
+    e.add_request(a, now).unwrap();
+    e.add_request(b, now).unwrap();
+    let mut outs: BTreeMap<RequestId, Vec<RequestOutput>> = BTreeMap::new();
+    while let Some(step) = e.begin_step(now) {
+        now += step.duration_us();
+        for o in e.finish_step(now) {
+            outs.entry(o.id).or_default().push(o);
+        }
+    }
+    outs
+}
+
 /// The mocker knows its tokens: asked for logprobs, each token comes with log-probability 0
 /// and itself as the one alternative with mass; not asked, with none. The tokens are the same.
 #[test]
@@ -415,16 +434,7 @@ fn logprobs_come_with_each_token_when_asked() {
     let plain = request(1, prompt(3, 40), 5);
     let mut asked = request(2, prompt(3, 40), 5);
     asked.sampling.logprobs = Some(3);
-    let mut now = 0;
-    e.add_request(plain, now).unwrap();
-    e.add_request(asked, now).unwrap();
-    let mut outs: BTreeMap<RequestId, Vec<RequestOutput>> = BTreeMap::new();
-    while let Some(step) = e.begin_step(now) {
-        now += step.duration_us();
-        for o in e.finish_step(now) {
-            outs.entry(o.id).or_default().push(o);
-        }
-    }
+    let outs = run_pair(&mut e, plain, asked);
     let (plain, asked) = (&outs[&RequestId(1)], &outs[&RequestId(2)]);
     assert_eq!(asked.len(), 5);
     for (p, a) in plain.iter().zip(asked) {
@@ -444,16 +454,7 @@ fn an_embedding_comes_with_the_first_token_when_asked() {
     let plain = request(1, p.clone(), 3);
     let mut asked = request(2, p.clone(), 3);
     asked.sampling.embed = true;
-    let mut now = 0;
-    e.add_request(plain, now).unwrap();
-    e.add_request(asked, now).unwrap();
-    let mut outs: BTreeMap<RequestId, Vec<RequestOutput>> = BTreeMap::new();
-    while let Some(step) = e.begin_step(now) {
-        now += step.duration_us();
-        for o in e.finish_step(now) {
-            outs.entry(o.id).or_default().push(o);
-        }
-    }
+    let outs = run_pair(&mut e, plain, asked);
     let (plain, asked) = (&outs[&RequestId(1)], &outs[&RequestId(2)]);
     assert_eq!(
         plain.iter().map(|o| o.token).collect::<Vec<_>>(),
