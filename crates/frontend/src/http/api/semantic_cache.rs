@@ -17,8 +17,9 @@
 //!
 //! # Never between tenants
 //!
-//! Answers live in partitions keyed by the tenant, the model (and adapter), and the values of
-//! the [`SemanticCacheConfig::vary_by`] headers; a lookup searches its own partition's index
+//! Answers live in partitions keyed by the tenant, the request's cache salt (a client's
+//! `cache_salt`, which keeps its KV apart, keeps its answers apart too), the model (and
+//! adapter), and the values of the [`SemanticCacheConfig::vary_by`] headers; a lookup searches its own partition's index
 //! only, so one tenant's answer never reaches another, whatever the prompts.
 //!
 //! # Bounds
@@ -385,10 +386,13 @@ impl SemanticCache {
         }
     }
 
-    /// The partition of `req`: its tenant, model and adapter, and the `vary_by` headers.
+    /// The partition of `req`: its tenant, its cache salt (a client's `cache_salt` keeps its
+    /// KV apart: its answers too), model and adapter, and the `vary_by` headers.
     pub(crate) fn partition(&self, req: &ValidRequest, headers: &HeaderMap) -> Arc<str> {
         let mut key = String::new();
         key.push_str(req.tenant.as_deref().unwrap_or(""));
+        key.push('\u{0}');
+        key.push_str(req.cache_salt.as_deref().unwrap_or(""));
         key.push('\u{0}');
         key.push_str(&req.model);
         key.push('\u{0}');

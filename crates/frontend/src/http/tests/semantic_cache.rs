@@ -122,6 +122,22 @@ async fn the_same_question_is_answered_from_the_cache_and_never_for_another_tena
     assert_eq!(other["choices"][0]["message"]["content"], "something else");
     assert_eq!(seen(&backend), (2, 3));
 
+    // The same tenant with a cache salt of its own: kept apart too.
+    let mut salted = ask(ACME, "Be brief.", "What is the capital of France?");
+    let body: Value = serde_json::from_slice(
+        &axum::body::to_bytes(std::mem::take(salted.body_mut()), usize::MAX)
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let mut body = body;
+    body["cache_salt"] = json!("private");
+    *salted.body_mut() = Body::from(body.to_string());
+    salted.headers_mut().remove(header::CONTENT_LENGTH);
+    let resp = send(&app, salted).await;
+    assert_eq!(header(&resp, "x-tandem-semantic-cache"), Some("miss"));
+    assert_eq!(seen(&backend), (3, 4));
+
     // Another question of the first tenant: a miss too.
     let new = send(
         &app,
@@ -131,10 +147,10 @@ async fn the_same_question_is_answered_from_the_cache_and_never_for_another_tena
     assert_eq!(header(&new, "x-tandem-semantic-cache"), Some("miss"));
     let metrics = scrape(&state).await;
     for line in [
-        "tandem_frontend_semantic_cache_lookups_total 4",
+        "tandem_frontend_semantic_cache_lookups_total 5",
         "tandem_frontend_semantic_cache_hits_total 1",
-        "tandem_frontend_semantic_cache_stores_total 3",
-        "tandem_frontend_semantic_cache_entries 3",
+        "tandem_frontend_semantic_cache_stores_total 4",
+        "tandem_frontend_semantic_cache_entries 4",
     ] {
         assert!(metrics.contains(line), "{line} in {metrics}");
     }
