@@ -14,6 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --bin tandem >&2
 port=${PORT:-18731}
+if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+  echo "port $port is in use (PORT=… picks another)" >&2
+  exit 1
+fi
 flags=(--port "$port" --admin-listen off --semantic-cache)
 [ "${ENGINE:-}" = mocker ] && flags+=(--engine mocker)
 [ -n "${EMBEDDINGS_URL:-}" ] && flags+=(--semantic-cache-embeddings-url "$EMBEDDINGS_URL")
@@ -21,5 +25,5 @@ log=$(mktemp)
 target/release/tandem up "${flags[@]}" >"$log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -f "$log"' EXIT
-exec python3 scripts/lib/bench_semantic_cache.py "http://127.0.0.1:$port" \
+python3 scripts/lib/bench_semantic_cache.py "http://127.0.0.1:$port" \
   scripts/data/paraphrases.json "${EMBEDDINGS_URL:-}"
