@@ -238,6 +238,13 @@ impl HttpStateBuilder {
         let prompts = Prompts::new(template, tokenizer.clone());
         let responses = Arc::new(ResponseStore::new(config.responses_store));
         config.semantic_cache.validate()?;
+        if config.semantic_cache.enabled && config.semantic_cache.embeddings_url.is_none() {
+            tracing::warn!(
+                "the semantic cache embeds with the pool's own model: a chat model tells \
+                 paraphrases from look-alike questions poorly (false hits; BENCHMARKS.md); \
+                 --semantic-cache-embeddings-url names an embedding model"
+            );
+        }
         let semantic_cache = config.semantic_cache.enabled.then(|| {
             Arc::new(super::SemanticCache::new(
                 config.semantic_cache.clone(),
