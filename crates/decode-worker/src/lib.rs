@@ -96,7 +96,7 @@ pub struct DecodeService {
 impl DecodeService {
     pub fn new(ctx: WorkerContext) -> Self {
         DecodeService {
-            kv_source: Arc::new(PrefillService::new(ctx.clone())),
+            kv_source: Arc::new(PrefillService::for_held_blocks(ctx.clone())),
             ctx,
             clients: Arc::default(),
             stats: Arc::default(),

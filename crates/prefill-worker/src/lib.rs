@@ -62,13 +62,27 @@ pub async fn run(
 pub struct PrefillService {
     ctx: WorkerContext,
     transfers: Arc<Transfers>,
+    /// Send layers as the forward pass computes them (`WorkerConfig::kv_layer_streaming`).
+    stream_layers: bool,
 }
 
 impl PrefillService {
     pub fn new(ctx: WorkerContext) -> Self {
         PrefillService {
             transfers: Arc::new(Transfers::new(ctx.stopping())),
+            stream_layers: ctx.config.kv_layer_streaming,
             ctx,
+        }
+    }
+
+    /// The service a decode worker serves its held blocks with (a drain's handovers): whole
+    /// blocks, never layer by layer. Its blocks are computed already, so streaming has nothing
+    /// to overlap, and the stream it hands over goes on decoding beside the export (layer by
+    /// layer, 1 handover in 3 failed its digest on a 2-vCPU VM, cause not found yet).
+    pub fn for_held_blocks(ctx: WorkerContext) -> Self {
+        PrefillService {
+            stream_layers: false,
+            ..Self::new(ctx)
         }
     }
 
@@ -461,7 +475,7 @@ impl WorkerCalls for PrefillService {
             source,
             aborted,
             corrupt: self.ctx.config.corrupt_transfers,
-            stream_layers: self.ctx.config.kv_layer_streaming,
+            stream_layers: self.stream_layers,
             hash: !req.skip_digest,
             metrics: self.ctx.metrics.clone(),
             bytes_per_block: self.ctx.host.bytes_per_block() as u64,
