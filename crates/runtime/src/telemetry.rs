@@ -152,10 +152,16 @@ pub fn init(config: TelemetryConfig) -> Result<TelemetryGuard, RuntimeError> {
             .boxed()
     };
     // An error here only means a global subscriber exists already: that is the no-op case.
-    let installed = tracing_subscriber::registry()
-        .with(fmt)
-        .with(otel)
-        .try_init();
+    // Without OTLP the layer is left out, not added as `None`: an absent `Option` layer
+    // declares an interest in every callsite, and the registry would then build every span
+    // (a twentieth of the frontend's CPU per request) for no layer to read.
+    let installed = match otel {
+        Some(otel) => tracing_subscriber::registry()
+            .with(fmt)
+            .with(otel)
+            .try_init(),
+        None => tracing_subscriber::registry().with(fmt).try_init(),
+    };
     INSTALLED.store(true, Ordering::Release);
     if installed.is_err() {
         return Ok(TelemetryGuard::default());
