@@ -377,6 +377,11 @@ impl<J, P> Gate<J, P> {
     /// requests are planned with `plan` until it answers [`RouteError::Saturated`]. A plan whose
     /// request is gone is dropped here (a plan releases its tracker entry when dropped).
     pub(crate) fn pump(&self, now_ms: u64, mut plan: impl FnMut(&J) -> Result<P, RouteError>) {
+        // Outcomes are sent after the lock is released: a plan whose request left meanwhile
+        // comes back from its send and is dropped, and a plan's drop ends its booking, which
+        // wakes this gate and takes this lock (dropped under it, both runtime workers
+        // deadlocked on the queue).
+        let mut outcomes: Vec<(oneshot::Sender<Outcome<P>>, Outcome<P>)> = Vec::new();
         let mut q = self.queue.lock();
         let expired = q.expire(now_ms);
         let retry_after_ms = q.retry_after_ms(now_ms);
@@ -386,8 +391,9 @@ impl<J, P> Gate<J, P> {
                 retry_after_ms,
             };
             self.metrics.rejected(r.reason);
-            let _ = w.tx.send(Err(rejection_error(r)));
+            outcomes.push((w.tx, Err(rejection_error(r))));
         }
+        let mut unsent = None;
         while let Some(ticket) = q.peek(now_ms) {
             let Some((_, w)) = q.get(ticket) else { break };
             if w.tx.is_closed() {
@@ -397,25 +403,31 @@ impl<J, P> Gate<J, P> {
             match plan(&w.job) {
                 Ok(p) => {
                     let Some(d) = q.dispatch(ticket, now_ms) else {
+                        unsent = Some(p);
                         break;
                     };
                     self.metrics
                         .waited(d.meta.priority, now_ms.saturating_sub(d.meta.arrived_ms));
                     self.metrics
                         .tokens(&d.meta.tenant, "input", d.meta.prompt_tokens);
-                    // A request that left meanwhile drops its plan with the send's error.
-                    let _ = d.item.tx.send(Ok(p));
+                    outcomes.push((d.item.tx, Ok(p)));
                 }
                 Err(RouteError::Saturated) => break,
                 Err(e) => {
                     if let Some((_, w)) = q.remove(ticket) {
-                        let _ = w.tx.send(Err(ServeError::from(e)));
+                        outcomes.push((w.tx, Err(ServeError::from(e))));
                     }
                 }
             }
         }
         q.prune(now_ms);
         self.metrics.depth(&q);
+        drop(q);
+        drop(unsent);
+        for (tx, outcome) in outcomes {
+            // A request that left meanwhile: its plan comes back and is dropped here.
+            let _ = tx.send(outcome);
+        }
     }
 }
 
@@ -433,3 +445,7 @@ impl<J, P> Drop for Queued<'_, J, P> {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "flow_tests.rs"]
+mod tests;
