@@ -53,6 +53,7 @@ use futures::{Stream, StreamExt};
 use serde_json::{Value, json};
 
 use answer::{VllmAnswer, count, ids, vllm_delta};
+use client::{Answer, Poster, Target};
 use logprobs::sglang_logprobs;
 use tandem_protocol::grpc::TokenLogprobs;
 pub use text::TextPrompt;
@@ -213,10 +214,13 @@ pub struct EngineApi {
     model: String,
     /// SGLang: `output_ids` are increments (`--incremental-streaming-output`).
     incremental_output: bool,
+    /// Health, models and probes (`probe.rs`).
     http: reqwest::Client,
+    /// Generations (`client.rs`).
+    poster: Poster,
     /// Where generations are posted, parsed once: `[0]` the completions (or SGLang's
     /// `/generate`), `[1]` the chat completions. Shared by the clones.
-    urls: Arc<[reqwest::Url; 2]>,
+    urls: Arc<[Target; 2]>,
     /// How liveness is asked (`probe.rs`): `/health`, else `/v1/models`, else a one-token
     /// completion, as the engine has them. Shared by the clones.
     liveness: Arc<AtomicU8>,
@@ -241,10 +245,8 @@ impl EngineApi {
             .pool_idle_timeout(Duration::from_secs(90))
             .build()
             .map_err(|e| EngineError::Protocol(format!("HTTP client: {e}")))?;
-        let url = |path: &str| {
-            reqwest::Url::parse(&format!("{base}{path}"))
-                .map_err(|e| EngineError::Protocol(format!("--engine-url {url:?}: {e}")))
-        };
+        let poster = Poster::for_base(&base, &http);
+        let url = |path: &str| poster.target(&format!("{base}{path}"));
         let generate = match kind {
             EngineKind::Vllm | EngineKind::Openai => "/v1/completions",
             EngineKind::Sglang => "/generate",
@@ -256,6 +258,7 @@ impl EngineApi {
             model: model.to_string(),
             incremental_output: false,
             http,
+            poster,
             urls,
             liveness: Arc::new(AtomicU8::new(0)),
             takes_text: Arc::new(AtomicBool::new(false)),
@@ -354,10 +357,10 @@ impl EngineApi {
         }
     }
 
-    fn generate_url(&self, req: &EngineGenerate) -> reqwest::Url {
+    fn generate_url(&self, req: &EngineGenerate) -> &Target {
         match req.text {
-            Some(TextPrompt::Chat { .. }) => self.urls[1].clone(),
-            _ => self.urls[0].clone(),
+            Some(TextPrompt::Chat { .. }) => &self.urls[1],
+            _ => &self.urls[0],
         }
     }
 
@@ -383,24 +386,20 @@ impl EngineApi {
         )
     }
 
-    async fn post(
-        &self,
-        req: &EngineGenerate,
-        stream: bool,
-    ) -> Result<reqwest::Response, EngineError> {
+    async fn post(&self, req: &EngineGenerate, stream: bool) -> Result<Answer, EngineError> {
         // The engine's spans (vLLM's `--otlp-traces-endpoint`) join the request's trace.
-        let mut trace = reqwest::header::HeaderMap::new();
-        tandem_runtime::telemetry::inject_headers(&tracing::Span::current(), &mut trace);
+        let mut headers = reqwest::header::HeaderMap::new();
+        tandem_runtime::telemetry::inject_headers(&tracing::Span::current(), &mut headers);
+        let id = reqwest::header::HeaderValue::try_from(self.request_id_header(&req.request_id))
+            .map_err(|e| EngineError::Protocol(format!("request id as a header: {e}")))?;
+        headers.insert("x-request-id", id);
+        let body = serde_json::to_vec(&self.body(req, stream))
+            .map_err(|e| EngineError::Protocol(format!("request body: {e}")))?;
         let resp = self
-            .http
-            .post(self.generate_url(req))
-            .header("x-request-id", self.request_id_header(&req.request_id))
-            .headers(trace)
-            .json(&self.body(req, stream))
-            .send()
-            .await
-            .map_err(|e| EngineError::Unreachable(e.to_string()))?;
-        check_status(resp).await
+            .poster
+            .post(self.generate_url(req), headers, body)
+            .await?;
+        check_answer(resp).await
     }
 
     /// Starts `req` streaming; the stream yields deltas until one with `finish`.
@@ -410,7 +409,7 @@ impl EngineApi {
         let incremental = self.incremental_output;
         let prompt_len = req.prompt.len();
         let top = req.logprobs;
-        let mut events = sse_events(resp.bytes_stream());
+        let mut events = sse_events(resp.stream());
         let mut seen = 0usize;
         let mut finished = false;
         let s = channel_stream(move |tx| async move {
@@ -453,10 +452,7 @@ impl EngineApi {
     /// answer into one delta.
     pub async fn generate_whole(&self, req: &EngineGenerate) -> Result<EngineDelta, EngineError> {
         let resp = self.post(req, false).await?;
-        let body = resp
-            .bytes()
-            .await
-            .map_err(|e| EngineError::Unreachable(e.to_string()))?;
+        let body = resp.bytes().await?;
         let bad = |e: serde_json::Error| EngineError::Protocol(format!("bad JSON answer: {e}"));
         let mut d = match self.kind {
             EngineKind::Sglang => {
@@ -495,19 +491,41 @@ fn openai_sampling(b: &mut Value, req: &EngineGenerate, stream: bool) {
     }
 }
 
+async fn check_answer(resp: Answer) -> Result<Answer, EngineError> {
+    if resp.is_success() {
+        return Ok(resp);
+    }
+    let status = resp.status;
+    let body = resp.bytes().await.unwrap_or_default();
+    Err(status_error(
+        status,
+        String::from_utf8_lossy(&body).into_owned(),
+    ))
+}
+
 async fn check_status(resp: reqwest::Response) -> Result<reqwest::Response, EngineError> {
-    let status = resp.status().as_u16();
     if resp.status().is_success() {
         return Ok(resp);
     }
-    let mut body = resp.text().await.unwrap_or_default();
-    body.truncate(1024);
-    Err(match status {
+    let status = resp.status().as_u16();
+    Err(status_error(status, resp.text().await.unwrap_or_default()))
+}
+
+/// What an engine's failing status means, with the start of its answer.
+fn status_error(status: u16, mut body: String) -> EngineError {
+    if body.len() > 1024 {
+        let mut end = 1024;
+        while !body.is_char_boundary(end) {
+            end -= 1;
+        }
+        body.truncate(end);
+    }
+    match status {
         429 => EngineError::Overloaded { status, body },
         503 => EngineError::Unreachable(format!("503: {body}")),
         400..=499 => EngineError::Refused { status, body },
         _ => EngineError::Failed { status, body },
-    })
+    }
 }
 
 /// One streamed event's delta (`seen`, `top`: as [`sglang_delta`]'s). An `error` object in
@@ -595,7 +613,7 @@ fn sglang_delta(
 /// Splits an SSE byte stream into the `data` of each event (multi-line data joined with
 /// `\n`, comments and other fields skipped), bounded per event.
 pub fn sse_events(
-    body: impl Stream<Item = Result<Bytes, reqwest::Error>> + Send + 'static,
+    body: impl Stream<Item = Result<Bytes, EngineError>> + Send + 'static,
 ) -> Pin<Box<dyn Stream<Item = Result<String, EngineError>> + Send>> {
     let mut body = Box::pin(body);
     channel_stream(move |tx| async move {
@@ -631,7 +649,7 @@ pub fn sse_events(
             match body.next().await {
                 Some(Ok(b)) => buf.extend_from_slice(&b),
                 Some(Err(e)) => {
-                    let _ = tx.send(Err(EngineError::Unreachable(e.to_string()))).await;
+                    let _ = tx.send(Err(e)).await;
                     return;
                 }
                 None => {
@@ -684,6 +702,7 @@ fn tokio_stream_from<T: Send + 'static>(
 }
 
 mod answer;
+mod client;
 mod logprobs;
 mod probe;
 #[cfg(test)]

@@ -12,7 +12,7 @@ fn events_of(chunks: &[&'static str]) -> Vec<Result<String, String>> {
     let body = futures::stream::iter(
         chunks
             .iter()
-            .map(|c| Ok::<_, reqwest::Error>(Bytes::from_static(c.as_bytes())))
+            .map(|c| Ok::<_, EngineError>(Bytes::from_static(c.as_bytes())))
             .collect::<Vec<_>>(),
     );
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -231,7 +231,10 @@ fn text_prompts_go_in_openais_own_fields() {
     ] {
         assert!(b.get(extension).is_none(), "{extension} in {b}");
     }
-    assert_eq!(api.generate_url(&req).as_str(), "http://h:1/v1/completions");
+    assert_eq!(
+        api.generate_url(&req).to_string(),
+        "http://h:1/v1/completions"
+    );
 
     let chat = PromptText {
         kind: Some(Kind::Chat(ChatText {
@@ -247,7 +250,7 @@ fn text_prompts_go_in_openais_own_fields() {
     assert_eq!(b["messages"], json!([{"role": "user", "content": "Hi"}]));
     assert!(b.get("prompt").is_none() && b.get("tools").is_none(), "{b}");
     assert_eq!(
-        api.generate_url(&req).as_str(),
+        api.generate_url(&req).to_string(),
         "http://h:1/v1/chat/completions"
     );
 
