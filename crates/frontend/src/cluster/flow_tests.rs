@@ -17,6 +17,16 @@ impl Drop for Booked {
     }
 }
 
+fn admission() -> Admission {
+    Admission {
+        tenant: "t".into(),
+        priority: Priority::Standard,
+        prompt_tokens: 1,
+        charged: 2,
+        deadline_ms: u64::MAX,
+    }
+}
+
 /// The client leaves between the pump's check that it is still there and the plan's
 /// delivery: the plan comes back undelivered and is dropped — after the queue's lock is
 /// released, since dropping it takes that lock. (Dropped under it, the pump deadlocked
@@ -35,13 +45,7 @@ fn a_plan_whose_client_left_while_it_was_planned_is_dropped_outside_the_lock() {
     let waiting = rt.spawn({
         let gate = gate.clone();
         async move {
-            let a = Admission {
-                tenant: "t".into(),
-                priority: Priority::Standard,
-                prompt_tokens: 1,
-                charged: 2,
-                deadline_ms: u64::MAX,
-            };
+            let a = admission();
             let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
             // Saturated: the request waits in the queue for the pump.
             let out = gate
@@ -72,13 +76,7 @@ fn a_plan_whose_client_left_while_it_was_planned_is_dropped_outside_the_lock() {
     }
     // The request is out of the queue, and the gate still takes requests.
     assert!(gate.is_empty());
-    let a = Admission {
-        tenant: "t".into(),
-        priority: Priority::Standard,
-        prompt_tokens: 1,
-        charged: 2,
-        deadline_ms: u64::MAX,
-    };
+    let a = admission();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
     let planned = rt.block_on(gate.acquire(&a, (), 2, deadline, |_| Ok(Booked(gate.clone()))));
     assert!(planned.is_ok());
