@@ -54,7 +54,12 @@ fn a_plan_whose_client_left_while_it_was_planned_is_dropped_outside_the_lock() {
             out.map(|_| ())
         }
     });
+    let queued_by = std::time::Instant::now() + Duration::from_secs(10);
     while gate.is_empty() {
+        assert!(
+            std::time::Instant::now() < queued_by,
+            "the request never queued"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
     let (done, finished) = std::sync::mpsc::channel();
