@@ -527,3 +527,66 @@ fn a_conversations_next_turn_tokenizes_only_what_is_new() {
     );
     assert_eq!(second[..first.len() - 3], first[..first.len() - 3]);
 }
+
+/// The built-in template's direct rendering is minijinja's byte for byte, on random
+/// conversations (roles, empty and multi-part content, names, tool answers, special-token
+/// strings, Jinja syntax in the text), and conversations with tools or tool calls still go
+/// through the template.
+#[test]
+fn the_builtin_template_written_directly_renders_as_minijinja_does() {
+    use crate::http::conversation::{Content, Conversation, Message, ToolCall};
+    use crate::http::pyjson::Json;
+    let template = ChatTemplate::load(&ChatTemplateSpec::Default).unwrap();
+    let same = |t: &str| t.to_string();
+    let roles = ["system", "user", "assistant", "tool"];
+    let mut direct = 0;
+    for seed in 0..400u64 {
+        let n = (seed % 6) as usize;
+        let mut conv = Conversation::default();
+        for i in 0..n {
+            let k = seed as usize * 7 + i * 3;
+            let text = match k % 5 {
+                0 => String::new(),
+                1 => "{{ x }}{% if y %}".to_string(),
+                _ => stress_text(seed * 31 + i as u64, k % 90),
+            };
+            let content = match k % 4 {
+                0 => Content::Parts(vec![text.clone(), stress_text(seed + 7, 12)]),
+                1 => Content::Parts(Vec::new()),
+                _ => Content::Text(text),
+            };
+            conv.messages.push(Message {
+                content,
+                name: k.is_multiple_of(3).then(|| "ann".to_string()),
+                tool_call_id: k.is_multiple_of(7).then(|| "call_1".to_string()),
+                tool_calls: k.is_multiple_of(11).then(Vec::new),
+                ..Message::text(roles[k % roles.len()], "")
+            });
+        }
+        match seed % 10 {
+            // Tools, a tool call, an empty tool list.
+            7 => {
+                conv.tools = Some(vec![Json::Object(vec![(
+                    "type".into(),
+                    Json::Str("function".into()),
+                )])])
+            }
+            8 if n > 0 => {
+                conv.messages[0].tool_calls = Some(vec![ToolCall::from_text(
+                    "call_1".into(),
+                    "weather".into(),
+                    r#"{"city": "Paris"}"#,
+                )])
+            }
+            9 => conv.tools = Some(Vec::new()),
+            _ => {}
+        }
+        direct += usize::from(crate::http::chat_template::tests_chatml(&conv));
+        assert_eq!(
+            template.render(&conv, &same).unwrap(),
+            template.render_jinja(&conv, &same).unwrap(),
+            "seed {seed}: {conv:?}"
+        );
+    }
+    assert!(direct > 250, "{direct} of 400 rendered directly");
+}
