@@ -346,6 +346,12 @@ pub struct HttpArgs {
     pub groups_file: Option<PathBuf>,
     #[command(flatten)]
     pub semantic_cache: crate::args::semantic_cache::SemanticCacheArgs,
+    /// Threads that serve the HTTP connections, each with its own single-threaded runtime:
+    /// a connection stays on one, so a request runs on one thread from end to end (fewer
+    /// wake-ups than the shared runtime's work stealing). 0: the shared runtime serves them.
+    /// Default: one per CPU. TLS connections are served by the shared runtime.
+    #[arg(long, env = "TANDEM_SERVING_THREADS")]
+    pub serving_threads: Option<usize>,
 }
 
 impl HttpArgs {
@@ -383,6 +389,9 @@ impl HttpArgs {
             a.push(format!("--groups={}", path.display()));
         }
         a.extend(self.semantic_cache.to_args());
+        if let Some(n) = self.serving_threads {
+            a.push(format!("--serving-threads={n}"));
+        }
         a
     }
 }
@@ -463,6 +472,9 @@ pub fn frontend_config(
             },
             session_field: http.session_field.parse().unwrap_or_default(),
             semantic_cache: http.semantic_cache.config()?,
+            serving_threads: http.serving_threads.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+            }),
             ..Default::default()
         },
         tokenizer,

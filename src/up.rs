@@ -561,6 +561,7 @@ mod tests {
         "--admin-key=sk-admin",
         "--tls-cert=/tmp/cert.pem",
         "--tls-key=/tmp/key.pem",
+        "--serving-threads=3",
     ];
 
     fn child_of(flags: &[&str]) -> (UpArgs, FrontendArgs) {

@@ -15,6 +15,8 @@
 //!   tree), re-exported `CancellationToken` / `TaskTracker`, [`shutdown_on_signals`],
 //!   [`shutdown::drain`].
 //! - [`telemetry`]: [`telemetry::init`], idempotent.
+//! - [`serving`]: [`serving::ServingThreads`], one single-threaded runtime per thread, for
+//!   servers that keep each connection on one thread; [`serving::serving_index`].
 //! - [`grpc`]: [`grpc::serve_tonic`] on a caller-bound listener, [`grpc::connect_channel`].
 //! - [`external`]: [`EtcdServer`] and [`NatsServer`] child processes, and
 //!   [`external::ProcessGroup`] for `tandem up --processes`' roles.
@@ -36,6 +38,7 @@ pub mod error;
 pub mod events;
 pub mod external;
 pub mod grpc;
+pub mod serving;
 pub mod shutdown;
 pub mod telemetry;
 

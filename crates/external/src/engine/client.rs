@@ -6,7 +6,12 @@
 //! tenth of `tandem frontend --backend-url`'s CPU per request (BENCHMARKS.md). Engines are
 //! not redirected and not proxied here. An `https://` engine (a hosted API) keeps reqwest,
 //! for its TLS.
+//!
+//! Each serving thread (`tandem_runtime::serving`) has its own pool: a pooled connection's
+//! task runs on the runtime that opened it, so a request served on one thread that took a
+//! connection opened on another would wake that thread twice per call.
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -23,12 +28,28 @@ use super::EngineError;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an idle pooled connection is kept.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Pools of one engine: one for code off the serving threads, and one per serving thread
+/// (threads past this share them, modulo).
+const POOLS: usize = 65;
+
+type PlainClient = Client<HttpConnector, Full<Bytes>>;
 
 /// Posts JSON to one engine.
 #[derive(Clone, Debug)]
 pub(crate) enum Poster {
-    Plain(Box<Client<HttpConnector, Full<Bytes>>>),
+    /// A client per serving thread, made when that thread first posts.
+    Plain(Arc<[OnceLock<PlainClient>]>),
     Tls(reqwest::Client),
+}
+
+fn plain_client() -> PlainClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(IDLE_TIMEOUT)
+        .pool_timer(TokioTimer::new())
+        .build(connector)
 }
 
 /// Where a post goes: parsed once, for the client that posts it.
@@ -63,14 +84,7 @@ impl Poster {
     /// reqwest client an `https://` engine is called with.
     pub(crate) fn for_base(base: &str, tls: &reqwest::Client) -> Poster {
         if base.starts_with("http://") {
-            let mut connector = HttpConnector::new();
-            connector.set_nodelay(true);
-            connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
-            let client = Client::builder(TokioExecutor::new())
-                .pool_idle_timeout(IDLE_TIMEOUT)
-                .pool_timer(TokioTimer::new())
-                .build(connector);
-            Poster::Plain(Box::new(client))
+            Poster::Plain((0..POOLS).map(|_| OnceLock::new()).collect())
         } else {
             Poster::Tls(tls.clone())
         }
@@ -99,7 +113,9 @@ impl Poster {
     ) -> Result<Answer, EngineError> {
         let unreachable = |e: &dyn std::fmt::Display| EngineError::Unreachable(e.to_string());
         match (self, target) {
-            (Poster::Plain(client), Target::Plain(uri)) => {
+            (Poster::Plain(clients), Target::Plain(uri)) => {
+                let pool = tandem_runtime::serving::serving_index() % clients.len();
+                let client = clients[pool].get_or_init(plain_client);
                 let mut req = http::Request::post(uri.clone())
                     .body(Full::new(Bytes::from(body)))
                     .map_err(|e| unreachable(&e))?;

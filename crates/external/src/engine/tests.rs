@@ -441,3 +441,76 @@ fn sglang_logprobs_follow_the_output_ids() {
     .unwrap();
     assert!(sglang_delta(&other, false, &mut 0, Some(0)).is_err());
 }
+
+/// Each serving thread posts through its own pool: posts from one thread reuse one
+/// connection, and a thread never takes another's (whose task runs on that other thread).
+#[tokio::test]
+async fn each_serving_thread_posts_through_its_own_pool() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    // A keep-alive server that answers every request `{}`.
+    tokio::spawn(async move {
+        loop {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Ok(n) = conn.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&got).into_owned();
+                    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+                        continue;
+                    };
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length: ")
+                                .map(str::to_string)
+                        })
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    if body.len() < len {
+                        continue;
+                    }
+                    got.drain(..head.len() + 4 + len);
+                    let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                    if conn.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let base = format!("http://{addr}");
+    let poster = client::Poster::for_base(&base, &reqwest::Client::new());
+    let target = poster.target(&format!("{base}/v1/completions")).unwrap();
+    let post_twice = |poster: client::Poster, target: client::Target| async move {
+        for _ in 0..2 {
+            let answer = poster
+                .post(&target, Default::default(), b"{}".to_vec())
+                .await
+                .unwrap();
+            assert!(answer.is_success());
+            assert_eq!(&answer.bytes().await.unwrap()[..], b"{}");
+        }
+    };
+    post_twice(poster.clone(), target.clone()).await;
+    assert_eq!(connections.load(Ordering::SeqCst), 1);
+    let threads = tandem_runtime::serving::ServingThreads::start(2, "test-pools").unwrap();
+    for expected in [2, 3, 3, 3] {
+        let (p, t) = (poster.clone(), target.clone());
+        threads.spawn(move || post_twice(p, t)).await.unwrap();
+        assert_eq!(connections.load(Ordering::SeqCst), expected);
+    }
+}

@@ -202,6 +202,7 @@ use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use tandem_runtime::serving::ServingThreads;
 use tokio_util::sync::CancellationToken;
 
 /// The public listener's routes, ready to [`serve`]: the APIs, `/health` and `/live`; the
@@ -273,15 +274,20 @@ pub async fn serve(
     app: Router,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    serve_listener(with_nodelay(listener), app, shutdown).await
+}
+
+/// Without TCP_NODELAY a small write (an SSE event, the tail of a body) waits behind the
+/// previous unacknowledged one for the client's delayed ACK: tens of milliseconds a token.
+fn with_nodelay(
+    listener: tokio::net::TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream> {
     use axum::serve::ListenerExt;
-    // Without TCP_NODELAY a small write (an SSE event, the tail of a body) waits behind the
-    // previous unacknowledged one for the client's delayed ACK: tens of milliseconds a token.
-    let listener = listener.tap_io(|tcp| {
+    listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "TCP_NODELAY not set");
         }
-    });
-    serve_listener(listener, app, shutdown).await
+    })
 }
 
 /// How long a client may take to send its request head; then its connection is closed.
@@ -289,9 +295,33 @@ pub async fn serve(
 /// descriptor, forever: slowloris.)
 pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The accept loop: HTTP/1.1 connections served by hyper with a timer (so
-/// [`HEADER_READ_TIMEOUT`] applies), each watched for a graceful shutdown: at `shutdown`, no
-/// more accepts, idle connections close, requests in flight finish.
+/// HTTP/1.1 connections served by hyper with a timer (so [`HEADER_READ_TIMEOUT`] applies).
+fn http1() -> hyper::server::conn::http1::Builder {
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    builder
+}
+
+/// Serves one connection, watched for a graceful shutdown.
+async fn connection<I>(
+    http1: hyper::server::conn::http1::Builder,
+    io: I,
+    app: Router,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let conn = http1.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+    if let Err(e) = watcher.watch(conn).await {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
+}
+
+/// The accept loop: each connection served on the calling runtime ([`connection`]); at
+/// `shutdown`, no more accepts, idle connections close, requests in flight finish.
 async fn serve_listener<L>(
     mut listener: L,
     app: Router,
@@ -302,21 +332,53 @@ where
     L::Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let mut builder = hyper::server::conn::http1::Builder::new();
-    builder
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
+    let http1 = http1();
     loop {
         let (io, _) = tokio::select! {
             accepted = listener.accept() => accepted,
             () = shutdown.cancelled() => break,
         };
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "connection ended with an error");
+        tokio::spawn(connection(
+            http1.clone(),
+            io,
+            app.clone(),
+            graceful.watcher(),
+        ));
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// [`serve`], each connection served on one of `threads` (round robin; see
+/// `tandem_runtime::serving`): the socket is handed over as it is accepted and registered
+/// with that thread's runtime, where the whole connection then runs.
+pub async fn serve_on_threads(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+    threads: &tandem_runtime::serving::ServingThreads,
+) -> std::io::Result<()> {
+    let mut listener = with_nodelay(listener);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let http1 = http1();
+    loop {
+        let (io, _) = tokio::select! {
+            accepted = axum::serve::Listener::accept(&mut listener) => accepted,
+            () = shutdown.cancelled() => break,
+        };
+        let tcp = match io.into_std() {
+            Ok(tcp) => tcp,
+            Err(e) => {
+                tracing::debug!(error = %e, "an accepted connection could not be handed over");
+                continue;
+            }
+        };
+        let (http1, app, watcher) = (http1.clone(), app.clone(), graceful.watcher());
+        threads.spawn(move || async move {
+            match tokio::net::TcpStream::from_std(tcp) {
+                Ok(io) => connection(http1, io, app, watcher).await,
+                Err(e) => tracing::debug!(error = %e, "a connection could not be registered"),
             }
         });
     }
@@ -370,7 +432,14 @@ pub async fn serve_state(
                 tracing::info!(addr = ?listener.local_addr().ok(), "serving HTTPS (TLS 1.3)");
                 serve_tls(listener, app, tls.clone(), shutdown).await
             }
-            None => serve(listener, app, shutdown).await,
+            None => match state.config().serving_threads {
+                0 => serve(listener, app, shutdown).await,
+                n => {
+                    let threads = ServingThreads::start(n, "tandem-http")?;
+                    tracing::info!(threads = n, "HTTP connections served by their own threads");
+                    serve_on_threads(listener, app, shutdown, &threads).await
+                }
+            },
         };
         watch_stop.cancel();
         served

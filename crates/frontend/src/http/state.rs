@@ -62,6 +62,10 @@ pub struct HttpConfig {
     pub session_field: super::SessionField,
     /// The semantic cache (`semantic_cache.rs`). Default: off.
     pub semantic_cache: super::SemanticCacheConfig,
+    /// Threads with a single-threaded runtime each that serve the plain-HTTP connections
+    /// ([`tandem_runtime::serving::ServingThreads`], [`super::serve_state`]); 0: the calling
+    /// runtime serves them. Default: 0.
+    pub serving_threads: usize,
 }
 
 impl HttpConfig {
@@ -94,6 +98,7 @@ impl Default for HttpConfig {
             tls: None,
             session_field: super::SessionField::User,
             semantic_cache: super::SemanticCacheConfig::default(),
+            serving_threads: 0,
         }
     }
 }

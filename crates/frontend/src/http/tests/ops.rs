@@ -226,3 +226,96 @@ async fn prompt_token_mismatch_is_counted_and_equal_counts_are_not() {
         "{text}"
     );
 }
+
+/// `GET path` on a keep-alive connection; the body (the answers here are short and unchunked).
+async fn get_on(conn: &mut tokio::net::TcpStream, path: &str) -> String {
+    let head = format!("GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n");
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let got = read_until(conn, "\r\n\r\n").await;
+    let (head, body) = got.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .expect("content-length")
+        .parse()
+        .unwrap();
+    let mut body = body.as_bytes().to_vec();
+    while body.len() < len {
+        let mut buf = [0u8; 256];
+        let n = conn.read(&mut buf).await.unwrap();
+        assert!(n > 0, "closed before the body's end");
+        body.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8(body).unwrap()
+}
+
+/// Served on threads: connections go round robin to the serving threads and stay on theirs
+/// (the handler sees the thread's index), and a shutdown waits for a request in flight.
+#[tokio::test]
+async fn connections_are_spread_over_serving_threads_and_shutdown_waits_for_them() {
+    use tandem_runtime::serving::{ServingThreads, serving_index};
+    let (entered, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let (e, r) = (entered.clone(), release.clone());
+    let app = axum::Router::new()
+        .route(
+            "/who",
+            axum::routing::get(|| async { serving_index().to_string() }),
+        )
+        .route(
+            "/slow",
+            axum::routing::get(move || {
+                let (e, r) = (e.clone(), r.clone());
+                async move {
+                    e.notify_one();
+                    r.notified().await;
+                    "done"
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    let mut server = tokio::spawn(async move {
+        let threads = ServingThreads::start(2, "test-http").unwrap();
+        crate::http::serve_on_threads(listener, app, stop, &threads).await
+    });
+
+    let mut a = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let first = get_on(&mut a, "/who").await;
+    let mut b = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let second = get_on(&mut b, "/who").await;
+    let mut seen = [first.clone(), second];
+    seen.sort();
+    assert_eq!(seen, ["1", "2"]);
+    // A connection stays on its thread.
+    for _ in 0..3 {
+        assert_eq!(get_on(&mut a, "/who").await, first);
+    }
+
+    // A request in flight when the shutdown comes is finished first.
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"GET /slow HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    entered.notified().await;
+    shutdown.cancel();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut server)
+            .await
+            .is_err(),
+        "the server returned with a request in flight"
+    );
+    release.notify_one();
+    let got = read_until(&mut slow, "done").await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("serve returns once the request is answered")
+        .unwrap()
+        .unwrap();
+}
