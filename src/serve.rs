@@ -349,7 +349,8 @@ pub struct HttpArgs {
     /// Threads that serve the HTTP connections, each with its own single-threaded runtime:
     /// a connection stays on one, so a request runs on one thread from end to end (fewer
     /// wake-ups than the shared runtime's work stealing). 0: the shared runtime serves them.
-    /// Default: one per CPU. TLS connections are served by the shared runtime.
+    /// Default: one per CPU, except in `tandem up` without --processes, whose workers share
+    /// the frontend's process (0 there). TLS connections are served by the shared runtime.
     #[arg(long, env = "TANDEM_SERVING_THREADS")]
     pub serving_threads: Option<usize>,
 }
