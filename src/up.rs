@@ -225,10 +225,6 @@ async fn run_embedded(mut args: UpArgs, root: Shutdown) -> anyhow::Result<()> {
     )?;
     args.flow.apply(&mut cfg)?;
     args.access.apply(&mut cfg.http)?;
-    // The workers here run on the shared runtime: a frontend on its own threads would hand
-    // every request and chunk across threads (CPU per request +20 % in BENCHMARKS.md's
-    // gateway runs of 2026-12-07), so unless asked it serves on the shared runtime too.
-    cfg.http.serving_threads = args.http.serving_threads.unwrap_or(0);
     let scheme = if cfg.http.tls.is_some() {
         "https"
     } else {
