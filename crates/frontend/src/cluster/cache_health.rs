@@ -26,7 +26,9 @@
 //!
 //! Findings show on the status page (`cache_health`), in `/metrics`
 //! (`tandem_cache_health{worker,cause}` 1, with `tandem_cache_predicted_tokens` and
-//! `tandem_cache_served_tokens` per worker), and once each in the log when first found.
+//! `tandem_cache_served_tokens` per worker), and once each in the log when first found (the
+//! two windowed causes when they hold over a full window of 32 requests: a start-up burst
+//! that outruns its own events shows on the status page and clears, unlogged).
 //! Units: predicted tokens are the frontend's, served ones the engine's (the same for every
 //! engine that takes token ids).
 
@@ -151,6 +153,19 @@ impl Stats {
         }
     }
 
+    /// Whether `cause` is said in the log: it holds, and a windowed cause over a full window.
+    /// A burst of requests that outruns its own events at start (every one routed before the
+    /// first event arrived, then served from the cache the first one filled) shows on the
+    /// status page while it lasts and then clears; it is not a finding worth a log line.
+    fn settled(&self, cause: Cause) -> bool {
+        let full = match cause {
+            Cause::HitsBelowPrediction => self.window.len() >= WINDOW,
+            Cause::UnpredictedHits => self.served_window.len() >= WINDOW,
+            _ => true,
+        };
+        full && self.holds(cause)
+    }
+
     /// What shows `cause`, in words.
     fn detail(&self, cause: Cause) -> String {
         match cause {
@@ -250,7 +265,7 @@ impl CacheHealth {
             s.mismatches += u64::from(sent != counted);
         }
         for cause in OBSERVED {
-            if !s.logged.contains(&cause) && s.holds(cause) {
+            if !s.logged.contains(&cause) && s.settled(cause) {
                 s.logged.push(cause);
                 tracing::warn!(
                     worker = o.worker.0,
@@ -448,6 +463,33 @@ mod tests {
             h.observe(obs(1, 0, 0));
         }
         assert_eq!(causes(&h, 1), vec![Cause::HitsBelowPrediction]);
+    }
+
+    /// A start-up burst (8 requests routed before the worker's first event, each served from
+    /// the cache the first filled) shows while it lasts, and is not logged; a worker whose
+    /// events never match is logged once its window is full.
+    #[test]
+    fn a_burst_that_outruns_its_events_is_shown_but_not_logged() {
+        let h = CacheHealth::default();
+        for _ in 0..8 {
+            h.observe(obs(3, 0, 144));
+        }
+        assert_eq!(causes(&h, 3), vec![Cause::UnpredictedHits]);
+        for _ in 0..WINDOW {
+            h.observe(obs(3, 144, 144));
+        }
+        assert!(causes(&h, 3).is_empty());
+        let logged = |w: u64| h.workers.lock()[&WorkerId(w)].logged.clone();
+        assert!(logged(3).is_empty());
+        for i in 0..WINDOW {
+            h.observe(obs(4, 0, 144));
+            let expected = if i + 1 < WINDOW {
+                vec![]
+            } else {
+                vec![Cause::UnpredictedHits]
+            };
+            assert_eq!(logged(4), expected, "request {i}");
+        }
     }
 
     /// An engine that serves what the index never saw: its events do not match. Not said of
