@@ -27,6 +27,7 @@
 //! remote prefill, if running, is cancelled, which aborts it on the prefill worker too.
 
 pub mod remote;
+mod whole;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
@@ -447,13 +448,18 @@ impl WorkerCalls for DecodeService {
             ),
             Some(target) => self.start_remote(engine_req, target, cancel.clone())?,
         };
-        Ok(generate_stream(
+        let chunks = generate_stream(
             handle,
             outcome,
             cancel.drop_guard(),
             span,
             self.handover.clone(),
-        ))
+        );
+        Ok(if req.whole {
+            whole::coalesced(chunks)
+        } else {
+            chunks
+        })
     }
 
     async fn prefill(
