@@ -26,8 +26,8 @@
 //!
 //! Findings show on the status page (`cache_health`), in `/metrics`
 //! (`tandem_cache_health{worker,cause}` 1, with `tandem_cache_predicted_tokens` and
-//! `tandem_cache_served_tokens` per worker), and once each in the log when first found (the
-//! two windowed causes when they hold over a full window of 32 requests: a start-up burst
+//! `tandem_cache_served_tokens` per worker), and once each in the log when first found
+//! (unpredicted hits when they hold over a full window of 32 requests: a start-up burst
 //! that outruns its own events shows on the status page and clears, unlogged).
 //! Units: predicted tokens are the frontend's, served ones the engine's (the same for every
 //! engine that takes token ids).
@@ -153,16 +153,13 @@ impl Stats {
         }
     }
 
-    /// Whether `cause` is said in the log: it holds, and a windowed cause over a full window.
+    /// Whether `cause` is said in the log: it holds, and unpredicted hits over a full window.
     /// A burst of requests that outruns its own events at start (every one routed before the
-    /// first event arrived, then served from the cache the first one filled) shows on the
-    /// status page while it lasts and then clears; it is not a finding worth a log line.
+    /// first event arrived, then served from the cache the first one filled) shows as
+    /// unpredicted hits on the status page while it lasts and then clears; it is not a
+    /// finding worth a log line.
     fn settled(&self, cause: Cause) -> bool {
-        let full = match cause {
-            Cause::HitsBelowPrediction => self.window.len() >= WINDOW,
-            Cause::UnpredictedHits => self.served_window.len() >= WINDOW,
-            _ => true,
-        };
+        let full = cause != Cause::UnpredictedHits || self.served_window.len() >= WINDOW;
         full && self.holds(cause)
     }
 
