@@ -136,17 +136,28 @@ pub struct BlockHashes {
 
 /// Hash of one block's tokens.
 pub fn local_block_hash(tokens: &[u32], seed: HashSeed) -> LocalBlockHash {
-    // Block sizes are small (16..=128 typically): a stack buffer avoids an allocation per block.
-    let mut stack = [0u8; 512];
+    // The tokens as little-endian bytes. Blocks are small (16 tokens by default): a stack
+    // buffer of that size avoids an allocation, and zeroing it costs nothing next to the hash.
+    let mut stack = [0u8; 64];
     let len = tokens.len() * 4;
     if len <= stack.len() {
-        for (chunk, t) in stack.chunks_exact_mut(4).zip(tokens) {
-            chunk.copy_from_slice(&t.to_le_bytes());
-        }
+        le_bytes_into(tokens, &mut stack);
         LocalBlockHash(xxh3_64_with_seed(&stack[..len], seed.0))
     } else {
-        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        LocalBlockHash(xxh3_64_with_seed(&bytes, seed.0))
+        LocalBlockHash(xxh3_64_with_seed(&le_bytes(tokens), seed.0))
+    }
+}
+
+/// `tokens` as little-endian bytes, what a block's hash reads.
+fn le_bytes(tokens: &[u32]) -> Vec<u8> {
+    let mut bytes = vec![0u8; tokens.len() * 4];
+    le_bytes_into(tokens, &mut bytes);
+    bytes
+}
+
+fn le_bytes_into(tokens: &[u32], out: &mut [u8]) {
+    for (chunk, t) in out.chunks_exact_mut(4).zip(tokens) {
+        chunk.copy_from_slice(&t.to_le_bytes());
     }
 }
 
@@ -173,10 +184,13 @@ pub fn compute_block_hashes(
     block_size: BlockSize,
     seed: HashSeed,
 ) -> Vec<BlockHashes> {
-    let mut out = Vec::with_capacity(block_size.full_blocks(tokens.len()));
+    let n = block_size.full_blocks(tokens.len());
+    let mut out = Vec::with_capacity(n);
+    // The prompt's bytes in one buffer, each block's hash reading its slice of it.
+    let bytes = le_bytes(&tokens[..n * block_size.tokens()]);
     let mut parent = None;
-    for block in tokens.chunks_exact(block_size.tokens()) {
-        let local = local_block_hash(block, seed);
+    for block in bytes.chunks_exact(block_size.tokens() * 4) {
+        let local = LocalBlockHash(xxh3_64_with_seed(block, seed.0));
         let sequence = chain_sequence_hash(parent, local, seed);
         parent = Some(sequence);
         out.push(BlockHashes { local, sequence });
@@ -322,6 +336,17 @@ mod tests {
         assert_eq!(
             h[0].local.0,
             xxh3_64_with_seed(&bytes, HashSeed::UNSALTED.0)
+        );
+        // One block at a time (a decode worker's incremental hashing) agrees.
+        assert_eq!(
+            local_block_hash(&tokens[..200], HashSeed::UNSALTED),
+            h[0].local
+        );
+        let small = BlockSize::new(16).unwrap();
+        let h16 = compute_block_hashes(&tokens, small, HashSeed::UNSALTED);
+        assert_eq!(
+            local_block_hash(&tokens[16..32], HashSeed::UNSALTED),
+            h16[1].local
         );
     }
 
