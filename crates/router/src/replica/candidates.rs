@@ -40,10 +40,11 @@
 use std::collections::BTreeSet;
 
 use hashbrown::HashMap;
-use tandem_indexer::{OverlapScores, TierCounts};
+use tandem_indexer::{Extent, OverlapScores, TierCounts};
 use tandem_protocol::{AdapterId, WorkerId};
 
-use super::{KvSource, Member, Overlaps, Pool, RouteInput, RoutingReplica};
+use super::answer::{Answer, Overlaps};
+use super::{KvSource, Member, Pool, RouteInput, RoutingReplica};
 use crate::pool::PoolConfig;
 use crate::registry::PolicyKind;
 use crate::view::{WorkerLoad, WorkerView};
@@ -83,6 +84,13 @@ fn overlap_from(answer: &OverlapScores, at: &mut usize, id: WorkerId) -> Option<
     s.get(i).filter(|e| e.0 == id).map(|e| e.1)
 }
 
+/// Every holder in `answer` with its overlap.
+fn holders_of(answer: Answer<'_>) -> impl Iterator<Item = (WorkerId, TierCounts)> {
+    let mut all = Vec::new();
+    answer.for_each(|id, overlap| all.push((id, overlap)));
+    all.into_iter()
+}
+
 /// How a walk of the load order for a group's least loaded ended.
 enum Walk {
     Found,
@@ -91,24 +99,63 @@ enum Walk {
 }
 
 /// Holders of one overlap from one source, as the answer lists them.
-struct Group {
+struct Group<'a> {
     source: KvSource,
     overlap: TierCounts,
     /// The first [`FEW_HOLDERS`] members.
     few: [WorkerId; FEW_HOLDERS],
     count: usize,
+    /// The index's group, when the answer is grouped.
+    extent: Option<Extent<'a>>,
 }
 
-impl Group {
+impl<'a> Group<'a> {
     fn new(source: KvSource, overlap: TierCounts, id: WorkerId) -> Self {
-        let mut g = Group {
+        let mut g = Group::empty(source, overlap, None);
+        g.add(id);
+        g
+    }
+
+    fn empty(source: KvSource, overlap: TierCounts, extent: Option<Extent<'a>>) -> Self {
+        Group {
             source,
             overlap,
             few: [WorkerId(0); FEW_HOLDERS],
             count: 0,
-        };
-        g.add(id);
+            extent,
+        }
+    }
+
+    /// The index's group as a group: its first members read, its size known without
+    /// walking it (beyond the first few, which also stand for it when the index's count
+    /// falls short of them).
+    fn of_extent(source: KvSource, e: Extent<'a>) -> Self {
+        let mut g = Group::empty(source, e.counts(), Some(e));
+        e.workers().take(FEW_HOLDERS + 1).for_each(|id| g.add(id));
+        g.count = g.count.max(e.len());
         g
+    }
+
+    /// Whether `id` is a member, given `answer`, the answer `self` was made from (`at`: as
+    /// for [`overlap_from`]).
+    fn holds(&self, answer: Answer<'_>, at: &mut usize, id: WorkerId) -> bool {
+        match (self.extent, answer) {
+            (Some(e), _) => e.contains(id),
+            (None, Answer::Listed(s)) => overlap_from(s, at, id) == Some(self.overlap),
+            (None, Answer::Grouped(x)) => x.get(id) == Some(self.overlap),
+        }
+    }
+
+    /// Every member (from `answer`, the answer `self` was made from).
+    fn members(&self, answer: Answer<'_>, out: &mut Vec<(WorkerId, TierCounts)>) {
+        match self.extent {
+            Some(e) => out.extend(e.workers().map(|id| (id, self.overlap))),
+            None => answer.for_each(|id, o| {
+                if o == self.overlap {
+                    out.push((id, o));
+                }
+            }),
+        }
     }
 
     fn add(&mut self, id: WorkerId) {
@@ -269,6 +316,12 @@ impl RoutingReplica {
             .collect()
     }
 
+    /// Whether a decision for `input` now scores only holders and the least loaded (module
+    /// docs).
+    pub(super) fn takes_shortcut(&self, input: &RouteInput<'_>, now_ms: u64) -> bool {
+        self.shortcut(input, now_ms).is_some()
+    }
+
     /// The weights of the shortcut when `input` may take it now (module docs), else None.
     fn shortcut(&self, input: &RouteInput<'_>, now_ms: u64) -> Option<Weights> {
         let cfg = &self.config.routing;
@@ -364,8 +417,7 @@ impl RoutingReplica {
         } else {
             let mut all = Vec::new();
             for (answer, source) in scores.by_source() {
-                let members = answer.iter().map(|&(id, overlap)| (id, overlap));
-                self.look_up_holders(members, source, excluded, &mut all);
+                self.look_up_holders(holders_of(answer), source, excluded, &mut all);
             }
             all
         };
@@ -439,27 +491,44 @@ impl RoutingReplica {
         excluded: &[WorkerId],
         near: &impl Fn(f64, f64) -> bool,
     ) -> Vec<Holder> {
-        let mut groups: Vec<Group> = Vec::new();
+        let mut groups: Vec<Group<'_>> = Vec::new();
         for (answer, source) in scores.by_source() {
-            for &(id, overlap) in answer.iter() {
-                match groups
-                    .iter_mut()
-                    .find(|g| g.overlap == overlap && g.source == source)
-                {
-                    Some(g) => g.add(id),
-                    None => groups.push(Group::new(source, overlap, id)),
+            match answer {
+                Answer::Grouped(x) => {
+                    groups.extend(x.iter().map(|e| Group::of_extent(source, e)));
                 }
-                if groups.len() > MAX_GROUPS {
-                    // Many distinct overlaps: every holder looked up, grouped by sorting.
-                    return self.least_holders_sorted(scores, excluded, near);
+                Answer::Listed(s) => {
+                    for &(id, overlap) in s.iter() {
+                        // Holders come by id: neighbours often share an overlap.
+                        match groups
+                            .iter_mut()
+                            .rev()
+                            .find(|g| g.overlap == overlap && g.source == source)
+                        {
+                            Some(g) => g.add(id),
+                            None => groups.push(Group::new(source, overlap, id)),
+                        }
+                        if groups.len() > MAX_GROUPS {
+                            break;
+                        }
+                    }
                 }
+            }
+            if groups.len() > MAX_GROUPS {
+                // Many distinct overlaps: every holder looked up, grouped by sorting.
+                return self.least_holders_sorted(scores, excluded, near);
             }
         }
         let mut out = Vec::new();
         for g in &groups {
             let start = out.len();
             if g.count > FEW_HOLDERS {
-                match self.walk_group(g, scores, excluded, near, &mut out) {
+                let walk = if self.surely_many_idle(g, excluded, near) {
+                    Walk::ManyIdle
+                } else {
+                    self.walk_group(g, scores, excluded, near, &mut out)
+                };
+                match walk {
                     Walk::Found => continue,
                     Walk::ManyIdle => {
                         out.truncate(start);
@@ -476,9 +545,9 @@ impl RoutingReplica {
                 let few = g.few[..g.count].iter().map(|&id| (id, g.overlap));
                 self.look_up_holders(few, g.source, excluded, &mut members);
             } else {
-                let answer = scores.of(g.source).iter();
-                let all = answer.filter(|e| e.1 == g.overlap).copied();
-                self.look_up_holders(all, g.source, excluded, &mut members);
+                let mut all = Vec::with_capacity(g.count);
+                g.members(scores.of(g.source), &mut all);
+                self.look_up_holders(all.into_iter(), g.source, excluded, &mut members);
             }
             let Some(least) = members.iter().map(|h| h.1).min_by(f64::total_cmp) else {
                 continue;
@@ -496,7 +565,7 @@ impl RoutingReplica {
     /// tie with nothing in flight.
     fn walk_group(
         &self,
-        g: &Group,
+        g: &Group<'_>,
         scores: Overlaps<'_>,
         excluded: &[WorkerId],
         near: &impl Fn(f64, f64) -> bool,
@@ -516,7 +585,7 @@ impl RoutingReplica {
             if step - tied >= limit {
                 return Walk::TooFar;
             }
-            let member = overlap_from(answer, &mut at, id) == Some(g.overlap)
+            let member = g.holds(answer, &mut at, id)
                 && !excluded.contains(&id)
                 && self.decode.get(&id).is_some_and(|m| m.kv == g.source);
             if member {
@@ -524,12 +593,7 @@ impl RoutingReplica {
                 out.push((g.overlap, key, id));
                 tied += 1;
                 if tied > IDLE_TIE_LIMIT {
-                    // Idle members tie exactly; unless a loaded worker's key is within the
-                    // tolerance of zero (practically never), the tied are the idle members.
-                    let loaded = self.order.order.range((1u64, WorkerId(0))..).next();
-                    let only_idle =
-                        least == 0.0 && loaded.is_none_or(|&(b, _)| !near(f64::from_bits(b), 0.0));
-                    return if only_idle {
+                    return if least == 0.0 && self.idle_tie_alone(near) {
                         Walk::ManyIdle
                     } else {
                         Walk::TooFar
@@ -540,15 +604,41 @@ impl RoutingReplica {
         Walk::Found
     }
 
+    /// Idle members tie exactly; unless a loaded worker's key is within the tolerance of
+    /// zero (practically never), the tied are the idle members.
+    fn idle_tie_alone(&self, near: &impl Fn(f64, f64) -> bool) -> bool {
+        let loaded = self.order.order.range((1u64, WorkerId(0))..).next();
+        loaded.is_none_or(|&(b, _)| !near(f64::from_bits(b), 0.0))
+    }
+
+    /// What [`RoutingReplica::walk_group`] would find to be [`Walk::ManyIdle`], known from
+    /// counts alone: `g` has more members than the loaded workers and the excluded can
+    /// take from the idle ones by more than [`IDLE_TIE_LIMIT`] (a group of most of a
+    /// mostly idle pool: a shared system prompt). The walk would look up those members one
+    /// by one to find it out. (A grouped answer's count is exact while the index's workers
+    /// keep its contract, see `tandem_indexer::Extents`.)
+    fn surely_many_idle(
+        &self,
+        g: &Group<'_>,
+        excluded: &[WorkerId],
+        near: &impl Fn(f64, f64) -> bool,
+    ) -> bool {
+        let idle = self.order.idle.len();
+        let loaded = self.order.order.len().saturating_sub(idle);
+        idle > IDLE_TIE_LIMIT
+            && g.count.saturating_sub(loaded + excluded.len()) > IDLE_TIE_LIMIT
+            && self.idle_tie_alone(near)
+    }
+
     /// Whether `id` is a candidate member of `g`.
     fn is_member(
         &self,
-        g: &Group,
-        answer: &OverlapScores,
+        g: &Group<'_>,
+        answer: Answer<'_>,
         excluded: &[WorkerId],
         id: WorkerId,
     ) -> bool {
-        answer.get(id) == Some(g.overlap)
+        g.holds(answer, &mut 0, id)
             && !excluded.contains(&id)
             && self.decode.get(&id).is_some_and(|m| m.kv == g.source)
     }
@@ -558,7 +648,7 @@ impl RoutingReplica {
     /// found none (the group is a small part of the idle pool).
     fn sample_idle_members(
         &mut self,
-        g: &Group,
+        g: &Group<'_>,
         scores: Overlaps<'_>,
         excluded: &[WorkerId],
         out: &mut Vec<Holder>,
@@ -587,8 +677,7 @@ impl RoutingReplica {
     ) -> Vec<Holder> {
         let mut holders = Vec::new();
         for (answer, source) in scores.by_source() {
-            let members = answer.iter().map(|&(id, overlap)| (id, overlap));
-            self.look_up_holders(members, source, excluded, &mut holders);
+            self.look_up_holders(holders_of(answer), source, excluded, &mut holders);
         }
         let tiers = |t: &TierCounts| (t.device, t.host, t.disk);
         holders.sort_unstable_by(|a, b| tiers(&a.0).cmp(&tiers(&b.0)).then(a.1.total_cmp(&b.1)));

@@ -37,11 +37,13 @@
 //! approximate entries.
 
 mod admit;
+mod answer;
 mod candidates;
 mod config;
 mod fed_index;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use tandem_indexer::{ApproxIndex, FeedError, IndexFeed, OverlapScores, Repair, RepairReply};
 use tandem_protocol::{
@@ -62,6 +64,7 @@ use crate::rng::Rng;
 use crate::sessions::{SessionKey, SessionOutcome, Sessions};
 use crate::tracker::{ActiveSequences, NewSequence, SyncMessage};
 use crate::view::{Decision, RouteRequest, Rule};
+use answer::{Answer, Overlaps};
 
 /// Tracker ids of a request's prefill part: the request id with the top bit set.
 const PREFILL_BIT: u64 = 1 << 63;
@@ -211,38 +214,14 @@ fn member_of<'a>(decode: &'a Pool, prefill: &'a Pool, worker: WorkerId) -> Optio
     decode.get(&worker).or_else(|| prefill.get(&worker))
 }
 
-/// A prompt's overlap, by source: each candidate reads the one of its [`KvSource`].
-#[derive(Clone, Copy)]
-struct Overlaps<'a> {
-    exact: &'a OverlapScores,
-    approx: &'a OverlapScores,
-}
-
-impl<'a> Overlaps<'a> {
-    /// The answer a member of `source` reads.
-    fn of(&self, source: KvSource) -> &'a OverlapScores {
-        match source {
-            KvSource::Events => self.exact,
-            KvSource::Approximate => self.approx,
-        }
-    }
-
-    /// Both answers with their source.
-    fn by_source(&self) -> [(&'a OverlapScores, KvSource); 2] {
-        [
-            (self.exact, KvSource::Events),
-            (self.approx, KvSource::Approximate),
-        ]
-    }
-}
-
 /// One router replica (see the module docs).
 #[derive(Debug)]
 pub struct RoutingReplica {
     config: ReplicaConfig,
     router: Router,
-    /// The exact index and its feed rules.
-    index: FedIndex,
+    /// The exact index and its feed rules; a decision holds a second handle while it reads
+    /// the index's grouped answer (which borrows the index), and nothing else does.
+    index: Arc<FedIndex>,
     /// The decisions committed to [`KvSource::Approximate`] members, and only those.
     approx: ApproxIndex,
     tracker: ActiveSequences,
@@ -281,7 +260,7 @@ impl RoutingReplica {
         })?;
         Ok(RoutingReplica {
             router,
-            index: FedIndex::new(),
+            index: Arc::new(FedIndex::new()),
             approx: ApproxIndex::new(r.approx),
             tracker: ActiveSequences::new(config.router_id, r.tracker),
             rng: Rng::seed_from_u64(config.seed),
@@ -346,7 +325,7 @@ impl RoutingReplica {
                 }
                 self.member_changed(worker);
                 self.forget_process(worker);
-                self.index.apply(Input::Joined {
+                self.index_mut().apply(Input::Joined {
                     worker,
                     role,
                     kv,
@@ -359,10 +338,10 @@ impl RoutingReplica {
                 self.forget_process(worker);
                 self.member_changed(worker);
                 self.tracker.remove_worker(worker);
-                self.index.apply(input)?
+                self.index_mut().apply(input)?
             }
             Input::KvEvents(_) | Input::Repaired { .. } | Input::RepairFailed { .. } => {
-                self.index.apply(input)?
+                self.index_mut().apply(input)?
             }
             Input::LoadReport(r) => {
                 if self.pool_of(r.worker_id).is_none() {
@@ -378,7 +357,7 @@ impl RoutingReplica {
                 } else {
                     self.capacity_decode.report(r);
                 }
-                self.index.apply(input)?
+                self.index_mut().apply(input)?
             }
             Input::Placed { worker, placement } => {
                 if let Some(m) = self.member_mut(worker) {
@@ -431,14 +410,23 @@ impl RoutingReplica {
         self.tracker.expire(now_ms);
         self.sync_loads();
         self.last_lookup = std::time::Duration::ZERO;
-        let own;
+        // A decision that scores only holders and the least loaded reads the grouped answer,
+        // one that scores every member the list (`answer.rs`).
+        let index = Arc::clone(&self.index);
+        let (listed, grouped);
         let exact = match input.overlap {
-            Some(s) => s,
+            Some(s) => Answer::Listed(s),
             None => {
                 let started = std::time::Instant::now();
-                own = self.index.feed().find_matches(input.hashes);
+                let answer = if self.takes_shortcut(input, now_ms) {
+                    grouped = index.feed().find_extents(input.hashes);
+                    Answer::Grouped(&grouped)
+                } else {
+                    listed = index.feed().find_matches(input.hashes);
+                    Answer::Listed(&listed)
+                };
                 self.last_lookup = started.elapsed();
-                &own
+                answer
             }
         };
         let approx = self.approx_matches(input.hashes, now_ms);
@@ -765,6 +753,12 @@ impl RoutingReplica {
         if self.kv_source(worker) == Some(KvSource::Approximate) && !hashes.is_empty() {
             self.approx.record(worker, hashes, now_ms);
         }
+    }
+
+    /// The index, to change: no decision is in flight while `&mut self` is held, so this is
+    /// the only handle.
+    fn index_mut(&mut self) -> &mut FedIndex {
+        Arc::get_mut(&mut self.index).expect("no decision holds the index between calls")
     }
 
     fn pool_of(&self, worker: WorkerId) -> Option<&Member> {

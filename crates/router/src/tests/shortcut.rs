@@ -172,3 +172,37 @@ fn many_idle_workers_are_sampled_and_picked_uniformly() {
     assert!(picks.len() > 170, "{} distinct", picks.len());
     assert!(picks.values().all(|&n| n <= 12), "{picks:?}");
 }
+
+#[test]
+fn a_prefix_most_of_an_idle_pool_holds_is_sampled_among_its_idle_holders() {
+    // 190 of 200 idle workers hold a shared prefix (a system prompt): a prompt on it is
+    // scored on a sample, not on every holder, and goes to a holder, uniformly.
+    let mut r = replica(routing(false));
+    let (prefix, prefix_hashes) = prompt(BS * 4, 900);
+    for w in 0..200 {
+        let cached = if w < 190 { &prefix_hashes[..] } else { &[] };
+        join(&mut r, w, WorkerRole::Aggregated, 0, cached);
+    }
+    let mut picks = std::collections::BTreeMap::<WorkerId, u32>::new();
+    for i in 0..600u64 {
+        let mut tokens = prefix.clone();
+        tokens.extend_from_slice(&prompt(BS * 2, 10 + i as u32).0);
+        let hashes: Vec<SequenceHash> = tandem_protocol::hashing::compute_block_hashes(
+            &tokens,
+            super::bs(BS),
+            tandem_protocol::HashSeed::UNSALTED,
+        )
+        .iter()
+        .map(|h| h.sequence)
+        .collect();
+        let plan = r.route(&input(i + 1, &tokens, &hashes), &[], 1).unwrap();
+        let scored = plan.decision.decode.explain.len();
+        assert!(scored <= 40, "{scored} of 200 scored");
+        let w = plan.decode_worker();
+        assert!(w.0 < 190, "{w:?} holds nothing of the prompt");
+        *picks.entry(w).or_default() += 1;
+        r.finish(plan.flight, 1);
+    }
+    assert!(picks.len() > 150, "{} distinct", picks.len());
+    assert!(picks.values().all(|&n| n <= 12), "{picks:?}");
+}
