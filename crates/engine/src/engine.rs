@@ -78,6 +78,13 @@ pub struct PlannedStep {
 }
 
 impl PlannedStep {
+    /// Whether the model does not time its steps (they take what their compute takes: the
+    /// native engine), as opposed to a timed step that rounds to nothing (a mocker sped up
+    /// to answer at once).
+    pub fn is_untimed(&self) -> bool {
+        self.duration_ms == 0.0
+    }
+
     /// The duration in whole microseconds (rounded), for virtual clocks.
     pub fn duration_us(&self) -> u64 {
         (self.duration_ms * 1000.0).round() as u64

@@ -20,6 +20,15 @@ fn host_of(
 ) -> EngineHost {
     let mut cfg = MockEngineConfig::new(BlockPoolConfig::new(WorkerId(1), 64));
     cfg.mocker.kv_shape = shape;
+    host_with(output_buffer, cfg, tasks, stop)
+}
+
+fn host_with(
+    output_buffer: usize,
+    cfg: MockEngineConfig,
+    tasks: &TaskTracker,
+    stop: &CancellationToken,
+) -> EngineHost {
     let publishing = HostPublishing {
         events: Arc::new(MemoryEventPlane::new()),
         kv_subject: "kv".into(),
@@ -74,6 +83,30 @@ async fn steps_take_their_modelled_time_and_no_more() {
         expected.push(ms_up(end));
     }
     assert_eq!(at, expected);
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
+}
+
+/// A mocker sped up to answer at once computes its steps on the host's own task, one step
+/// per turn: between two steps the consumer reads what the first gave, so a consumer with
+/// room for only a few outputs loses nothing of a long answer.
+#[tokio::test]
+async fn steps_of_no_time_give_the_consumer_its_turn_between_them() {
+    let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+    let mut cfg = MockEngineConfig::new(BlockPoolConfig::new(WorkerId(1), 64));
+    cfg.mocker.kv_shape = tandem_engine::KvShape::TIMING_ONLY;
+    cfg.mocker.speedup_ratio = 1e9;
+    let host = host_with(2, cfg, &tasks, &stop);
+    for round in 0..3u64 {
+        let mut h = host.submit(request(round + 1, 200)).expect("submitted");
+        let mut tokens = 0;
+        while let Some(out) = h.next().await {
+            assert!(matches!(out, Ok(HostOutput::Token(_))), "{out:?}");
+            tokens += 1;
+        }
+        assert_eq!(tokens, 200, "round {round}");
+    }
     stop.cancel();
     tasks.close();
     tasks.wait().await;
