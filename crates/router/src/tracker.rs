@@ -279,6 +279,8 @@ struct WorkerState {
     private_blocks: u64,
     prefill_tokens: u64,
     requests: u64,
+    /// Requests that have ended on it, ever (a counter, for [`ActiveSequences::ended`]).
+    ended: u64,
     /// Listed in [`ActiveSequences::dirty`].
     dirty: bool,
 }
@@ -410,6 +412,13 @@ impl ActiveSequences {
                 potential_decode_blocks: w.distinct.saturating_add(w.private_blocks),
                 active_requests: w.requests,
             })
+    }
+
+    /// How many requests have ended on `worker` (finished, failed, freed by a peer or
+    /// expired), counted since it was first tracked: two readings tell how many ended in
+    /// between.
+    pub fn ended(&self, worker: WorkerId) -> u64 {
+        self.workers.get(&worker).map_or(0, |w| w.ended)
     }
 
     /// Moves the workers whose load changed since the last call into `out` (each once):
@@ -598,6 +607,7 @@ impl ActiveSequences {
             // An idle worker keeps its (empty) state and stays listed: departed workers go
             // through `remove_worker`.
             w.requests -= 1;
+            w.ended += 1;
         }
         if !now_active && e.freed {
             // A tombstone needs no content: its blocks would be held for nothing.

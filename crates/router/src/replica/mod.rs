@@ -201,8 +201,9 @@ struct Member {
     /// When the worker joined, for warm-up.
     joined_ms: u64,
     kv: KvSource,
-    /// Its latest load report.
+    /// Its latest load report, and how many of its requests the tracker had seen end then.
     report: Option<LoadReport>,
+    ended_at_report: u64,
     /// Where it runs (from its record), for the KV transfer cost of a remote prefill.
     placement: Option<Placement>,
 }
@@ -310,6 +311,7 @@ impl RoutingReplica {
                         joined_ms: now_ms,
                         kv,
                         report: None,
+                        ended_at_report: 0,
                         placement: None,
                     },
                 };
@@ -348,8 +350,10 @@ impl RoutingReplica {
                     return Ok(Vec::new());
                 }
                 self.adapters.report(r.worker_id, &r.adapters);
+                let ended = self.tracker.ended(r.worker_id);
                 if let Some(m) = self.member_mut(r.worker_id) {
                     m.report = Some((*r).clone());
+                    m.ended_at_report = ended;
                 }
                 self.member_changed(r.worker_id);
                 if self.prefill.contains_key(&r.worker_id) {

@@ -561,6 +561,57 @@ fn reported_waiting_requests_saturate_a_worker() {
     assert_ne!(r.route_admitted(&b, &[], 1).unwrap().decode_worker(), w);
 }
 
+#[test]
+fn reported_waiting_requests_leave_the_count_as_requests_end() {
+    let mut r = replica(SaturationConfig {
+        waiting: Some(3),
+        ..SaturationConfig::OFF
+    });
+    let (a, _) = input(1, 64);
+    let first = r.route_admitted(&a, &[], 0).unwrap();
+    let w = first.decode_worker();
+    // Three more on the same worker (the other is out of the way).
+    let other = r.decode_workers().find(|&x| x != w).unwrap();
+    let mut flights = vec![first.flight];
+    for i in 2..5 {
+        let (inp, _) = input(i, 64);
+        flights.push(r.route_admitted(&inp, &[other], 0).unwrap().flight);
+    }
+    let report = |waiting_requests| LoadReport {
+        worker_id: w,
+        waiting_requests,
+        kv_total_blocks: 100,
+        ..Default::default()
+    };
+    // 4 waiting: saturated until 2 of its requests end, however late the next report.
+    r.apply(Input::LoadReport(&report(4)), 1).unwrap();
+    assert!(r.is_saturated(w));
+    r.finish(flights.pop().unwrap(), 2);
+    assert!(r.is_saturated(w), "3 left waiting");
+    let (e, _) = input(5, 64);
+    assert_eq!(
+        r.route_admitted(&e, &[], 2).unwrap().decode_worker(),
+        other,
+        "a saturated worker is passed over"
+    );
+    r.finish(flights.pop().unwrap(), 3);
+    assert!(
+        !r.is_saturated(w),
+        "each one that ended made room for one waiting"
+    );
+    // Requests routed after a report are the next report's to count.
+    r.apply(Input::LoadReport(&report(2)), 4).unwrap();
+    for i in 6..9 {
+        let (inp, _) = input(i, 64);
+        let p = r.route_admitted(&inp, &[other], 4).unwrap();
+        assert_eq!(p.decode_worker(), w);
+        flights.push(p.flight);
+    }
+    assert!(!r.is_saturated(w));
+    r.apply(Input::LoadReport(&report(3)), 5).unwrap();
+    assert!(r.is_saturated(w));
+}
+
 // ---------------------------------------------------------------------------------------
 // Breakers and the retry budget
 // ---------------------------------------------------------------------------------------
