@@ -50,7 +50,8 @@ pub struct FlowArgs {
     /// its device KV blocks (0: off).
     #[arg(long, env = "TANDEM_SATURATION_KV_FRACTION", default_value_t = 1.0)]
     pub saturation_kv_fraction: f64,
-    /// … or when its engine reports this many requests waiting (0: off).
+    /// … or when its engine reports this many requests waiting, less those of its requests
+    /// that ended since the report (0: off).
     #[arg(long, env = "TANDEM_SATURATION_WAITING", default_value_t = 4)]
     pub saturation_waiting: u32,
     /// … or when this many prompt tokens routed to it are not prefilled yet (0: off).

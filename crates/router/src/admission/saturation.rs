@@ -11,8 +11,9 @@
 //! - `prefill_tokens`: prompt tokens routed to it and not yet prefilled (its time to first
 //!   token grows with them).
 //! - `requests`: requests in flight.
-//! - `waiting`: requests its engine reports as waiting to be scheduled (lags by the report
-//!   interval; the engine's own word that it is full).
+//! - `waiting`: requests its engine reports as waiting to be scheduled, less those of its
+//!   requests that ended since the report (each made room for one; the report lags by its
+//!   interval): the engine's own word that it is full.
 //!
 //! A prefill worker is saturated when the prompt tokens routed to it and not yet prefilled
 //! reach `prefill_pool_tokens` (its queue is that many tokens of prefill time long).
