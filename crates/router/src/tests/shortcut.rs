@@ -17,6 +17,18 @@ fn routing(full_scan: bool) -> RoutingConfig {
     r
 }
 
+/// A prompt's sequence hashes at the tests' block size.
+fn hashes_of(tokens: &[u32]) -> Vec<SequenceHash> {
+    tandem_protocol::hashing::compute_block_hashes(
+        tokens,
+        super::bs(BS),
+        tandem_protocol::HashSeed::UNSALTED,
+    )
+    .iter()
+    .map(|h| h.sequence)
+    .collect()
+}
+
 /// One random history played on both replicas; returns how many decisions were compared.
 fn play(seed: u64) -> usize {
     let mut rng = Rng::seed_from_u64(seed);
@@ -72,14 +84,7 @@ fn play(seed: u64) -> usize {
                     p.extend_from_slice(&tokens);
                     tokens = p;
                 }
-                let hashes: Vec<SequenceHash> = tandem_protocol::hashing::compute_block_hashes(
-                    &tokens,
-                    super::bs(BS),
-                    tandem_protocol::HashSeed::UNSALTED,
-                )
-                .iter()
-                .map(|h| h.sequence)
-                .collect();
+                let hashes = hashes_of(&tokens);
                 let mut inp = input(i + 1, &tokens, &hashes);
                 if rng.below(5) == 0 {
                     inp.session = Some(SessionKey(rng.below(4) as u64));
@@ -187,14 +192,7 @@ fn a_prefix_most_of_an_idle_pool_holds_is_sampled_among_its_idle_holders() {
     for i in 0..600u64 {
         let mut tokens = prefix.clone();
         tokens.extend_from_slice(&prompt(BS * 2, 10 + i as u32).0);
-        let hashes: Vec<SequenceHash> = tandem_protocol::hashing::compute_block_hashes(
-            &tokens,
-            super::bs(BS),
-            tandem_protocol::HashSeed::UNSALTED,
-        )
-        .iter()
-        .map(|h| h.sequence)
-        .collect();
+        let hashes = hashes_of(&tokens);
         let plan = r.route(&input(i + 1, &tokens, &hashes), &[], 1).unwrap();
         let scored = plan.decision.decode.explain.len();
         assert!(scored <= 40, "{scored} of 200 scored");
