@@ -1,68 +1,60 @@
 //! The HTTP client of the generation calls, the one request every token passes through.
 //!
-//! An `http://` engine is posted to through hyper's pooled client directly: reqwest, on top
-//! of the same client, parsed the URL twice more per request for its redirect policy,
-//! matched it against the proxy rules and wrapped the call in its own futures — about a
-//! tenth of `tandem frontend --backend-url`'s CPU per request (BENCHMARKS.md). Engines are
-//! not redirected and not proxied here. An `https://` engine (a hosted API) keeps reqwest,
-//! for its TLS.
+//! An `http://` engine is posted to over hyper's own HTTP/1.1 connections, pooled here
+//! (`pool.rs`): reqwest, on top of hyper-util's pooled client, parsed the URL twice more per
+//! request for its redirect policy, matched it against the proxy rules and wrapped the call
+//! in its own futures — about a tenth of `tandem frontend --backend-url`'s CPU per request
+//! (BENCHMARKS.md); the pooled client itself another fifteenth. Engines are not redirected
+//! and not proxied here. An `https://` engine (a hosted API) keeps reqwest, for its TLS.
 //!
 //! Each serving thread (`tandem_runtime::serving`) has its own pool: a pooled connection's
 //! task runs on the runtime that opened it, so a request served on one thread that took a
 //! connection opened on another would wake that thread twice per call.
 
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
-use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderValue};
+use http::uri::Authority;
+use http_body_util::Full;
+use reqwest::header::{CONTENT_TYPE, HOST, HeaderMap, HeaderValue};
 
 use super::EngineError;
+use super::pool::{LeasedBody, Pool};
 
-/// How long a connection to the engine may take to open.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long an idle pooled connection is kept.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// Pools of one engine: one for code off the serving threads, and one per serving thread
 /// (threads past this share them, modulo).
 const POOLS: usize = 65;
 
-type PlainClient = Client<HttpConnector, Full<Bytes>>;
-
 /// Posts JSON to one engine.
 #[derive(Clone, Debug)]
 pub(crate) enum Poster {
-    /// A client per serving thread, made when that thread first posts.
-    Plain(Arc<[OnceLock<PlainClient>]>),
+    /// The engine's authority, and a pool per serving thread, made when that thread first
+    /// posts.
+    Plain(Authority, Arc<[OnceLock<Arc<Pool>>]>),
     Tls(reqwest::Client),
-}
-
-fn plain_client() -> PlainClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(IDLE_TIMEOUT)
-        .pool_timer(TokioTimer::new())
-        .build(connector)
 }
 
 /// Where a post goes: parsed once, for the client that posts it.
 #[derive(Clone, Debug)]
 pub(crate) enum Target {
-    Plain(http::Uri),
+    Plain(PlainTarget),
     Tls(reqwest::Url),
+}
+
+/// A plain engine's URL, and what its requests carry of it.
+#[derive(Clone, Debug)]
+pub(crate) struct PlainTarget {
+    uri: http::Uri,
+    /// The request line's origin form (path and query).
+    path: http::Uri,
+    host: HeaderValue,
 }
 
 impl std::fmt::Display for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Target::Plain(uri) => uri.fmt(f),
+            Target::Plain(t) => t.uri.fmt(f),
             Target::Tls(url) => url.fmt(f),
         }
     }
@@ -75,7 +67,7 @@ pub(crate) struct Answer {
 }
 
 enum AnswerBody {
-    Plain(hyper::body::Incoming),
+    Plain(LeasedBody),
     Tls(reqwest::Response),
 }
 
@@ -83,10 +75,16 @@ impl Poster {
     /// The client for an engine under `base` (`http://…` or `https://…`), with `tls` the
     /// reqwest client an `https://` engine is called with.
     pub(crate) fn for_base(base: &str, tls: &reqwest::Client) -> Poster {
-        if base.starts_with("http://") {
-            Poster::Plain((0..POOLS).map(|_| OnceLock::new()).collect())
-        } else {
-            Poster::Tls(tls.clone())
+        let plain = base.strip_prefix("http://").and_then(|rest| {
+            let authority = rest.split('/').next().unwrap_or_default();
+            authority.parse::<Authority>().ok()
+        });
+        match plain {
+            Some(authority) => {
+                Poster::Plain(authority, (0..POOLS).map(|_| OnceLock::new()).collect())
+            }
+            // Not a plain URL hyper parses: reqwest's client, which says what is wrong with it.
+            None => Poster::Tls(tls.clone()),
         }
     }
 
@@ -94,10 +92,23 @@ impl Poster {
     pub(crate) fn target(&self, url: &str) -> Result<Target, EngineError> {
         let bad = |e: String| EngineError::Protocol(format!("--engine-url {url:?}: {e}"));
         match self {
-            Poster::Plain(_) => url
-                .parse()
-                .map(Target::Plain)
-                .map_err(|e| bad(format!("{e}"))),
+            Poster::Plain(authority, _) => {
+                let uri: http::Uri = url.parse().map_err(|e| bad(format!("{e}")))?;
+                if uri.scheme_str() != Some("http") || uri.authority() != Some(authority) {
+                    return Err(bad(format!("not under http://{authority}")));
+                }
+                let path = match uri.path_and_query() {
+                    Some(p) => p.as_str().parse().map_err(|e| bad(format!("{e}")))?,
+                    None => http::Uri::from_static("/"),
+                };
+                // Host and port: never the user information an authority may carry.
+                let host = match authority.port() {
+                    Some(port) => format!("{}:{port}", authority.host()),
+                    None => authority.host().to_string(),
+                };
+                let host = HeaderValue::from_str(&host).map_err(|e| bad(format!("{e}")))?;
+                Ok(Target::Plain(PlainTarget { uri, path, host }))
+            }
             Poster::Tls(_) => reqwest::Url::parse(url)
                 .map(Target::Tls)
                 .map_err(|e| bad(e.to_string())),
@@ -113,25 +124,21 @@ impl Poster {
     ) -> Result<Answer, EngineError> {
         let unreachable = |e: &dyn std::fmt::Display| EngineError::Unreachable(e.to_string());
         match (self, target) {
-            (Poster::Plain(clients), Target::Plain(uri)) => {
-                let pool = tandem_runtime::serving::serving_index() % clients.len();
-                let client = clients[pool].get_or_init(plain_client);
-                let mut req = http::Request::post(uri.clone())
+            (Poster::Plain(authority, pools), Target::Plain(t)) => {
+                let pool = tandem_runtime::serving::serving_index() % pools.len();
+                let pool = pools[pool].get_or_init(Default::default);
+                let mut req = http::Request::post(t.path.clone())
                     .body(Full::new(Bytes::from(body)))
                     .map_err(|e| unreachable(&e))?;
                 let h = req.headers_mut();
+                h.insert(HOST, t.host.clone());
                 h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
                 h.extend(headers);
-                let resp = client.request(req).await.map_err(|e| {
-                    // hyper's error alone says "client error (Connect)": its source says why.
-                    let why = std::error::Error::source(&e)
-                        .map(|s| format!("{e}: {s}"))
-                        .unwrap_or_else(|| e.to_string());
-                    EngineError::Unreachable(why)
-                })?;
+                let (resp, lease) = pool.send(authority, req).await?;
+                let status = resp.status().as_u16();
                 Ok(Answer {
-                    status: resp.status().as_u16(),
-                    body: AnswerBody::Plain(resp.into_body()),
+                    status,
+                    body: AnswerBody::Plain(LeasedBody::new(resp.into_body(), lease)),
                 })
             }
             (Poster::Tls(client), Target::Tls(url)) => {
@@ -166,7 +173,6 @@ impl Answer {
             AnswerBody::Plain(b) => b
                 .collect()
                 .await
-                .map(|c| c.to_bytes())
                 .map_err(|e| EngineError::Unreachable(e.to_string())),
             AnswerBody::Tls(r) => r
                 .bytes()
@@ -175,12 +181,12 @@ impl Answer {
         }
     }
 
-    /// The body's bytes as they arrive. Dropping the stream drops the connection (it is not
-    /// returned to the pool unfinished), which is how the engine learns the client left.
+    /// The body's bytes as they arrive. Dropping the stream before its end drops the
+    /// connection (it is not returned to the pool unfinished), which is how the engine learns
+    /// the client left.
     pub(crate) fn stream(self) -> futures::stream::BoxStream<'static, Result<Bytes, EngineError>> {
         match self.body {
             AnswerBody::Plain(b) => b
-                .into_data_stream()
                 .map(|r| r.map_err(|e| EngineError::Unreachable(e.to_string())))
                 .boxed(),
             AnswerBody::Tls(r) => r

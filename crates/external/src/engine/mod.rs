@@ -704,6 +704,7 @@ fn tokio_stream_from<T: Send + 'static>(
 mod answer;
 mod client;
 mod logprobs;
+mod pool;
 mod probe;
 #[cfg(test)]
 mod tests;

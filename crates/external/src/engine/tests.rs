@@ -442,21 +442,38 @@ fn sglang_logprobs_follow_the_output_ids() {
     assert!(sglang_delta(&other, false, &mut 0, Some(0)).is_err());
 }
 
-/// Each serving thread posts through its own pool: posts from one thread reuse one
-/// connection, and a thread never takes another's (whose task runs on that other thread).
-#[tokio::test]
-async fn each_serving_thread_posts_through_its_own_pool() {
+/// How the test engine answers each request it reads.
+#[derive(Clone, Copy)]
+enum Answers {
+    /// `{}`, keeping the connection open.
+    KeepAlive,
+    /// `{}`, then closes the connection without saying so (an engine's idle timeout).
+    Close,
+    /// A chunked body's first chunk, then nothing more.
+    Stall,
+}
+
+/// An engine on a free port that answers as `answers` says; the count of connections it
+/// accepted, and a signal each time a stalled answer sees the client close.
+async fn test_engine(
+    answers: Answers,
+) -> (
+    String,
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<tokio::sync::Notify>,
+) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let connections = Arc::new(AtomicUsize::new(0));
-    let counted = connections.clone();
-    // A keep-alive server that answers every request `{}`.
+    let closed = Arc::new(tokio::sync::Notify::new());
+    let (counted, seen_closed) = (connections.clone(), closed.clone());
     tokio::spawn(async move {
         loop {
             let (mut conn, _) = listener.accept().await.unwrap();
             counted.fetch_add(1, Ordering::SeqCst);
+            let seen_closed = seen_closed.clone();
             tokio::spawn(async move {
                 let mut got = Vec::new();
                 let mut buf = [0u8; 4096];
@@ -484,25 +501,55 @@ async fn each_serving_thread_posts_through_its_own_pool() {
                         continue;
                     }
                     got.drain(..head.len() + 4 + len);
-                    let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                    let answer = match answers {
+                        Answers::Stall => {
+                            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n"
+                        }
+                        _ => {
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+                        }
+                    };
                     if conn.write_all(answer.as_bytes()).await.is_err() {
                         return;
+                    }
+                    match answers {
+                        Answers::KeepAlive => {}
+                        Answers::Close => return,
+                        Answers::Stall => {
+                            // Nothing more is sent: the client's close ends the wait.
+                            while matches!(conn.read(&mut buf).await, Ok(n) if n > 0) {}
+                            seen_closed.notify_one();
+                            return;
+                        }
                     }
                 }
             });
         }
     });
-    let base = format!("http://{addr}");
+    (format!("http://{addr}"), connections, closed)
+}
+
+/// Posts `{}` and reads the answer whole, which must be `{}`.
+async fn post_whole(poster: &client::Poster, target: &client::Target) {
+    let answer = poster
+        .post(target, Default::default(), b"{}".to_vec())
+        .await
+        .unwrap();
+    assert!(answer.is_success());
+    assert_eq!(&answer.bytes().await.unwrap()[..], b"{}");
+}
+
+/// Each serving thread posts through its own pool: posts from one thread reuse one
+/// connection, and a thread never takes another's (whose task runs on that other thread).
+#[tokio::test]
+async fn each_serving_thread_posts_through_its_own_pool() {
+    use std::sync::atomic::Ordering;
+    let (base, connections, _) = test_engine(Answers::KeepAlive).await;
     let poster = client::Poster::for_base(&base, &reqwest::Client::new());
     let target = poster.target(&format!("{base}/v1/completions")).unwrap();
     let post_twice = |poster: client::Poster, target: client::Target| async move {
         for _ in 0..2 {
-            let answer = poster
-                .post(&target, Default::default(), b"{}".to_vec())
-                .await
-                .unwrap();
-            assert!(answer.is_success());
-            assert_eq!(&answer.bytes().await.unwrap()[..], b"{}");
+            post_whole(&poster, &target).await;
         }
     };
     post_twice(poster.clone(), target.clone()).await;
@@ -512,5 +559,59 @@ async fn each_serving_thread_posts_through_its_own_pool() {
         let (p, t) = (poster.clone(), target.clone());
         threads.spawn(move || post_twice(p, t)).await.unwrap();
         assert_eq!(connections.load(Ordering::SeqCst), expected);
+    }
+}
+
+/// An engine that closes a kept connection (its idle timeout) costs the next request
+/// nothing: it goes out on a new connection.
+#[tokio::test]
+async fn a_connection_the_engine_closed_is_not_posted_on() {
+    use std::sync::atomic::Ordering;
+    let (base, connections, _) = test_engine(Answers::Close).await;
+    let poster = client::Poster::for_base(&base, &reqwest::Client::new());
+    let target = poster.target(&format!("{base}/v1/completions")).unwrap();
+    for expected in 1..=3 {
+        post_whole(&poster, &target).await;
+        assert_eq!(connections.load(Ordering::SeqCst), expected);
+    }
+}
+
+/// An answer dropped before its end takes its connection with it (that is how the engine
+/// learns the client left): the next request opens another.
+#[tokio::test]
+async fn an_answer_dropped_unfinished_is_not_pooled() {
+    use std::sync::atomic::Ordering;
+    let (base, connections, closed) = test_engine(Answers::Stall).await;
+    let poster = client::Poster::for_base(&base, &reqwest::Client::new());
+    let target = poster.target(&format!("{base}/v1/completions")).unwrap();
+    for expected in 1..=2 {
+        let answer = poster
+            .post(&target, Default::default(), b"{}".to_vec())
+            .await
+            .unwrap();
+        let mut body = answer.stream();
+        assert_eq!(&body.next().await.unwrap().unwrap()[..], b"{}");
+        drop(body);
+        let left = tokio::time::timeout(std::time::Duration::from_secs(10), closed.notified());
+        assert!(left.await.is_ok(), "the engine never saw the client leave");
+        assert_eq!(connections.load(Ordering::SeqCst), expected);
+    }
+}
+
+/// A URL outside the engine a plain poster was made for is refused, not posted to.
+#[test]
+fn a_plain_poster_takes_only_its_engines_urls() {
+    let poster = client::Poster::for_base("http://127.0.0.1:8000", &reqwest::Client::new());
+    assert!(
+        poster
+            .target("http://127.0.0.1:8000/v1/completions")
+            .is_ok()
+    );
+    for other in [
+        "http://127.0.0.1:8001/v1/completions",
+        "https://127.0.0.1:8000/v1",
+    ] {
+        let e = poster.target(other).unwrap_err().to_string();
+        assert!(e.contains("not under http://127.0.0.1:8000"), "{e}");
     }
 }
