@@ -286,31 +286,9 @@ impl EngineApi {
         }
         match self.kind {
             EngineKind::Vllm | EngineKind::Openai => {
-                let model = req.lora_adapter.as_deref().unwrap_or(&self.model);
-                let mut b = json!({
-                    "model": model,
-                    "prompt": req.prompt,
-                    "max_tokens": req.max_tokens,
-                    "temperature": req.temperature,
-                    "ignore_eos": req.ignore_eos,
-                    "return_token_ids": true,
-                    "stream": stream,
-                });
-                openai_sampling(&mut b, req, stream);
-                if let Some(t) = req.stop_token {
-                    b["stop_token_ids"] = json!([t]);
-                }
-                if let Some(salt) = &req.cache_salt {
-                    b["cache_salt"] = json!(salt);
-                }
-                if let Some(k) = &req.kv_transfer_params {
-                    b["kv_transfer_params"] = k.clone();
-                }
-                if let Some(n) = req.logprobs {
-                    b["logprobs"] = json!(n);
-                    b["return_tokens_as_token_ids"] = json!(true);
-                }
-                b
+                // Written from the typed body, which is what `post` sends.
+                serde_json::to_value(body::CompletionBody::new(&self.model, req, stream))
+                    .unwrap_or_default()
             }
             EngineKind::Sglang => {
                 let mut sp = json!({
@@ -393,8 +371,13 @@ impl EngineApi {
         let id = reqwest::header::HeaderValue::try_from(self.request_id_header(&req.request_id))
             .map_err(|e| EngineError::Protocol(format!("request id as a header: {e}")))?;
         headers.insert("x-request-id", id);
-        let body = serde_json::to_vec(&self.body(req, stream))
-            .map_err(|e| EngineError::Protocol(format!("request body: {e}")))?;
+        let body = match (&req.text, self.kind) {
+            (None, EngineKind::Vllm | EngineKind::Openai) => {
+                serde_json::to_vec(&body::CompletionBody::new(&self.model, req, stream))
+            }
+            _ => serde_json::to_vec(&self.body(req, stream)),
+        }
+        .map_err(|e| EngineError::Protocol(format!("request body: {e}")))?;
         let resp = self
             .poster
             .post(self.generate_url(req), headers, body)
@@ -702,6 +685,7 @@ fn tokio_stream_from<T: Send + 'static>(
 }
 
 mod answer;
+mod body;
 mod client;
 mod logprobs;
 mod pool;
