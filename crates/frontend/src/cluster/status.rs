@@ -91,11 +91,13 @@ pub(crate) fn cluster_status(
     // The registry first, then the replica: the order the view itself locks them in.
     let entries: Vec<(&'static str, WorkerId, WorkerRole, bool)> = {
         let registry = view.registry();
-        let list = |pool: &'static str, m: &std::collections::BTreeMap<WorkerId, WorkerEntry>| {
-            m.values()
-                .map(move |e| (pool, e.record.id, e.record.role, e.record.kv_events))
-                .collect::<Vec<_>>()
-        };
+        let list =
+            |pool: &'static str,
+             m: &std::collections::BTreeMap<WorkerId, std::sync::Arc<WorkerEntry>>| {
+                m.values()
+                    .map(move |e| (pool, e.record.id, e.record.role, e.record.kv_events))
+                    .collect::<Vec<_>>()
+            };
         let mut all = list("decode", &registry.decode);
         all.extend(list("prefill", &registry.prefill));
         all

@@ -52,17 +52,18 @@ pub struct WorkerEntry {
 
 /// The decode pool (decode and aggregated workers) and the prefill pool, by id.
 #[derive(Debug, Default)]
+/// Entries are shared: a routed request holds its workers' while it runs.
 pub struct Registry {
-    pub decode: BTreeMap<WorkerId, WorkerEntry>,
-    pub prefill: BTreeMap<WorkerId, WorkerEntry>,
+    pub decode: BTreeMap<WorkerId, Arc<WorkerEntry>>,
+    pub prefill: BTreeMap<WorkerId, Arc<WorkerEntry>>,
 }
 
 impl Registry {
-    pub fn get(&self, id: WorkerId) -> Option<&WorkerEntry> {
+    pub fn get(&self, id: WorkerId) -> Option<&Arc<WorkerEntry>> {
         self.decode.get(&id).or_else(|| self.prefill.get(&id))
     }
 
-    fn pool_mut(&mut self, role: WorkerRole) -> &mut BTreeMap<WorkerId, WorkerEntry> {
+    fn pool_mut(&mut self, role: WorkerRole) -> &mut BTreeMap<WorkerId, Arc<WorkerEntry>> {
         match role {
             WorkerRole::Prefill => &mut self.prefill,
             WorkerRole::Decode | WorkerRole::Aggregated => &mut self.decode,
@@ -453,10 +454,10 @@ impl<S: Fed> ClusterView<S> {
             }
             pool.insert(
                 id,
-                WorkerEntry {
+                Arc::new(WorkerEntry {
                     record,
                     client: WorkerClient::new(channel).max_decoding_message_size(64 << 20),
-                },
+                }),
             )
         };
         match previous {

@@ -561,8 +561,8 @@ pub(super) fn counts_against_worker(status: &Status) -> bool {
 /// A routing decision for one attempt, with the workers' clients and the request's place in
 /// the tracker (released when the plan, or the run holding its flight, is dropped).
 pub(super) struct Plan {
-    pub(super) decode: WorkerEntry,
-    pub(super) prefill: Option<WorkerEntry>,
+    pub(super) decode: Arc<WorkerEntry>,
+    pub(super) prefill: Option<Arc<WorkerEntry>>,
     pub(super) flight: Flight,
     /// Prompt tokens the index says the decode worker holds (0 with a remote prefill).
     pub(super) predicted: u32,
