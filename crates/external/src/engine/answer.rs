@@ -17,7 +17,7 @@ pub(super) struct VllmAnswer {
     #[serde(default)]
     choices: Option<Vec<VllmChoice>>,
     #[serde(default)]
-    usage: Option<Value>,
+    usage: Option<Usage>,
     /// llama.cpp's server: what its prompt cache served.
     #[serde(default)]
     timings: Option<Value>,
@@ -28,10 +28,29 @@ pub(super) struct VllmAnswer {
     pub(super) error: Option<Value>,
 }
 
+/// The counts of an answer's usage read here; each a [`Value`], read by [`count`] (a count
+/// that is not a `u32` is as absent).
+#[derive(Debug, Default, Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: Value,
+    #[serde(default)]
+    completion_tokens: Value,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct PromptDetails {
+    #[serde(default)]
+    cached_tokens: Value,
+}
+
 #[derive(Debug, Deserialize)]
 struct VllmChoice {
+    /// `None` where absent or `null`.
     #[serde(default)]
-    token_ids: Value,
+    token_ids: Option<Vec<u32>>,
     #[serde(default)]
     text: Option<Value>,
     /// A streamed chat chunk's.
@@ -77,7 +96,7 @@ pub(super) fn vllm_delta(
 ) -> Result<EngineDelta, EngineError> {
     let mut d = EngineDelta::default();
     for c in v.choices.iter().flatten() {
-        let toks = &c.token_ids;
+        let toks = c.token_ids.as_deref();
         // A chat answer's text is its message's (streamed: its delta's) `content`.
         let text = c
             .text
@@ -86,7 +105,7 @@ pub(super) fn vllm_delta(
             .or_else(|| c.message.as_ref().and_then(|m| m.get("content")))
             .and_then(Value::as_str)
             .filter(|t| !t.is_empty());
-        if toks.is_null()
+        if toks.is_none()
             && let Some(text) = text
         {
             if !text_ok {
@@ -99,7 +118,7 @@ pub(super) fn vllm_delta(
             }
             d.text.get_or_insert_with(String::new).push_str(text);
         }
-        let new = ids(toks)?;
+        let new = toks.map(<[u32]>::to_vec).unwrap_or_default();
         if let Some(n) = top
             && !new.is_empty()
         {
@@ -114,12 +133,12 @@ pub(super) fn vllm_delta(
         };
     }
     if let Some(u) = &v.usage {
-        d.prompt_tokens = u.get("prompt_tokens").and_then(count);
-        d.completion_tokens = u.get("completion_tokens").and_then(count);
+        d.prompt_tokens = count(&u.prompt_tokens);
+        d.completion_tokens = count(&u.completion_tokens);
         d.cached_tokens = u
-            .get("prompt_tokens_details")
-            .and_then(|p| p.get("cached_tokens"))
-            .and_then(count);
+            .prompt_tokens_details
+            .as_ref()
+            .and_then(|p| count(&p.cached_tokens));
     }
     // llama.cpp's server says what its prompt cache served in `timings` (its
     // `result_timings::to_json`: `cache_n` tokens reused, `prompt_n` evaluated, `predicted_n`

@@ -615,3 +615,22 @@ fn a_plain_poster_takes_only_its_engines_urls() {
         assert!(e.contains("not under http://127.0.0.1:8000"), "{e}");
     }
 }
+
+/// An answer's token ids are `u32`s or the answer is refused; a count that is not one is as
+/// absent.
+#[test]
+fn token_ids_are_u32s_and_counts_that_are_not_are_absent() {
+    let bad = json!({"choices": [{"token_ids": [1, -2], "finish_reason": "length"}]});
+    assert!(serde_json::from_value::<VllmAnswer>(bad).is_err());
+    let odd = json!({
+        "choices": [{"token_ids": [7], "finish_reason": "length"}],
+        "usage": {"prompt_tokens": "12", "completion_tokens": 1,
+                  "prompt_tokens_details": {"cached_tokens": null}},
+    });
+    let d = vllm_delta(&odd, false, None).unwrap();
+    assert_eq!(d.tokens, vec![7]);
+    assert_eq!(
+        (d.prompt_tokens, d.completion_tokens, d.cached_tokens),
+        (None, Some(1), None)
+    );
+}
