@@ -353,15 +353,7 @@ impl EngineApi {
         let h = xxhash_rust::xxh3::xxh3_128(id.as_bytes());
         // Version 4, RFC 4122 variant.
         let h = (h & !(0xf << 76) | (0x4 << 76)) & !(0x3 << 62) | (0x2 << 62);
-        let x = format!("{h:032x}");
-        format!(
-            "{}-{}-{}-{}-{}",
-            &x[..8],
-            &x[8..12],
-            &x[12..16],
-            &x[16..20],
-            &x[20..]
-        )
+        uuid::Uuid::from_u128(h).hyphenated().to_string()
     }
 
     async fn post(&self, req: &EngineGenerate, stream: bool) -> Result<Answer, EngineError> {
