@@ -85,10 +85,15 @@ pub struct RouteCounters {
     overhead: Family<PhaseLabel, Histogram>,
     /// `overhead`'s series, in [`OVERHEAD_PHASES`]' order: looked up once, not per request.
     overhead_phases: [Histogram; 4],
+    /// `prefill`'s series of [`PREFILL_OUTCOMES`], likewise.
+    prefill_outcomes: [Counter; 3],
     pub(crate) flow: Arc<FlowMetrics>,
     /// Why workers' caches may not hit (`cache_health.rs`).
     pub(crate) cache: Arc<super::cache_health::CacheHealth>,
 }
+
+/// The outcomes of `tandem_prefills` a request may have.
+const PREFILL_OUTCOMES: [&str; 3] = ["local", "remote", "fallback"];
 
 /// The phases of `tandem_router_overhead_seconds`.
 const OVERHEAD_PHASES: [&str; 4] = ["hash", "index", "score", "total"];
@@ -126,7 +131,10 @@ impl RouteCounters {
             Ok(PrefillOutcome::Fallback) => "fallback",
             _ => "unknown",
         };
-        self.prefill.get_or_create(&OutcomeLabel { outcome }).inc();
+        match PREFILL_OUTCOMES.iter().position(|o| *o == outcome) {
+            Some(i) => self.prefill_outcomes[i].inc(),
+            None => self.prefill.get_or_create(&OutcomeLabel { outcome }).inc(),
+        };
     }
 
     fn remote_prefill_tokens(&self, moved: u64, held: u64) {
@@ -186,8 +194,12 @@ impl RouteCounters {
         });
         let overhead_phases =
             OVERHEAD_PHASES.map(|phase| overhead.get_or_create(&PhaseLabel { phase }).clone());
+        let prefill = Family::<OutcomeLabel, Counter>::default();
+        let prefill_outcomes = PREFILL_OUTCOMES
+            .map(|outcome| prefill.get_or_create(&OutcomeLabel { outcome }).clone());
         let c = Arc::new(RouteCounters {
-            prefill: Family::default(),
+            prefill,
+            prefill_outcomes,
             remote_prefill_tokens: Family::default(),
             reroutes: Counter::default(),
             migrations: Counter::default(),
@@ -231,9 +243,6 @@ impl RouteCounters {
              prefill that failed and was done locally)",
             c.prefill.clone(),
         );
-        for outcome in ["local", "remote", "fallback"] {
-            let _ = c.prefill.get_or_create(&OutcomeLabel { outcome });
-        }
         c.remote_prefill_tokens(0, 0);
         registry.register(
             "tandem_remote_prefill_tokens",
