@@ -7,12 +7,15 @@
 # requests per second it passes. Rounds alternate between the gateways; each figure is the
 # median of the rounds. One more row, `tandem-up`, is `tandem up` with one in-process mocker
 # worker answering at once (no server behind it: its CPU is frontend and engine together,
-# to compare with the stub's own). Prints one table (markdown) and leaves wrk's output under
+# to compare with the stub's own); and `floor`, the least a proxy on hyper costs
+# (`tandem-floor-proxy`: bodies passed through unparsed, not in the default set), to read
+# each gateway's own work off. Prints one table (markdown) and leaves wrk's output under
 # $OUT.
 #
 #   bash scripts/bench-gateways.sh                       # 3 rounds, 10 s per latency run
 #   ROUNDS=1 SECONDS_LATENCY=5 bash scripts/bench-gateways.sh
 #   GATEWAYS="direct tandem-kv vllm-rr" bash scripts/bench-gateways.sh
+#   GATEWAYS="direct floor vllm-rr tandem-kv" bash scripts/bench-gateways.sh
 #   BASELINE=/tmp/tandem-old GATEWAYS="direct tandem-kv" bash scripts/bench-gateways.sh  # before/after
 #
 # Installs: wrk (Debian) and the two wheels in a venv of their own (target/python/gateways).
@@ -26,5 +29,5 @@ venv=target/python/gateways
 "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check \
   smg==1.13.0 vllm-router==0.1.17
 
-cargo build --release --locked --bin tandem --bin tandem-standin >&2
+cargo build --release --locked --bin tandem --bin tandem-standin --bin tandem-floor-proxy >&2
 exec python3 scripts/lib/bench_gateways.py "$@"

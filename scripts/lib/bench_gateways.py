@@ -177,6 +177,10 @@ def main():
     urls = {"direct": stub_url}
     roots = {"direct": procs["stub"].pid}
     commands = {
+        # The least a proxy on hyper costs (src/bin/tandem-floor-proxy.rs): the floor under
+        # every gateway here, parsing nothing.
+        "floor": lambda p: [f"{BIN}/tandem-floor-proxy", f"127.0.0.1:{p}",
+                            f"127.0.0.1:{stub_port}", "2"],
         "vllm-rr": lambda p: [f"{VENV}/vllm-router", "--host", "127.0.0.1", "--port", str(p),
                               "--worker-urls", stub_url, "--policy", "round_robin",
                               "--log-level", "warning", "--prometheus-port", str(free_port())],

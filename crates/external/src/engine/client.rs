@@ -4,7 +4,7 @@
 //! (`pool.rs`): reqwest, on top of hyper-util's pooled client, parsed the URL twice more per
 //! request for its redirect policy, matched it against the proxy rules and wrapped the call
 //! in its own futures — about a tenth of `tandem frontend --backend-url`'s CPU per request
-//! (BENCHMARKS.md); the pooled client itself another fifteenth. Engines are not redirected
+//! (BENCHMARKS.md); the pooled client itself another 8 %. Engines are not redirected
 //! and not proxied here. An `https://` engine (a hosted API) keeps reqwest, for its TLS.
 //!
 //! Each serving thread (`tandem_runtime::serving`) has its own pool: a pooled connection's

@@ -3,8 +3,8 @@
 //! hyper's own connections (`hyper::client::conn::http1`) with a list of idle ones, in place
 //! of hyper-util's pooled client: that client looks its pool up by a key hashed per request
 //! under a lock, parses the authority again, and spawns a task per answer to watch for the
-//! connection's return; at a few hundred requests a second that was about a fifteenth of
-//! `tandem frontend --backend-url`'s CPU per request (BENCHMARKS.md, 2026-12-07).
+//! connection's return: about 8 % of `tandem frontend --backend-url`'s CPU per request at
+//! full load (BENCHMARKS.md, 2026-12-07 07:00 UTC).
 //!
 //! What it keeps of that client's behaviour:
 //! - a connection goes back to the pool only once its answer was read to the end; an answer
