@@ -453,15 +453,18 @@ enum Answers {
     Stall,
 }
 
-/// An engine on a free port that answers as `answers` says; the count of connections it
-/// accepted, and a signal each time a stalled answer sees the client close.
-async fn test_engine(
-    answers: Answers,
-) -> (
-    String,
-    Arc<std::sync::atomic::AtomicUsize>,
-    Arc<tokio::sync::Notify>,
-) {
+/// An engine on a free port, and a poster of its completions URL.
+struct TestEngine {
+    poster: client::Poster,
+    target: client::Target,
+    /// Connections it accepted.
+    connections: Arc<std::sync::atomic::AtomicUsize>,
+    /// Signalled each time a stalled answer sees the client close.
+    closed: Arc<tokio::sync::Notify>,
+}
+
+/// An engine on a free port that answers as `answers` says.
+async fn test_engine(answers: Answers) -> TestEngine {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -526,7 +529,15 @@ async fn test_engine(
             });
         }
     });
-    (format!("http://{addr}"), connections, closed)
+    let base = format!("http://{addr}");
+    let poster = client::Poster::for_base(&base, &reqwest::Client::new());
+    let target = poster.target(&format!("{base}/v1/completions")).unwrap();
+    TestEngine {
+        poster,
+        target,
+        connections,
+        closed,
+    }
 }
 
 /// Posts `{}` and reads the answer whole, which must be `{}`.
@@ -544,9 +555,12 @@ async fn post_whole(poster: &client::Poster, target: &client::Target) {
 #[tokio::test]
 async fn each_serving_thread_posts_through_its_own_pool() {
     use std::sync::atomic::Ordering;
-    let (base, connections, _) = test_engine(Answers::KeepAlive).await;
-    let poster = client::Poster::for_base(&base, &reqwest::Client::new());
-    let target = poster.target(&format!("{base}/v1/completions")).unwrap();
+    let TestEngine {
+        poster,
+        target,
+        connections,
+        ..
+    } = test_engine(Answers::KeepAlive).await;
     let post_twice = |poster: client::Poster, target: client::Target| async move {
         for _ in 0..2 {
             post_whole(&poster, &target).await;
@@ -567,9 +581,12 @@ async fn each_serving_thread_posts_through_its_own_pool() {
 #[tokio::test]
 async fn a_connection_the_engine_closed_is_not_posted_on() {
     use std::sync::atomic::Ordering;
-    let (base, connections, _) = test_engine(Answers::Close).await;
-    let poster = client::Poster::for_base(&base, &reqwest::Client::new());
-    let target = poster.target(&format!("{base}/v1/completions")).unwrap();
+    let TestEngine {
+        poster,
+        target,
+        connections,
+        ..
+    } = test_engine(Answers::Close).await;
     for expected in 1..=3 {
         post_whole(&poster, &target).await;
         assert_eq!(connections.load(Ordering::SeqCst), expected);
@@ -581,9 +598,12 @@ async fn a_connection_the_engine_closed_is_not_posted_on() {
 #[tokio::test]
 async fn an_answer_dropped_unfinished_is_not_pooled() {
     use std::sync::atomic::Ordering;
-    let (base, connections, closed) = test_engine(Answers::Stall).await;
-    let poster = client::Poster::for_base(&base, &reqwest::Client::new());
-    let target = poster.target(&format!("{base}/v1/completions")).unwrap();
+    let TestEngine {
+        poster,
+        target,
+        connections,
+        closed,
+    } = test_engine(Answers::Stall).await;
     for expected in 1..=2 {
         let answer = poster
             .post(&target, Default::default(), b"{}".to_vec())
