@@ -112,6 +112,41 @@ async fn steps_of_no_time_give_the_consumer_its_turn_between_them() {
     tasks.wait().await;
 }
 
+/// Steps of no time are computed `INLINE_STEPS` at a time, not one per turn (a yield after
+/// each woke the runtime's idle worker): when the consumer gets its turn, the outputs of the
+/// steps since wait for it.
+#[tokio::test]
+async fn steps_of_no_time_are_computed_several_to_a_turn() {
+    use futures::FutureExt;
+    let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+    let mut cfg = MockEngineConfig::new(BlockPoolConfig::new(WorkerId(1), 64));
+    cfg.mocker.kv_shape = tandem_engine::KvShape::TIMING_ONLY;
+    cfg.mocker.speedup_ratio = 1e9;
+    let host = host_with(1024, cfg, &tasks, &stop);
+    let mut h = host.submit(request(1, 100)).expect("submitted");
+    let mut turns = Vec::new();
+    while let Some(out) = h.next().await {
+        assert!(matches!(out, Ok(HostOutput::Token(_))), "{out:?}");
+        // What else is there without waiting: the rest of this turn's steps.
+        let mut ready = 1;
+        while let Some(Some(out)) = h.next().now_or_never() {
+            assert!(matches!(out, Ok(HostOutput::Token(_))), "{out:?}");
+            ready += 1;
+        }
+        turns.push(ready);
+    }
+    assert_eq!(turns.iter().sum::<u32>(), 100);
+    // 16 steps to a turn: 7 turns (one per step before).
+    assert!(
+        turns.len() <= 8,
+        "{} turns for 100 steps: {turns:?}",
+        turns.len()
+    );
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
+}
+
 /// A consumer that stops reading holds at most `output_buffer` outputs: then its request
 /// is aborted, its blocks freed, and its handle says why.
 #[tokio::test(start_paused = true)]
