@@ -120,21 +120,23 @@ impl RouteCounters {
     /// prefix; the prefix it held stayed where it was (the transfer is paged).
     pub fn prefill(&self, first: &tandem_protocol::grpc::GenerateChunk) {
         use tandem_protocol::grpc::PrefillOutcome;
-        let outcome = match PrefillOutcome::try_from(first.prefill) {
-            Ok(PrefillOutcome::Local) => "local",
+        // The index of the outcome's series in `prefill_outcomes` (`PREFILL_OUTCOMES`).
+        let known = match PrefillOutcome::try_from(first.prefill) {
+            Ok(PrefillOutcome::Local) => 0,
             Ok(PrefillOutcome::Remote) => {
                 let (moved, held) = transfer_split(first);
                 self.remote_prefill_tokens(moved, held);
                 self.flow.recent.remote_prefill(moved, held);
-                "remote"
+                1
             }
-            Ok(PrefillOutcome::Fallback) => "fallback",
-            _ => "unknown",
+            Ok(PrefillOutcome::Fallback) => 2,
+            _ => {
+                let outcome = "unknown";
+                self.prefill.get_or_create(&OutcomeLabel { outcome }).inc();
+                return;
+            }
         };
-        match PREFILL_OUTCOMES.iter().position(|o| *o == outcome) {
-            Some(i) => self.prefill_outcomes[i].inc(),
-            None => self.prefill.get_or_create(&OutcomeLabel { outcome }).inc(),
-        };
+        self.prefill_outcomes[known].inc();
     }
 
     fn remote_prefill_tokens(&self, moved: u64, held: u64) {
