@@ -44,6 +44,14 @@ fn host_with(
     )
 }
 
+/// A host whose mocker answers at once: steps of no time, no KV bytes.
+fn instant_host(output_buffer: usize, tasks: &TaskTracker, stop: &CancellationToken) -> EngineHost {
+    let mut cfg = MockEngineConfig::new(BlockPoolConfig::new(WorkerId(1), 64));
+    cfg.mocker.kv_shape = tandem_engine::KvShape::TIMING_ONLY;
+    cfg.mocker.speedup_ratio = 1e9;
+    host_with(output_buffer, cfg, tasks, stop)
+}
+
 fn request(id: u64, max_tokens: u32) -> EngineRequest {
     let mut r = EngineRequest::new(RequestId(id), (0..40).collect(), max_tokens);
     r.ignore_eos = true;
@@ -88,16 +96,13 @@ async fn steps_take_their_modelled_time_and_no_more() {
     tasks.wait().await;
 }
 
-/// A mocker sped up to answer at once computes its steps on the host's own task, one step
-/// per turn: between two steps the consumer reads what the first gave, so a consumer with
-/// room for only a few outputs loses nothing of a long answer.
+/// A mocker sped up to answer at once computes its steps on the host's own task, and lets
+/// the consumer read before its channel could overflow: a consumer with room for only two
+/// outputs loses nothing of a long answer.
 #[tokio::test]
 async fn steps_of_no_time_give_the_consumer_its_turn_between_them() {
     let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
-    let mut cfg = MockEngineConfig::new(BlockPoolConfig::new(WorkerId(1), 64));
-    cfg.mocker.kv_shape = tandem_engine::KvShape::TIMING_ONLY;
-    cfg.mocker.speedup_ratio = 1e9;
-    let host = host_with(2, cfg, &tasks, &stop);
+    let host = instant_host(2, &tasks, &stop);
     for round in 0..3u64 {
         let mut h = host.submit(request(round + 1, 200)).expect("submitted");
         let mut tokens = 0;
@@ -119,10 +124,7 @@ async fn steps_of_no_time_give_the_consumer_its_turn_between_them() {
 async fn steps_of_no_time_are_computed_several_to_a_turn() {
     use futures::FutureExt;
     let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
-    let mut cfg = MockEngineConfig::new(BlockPoolConfig::new(WorkerId(1), 64));
-    cfg.mocker.kv_shape = tandem_engine::KvShape::TIMING_ONLY;
-    cfg.mocker.speedup_ratio = 1e9;
-    let host = host_with(1024, cfg, &tasks, &stop);
+    let host = instant_host(1024, &tasks, &stop);
     let mut h = host.submit(request(1, 100)).expect("submitted");
     let mut turns = Vec::new();
     while let Some(out) = h.next().await {
