@@ -4,10 +4,12 @@
 //! `sequence_hash[i] = xxh3_64(sequence_hash[i-1] LE ‖ local_hash[i] LE, seed)`. Only full
 //! blocks are hashed: a trailing partial block has no identity and is never shared.
 
+use std::borrow::Cow;
 use std::num::NonZeroU32;
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+use zerocopy::IntoBytes;
 
 use crate::ids::{LocalBlockHash, SequenceHash};
 
@@ -136,28 +138,16 @@ pub struct BlockHashes {
 
 /// Hash of one block's tokens.
 pub fn local_block_hash(tokens: &[u32], seed: HashSeed) -> LocalBlockHash {
-    // The tokens as little-endian bytes. Blocks are small (16 tokens by default): a stack
-    // buffer of that size avoids an allocation, and zeroing it costs nothing next to the hash.
-    let mut stack = [0u8; 64];
-    let len = tokens.len() * 4;
-    if len <= stack.len() {
-        le_bytes_into(tokens, &mut stack);
-        LocalBlockHash(xxh3_64_with_seed(&stack[..len], seed.0))
+    LocalBlockHash(xxh3_64_with_seed(&le_bytes(tokens), seed.0))
+}
+
+/// `tokens` as little-endian bytes, what a block's hash reads: the tokens' own memory on a
+/// little-endian target (no copy), a copy on a big-endian one.
+fn le_bytes(tokens: &[u32]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        Cow::Borrowed(tokens.as_bytes())
     } else {
-        LocalBlockHash(xxh3_64_with_seed(&le_bytes(tokens), seed.0))
-    }
-}
-
-/// `tokens` as little-endian bytes, what a block's hash reads.
-fn le_bytes(tokens: &[u32]) -> Vec<u8> {
-    let mut bytes = vec![0u8; tokens.len() * 4];
-    le_bytes_into(tokens, &mut bytes);
-    bytes
-}
-
-fn le_bytes_into(tokens: &[u32], out: &mut [u8]) {
-    for (chunk, t) in out.chunks_exact_mut(4).zip(tokens) {
-        chunk.copy_from_slice(&t.to_le_bytes());
+        Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
     }
 }
 
