@@ -25,11 +25,12 @@
 //! pool / group steps), and its idle members, when many tie, drawn from the idle list.
 //!
 //! One exception: when more than 64 members are idle (nothing in flight: they all tie on
-//! the least load), or more than 64 holders of one overlap tie on their least load, 16 of
+//! the least load), or more than 64 holders of one overlap tie on their least load, 4 of
 //! them drawn uniformly at random are scored instead of all. Idle
 //! workers tie exactly, so the pick among them stays uniform; only a holder whose cost ties
 //! theirs to the last bit — practically never — would be picked more often than a full scan
-//! would pick it.
+//! would pick it. (Scoring more of them would only repeat one cost: a sample of 16 made a
+//! decision at 1,000 workers 1.7× slower, BENCHMARKS.md.)
 //!
 //! The shortcut is taken only where that argument holds ([`RoutingReplica::shortcut`]):
 //! `kv` over one pool (no prefill pool), temperature 0, no decay (it compares every backlog
@@ -52,7 +53,10 @@ use crate::view::{WorkerLoad, WorkerView};
 /// Above this many idle members, a decision scores [`IDLE_SAMPLE`] of them drawn at random
 /// instead of every one (they all cost the same).
 const IDLE_TIE_LIMIT: usize = 64;
-const IDLE_SAMPLE: usize = 16;
+const IDLE_SAMPLE: usize = 4;
+/// The most draws a sample makes before the decision falls back to a walk (the sample's
+/// members may be a small part of the idle list).
+const IDLE_DRAWS: usize = 128;
 
 /// A group of holders this small is looked up member by member; a larger one is found from
 /// the load order. Small in unit tests, so that their small pools take both ways.
@@ -432,11 +436,14 @@ impl RoutingReplica {
         // Many idle workers tie for the least load: score a uniform sample of them.
         if self.order.idle.len() > IDLE_TIE_LIMIT {
             let n = self.order.idle.len();
-            for _ in 0..IDLE_SAMPLE {
+            for _ in 0..IDLE_DRAWS {
                 let id = self.order.idle[self.rng.below(n)];
                 let m = &self.decode[&id];
-                if !excluded.contains(&id) && !is_holder(id, m) {
+                if !excluded.contains(&id) && !is_holder(id, m) && !ids.contains(&id) {
                     ids.push(id);
+                    if ids.len() == IDLE_SAMPLE {
+                        break;
+                    }
                 }
             }
             if !ids.is_empty() {
@@ -656,7 +663,7 @@ impl RoutingReplica {
         let answer = scores.of(g.source);
         let start = out.len();
         let n = self.order.idle.len();
-        for _ in 0..8 * IDLE_SAMPLE {
+        for _ in 0..IDLE_DRAWS {
             let id = self.order.idle[self.rng.below(n)];
             if self.is_member(g, answer, excluded, id) && !out[start..].iter().any(|h| h.2 == id) {
                 out.push((g.overlap, 0.0, id));
