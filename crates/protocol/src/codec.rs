@@ -26,6 +26,8 @@ pub enum MessageKind {
     WorkerRecord = 4,
     /// Router replica sync (the router crate's `SyncMessage`).
     RouterSync = 5,
+    /// A router replica's presence (the router crate's `SyncHello`).
+    RouterHello = 6,
 }
 
 /// Why bytes could not be decoded.

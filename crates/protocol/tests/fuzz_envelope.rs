@@ -271,12 +271,13 @@ fn decode_all(bytes: &[u8]) -> usize {
         + usize::from(decode_checked::<WorkerRecord>(bytes).is_some())
 }
 
-const KINDS: [MessageKind; 5] = [
+const KINDS: [MessageKind; 6] = [
     MessageKind::KvEvents,
     MessageKind::KvDump,
     MessageKind::LoadReport,
     MessageKind::WorkerRecord,
     MessageKind::RouterSync,
+    MessageKind::RouterHello,
 ];
 
 fn header(kind: u16, version: u16) -> Vec<u8> {

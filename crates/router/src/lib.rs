@@ -131,7 +131,7 @@ pub use tandem_indexer::{
 };
 pub use tandem_protocol::Rng;
 pub use tracker::{
-    ActiveSequences, NewSequence, RouterId, SyncMessage, TrackedLoad, TrackerConfig,
+    ActiveSequences, NewSequence, RouterId, SyncHello, SyncMessage, TrackedLoad, TrackerConfig,
 };
 pub use view::{
     Decision, KvOverrides, PREFIX_KEY_TOKENS, RouteRequest, Rule, ScoreTerms, WorkerLoad,

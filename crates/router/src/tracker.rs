@@ -94,6 +94,19 @@ impl Envelope for SyncMessage {
     const KIND: MessageKind = MessageKind::RouterSync;
 }
 
+/// A replica's presence, on the companion subject of the sync messages: a replica publishes
+/// its [`SyncMessage`]s only while it hears peers (the frontend's `cluster/sync.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncHello {
+    pub router: RouterId,
+    /// An answer to another replica's hello (answers are not answered).
+    pub answer: bool,
+}
+
+impl Envelope for SyncHello {
+    const KIND: MessageKind = MessageKind::RouterHello;
+}
+
 impl SyncMessage {
     /// The replica that made the change.
     pub fn router(&self) -> RouterId {

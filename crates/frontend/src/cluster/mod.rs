@@ -23,6 +23,7 @@ pub(crate) mod metrics;
 mod recent;
 mod sessions;
 mod status;
+pub(crate) mod sync;
 mod view;
 
 use std::sync::Arc;

@@ -34,9 +34,7 @@ use std::time::Duration;
 use axum::response::IntoResponse;
 use futures::StreamExt;
 use parking_lot::Mutex;
-use tandem_protocol::Envelope;
 use tandem_router::{FlowQueue, Input, SyncMessage};
-use tandem_runtime::events::subjects;
 use tandem_runtime::shutdown::Shutdown;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -46,6 +44,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tonic_health::ServingStatus;
 
 use crate::cluster::flow::{Gate, PUMP_TICK};
+use crate::cluster::sync::ReplicaSync;
 use crate::cluster::{BackendConfig, ClusterDeps, ClusterView, ServiceError, ViewConfig};
 use crate::http::{BodyCheck, HttpConfig, Tokenizer, TokenizerSpec};
 use picker::Picker;
@@ -59,10 +58,6 @@ pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 /// Answers queued per stream before the stream's task waits for Envoy to read them.
 const STREAM_QUEUE: usize = 8;
-
-/// Tracker changes waiting to be published to peer replicas (beyond: dropped; peers expire
-/// entries by TTL).
-const SYNC_QUEUE: usize = 4096;
 
 /// Everything an endpoint picker needs: the frontend's view, HTTP (validation, template,
 /// context length), tokenizer and routing / flow-control settings, and its own.
@@ -98,7 +93,7 @@ pub async fn run_epp(
         crate::cluster::start_view(&cfg.view, &cfg.backend, true, &deps, &tasks, &stop).await?;
     let queue = FlowQueue::new(cfg.backend.flow)
         .map_err(|e| ServiceError::Config(format!("flow control: {e}")))?;
-    let sync_tx = if cfg.backend.replica_sync {
+    let sync = if cfg.backend.replica_sync {
         Some(start_sync(&cfg.backend, &view, &deps, &tasks, stop.clone()).await?)
     } else {
         None
@@ -113,7 +108,7 @@ pub async fn run_epp(
         ids: Mutex::new(tandem_router::Rng::seed_from_u64(
             cfg.backend.seed ^ 0x6570_7000_0000_0000,
         )),
-        sync_tx,
+        sync,
     });
     start_housekeeping(&picker, &tasks, stop.clone());
     if let Some(l) = metrics_listener {
@@ -243,50 +238,22 @@ fn start_housekeeping(picker: &Arc<Picker>, tasks: &TaskTracker, stop: Cancellat
 }
 
 /// Replica sync with the frontends and other pickers of the namespace: this replica's
-/// tracker changes published, its peers' applied (docs/ARCHITECTURE.md §5).
+/// tracker changes published while it has peers, its peers' applied (docs/ARCHITECTURE.md §5).
 async fn start_sync(
     cfg: &BackendConfig,
     view: &Arc<ClusterView>,
     deps: &ClusterDeps,
     tasks: &TaskTracker,
     stop: CancellationToken,
-) -> Result<mpsc::Sender<SyncMessage>, ServiceError> {
-    let subject = subjects::router_sync(&view.config().namespace);
-    let (tx, mut rx) = mpsc::channel::<SyncMessage>(SYNC_QUEUE);
-    let (events, c, subj) = (deps.events.clone(), stop.clone(), subject.clone());
-    tasks.spawn(async move {
-        loop {
-            let msg = tokio::select! {
-                m = rx.recv() => match m { Some(m) => m, None => return },
-                () = c.cancelled() => return,
-            };
-            match msg.encode() {
-                Ok(bytes) => {
-                    if let Err(e) = events.publish(&subj, bytes.into()).await {
-                        tracing::debug!(error = %e, "publishing router sync failed");
-                    }
-                }
-                Err(e) => tracing::error!(error = %e, "encoding router sync failed"),
-            }
-        }
-    });
-    let mut sub = deps.events.subscribe(&subject).await?;
-    let (v, me) = (view.clone(), cfg.router_id);
-    tasks.spawn(async move {
-        loop {
-            let bytes = tokio::select! {
-                m = sub.next() => match m { Some(b) => b, None => return },
-                () = stop.cancelled() => return,
-            };
-            if let Ok(msg) = SyncMessage::decode(&bytes)
-                && msg.router() != me
-            {
-                let now = v.now_ms();
-                let _ = v.replica().write().apply(Input::PeerSync(&msg), now);
-            }
-        }
-    });
-    Ok(tx)
+) -> Result<ReplicaSync, ServiceError> {
+    let v = view.clone();
+    let apply = move |msg: &SyncMessage| {
+        let now = v.now_ms();
+        let _ = v.replica().write().apply(Input::PeerSync(msg), now);
+    };
+    let namespace = view.config().namespace.clone();
+    let events = deps.events.clone();
+    Ok(ReplicaSync::start(cfg.router_id, &namespace, events, apply, tasks, stop).await?)
 }
 
 /// `GET /metrics` (OpenMetrics text) on its own listener.

@@ -16,11 +16,11 @@ use tandem_protocol::{AdapterId, HashSeed, RequestId, SequenceHash, WorkerId};
 use tandem_router::{
     InFlight, RouteError, RouteInput, RouteRequest, RoutingConfig, SessionKey, SyncMessage,
 };
-use tokio::sync::mpsc;
 
 use crate::cluster::ClusterView;
 use crate::cluster::flow::{ANONYMOUS, Admission, Gate};
 use crate::cluster::metrics::RouteCounters;
+use crate::cluster::sync::ReplicaSync;
 use crate::http::{BodyCheck, Endpoint, ServeError, ValidRequest};
 
 /// What routing a request needs, computed once (and held while it waits in the queue, and
@@ -45,7 +45,7 @@ pub(crate) struct Picker {
     pub fallbacks: usize,
     /// Request ids (drawn apart from the replica's generator).
     pub ids: Mutex<tandem_router::Rng>,
-    pub sync_tx: Option<mpsc::Sender<SyncMessage>>,
+    pub sync: Option<ReplicaSync>,
 }
 
 /// A request's place in the tracker on the worker it was sent to; released on drop.
@@ -88,9 +88,9 @@ impl Picker {
     }
 
     fn sync(&self, msgs: impl IntoIterator<Item = SyncMessage>) {
-        if let Some(tx) = &self.sync_tx {
+        if let Some(sync) = &self.sync {
             for m in msgs {
-                let _ = tx.try_send(m);
+                sync.send(m);
             }
         }
     }

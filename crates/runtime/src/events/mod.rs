@@ -101,6 +101,12 @@ pub mod subjects {
     pub fn router_sync(namespace: &str) -> String {
         format!("tandem.{namespace}.router-sync")
     }
+
+    /// Frontend replicas' presence, so that a lone one publishes no sync:
+    /// `tandem.<ns>.router-hello`.
+    pub fn router_hello(namespace: &str) -> String {
+        format!("tandem.{namespace}.router-hello")
+    }
 }
 
 /// Checks a subject for publishing: non-empty dot-separated tokens, no whitespace, no wildcard.
@@ -182,6 +188,7 @@ mod tests {
         assert_eq!(subjects::kv_events("ns"), "tandem.ns.kv-events");
         assert_eq!(subjects::load_reports("ns"), "tandem.ns.load");
         assert_eq!(subjects::router_sync("ns"), "tandem.ns.router-sync");
+        assert_eq!(subjects::router_hello("ns"), "tandem.ns.router-hello");
     }
 
     #[test]

@@ -29,12 +29,11 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tandem_protocol::grpc::{RemotePrefillTarget, indexer_client::IndexerClient};
-use tandem_protocol::{Envelope, HashSeed, WorkerId};
+use tandem_protocol::{HashSeed, WorkerId};
 use tandem_router::{
     FlowQueue, InFlight, Input, Rng, SessionKey, SyncMessage, TenantLimits, TtftHistory,
 };
-use tandem_runtime::events::{EventPlane, subjects};
-use tokio::sync::mpsc;
+use tandem_runtime::events::EventPlane;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::transport::Channel;
@@ -42,6 +41,7 @@ use tonic::transport::Channel;
 use super::flow::Gate;
 use super::metrics::RouteCounters;
 use super::sessions::SessionLimiter;
+use super::sync::ReplicaSync;
 use super::view::ClusterView;
 use crate::http::{Backend, Generation, ServeError, ValidRequest};
 use admission::Admitted;
@@ -56,10 +56,6 @@ mod trace;
 
 pub use config::{BackendConfig, HedgeConfig};
 
-/// Sync messages waiting to be published; beyond it they are dropped (peers expire the
-/// entries by TTL).
-const SYNC_QUEUE: usize = 4096;
-
 struct Shared {
     view: Arc<ClusterView>,
     counters: Arc<RouteCounters>,
@@ -68,7 +64,7 @@ struct Shared {
     /// routing decisions draw exactly what the simulator's do.
     ids: Mutex<Rng>,
     indexer: Option<IndexerClient<Channel>>,
-    sync_tx: Option<mpsc::Sender<SyncMessage>>,
+    sync: Option<ReplicaSync>,
     gate: Gate<Arc<Prepared>, Plan>,
     /// Recent times to first token by prompt size, for hedging.
     ttft: Mutex<TtftHistory>,
@@ -108,28 +104,25 @@ impl ClusterBackend {
             }
             None => None,
         };
-        let subject = subjects::router_sync(&view.config().namespace);
-        let sync_tx = if cfg.replica_sync {
-            let (tx, mut rx) = mpsc::channel::<SyncMessage>(SYNC_QUEUE);
-            let (ev, c) = (events.clone(), cancel.clone());
-            let subj = subject.clone();
-            tasks.spawn(async move {
-                loop {
-                    let msg = tokio::select! {
-                        m = rx.recv() => match m { Some(m) => m, None => return },
-                        _ = c.cancelled() => return,
-                    };
-                    match msg.encode() {
-                        Ok(bytes) => {
-                            if let Err(e) = ev.publish(&subj, bytes.into()).await {
-                                tracing::debug!(error = %e, "publishing router sync failed");
-                            }
-                        }
-                        Err(e) => tracing::error!(error = %e, "encoding router sync failed"),
-                    }
-                }
-            });
-            Some(tx)
+        let sync = if cfg.replica_sync {
+            let v = view.clone();
+            let apply = move |msg: &SyncMessage| {
+                let now = v.now_ms();
+                // A sync message never asks for a repair.
+                let _ = v.replica().write().apply(Input::PeerSync(msg), now);
+            };
+            let namespace = view.config().namespace.clone();
+            let sync = ReplicaSync::start(
+                cfg.router_id,
+                &namespace,
+                events,
+                apply,
+                tasks,
+                cancel.clone(),
+            )
+            .await
+            .map_err(|e| ServeError::unavailable(format!("event plane: {e}")))?;
+            Some(sync)
         } else {
             None
         };
@@ -149,32 +142,9 @@ impl ClusterBackend {
             counters,
             ids: Mutex::new(Rng::seed_from_u64(cfg.seed ^ 0x6964_7300_0000_0000)),
             indexer,
-            sync_tx,
+            sync,
             cfg,
         });
-        if shared.cfg.replica_sync {
-            let mut sub = events
-                .subscribe(&subject)
-                .await
-                .map_err(|e| ServeError::unavailable(format!("event plane: {e}")))?;
-            let (s, c) = (shared.clone(), cancel.clone());
-            tasks.spawn(async move {
-                loop {
-                    let bytes = tokio::select! {
-                        m = sub.next() => match m { Some(b) => b, None => return },
-                        _ = c.cancelled() => return,
-                    };
-                    let Ok(msg) = SyncMessage::decode(&bytes) else {
-                        continue;
-                    };
-                    if msg.router() != s.cfg.router_id {
-                        let now = s.view.now_ms();
-                        // A sync message never asks for a repair.
-                        let _ = s.view.replica().write().apply(Input::PeerSync(&msg), now);
-                    }
-                }
-            });
-        }
         ClusterBackend {
             shared: shared.clone(),
         }
@@ -209,8 +179,8 @@ impl ClusterBackend {
     }
 
     fn sync(&self, msg: SyncMessage) {
-        if let Some(tx) = &self.shared.sync_tx {
-            let _ = tx.try_send(msg);
+        if let Some(sync) = &self.shared.sync {
+            sync.send(msg);
         }
     }
 }

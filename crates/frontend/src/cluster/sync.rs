@@ -1,0 +1,189 @@
+//! Router replica sync (docs/ARCHITECTURE.md §5): this replica's tracker changes go to its
+//! peers — the namespace's other frontends and endpoint pickers — on the `router-sync`
+//! subject, and theirs are applied to its routing replica.
+//!
+//! A replica publishes only while it hears a peer. Each says hello on `router-hello` when it
+//! starts and every [`HELLO_EVERY`], and answers at once the hello of a replica it has not
+//! heard within [`PEER_TTL`]; a peer's hello or sync message keeps it present for that long.
+//! A lone frontend, the common deployment, then spends nothing on sync: it used to encode
+//! and publish three messages a request that no one read (BENCHMARKS.md, 2026-12-07).
+//!
+//! A peer misses what was routed before the two heard each other, as a replica that starts
+//! later always has: frees for requests it never saw are ignored, and those requests' load
+//! is counted by the replica that routed them alone. A replica of an older build says no
+//! hello but publishes everything, and any sync message counts as presence.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+use tandem_protocol::Envelope;
+use tandem_router::{RouterId, SyncHello, SyncMessage};
+use tandem_runtime::RuntimeError;
+use tandem_runtime::events::{EventPlane, subjects};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Sync messages waiting to be published; beyond it they are dropped (peers expire the
+/// entries by TTL).
+const SYNC_QUEUE: usize = 4096;
+
+/// How often a replica says hello.
+pub(crate) const HELLO_EVERY: Duration = Duration::from_secs(2);
+
+/// How long a peer counts as present after it was last heard (a few hellos, so that one
+/// lost hello does not stop the sync).
+pub(crate) const PEER_TTL: Duration = Duration::from_millis(6_500);
+
+/// The peers heard lately.
+#[derive(Debug)]
+struct Peers {
+    any: AtomicBool,
+    heard: Mutex<HashMap<RouterId, Instant>>,
+}
+
+impl Peers {
+    /// Notes `router` heard now; true when it was not heard within [`PEER_TTL`] (a newcomer).
+    fn heard(&self, router: RouterId) -> bool {
+        let now = Instant::now();
+        let last = self.heard.lock().insert(router, now);
+        self.any.store(true, Ordering::Relaxed);
+        last.is_none_or(|t| now.duration_since(t) > PEER_TTL)
+    }
+
+    /// Forgets the peers not heard within [`PEER_TTL`].
+    fn expire(&self) {
+        let now = Instant::now();
+        let mut heard = self.heard.lock();
+        heard.retain(|_, t| now.duration_since(*t) <= PEER_TTL);
+        self.any.store(!heard.is_empty(), Ordering::Relaxed);
+    }
+}
+
+/// One replica's end of the sync. Cheap to share.
+#[derive(Debug)]
+pub(crate) struct ReplicaSync {
+    tx: mpsc::Sender<SyncMessage>,
+    peers: Arc<Peers>,
+}
+
+impl ReplicaSync {
+    /// Starts the sync of replica `me` in `namespace`: publishing, hellos, and the peers'
+    /// messages handed to `apply` (those of `me` left out).
+    pub(crate) async fn start(
+        me: RouterId,
+        namespace: &str,
+        events: Arc<dyn EventPlane>,
+        apply: impl Fn(&SyncMessage) + Send + 'static,
+        tasks: &TaskTracker,
+        stop: CancellationToken,
+    ) -> Result<Self, RuntimeError> {
+        let peers = Arc::new(Peers {
+            any: AtomicBool::new(false),
+            heard: Mutex::new(HashMap::new()),
+        });
+        let sync_subject = subjects::router_sync(namespace);
+        let hello_subject = subjects::router_hello(namespace);
+        // Subscribed before the first hello, so that no answer to it is missed.
+        let mut sync_in = events.subscribe(&sync_subject).await?;
+        let mut hello_in = events.subscribe(&hello_subject).await?;
+
+        let (tx, mut rx) = mpsc::channel::<SyncMessage>(SYNC_QUEUE);
+        let (ev, c) = (events.clone(), stop.clone());
+        tasks.spawn(async move {
+            loop {
+                let msg = tokio::select! {
+                    m = rx.recv() => match m { Some(m) => m, None => return },
+                    () = c.cancelled() => return,
+                };
+                match msg.encode() {
+                    Ok(bytes) => {
+                        if let Err(e) = ev.publish(&sync_subject, bytes.into()).await {
+                            tracing::debug!(error = %e, "publishing router sync failed");
+                        }
+                    }
+                    Err(e) => tracing::error!(error = %e, "encoding router sync failed"),
+                }
+            }
+        });
+
+        let (p, c) = (peers.clone(), stop.clone());
+        tasks.spawn(async move {
+            loop {
+                let bytes = tokio::select! {
+                    m = sync_in.next() => match m { Some(b) => b, None => return },
+                    () = c.cancelled() => return,
+                };
+                let Ok(msg) = SyncMessage::decode(&bytes) else {
+                    continue;
+                };
+                if msg.router() != me {
+                    p.heard(msg.router());
+                    apply(&msg);
+                }
+            }
+        });
+
+        let p = peers.clone();
+        tasks.spawn(async move {
+            let say = |answer: bool| {
+                let ev = events.clone();
+                let subject = hello_subject.clone();
+                async move {
+                    let hello = SyncHello { router: me, answer };
+                    match hello.encode() {
+                        Ok(bytes) => {
+                            if let Err(e) = ev.publish(&subject, bytes.into()).await {
+                                tracing::debug!(error = %e, "publishing router hello failed");
+                            }
+                        }
+                        Err(e) => tracing::error!(error = %e, "encoding router hello failed"),
+                    }
+                }
+            };
+            // The first tick is at once: the hello that announces this replica.
+            let mut every = tokio::time::interval(HELLO_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = every.tick() => {
+                        p.expire();
+                        say(false).await;
+                    }
+                    m = hello_in.next() => {
+                        let Some(bytes) = m else { return };
+                        let Ok(hello) = SyncHello::decode(&bytes) else {
+                            continue;
+                        };
+                        if hello.router != me && p.heard(hello.router) && !hello.answer {
+                            say(true).await;
+                        }
+                    }
+                    () = stop.cancelled() => return,
+                }
+            }
+        });
+        Ok(ReplicaSync { tx, peers })
+    }
+
+    /// Publishes `msg` when a peer is present (dropped when the queue is full).
+    pub(crate) fn send(&self, msg: SyncMessage) {
+        if self.peers.any.load(Ordering::Relaxed) {
+            let _ = self.tx.try_send(msg);
+        }
+    }
+
+    /// Whether a peer is present: this replica's changes are published.
+    #[cfg(test)]
+    pub(crate) fn has_peers(&self) -> bool {
+        self.peers.any.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+#[path = "sync_tests.rs"]
+mod tests;
