@@ -13,7 +13,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use serde::Serialize;
 use tandem_protocol::{RequestId, WorkerId};
-use tandem_router::{Decision, DisaggDecision, DisaggReason, RejectReason, RouteRequest};
+use tandem_router::{Decision, DisaggDecision, DisaggReason, RejectReason, RouteRequest, Rule};
 
 /// Routing decisions kept.
 pub const DECISIONS: usize = 50;
@@ -50,8 +50,10 @@ pub struct Candidate {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PoolDecision {
     pub worker: u64,
-    /// The policy's rule that chose (`MinCost`, `Sampled`, `LeastLoaded`, …).
-    pub rule: String,
+    /// The policy's rule that chose (`MinCost`, `Sampled`, `LeastLoaded`, …), written as
+    /// its name when the record is read.
+    #[serde(serialize_with = "rule_name")]
+    pub rule: Rule,
     /// Candidates scored, before the cut to [`CANDIDATES`].
     pub candidates_total: usize,
     /// The chosen one first, then by cost.
@@ -73,8 +75,10 @@ pub struct DecisionRecord {
     pub cached_tokens: u64,
     /// Workers left out because they already failed this request (retries).
     pub excluded: usize,
-    /// Where the prompt is prefilled and why (the disaggregation rule).
-    pub disagg: String,
+    /// Where the prompt is prefilled and why (the disaggregation rule), written as a
+    /// sentence when the record is read.
+    #[serde(serialize_with = "disagg_sentence")]
+    pub disagg: DisaggReason,
     pub decode: PoolDecision,
     pub prefill: Option<PoolDecision>,
     #[serde(skip)]
@@ -187,6 +191,16 @@ fn cut(s: &str, max: usize) -> String {
 }
 
 /// The disaggregation rule's answer in words.
+/// A rule as its name (the record keeps the rule: nothing is formatted per decision).
+fn rule_name<S: serde::Serializer>(rule: &Rule, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&format_args!("{rule:?}"))
+}
+
+/// A disaggregation reason as its sentence.
+fn disagg_sentence<S: serde::Serializer>(why: &DisaggReason, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&disagg_reason(why))
+}
+
 fn disagg_reason(why: &DisaggReason) -> String {
     match *why {
         DisaggReason::NoPrefillPool => "local: no prefill pool".into(),
@@ -254,7 +268,7 @@ fn pool_decision(d: &Decision) -> PoolDecision {
     candidates.truncate(CANDIDATES);
     PoolDecision {
         worker: d.worker.0,
-        rule: format!("{:?}", d.rule),
+        rule: d.rule,
         candidates_total,
         candidates,
         excluded_busy: d.excluded_busy.len(),
@@ -311,7 +325,7 @@ impl RecentActivity {
             prompt_tokens: route.prompt_tokens,
             cached_tokens: cached,
             excluded,
-            disagg: disagg_reason(&d.why),
+            disagg: d.why,
             decode: pool_decision(&d.decode),
             prefill: d.prefill.as_ref().map(pool_decision),
             at: now,
@@ -475,8 +489,11 @@ mod tests {
         assert_eq!(r.age_ms, 1500);
         assert_eq!(r.entry.request, 7);
         assert_eq!(r.entry.excluded, 1);
-        assert!(r.entry.disagg.contains("40 tokens"), "{}", r.entry.disagg);
-        assert_eq!(r.entry.decode.rule, "MinCost");
+        let json = serde_json::to_value(&r.entry).unwrap();
+        let disagg = json["disagg"].as_str().unwrap();
+        assert!(disagg.contains("40 tokens"), "{disagg}");
+        assert_eq!(json["decode"]["rule"], "MinCost");
+        assert_eq!(r.entry.decode.rule, Rule::MinCost);
         assert_eq!(r.entry.decode.excluded_busy, 1);
         let order: Vec<(u64, bool)> = r
             .entry
