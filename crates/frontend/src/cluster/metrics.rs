@@ -90,6 +90,8 @@ pub struct RouteCounters {
     pub(crate) flow: Arc<FlowMetrics>,
     /// Why workers' caches may not hit (`cache_health.rs`).
     pub(crate) cache: Arc<super::cache_health::CacheHealth>,
+    /// Peer replicas heard lately (`sync.rs`).
+    pub(crate) sync_peers: Gauge,
 }
 
 /// The outcomes of `tandem_prefills` a request may have.
@@ -212,6 +214,7 @@ impl RouteCounters {
             overhead_phases,
             flow: Arc::new(FlowMetrics::register(registry)),
             cache: Arc::default(),
+            sync_peers: Gauge::default(),
         });
         registry.register(
             "tandem_router_overhead_seconds",
@@ -270,6 +273,12 @@ impl RouteCounters {
             "tandem_migrations",
             "Requests moved to another decode worker after their worker failed mid-stream",
             c.migrations.clone(),
+        );
+        registry.register(
+            "tandem_router_sync_peers",
+            "Other frontend replicas (and endpoint pickers) heard lately; this replica publishes \
+             its router sync only while there is one",
+            c.sync_peers.clone(),
         );
         c
     }

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use hashbrown::HashMap;
 use parking_lot::Mutex;
+use prometheus_client::metrics::gauge::Gauge;
 use tandem_protocol::Envelope;
 use tandem_router::{RouterId, SyncHello, SyncMessage};
 use tandem_runtime::RuntimeError;
@@ -44,14 +45,18 @@ pub(crate) const PEER_TTL: Duration = Duration::from_millis(6_500);
 struct Peers {
     any: AtomicBool,
     heard: Mutex<HashMap<RouterId, Instant>>,
+    /// Their number, for `/metrics`.
+    gauge: Gauge,
 }
 
 impl Peers {
     /// Notes `router` heard now; true when it was not heard within [`PEER_TTL`] (a newcomer).
     fn heard(&self, router: RouterId) -> bool {
         let now = Instant::now();
-        let last = self.heard.lock().insert(router, now);
+        let mut heard = self.heard.lock();
+        let last = heard.insert(router, now);
         self.any.store(true, Ordering::Relaxed);
+        self.gauge.set(heard.len() as i64);
         last.is_none_or(|t| now.duration_since(t) > PEER_TTL)
     }
 
@@ -61,6 +66,7 @@ impl Peers {
         let mut heard = self.heard.lock();
         heard.retain(|_, t| now.duration_since(*t) <= PEER_TTL);
         self.any.store(!heard.is_empty(), Ordering::Relaxed);
+        self.gauge.set(heard.len() as i64);
     }
 }
 
@@ -73,18 +79,20 @@ pub(crate) struct ReplicaSync {
 
 impl ReplicaSync {
     /// Starts the sync of replica `me` in `namespace`: publishing, hellos, and the peers'
-    /// messages handed to `apply` (those of `me` left out).
+    /// messages handed to `apply` (those of `me` left out); the number of peers heard lately
+    /// kept in `peers_gauge`.
     pub(crate) async fn start(
         me: RouterId,
         namespace: &str,
         events: Arc<dyn EventPlane>,
         apply: impl Fn(&SyncMessage) + Send + 'static,
-        tasks: &TaskTracker,
-        stop: CancellationToken,
+        peers_gauge: Gauge,
+        (tasks, stop): (&TaskTracker, CancellationToken),
     ) -> Result<Self, RuntimeError> {
         let peers = Arc::new(Peers {
             any: AtomicBool::new(false),
             heard: Mutex::new(HashMap::new()),
+            gauge: peers_gauge,
         });
         let sync_subject = subjects::router_sync(namespace);
         let hello_subject = subjects::router_hello(namespace);

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use prometheus_client::metrics::gauge::Gauge;
 use tandem_protocol::{Envelope, RequestId};
 use tandem_router::{RouterId, SyncHello, SyncMessage};
 use tandem_runtime::events::memory::MemoryEventPlane;
@@ -28,20 +29,21 @@ async fn replica(
     events: &Arc<dyn EventPlane>,
     tasks: &TaskTracker,
     stop: &CancellationToken,
-) -> (ReplicaSync, Arc<Mutex<Vec<SyncMessage>>>) {
+) -> (ReplicaSync, Arc<Mutex<Vec<SyncMessage>>>, Gauge) {
     let applied = Arc::new(Mutex::new(Vec::new()));
     let a = applied.clone();
+    let gauge = Gauge::default();
     let sync = ReplicaSync::start(
         RouterId(me),
         NS,
         events.clone(),
         move |m: &SyncMessage| a.lock().push(m.clone()),
-        tasks,
-        stop.clone(),
+        gauge.clone(),
+        (tasks, stop.clone()),
     )
     .await
     .unwrap();
-    (sync, applied)
+    (sync, applied, gauge)
 }
 
 /// The next message on `sub` within `wait`, decoded.
@@ -82,7 +84,7 @@ async fn a_lone_replica_says_hello_and_publishes_no_sync() {
     let (events, tasks, stop) = (plane(), TaskTracker::new(), CancellationToken::new());
     let mut hellos = events.subscribe(&subjects::router_hello(NS)).await.unwrap();
     let mut syncs = events.subscribe(&subjects::router_sync(NS)).await.unwrap();
-    let (a, _) = replica(1, &events, &tasks, &stop).await;
+    let (a, _, _) = replica(1, &events, &tasks, &stop).await;
     let first = hello_from(&mut hellos, 1, Duration::from_millis(10)).await;
     assert_eq!(
         first.map(|h| h.answer),
@@ -105,7 +107,7 @@ async fn a_newcomers_hello_is_answered_at_once_and_turns_the_sync_on_until_it_fa
     let (events, tasks, stop) = (plane(), TaskTracker::new(), CancellationToken::new());
     let mut hellos = events.subscribe(&subjects::router_hello(NS)).await.unwrap();
     let mut syncs = events.subscribe(&subjects::router_sync(NS)).await.unwrap();
-    let (a, _) = replica(1, &events, &tasks, &stop).await;
+    let (a, _, peers) = replica(1, &events, &tasks, &stop).await;
     let announce = hello_from(&mut hellos, 1, Duration::from_millis(50)).await;
     assert_eq!(announce.map(|h| h.answer), Some(false));
     say_hello(&events, 2, false).await;
@@ -113,6 +115,7 @@ async fn a_newcomers_hello_is_answered_at_once_and_turns_the_sync_on_until_it_fa
     let answer = hello_from(&mut hellos, 1, Duration::from_millis(20)).await;
     assert_eq!(answer.map(|h| h.answer), Some(true));
     assert!(a.has_peers());
+    assert_eq!(peers.get(), 1);
     a.send(free(1, 7));
     let got: Option<SyncMessage> = next(&mut syncs, Duration::from_millis(20)).await;
     assert_eq!(got, Some(free(1, 7)));
@@ -127,8 +130,10 @@ async fn a_newcomers_hello_is_answered_at_once_and_turns_the_sync_on_until_it_fa
         None
     );
     // Once no peer has been heard for the TTL, nothing is published again.
+    assert_eq!(peers.get(), 2, "the answer's sender counts too");
     tokio::time::sleep(PEER_TTL + HELLO_EVERY + Duration::from_millis(100)).await;
     assert!(!a.has_peers());
+    assert_eq!(peers.get(), 0);
     while next::<SyncMessage>(&mut syncs, Duration::ZERO)
         .await
         .is_some()
@@ -142,11 +147,11 @@ async fn a_newcomers_hello_is_answered_at_once_and_turns_the_sync_on_until_it_fa
 #[tokio::test(start_paused = true)]
 async fn two_replicas_find_each_other_and_apply_only_each_others_messages() {
     let (events, tasks, stop) = (plane(), TaskTracker::new(), CancellationToken::new());
-    let (a, applied_a) = replica(1, &events, &tasks, &stop).await;
+    let (a, applied_a, _) = replica(1, &events, &tasks, &stop).await;
     // B starts later: its hello is answered at once, so both publish without waiting for
     // a periodic hello.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (b, applied_b) = replica(2, &events, &tasks, &stop).await;
+    let (b, applied_b, _) = replica(2, &events, &tasks, &stop).await;
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert!(a.has_peers() && b.has_peers());
     a.send(free(1, 1));
@@ -164,7 +169,7 @@ async fn two_replicas_find_each_other_and_apply_only_each_others_messages() {
 async fn a_sync_message_from_a_replica_that_says_no_hello_counts_as_presence() {
     // A replica of an older build publishes its sync messages and says no hello.
     let (events, tasks, stop) = (plane(), TaskTracker::new(), CancellationToken::new());
-    let (a, applied) = replica(1, &events, &tasks, &stop).await;
+    let (a, applied, _) = replica(1, &events, &tasks, &stop).await;
     let subject = subjects::router_sync(NS);
     events
         .publish(&subject, free(9, 4).encode().unwrap().into())

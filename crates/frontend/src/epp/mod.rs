@@ -94,7 +94,8 @@ pub async fn run_epp(
     let queue = FlowQueue::new(cfg.backend.flow)
         .map_err(|e| ServiceError::Config(format!("flow control: {e}")))?;
     let sync = if cfg.backend.replica_sync {
-        Some(start_sync(&cfg.backend, &view, &deps, &tasks, stop.clone()).await?)
+        let gauge = counters.sync_peers.clone();
+        Some(start_sync(&cfg.backend, &view, &deps, gauge, (&tasks, stop.clone())).await?)
     } else {
         None
     };
@@ -243,8 +244,8 @@ async fn start_sync(
     cfg: &BackendConfig,
     view: &Arc<ClusterView>,
     deps: &ClusterDeps,
-    tasks: &TaskTracker,
-    stop: CancellationToken,
+    peers_gauge: prometheus_client::metrics::gauge::Gauge,
+    (tasks, stop): (&TaskTracker, CancellationToken),
 ) -> Result<ReplicaSync, ServiceError> {
     let v = view.clone();
     let apply = move |msg: &SyncMessage| {
@@ -253,7 +254,8 @@ async fn start_sync(
     };
     let namespace = view.config().namespace.clone();
     let events = deps.events.clone();
-    Ok(ReplicaSync::start(cfg.router_id, &namespace, events, apply, tasks, stop).await?)
+    let sync = (tasks, stop);
+    Ok(ReplicaSync::start(cfg.router_id, &namespace, events, apply, peers_gauge, sync).await?)
 }
 
 /// `GET /metrics` (OpenMetrics text) on its own listener.

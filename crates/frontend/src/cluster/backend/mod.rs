@@ -117,8 +117,8 @@ impl ClusterBackend {
                 &namespace,
                 events,
                 apply,
-                tasks,
-                cancel.clone(),
+                counters.sync_peers.clone(),
+                (tasks, cancel.clone()),
             )
             .await
             .map_err(|e| ServeError::unavailable(format!("event plane: {e}")))?;
