@@ -40,6 +40,19 @@ pub(crate) const HELLO_EVERY: Duration = Duration::from_secs(2);
 /// lost hello does not stop the sync).
 pub(crate) const PEER_TTL: Duration = Duration::from_millis(6_500);
 
+/// Publishes `msg` on `subject`; a failure is logged (`what` names the message), not returned:
+/// the next message or hello tries again.
+async fn publish<T: Envelope>(events: &dyn EventPlane, subject: &str, msg: &T, what: &str) {
+    match msg.encode() {
+        Ok(bytes) => {
+            if let Err(e) = events.publish(subject, bytes.into()).await {
+                tracing::debug!(error = %e, "publishing {what} failed");
+            }
+        }
+        Err(e) => tracing::error!(error = %e, "encoding {what} failed"),
+    }
+}
+
 /// The peers heard lately.
 #[derive(Debug)]
 struct Peers {
@@ -108,14 +121,7 @@ impl ReplicaSync {
                     m = rx.recv() => match m { Some(m) => m, None => return },
                     () = c.cancelled() => return,
                 };
-                match msg.encode() {
-                    Ok(bytes) => {
-                        if let Err(e) = ev.publish(&sync_subject, bytes.into()).await {
-                            tracing::debug!(error = %e, "publishing router sync failed");
-                        }
-                    }
-                    Err(e) => tracing::error!(error = %e, "encoding router sync failed"),
-                }
+                publish(&*ev, &sync_subject, &msg, "router sync").await;
             }
         });
 
@@ -138,20 +144,10 @@ impl ReplicaSync {
 
         let p = peers.clone();
         tasks.spawn(async move {
-            let say = |answer: bool| {
-                let ev = events.clone();
-                let subject = hello_subject.clone();
-                async move {
-                    let hello = SyncHello { router: me, answer };
-                    match hello.encode() {
-                        Ok(bytes) => {
-                            if let Err(e) = ev.publish(&subject, bytes.into()).await {
-                                tracing::debug!(error = %e, "publishing router hello failed");
-                            }
-                        }
-                        Err(e) => tracing::error!(error = %e, "encoding router hello failed"),
-                    }
-                }
+            let (events, subject) = (&*events, &hello_subject);
+            let say = |answer: bool| async move {
+                let hello = SyncHello { router: me, answer };
+                publish(events, subject, &hello, "router hello").await;
             };
             // The first tick is at once: the hello that announces this replica.
             let mut every = tokio::time::interval(HELLO_EVERY);
