@@ -21,13 +21,15 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 use prometheus_client::metrics::gauge::Gauge;
 use tandem_protocol::Envelope;
-use tandem_router::{RouterId, SyncHello, SyncMessage};
+use tandem_router::{Input, RouterId, SyncHello, SyncMessage};
 use tandem_runtime::RuntimeError;
 use tandem_runtime::events::{EventPlane, subjects};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+use super::view::ClusterView;
 
 /// Sync messages waiting to be published; beyond it they are dropped (peers expire the
 /// entries by TTL).
@@ -172,6 +174,25 @@ impl ReplicaSync {
             }
         });
         Ok(ReplicaSync { tx, peers })
+    }
+
+    /// [`ReplicaSync::start`] for the routing replica of `view`, in its namespace: the peers'
+    /// messages applied to it.
+    pub(crate) async fn on_view(
+        me: RouterId,
+        view: &Arc<ClusterView>,
+        events: Arc<dyn EventPlane>,
+        peers_gauge: Gauge,
+        (tasks, stop): (&TaskTracker, CancellationToken),
+    ) -> Result<Self, RuntimeError> {
+        let v = view.clone();
+        let apply = move |msg: &SyncMessage| {
+            let now = v.now_ms();
+            // A sync message never asks for a repair.
+            let _ = v.replica().write().apply(Input::PeerSync(msg), now);
+        };
+        let namespace = &view.config().namespace;
+        Self::start(me, namespace, events, apply, peers_gauge, (tasks, stop)).await
     }
 
     /// Publishes `msg` when a peer is present (dropped when the queue is full).

@@ -34,7 +34,7 @@ use std::time::Duration;
 use axum::response::IntoResponse;
 use futures::StreamExt;
 use parking_lot::Mutex;
-use tandem_router::{FlowQueue, Input, SyncMessage};
+use tandem_router::FlowQueue;
 use tandem_runtime::shutdown::Shutdown;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -45,7 +45,7 @@ use tonic_health::ServingStatus;
 
 use crate::cluster::flow::{Gate, PUMP_TICK};
 use crate::cluster::sync::ReplicaSync;
-use crate::cluster::{BackendConfig, ClusterDeps, ClusterView, ServiceError, ViewConfig};
+use crate::cluster::{BackendConfig, ClusterDeps, ServiceError, ViewConfig};
 use crate::http::{BodyCheck, HttpConfig, Tokenizer, TokenizerSpec};
 use picker::Picker;
 use proto::envoy::service::ext_proc::v3::external_processor_server::{
@@ -94,8 +94,10 @@ pub async fn run_epp(
     let queue = FlowQueue::new(cfg.backend.flow)
         .map_err(|e| ServiceError::Config(format!("flow control: {e}")))?;
     let sync = if cfg.backend.replica_sync {
-        let gauge = counters.sync_peers.clone();
-        Some(start_sync(&cfg.backend, &view, &deps, gauge, (&tasks, stop.clone())).await?)
+        // Shared with the frontends and other pickers of the namespace (docs/ARCHITECTURE.md §5).
+        let (gauge, events) = (counters.sync_peers.clone(), deps.events.clone());
+        let me = cfg.backend.router_id;
+        Some(ReplicaSync::on_view(me, &view, events, gauge, (&tasks, stop.clone())).await?)
     } else {
         None
     };
@@ -236,26 +238,6 @@ fn start_housekeeping(picker: &Arc<Picker>, tasks: &TaskTracker, stop: Cancellat
             }
         }
     });
-}
-
-/// Replica sync with the frontends and other pickers of the namespace: this replica's
-/// tracker changes published while it has peers, its peers' applied (docs/ARCHITECTURE.md §5).
-async fn start_sync(
-    cfg: &BackendConfig,
-    view: &Arc<ClusterView>,
-    deps: &ClusterDeps,
-    peers_gauge: prometheus_client::metrics::gauge::Gauge,
-    (tasks, stop): (&TaskTracker, CancellationToken),
-) -> Result<ReplicaSync, ServiceError> {
-    let v = view.clone();
-    let apply = move |msg: &SyncMessage| {
-        let now = v.now_ms();
-        let _ = v.replica().write().apply(Input::PeerSync(msg), now);
-    };
-    let namespace = view.config().namespace.clone();
-    let events = deps.events.clone();
-    let sync = (tasks, stop);
-    Ok(ReplicaSync::start(cfg.router_id, &namespace, events, apply, peers_gauge, sync).await?)
 }
 
 /// `GET /metrics` (OpenMetrics text) on its own listener.

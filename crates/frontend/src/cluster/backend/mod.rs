@@ -30,9 +30,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tandem_protocol::grpc::{RemotePrefillTarget, indexer_client::IndexerClient};
 use tandem_protocol::{HashSeed, WorkerId};
-use tandem_router::{
-    FlowQueue, InFlight, Input, Rng, SessionKey, SyncMessage, TenantLimits, TtftHistory,
-};
+use tandem_router::{FlowQueue, InFlight, Rng, SessionKey, SyncMessage, TenantLimits, TtftHistory};
 use tandem_runtime::events::EventPlane;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -105,23 +103,11 @@ impl ClusterBackend {
             None => None,
         };
         let sync = if cfg.replica_sync {
-            let v = view.clone();
-            let apply = move |msg: &SyncMessage| {
-                let now = v.now_ms();
-                // A sync message never asks for a repair.
-                let _ = v.replica().write().apply(Input::PeerSync(msg), now);
-            };
-            let namespace = view.config().namespace.clone();
-            let sync = ReplicaSync::start(
-                cfg.router_id,
-                &namespace,
-                events,
-                apply,
-                counters.sync_peers.clone(),
-                (tasks, cancel.clone()),
-            )
-            .await
-            .map_err(|e| ServeError::unavailable(format!("event plane: {e}")))?;
+            let gauge = counters.sync_peers.clone();
+            let sync =
+                ReplicaSync::on_view(cfg.router_id, &view, events, gauge, (tasks, cancel.clone()))
+                    .await
+                    .map_err(|e| ServeError::unavailable(format!("event plane: {e}")))?;
             Some(sync)
         } else {
             None
