@@ -349,10 +349,11 @@ pub struct HttpArgs {
     /// Threads that serve the HTTP connections, each with its own single-threaded runtime:
     /// a connection stays on one, so a request runs on one thread from end to end (fewer
     /// wake-ups than the shared runtime's work stealing). 0: the shared runtime serves them.
-    /// Default: one per CPU with --backend-url (its sidecars run in this process, with a
-    /// connection pool per thread); 0 otherwise (workers reached over gRPC or in `tandem up`'s
-    /// process are called through tasks on the shared runtime, and handing every call over to
-    /// them cost more than the threads save). TLS connections are served by the shared runtime.
+    /// Default: one per CPU in `tandem frontend` (the sidecars of --backend-url keep a
+    /// connection pool per thread, the gRPC clients of workers and indexer a channel per
+    /// thread); 0 in `tandem up`'s own process (its in-process workers' engines run on the
+    /// shared runtime, and handing every call over to them cost more than the threads save).
+    /// TLS connections are served by the shared runtime.
     #[arg(long, env = "TANDEM_SERVING_THREADS")]
     pub serving_threads: Option<usize>,
 }
@@ -682,15 +683,17 @@ pub async fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         Some(addr) => Some(bind(&addr).await?),
         None => None,
     };
+    // Every call a request makes stays on its thread (the sidecars keep a connection pool per
+    // thread, the workers' and the indexer's gRPC clients a channel per thread): serve on
+    // threads of their own.
+    cfg.http.serving_threads = args
+        .http
+        .serving_threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
     if args.backends.is_set() {
         // The sidecars' events stay in this process, and so would router sync: no other
         // replica could hear it.
         cfg.backend.replica_sync = false;
-        // Every call a request makes stays on its thread here (the sidecars are in this
-        // process and keep a connection pool per thread): serve on threads of their own.
-        cfg.http.serving_threads = args.http.serving_threads.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
-        });
         let sidecars = args.backends.sidecars(&args.http.model, args.block_size)?;
         return crate::backends::run(cfg, sidecars, listener, admin, shutdown_on_signals()).await;
     }

@@ -4,7 +4,7 @@
 //! itself. The call runs the same generated service with the same protobuf encoding, but
 //! without a socket, HTTP/2 framing or the wake-ups between a connection's tasks (on the
 //! gateway path, the loopback hop cost about as much CPU as the rest of the frontend's work).
-//! Any other address gets a [`Channel`]. A worker's `Generate`, the hot path, goes one step
+//! Any other address gets a [`Channel`] per serving thread ([`NetTransport`]). A worker's `Generate`, the hot path, goes one step
 //! further ([`LocalRegistration::with_direct`], [`direct_worker`]): the caller gets the
 //! service's own stream, and neither the request nor any chunk is encoded.
 //!
@@ -18,7 +18,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -116,7 +116,7 @@ where
 /// Where a client's calls go: a connection, or a service of this process.
 #[derive(Clone)]
 pub enum Transport {
-    Net(Channel),
+    Net(NetTransport),
     Local {
         service: LocalService,
         stop: CancellationToken,
@@ -129,7 +129,7 @@ pub enum Transport {
 impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Transport::Net(c) => f.debug_tuple("Net").field(c).finish(),
+            Transport::Net(n) => f.debug_tuple("Net").field(n).finish(),
             Transport::Local { .. } => f.write_str("Local"),
         }
     }
@@ -155,7 +155,72 @@ pub fn transport(addr: &str, timeout: Duration) -> Result<Transport, RuntimeErro
             timeout,
         });
     }
-    super::lazy_channel(addr, timeout).map(Transport::Net)
+    NetTransport::new(addr, timeout).map(Transport::Net)
+}
+
+/// Channels per serving thread that a [`NetTransport`] may hold (threads past this share
+/// them, modulo).
+const THREAD_CHANNELS: usize = 64;
+
+/// Channels to one address: one for code off the serving threads, and one per serving thread
+/// (`crate::serving`), made on that thread when it first calls. A channel's tasks (its
+/// buffer's worker, the HTTP/2 connection) run on the runtime that made it, so a call from a
+/// serving thread over a channel made elsewhere woke another thread for every message each
+/// way (on `tandem up --processes`, the frontend's connection task was about a quarter of its
+/// CPU, and it made ~10 system calls a request against ~6 on one thread).
+#[derive(Clone)]
+pub struct NetTransport {
+    channels: Arc<NetChannels>,
+    /// The channel this clone calls through, chosen where it is first polled.
+    chosen: Option<Channel>,
+}
+
+struct NetChannels {
+    addr: String,
+    timeout: Duration,
+    /// Off the serving threads: made with the transport, so a bad address fails there.
+    shared: Channel,
+    threads: Box<[OnceLock<Channel>]>,
+}
+
+impl std::fmt::Debug for NetTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetTransport")
+            .field("addr", &self.channels.addr)
+            .field("chosen", &self.chosen.is_some())
+            .finish()
+    }
+}
+
+impl NetTransport {
+    fn new(addr: &str, timeout: Duration) -> Result<NetTransport, RuntimeError> {
+        let shared = super::lazy_channel(addr, timeout)?;
+        Ok(NetTransport {
+            channels: Arc::new(NetChannels {
+                addr: addr.to_string(),
+                timeout,
+                shared,
+                threads: (0..THREAD_CHANNELS).map(|_| Default::default()).collect(),
+            }),
+            chosen: None,
+        })
+    }
+
+    /// The channel of the thread this runs on (made now if it has none).
+    fn channel(&mut self) -> &mut Channel {
+        let channels = &self.channels;
+        self.chosen
+            .get_or_insert_with(|| match crate::serving::serving_index() {
+                0 => channels.shared.clone(),
+                i => channels.threads[(i - 1) % THREAD_CHANNELS]
+                    .get_or_init(|| {
+                        // The address made the shared channel: it makes this one too.
+                        super::lazy_channel(&channels.addr, channels.timeout)
+                            .unwrap_or_else(|_| channels.shared.clone())
+                    })
+                    .clone(),
+            })
+    }
 }
 
 type ResponseFuture =
@@ -178,15 +243,15 @@ impl Service<http::Request<Body>> for Transport {
             *self = transport(addr, *timeout)?;
         }
         match self {
-            Transport::Net(channel) => channel.poll_ready(cx).map_err(Into::into),
+            Transport::Net(net) => net.channel().poll_ready(cx).map_err(Into::into),
             Transport::Local { service, .. } => service.poll_ready(cx).map_err(|e| match e {}),
         }
     }
 
     fn call(&mut self, request: http::Request<Body>) -> ResponseFuture {
         match self {
-            Transport::Net(channel) => {
-                let call = channel.call(request);
+            Transport::Net(net) => {
+                let call = net.channel().call(request);
                 Box::pin(async move { call.await.map_err(Into::into) })
             }
             Transport::Local { stop, .. } if stop.is_cancelled() => {
@@ -261,6 +326,70 @@ mod tests {
         assert!(direct_worker(addr).is_none(), "stopped: no direct calls");
         drop(registration);
         assert!(direct_worker(addr).is_none());
+    }
+
+    /// A health server on loopback that counts the connections it accepts.
+    async fn counting_server() -> (String, Arc<AtomicU64>, CancellationToken) {
+        use futures::StreamExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let (reporter, service) = tonic_health::server::health_reporter();
+        reporter
+            .set_service_status("", tonic_health::ServingStatus::Serving)
+            .await;
+        let accepted = Arc::new(AtomicU64::new(0));
+        let count = accepted.clone();
+        let incoming =
+            tokio_stream::wrappers::TcpListenerStream::new(listener).inspect(move |_| {
+                count.fetch_add(1, Ordering::Relaxed);
+            });
+        let stop = CancellationToken::new();
+        let until = stop.clone().cancelled_owned();
+        tokio::spawn(async move {
+            let _reporter = reporter;
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, until)
+                .await
+        });
+        (addr, accepted, stop)
+    }
+
+    #[tokio::test]
+    async fn each_serving_thread_calls_over_a_connection_of_its_own() {
+        use crate::serving::{ServingThreads, serving_index};
+        let (addr, accepted, stop) = counting_server().await;
+        let t = transport(&addr, Duration::from_secs(5)).expect("transport");
+        assert!(!t.is_local());
+        // Off the serving threads: the shared channel, one connection for every call.
+        for _ in 0..3 {
+            let status = check(t.clone()).await.expect("answered");
+            assert_eq!(status, ServingStatus::Serving as i32);
+        }
+        assert_eq!(accepted.load(Ordering::Relaxed), 1);
+
+        let threads = ServingThreads::start(2, "test-grpc").expect("threads");
+        for _ in 0..3 {
+            let calls: Vec<_> = (0..2)
+                .map(|_| {
+                    let t = t.clone();
+                    threads.spawn(move || async move { (serving_index(), check(t).await) })
+                })
+                .collect();
+            let mut on = Vec::new();
+            for call in calls {
+                let (thread, status) = call.await.expect("ran");
+                assert_eq!(status.expect("answered"), ServingStatus::Serving as i32);
+                on.push(thread);
+            }
+            on.sort_unstable();
+            assert_eq!(on, [1, 2]);
+        }
+        // A connection per serving thread, opened there and kept for its later calls.
+        assert_eq!(accepted.load(Ordering::Relaxed), 3);
+        stop.cancel();
     }
 
     #[test]

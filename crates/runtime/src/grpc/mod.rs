@@ -15,7 +15,9 @@ use crate::error::{RuntimeError, with_timeout};
 
 mod local;
 
-pub use local::{LocalRegistration, Transport, direct_worker, register_local, transport};
+pub use local::{
+    LocalRegistration, NetTransport, Transport, direct_worker, register_local, transport,
+};
 
 /// HTTP/2 ping period on client channels: notices a dead peer under an idle stream.
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);

@@ -32,9 +32,9 @@ use tandem_protocol::grpc::{RemotePrefillTarget, indexer_client::IndexerClient};
 use tandem_protocol::{HashSeed, WorkerId};
 use tandem_router::{FlowQueue, InFlight, Rng, SessionKey, SyncMessage, TenantLimits, TtftHistory};
 use tandem_runtime::events::EventPlane;
+use tandem_runtime::grpc::Transport;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::transport::Channel;
 
 use super::flow::Gate;
 use super::metrics::RouteCounters;
@@ -61,7 +61,7 @@ struct Shared {
     /// Request ids and sampling seeds: drawn apart from the replica's generator, so that the
     /// routing decisions draw exactly what the simulator's do.
     ids: Mutex<Rng>,
-    indexer: Option<IndexerClient<Channel>>,
+    indexer: Option<IndexerClient<Transport>>,
     sync: Option<ReplicaSync>,
     gate: Gate<Arc<Prepared>, Plan>,
     /// Recent times to first token by prompt size, for hedging.
@@ -96,7 +96,8 @@ impl ClusterBackend {
     ) -> Result<Self, ServeError> {
         let indexer = match &cfg.indexer_url {
             Some(url) => {
-                let ch = tandem_runtime::grpc::lazy_channel(url, cfg.connect_timeout)
+                // Per serving thread, as the workers' (`tandem_runtime::grpc::NetTransport`).
+                let ch = tandem_runtime::grpc::transport(url, cfg.connect_timeout)
                     .map_err(|e| ServeError::internal(format!("indexer address: {e}")))?;
                 Some(IndexerClient::new(ch))
             }
