@@ -84,7 +84,10 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Sim(args) => sim::run(*args),
-        Command::Up(args) => block_on(up::run(*args)),
+        Command::Up(args) => {
+            let threads = args.runtime_threads;
+            run_on(threads, up::run(*args))
+        }
         Command::Frontend(args) => block_on(serve::run_frontend(*args)),
         Command::Prefill(args) => block_on(serve::run_worker(*args, WorkerRole::Prefill)),
         Command::Decode(args) => block_on(serve::run_worker(*args, WorkerRole::Decode)),
@@ -98,10 +101,20 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(f: F) -> anyhow::Result<()> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(f)
+    run_on(0, f)
+}
+
+/// Runs `f` on a multi-threaded runtime of `threads` workers (0: tokio's default, one per
+/// CPU or `TOKIO_WORKER_THREADS`). Multi-threaded even with one: `block_in_place` needs it.
+fn run_on<F: std::future::Future<Output = anyhow::Result<()>>>(
+    threads: usize,
+    f: F,
+) -> anyhow::Result<()> {
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if threads > 0 {
+        rt.worker_threads(threads);
+    }
+    rt.enable_all().build()?.block_on(f)
 }
 
 #[cfg(test)]

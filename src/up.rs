@@ -46,6 +46,13 @@ pub struct UpArgs {
     /// Each role as its own process, on etcd and nats-server started from PATH.
     #[arg(long, default_value_t = false)]
     pub processes: bool,
+    /// Worker threads of this process's async runtime (0: one per CPU). One by default: the
+    /// frontend and the in-process workers' hosts hand each request to each other, and on
+    /// one thread that costs no wake-up of another (a third less CPU per request than on two,
+    /// BENCHMARKS.md); the engines' forward passes run on threads of their own either way.
+    /// More threads pass more requests a second through many fast mocker workers.
+    #[arg(long, env = "TANDEM_RUNTIME_THREADS", default_value_t = 1)]
+    pub runtime_threads: usize,
     /// What computes the tokens: `native`, tandem's engine on the GGUF model `--model` names
     /// (a path, or a named model fetched on first use; smollm2-135m-instruct unless --model
     /// says otherwise), or `mocker`, modelled timing and random words (timing studies, the
