@@ -4,9 +4,10 @@
 //! itself. The call runs the same generated service with the same protobuf encoding, but
 //! without a socket, HTTP/2 framing or the wake-ups between a connection's tasks (on the
 //! gateway path, the loopback hop cost about as much CPU as the rest of the frontend's work).
-//! Any other address gets a [`Channel`] per serving thread ([`NetTransport`]). A worker's `Generate`, the hot path, goes one step
-//! further ([`LocalRegistration::with_direct`], [`direct_worker`]): the caller gets the
-//! service's own stream, and neither the request nor any chunk is encoded.
+//! Any other address gets a [`Channel`] per serving thread ([`NetTransport`]). A worker's
+//! `Generate`, the hot path, goes one step further ([`LocalRegistration::with_direct`],
+//! [`direct_worker`]): the caller gets the service's own stream, and neither the request nor
+//! any chunk is encoded.
 //!
 //! Stopping mirrors a server's graceful shutdown: once the registration's stop token is
 //! cancelled, calls already running finish, and a transport looks the address up again, as a
