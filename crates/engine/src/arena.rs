@@ -120,6 +120,8 @@ struct PageAligned {
     len: usize,
 }
 
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
 const PAGE: usize = 4096;
 
 impl PageAligned {
@@ -171,6 +173,12 @@ pub struct KvArena {
     bytes_per_block: usize,
     num_blocks: usize,
     data: Box<dyn ArenaStorage>,
+    /// [`read_back_hash`](Self::read_back_hash)'s memo: per block, the seed and hash last
+    /// read, dropped when the block is written or handed out for new content ([`forget`]).
+    /// Empty until first used.
+    ///
+    /// [`forget`]: Self::forget
+    read_back: Vec<Option<(u64, u64)>>,
 }
 
 impl std::fmt::Debug for KvArena {
@@ -190,6 +198,7 @@ impl KvArena {
             bytes_per_block,
             num_blocks,
             data: Box::new(PageAligned::zeroed(num_blocks * bytes_per_block)),
+            read_back: Vec::new(),
         }
     }
 
@@ -208,6 +217,7 @@ impl KvArena {
             bytes_per_block,
             num_blocks,
             data: storage,
+            read_back: Vec::new(),
         })
     }
 
@@ -292,6 +302,7 @@ impl KvArena {
             (block as usize) < self.num_blocks,
             "block {block} past the arena"
         );
+        self.forget(block);
         let mut f = Some(f);
         let mut out = None;
         let offset = self.offset_of(block);
@@ -301,6 +312,37 @@ impl KvArena {
             }
         });
         out.expect("arena storage calls back exactly once")
+    }
+
+    /// `xxh3_64` of `block`'s bytes with `seed`, read from the storage the first time it is
+    /// asked after the block was last written ([`with_block_mut`](Self::with_block_mut)) or
+    /// handed out for new content ([`forget`](Self::forget)); a block read again with the
+    /// same seed and unchanged bytes is not read again. A block written behind the arena's
+    /// back (a KV transfer into its region) must be [`forget`](Self::forget)-ed first: the
+    /// pool does so for every block it hands out.
+    pub fn read_back_hash(&mut self, block: u32, seed: u64) -> u64 {
+        if self.bytes_per_block == 0 {
+            return xxh3_64_with_seed(&[], seed);
+        }
+        if self.read_back.is_empty() {
+            self.read_back = vec![None; self.num_blocks];
+        }
+        if let Some((s, hash)) = self.read_back[block as usize]
+            && s == seed
+        {
+            return hash;
+        }
+        let hash = self.with_block(block, |b| xxh3_64_with_seed(b, seed));
+        self.read_back[block as usize] = Some((seed, hash));
+        hash
+    }
+
+    /// Drops what [`read_back_hash`](Self::read_back_hash) remembers of `block`: its bytes
+    /// are about to change.
+    pub fn forget(&mut self, block: u32) {
+        if let Some(m) = self.read_back.get_mut(block as usize) {
+            *m = None;
+        }
     }
 
     /// The arena's GPU memory, when its storage is on a device (see
@@ -338,7 +380,7 @@ pub(crate) fn copy_block(from: &KvArena, from_block: u32, to: &mut KvArena, to_b
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -368,5 +410,78 @@ mod tests {
         });
         assert_eq!(got, [vec![1, 2, 3, 4], vec![0; 4], vec![1, 2, 3, 4]]);
         assert_eq!(empty.with_blocks(&[3, 4], |bs| bs.len()), 2);
+    }
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::Relaxed};
+
+    /// Bytes shared with a writer outside the arena (as a KV transfer writes into a region),
+    /// counting the arena's reads.
+    pub(crate) struct Shared {
+        pub(crate) bytes: Arc<Vec<AtomicU8>>,
+        pub(crate) reads: Arc<AtomicUsize>,
+    }
+
+    impl Shared {
+        /// `len` zero bytes; the bytes and the read count stay reachable from the clones.
+        pub(crate) fn new(len: usize) -> Shared {
+            Shared {
+                bytes: Arc::new((0..len).map(|_| AtomicU8::new(0)).collect()),
+                reads: Arc::new(AtomicUsize::new(0)),
+            }
+        }
+
+        fn copy(&self, offset: usize, len: usize) -> Vec<u8> {
+            self.bytes[offset..offset + len]
+                .iter()
+                .map(|b| b.load(Relaxed))
+                .collect()
+        }
+    }
+
+    impl ArenaStorage for Shared {
+        fn len(&self) -> usize {
+            self.bytes.len()
+        }
+        fn read(&self, offset: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
+            self.reads.fetch_add(1, Relaxed);
+            f(&self.copy(offset, len));
+        }
+        fn write(&mut self, offset: usize, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+            let mut b = self.copy(offset, len);
+            f(&mut b);
+            for (dst, v) in self.bytes[offset..].iter().zip(b) {
+                dst.store(v, Relaxed);
+            }
+        }
+        fn read_many(&self, offsets: &[usize], len: usize, f: &mut dyn FnMut(&[&[u8]])) {
+            let all: Vec<Vec<u8>> = offsets.iter().map(|&o| self.copy(o, len)).collect();
+            f(&all.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn a_read_back_hash_is_read_once_per_write() {
+        let storage = Shared::new(8);
+        let (bytes, reads) = (storage.bytes.clone(), storage.reads.clone());
+        let mut a = KvArena::with_storage(Box::new(storage), 2, 4).unwrap();
+        let reads = || reads.load(Relaxed);
+        let zero = a.read_back_hash(1, 7);
+        assert_eq!(zero, xxh3_64_with_seed(&[0; 4], 7));
+        assert_eq!((a.read_back_hash(1, 7), reads()), (zero, 1), "remembered");
+        assert_ne!(a.read_back_hash(1, 8), zero, "another seed is read anew");
+        assert_eq!(reads(), 2);
+        // Written through the arena: read again.
+        a.write_block(1, &[1, 2, 3, 4]);
+        assert_eq!(a.read_back_hash(1, 7), xxh3_64_with_seed(&[1, 2, 3, 4], 7));
+        assert_eq!(reads(), 3);
+        // Written behind its back: remembered until forgotten.
+        bytes[4..].iter().for_each(|b| b.store(9, Relaxed));
+        assert_eq!(a.read_back_hash(1, 7), xxh3_64_with_seed(&[1, 2, 3, 4], 7));
+        a.forget(1);
+        assert_eq!(a.read_back_hash(1, 7), xxh3_64_with_seed(&[9; 4], 7));
+        assert_eq!((reads(), a.read_back_hash(0, 7)), (4, zero), "blocks apart");
+        let mut none = KvArena::new(4, 0);
+        assert_eq!(none.read_back_hash(3, 7), xxh3_64_with_seed(&[], 7));
     }
 }

@@ -11,13 +11,15 @@
 //! **Digest.** A sequence folds each complete block into its digest exactly once, in block
 //! order, as `xxh3(bytes, seed = block sequence hash)` mixed with the block index: the bytes
 //! make it sensitive to KV corruption, the sequence hash keeps it prefix-dependent when a
-//! timing-only arena has no bytes.
+//! timing-only arena has no bytes. The partial last block enters each sampled token as a
+//! chain over its tokens' slots, token by token (each token's layers in order), kept per
+//! sequence so a decode step reads one token's bytes.
 
 use std::ops::Range;
 
 use tandem_protocol::hashing::local_block_hash;
 use tandem_protocol::{BlockHashes, HashSeed};
-use xxhash_rust::xxh3::{Xxh3, xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::arena::{KvArena, KvShape};
 use crate::scheduler::Sequence;
@@ -74,6 +76,17 @@ pub struct SeqDigest {
     /// chunks continue the chain without rehashing.
     cursor: usize,
     cursor_hash: u64,
+    /// The bytes of the partial last block read so far ([`sample`]).
+    partial: PartialChain,
+}
+
+/// How far [`sample`] has read the partial last block of a sequence: block `block`'s first
+/// `tokens` tokens, chained into `hash`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct PartialChain {
+    block: usize,
+    tokens: usize,
+    hash: u64,
 }
 
 impl SeqDigest {
@@ -84,6 +97,7 @@ impl SeqDigest {
             folded: 0,
             cursor: 0,
             cursor_hash: 0,
+            partial: PartialChain::default(),
         }
     }
 
@@ -129,10 +143,18 @@ pub fn fill_slot(slot: &mut [u8], prefix_hash: u64, pos: usize, layer: usize) {
     key_in[8..16].copy_from_slice(&(pos as u64).to_le_bytes());
     key_in[16..].copy_from_slice(&(layer as u64).to_le_bytes());
     let key = xxh3_64(&key_in);
-    for (k, chunk) in slot.chunks_mut(8).enumerate() {
-        let v = splitmix(key.wrapping_add((k as u64 + 1).wrapping_mul(GOLDEN))).to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
+    let word =
+        |k: usize| splitmix(key.wrapping_add((k as u64 + 1).wrapping_mul(GOLDEN))).to_le_bytes();
+    // Whole words as fixed-size stores (no copy call per word), then the tail.
+    let mut words = slot.chunks_exact_mut(8);
+    let mut k = 0;
+    for chunk in &mut words {
+        chunk.copy_from_slice(&word(k));
+        k += 1;
     }
+    let tail = words.into_remainder();
+    let n = tail.len();
+    tail.copy_from_slice(&word(k)[..n]);
 }
 
 /// Writes the KV bytes of tokens `range` of `seq` into its blocks (`table`).
@@ -184,10 +206,47 @@ pub fn write_tokens(
     state.cursor_hash = h;
 }
 
-/// Folds every complete block below `full_blocks` not folded yet, reading its bytes back from
-/// the arena (computed here, reused from the cache, or received by transfer alike).
-pub fn fold_complete_blocks(
+/// The chained hash of the bytes of the first `tokens` tokens of the partial block `index`
+/// (block `block` of the arena), token by token, each token's layers in order: each token's
+/// bytes are read once per admission, resuming from what `state` read at the last step, so a
+/// decode step reads one token's bytes, not the whole partial block's.
+fn read_partial(
     arena: &KvArena,
+    layout: &KvLayout,
+    block: u32,
+    index: usize,
+    tokens: usize,
+    parent: u64,
+    state: &mut SeqDigest,
+) -> u64 {
+    let chain = &mut state.partial;
+    if chain.tokens == 0 || chain.tokens > tokens || chain.block != index {
+        *chain = PartialChain {
+            block: index,
+            tokens: 0,
+            hash: parent,
+        };
+    }
+    if chain.tokens < tokens {
+        chain.hash = arena.with_block(block, |bytes| {
+            let mut h = chain.hash;
+            for t in chain.tokens..tokens {
+                for layer in 0..layout.layers {
+                    h = xxh3_64_with_seed(&bytes[layout.slot(t, layer)], h);
+                }
+            }
+            h
+        });
+        chain.tokens = tokens;
+    }
+    chain.hash
+}
+
+/// Folds every complete block below `full_blocks` not folded yet, reading its bytes back from
+/// the arena (computed here, reused from the cache, or received by transfer alike): once per
+/// write of the block, not once per sequence that reuses it ([`KvArena::read_back_hash`]).
+pub fn fold_complete_blocks(
+    arena: &mut KvArena,
     table: &[u32],
     hashes: &[BlockHashes],
     full_blocks: usize,
@@ -195,7 +254,7 @@ pub fn fold_complete_blocks(
 ) {
     while state.folded < full_blocks {
         let i = state.folded;
-        let bytes_hash = arena.with_block(table[i], |b| xxh3_64_with_seed(b, hashes[i].sequence.0));
+        let bytes_hash = arena.read_back_hash(table[i], hashes[i].sequence.0);
         let mut buf = [0u8; 24];
         buf[..8].copy_from_slice(&state.digest.to_le_bytes());
         buf[8..16].copy_from_slice(&bytes_hash.to_le_bytes());
@@ -214,7 +273,7 @@ pub fn sample(
     table: &[u32],
     seq: &Sequence,
     n_tokens: usize,
-    state: &SeqDigest,
+    state: &mut SeqDigest,
     vocab_size: u32,
 ) -> u32 {
     let bs = layout.block_size;
@@ -225,23 +284,18 @@ pub fn sample(
     );
     let partial_len = n_tokens - full * bs;
     let parent = block_start_hash(seq.block_hashes(), full, seq.hash_seed());
-    let mut partial = parent;
+    let (mut tokens_hash, mut bytes_hash) = (parent, parent);
     if partial_len > 0 {
-        partial = local_block_hash(&seq.tokens()[full * bs..n_tokens], HashSeed(parent)).0;
+        tokens_hash = local_block_hash(&seq.tokens()[full * bs..n_tokens], HashSeed(parent)).0;
         if !layout.is_empty() {
-            partial = arena.with_block(table[full], |block| {
-                let mut hasher = Xxh3::with_seed(partial);
-                for layer in 0..layout.layers {
-                    hasher.update(&block[layout.layer_prefix(layer, partial_len)]);
-                }
-                hasher.digest()
-            });
+            bytes_hash = read_partial(arena, layout, table[full], full, partial_len, parent, state);
         }
     }
-    let mut buf = [0u8; 32];
+    let mut buf = [0u8; 40];
     buf[..8].copy_from_slice(&state.digest.to_le_bytes());
-    buf[8..16].copy_from_slice(&partial.to_le_bytes());
-    buf[16..24].copy_from_slice(&seq.sampling_seed().to_le_bytes());
-    buf[24..].copy_from_slice(&(n_tokens as u64).to_le_bytes());
+    buf[8..16].copy_from_slice(&tokens_hash.to_le_bytes());
+    buf[16..24].copy_from_slice(&bytes_hash.to_le_bytes());
+    buf[24..32].copy_from_slice(&seq.sampling_seed().to_le_bytes());
+    buf[32..].copy_from_slice(&(n_tokens as u64).to_le_bytes());
     (xxh3_64(&buf) % u64::from(vocab_size.max(1))) as u32
 }

@@ -11,7 +11,10 @@
 //!   the partial last block, the sampling seed and the sequence length. Any corruption of KV
 //!   bytes, local or transferred, changes the tokens that follow. A remotely prefilled
 //!   sequence folds the received blocks at its first decode step, so it continues the token
-//!   chain exactly as a locally prefilled one (`remote_tests.rs`).
+//!   chain exactly as a locally prefilled one (`remote_tests.rs`). Bytes are read once per
+//!   write: a block's hash is remembered until the block is written again or handed out
+//!   anew ([`crate::KvArena::read_back_hash`]), and a decode step reads only the partial
+//!   block's newest token.
 //!
 //! [`Mocker`] is this model behind [`crate::Model`]; [`crate::MockEngine`] is the engine with
 //! it, behind a two-call step (`begin_step` → duration, `finish_step` → tokens) that a

@@ -356,6 +356,47 @@ fn a_device_arena_in_external_storage_serves_like_the_default_one() {
     assert!(e.to_string().contains("needs"), "{e}");
 }
 
+/// A block that held a prefix the mocker read back, handed out again and filled by a transfer
+/// behind the arena's back (as UCX and TCP write into a worker's region), is read anew: the
+/// arena forgets a block's bytes when the pool hands it out.
+#[test]
+fn a_block_refilled_behind_the_arenas_back_is_read_anew() {
+    let expected = local(request(1, prompt(5, 23), 12));
+    let mut p = small(64);
+    let (_, p_table) = prefill_on(&mut p, request(1, prompt(5, 23), 12));
+    let mut pool = BlockPoolConfig::new(WorkerId(3), 16);
+    pool.block_size = tandem_protocol::BlockSize::new(BS as u32).unwrap();
+    let cfg = MockEngineConfig::new(pool);
+    let per_block = MockEngine::bytes_per_block(&cfg);
+    let storage = crate::arena::tests::Shared::new(16 * per_block);
+    let shared = storage.bytes.clone();
+    let mut d = MockEngine::with_device_storage(cfg, Box::new(storage)).unwrap();
+    // D computes the prompt itself: its full blocks are read back and remembered.
+    let (first, d_table) = prefill_on(&mut d, request(1, prompt(5, 23), 12));
+    assert_eq!(first, expected[0]);
+    d.pool_mut().clear_cache();
+    let rp = d
+        .begin_remote_prefill(request(2, prompt(5, 23), 12), 0)
+        .unwrap();
+    assert_eq!(rp.cached_tokens, 0);
+    let reused: Vec<usize> = (0..23 / BS)
+        .filter(|&k| rp.blocks[k] == d_table[k])
+        .collect();
+    assert!(!reused.is_empty(), "a full block went back to where it was");
+    // The transfer: P's bytes straight into D's storage, one byte of a reused block flipped.
+    for (k, &dst) in rp.blocks.iter().enumerate() {
+        let mut bytes = p.pool().device_arena().block_bytes(p_table[k]);
+        if k == reused[0] {
+            bytes[77] ^= 1;
+        }
+        for (i, b) in bytes.into_iter().enumerate() {
+            shared[dst as usize * per_block + i].store(b, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    let got = finish_and_decode(&mut d, RequestId(2), first);
+    assert_ne!(got[1..], expected[1..], "the flipped byte was read");
+}
+
 /// An export by reference names arena blocks instead of copying them; they stay pinned with
 /// the bytes a copy would have had until released, even under pressure for blocks, and the
 /// request id stays taken until then.

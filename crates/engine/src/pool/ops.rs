@@ -344,7 +344,16 @@ impl BlockPool {
 
     /// A device block with no content and no references: a free one, or the LRU cached one
     /// evicted (to host when there is a host tier, else to disk when there is a disk tier).
+    /// What the arena remembers of its old bytes is dropped: whatever fills it next (a
+    /// forward pass, a KV transfer into the region, a tier bringing a block back) writes
+    /// new bytes, some behind the arena's back.
     pub(super) fn take_device_block(&mut self) -> Option<u32> {
+        let b = self.take_device_block_inner()?;
+        self.device_arena.forget(b);
+        Some(b)
+    }
+
+    fn take_device_block_inner(&mut self) -> Option<u32> {
         if let Some(b) = self.device_free.pop() {
             return Some(b);
         }
