@@ -65,6 +65,46 @@ struct VllmChoice {
     finish_reason: Option<Value>,
 }
 
+/// Parses a vLLM / OpenAI-style answer (whole, or one streamed chunk). vLLM echoes the
+/// prompt's token ids when asked for the sampled ones (`prompt_token_ids` beside
+/// `token_ids`, vllm/entrypoints/openai/protocol.py, `CompletionResponseChoice`): hundreds to
+/// thousands of integers tandem sent and does not read, which cost serde more than the rest
+/// of the answer. Each such list is cut out by a byte scan before parsing (it holds numbers
+/// only, so its end is its first `]`); an answer the cut leaves unparsable (a list of another
+/// shape) is parsed as sent.
+pub(super) fn parse_answer(body: &[u8]) -> serde_json::Result<VllmAnswer> {
+    if let Some(cut) = without_prompt_ids(body)
+        && let Ok(a) = serde_json::from_slice(&cut)
+    {
+        return Ok(a);
+    }
+    serde_json::from_slice(body)
+}
+
+/// `body` with every `"prompt_token_ids":[…]` written `"prompt_token_ids":null`; None when it
+/// has none. A quote inside a JSON string is escaped, so the key with its quotes is only
+/// ever a key.
+pub(super) fn without_prompt_ids(body: &[u8]) -> Option<Vec<u8>> {
+    const KEY: &[u8] = b"\"prompt_token_ids\":[";
+    let finder = memchr::memmem::Finder::new(KEY);
+    let mut at = finder.find(body)?;
+    let mut out = Vec::with_capacity(body.len());
+    let mut from = 0;
+    loop {
+        let list = at + KEY.len() - 1;
+        let end = list + memchr::memchr(b']', &body[list..])? + 1;
+        out.extend_from_slice(&body[from..list]);
+        out.extend_from_slice(b"null");
+        from = end;
+        match finder.find(&body[from..]) {
+            Some(next) => at = from + next,
+            None => break,
+        }
+    }
+    out.extend_from_slice(&body[from..]);
+    Some(out)
+}
+
 pub(super) fn ids(v: &Value) -> Result<Vec<u32>, EngineError> {
     match v {
         Value::Null => Ok(Vec::new()),

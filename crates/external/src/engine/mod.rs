@@ -52,7 +52,9 @@ use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 use serde_json::{Value, json};
 
-use answer::{VllmAnswer, count, ids, vllm_delta};
+#[cfg(test)]
+use answer::without_prompt_ids;
+use answer::{count, ids, parse_answer, vllm_delta};
 use client::{Answer, Poster, Target};
 use logprobs::sglang_logprobs;
 use tandem_protocol::grpc::TokenLogprobs;
@@ -286,8 +288,10 @@ impl EngineApi {
         }
         match self.kind {
             EngineKind::Vllm | EngineKind::Openai => {
-                // Written from the typed body, which is what `post` sends.
-                serde_json::to_value(body::CompletionBody::new(&self.model, req, stream))
+                // Read back from the bytes `post` sends.
+                body::CompletionBody::new(&self.model, req, stream)
+                    .to_vec()
+                    .and_then(|b| serde_json::from_slice(&b))
                     .unwrap_or_default()
             }
             EngineKind::Sglang => {
@@ -365,7 +369,7 @@ impl EngineApi {
         headers.insert("x-request-id", id);
         let body = match (&req.text, self.kind) {
             (None, EngineKind::Vllm | EngineKind::Openai) => {
-                serde_json::to_vec(&body::CompletionBody::new(&self.model, req, stream))
+                body::CompletionBody::new(&self.model, req, stream).to_vec()
             }
             _ => serde_json::to_vec(&self.body(req, stream)),
         }
@@ -435,7 +439,7 @@ impl EngineApi {
                 sglang_delta(&v, false, &mut 0, req.logprobs)?
             }
             kind => {
-                let a: VllmAnswer = serde_json::from_slice(&body).map_err(bad)?;
+                let a = parse_answer(&body).map_err(bad)?;
                 vllm_delta(&a, kind == EngineKind::Openai, req.logprobs)?
             }
         };
@@ -526,7 +530,7 @@ fn event_delta(
             }
         }
         EngineKind::Vllm | EngineKind::Openai => {
-            let a: VllmAnswer = serde_json::from_str(data).map_err(bad)?;
+            let a = parse_answer(data.as_bytes()).map_err(bad)?;
             match &a.error {
                 Some(err) => Err(failed(err)),
                 None => vllm_delta(&a, kind == EngineKind::Openai, top),

@@ -4,8 +4,40 @@ use super::*;
 
 /// The delta of a vLLM / OpenAI answer written as JSON (read as the client reads it).
 fn vllm_delta(v: &Value, text_ok: bool, top: Option<u32>) -> Result<EngineDelta, EngineError> {
-    let answer: VllmAnswer = serde_json::from_value(v.clone()).unwrap();
+    let answer = parse_answer(&serde_json::to_vec(v).unwrap()).unwrap();
     super::vllm_delta(&answer, text_ok, top)
+}
+
+#[test]
+fn echoed_prompt_ids_are_cut_out_before_parsing_and_nothing_else() {
+    let text = |raw: &str| {
+        let a = parse_answer(raw.as_bytes()).unwrap();
+        super::vllm_delta(&a, false, None).unwrap()
+    };
+    // vLLM's shape: each choice echoes the prompt's ids beside the sampled ones.
+    let two = r#"{"choices":[{"index":0,"prompt_token_ids":[1,2,3],"text":"a","token_ids":[7]},
+        {"index":1,"prompt_token_ids":[ 4 , 5 ],"text":"b","token_ids":[8]}],
+        "usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+    assert_eq!(
+        String::from_utf8(without_prompt_ids(two.as_bytes()).unwrap()).unwrap(),
+        two.replace("[1,2,3]", "null").replace("[ 4 , 5 ]", "null")
+    );
+    let d = text(two);
+    assert_eq!((d.tokens, d.prompt_tokens), (vec![7, 8], Some(3)));
+    // A string that spells the key keeps it (its quotes are escaped), and a list of another
+    // shape is parsed as sent.
+    let quoted = r#"{"choices":[{"text":"\"prompt_token_ids\":[1]","token_ids":[7]}]}"#;
+    assert!(without_prompt_ids(quoted.as_bytes()).is_none());
+    let nested = r#"{"choices":[{"prompt_token_ids":[[1],[2]],"text":"a","token_ids":[7]}]}"#;
+    assert!(
+        serde_json::from_slice::<Value>(&without_prompt_ids(nested.as_bytes()).unwrap()).is_err()
+    );
+    assert_eq!(text(nested).tokens, vec![7]);
+    assert_eq!(
+        text(r#"{"choices":[{"prompt_token_ids": [1],"token_ids":[9]}]}"#).tokens,
+        vec![9]
+    );
+    assert!(parse_answer(br#"{"choices":[{"prompt_token_ids":[1,"#).is_err());
 }
 
 fn events_of(chunks: &[&'static str]) -> Vec<Result<String, String>> {
@@ -181,7 +213,8 @@ fn request_bodies_follow_each_api() {
     assert_eq!(b["cache_salt"], json!("tenant"));
     assert_eq!(b["stream_options"]["include_usage"], json!(true));
     assert_eq!(b["kv_transfer_params"]["do_remote_decode"], json!(true));
-    assert_eq!((&b["top_k"], &b["min_p"]), (&json!(40), &json!(0.05f32)));
+    // As sent: the f32 written in its shortest form.
+    assert_eq!((&b["top_k"], &b["min_p"]), (&json!(40), &json!(0.05)));
     assert_eq!(b["logprobs"], json!(2));
     assert_eq!(b["return_tokens_as_token_ids"], json!(true));
     let s = EngineApi::new(EngineKind::Sglang, "http://h:2", "m").unwrap();
@@ -197,6 +230,31 @@ fn request_bodies_follow_each_api() {
     assert!(b.get("prompt").is_none());
     assert!(b.get("lora_path").is_none());
     assert!(EngineApi::new(EngineKind::Vllm, "h:1", "m").is_err());
+}
+
+/// The prompt's ids are written by a loop of their own ahead of the other fields: the body
+/// is one JSON object, the ids exactly the prompt's, for any prompt.
+#[test]
+fn a_bodys_prompt_ids_are_written_exactly() {
+    let v = EngineApi::new(EngineKind::Vllm, "http://h:1", "m").unwrap();
+    let every_length: Vec<u32> = (0..1_100)
+        .chain((1..10).flat_map(|k| [10u32.pow(k) - 1, 10u32.pow(k)]))
+        .chain([123_456_789, u32::MAX])
+        .collect();
+    for prompt in [vec![], vec![0], vec![7, 0, 10, u32::MAX], every_length] {
+        let req = EngineGenerate {
+            prompt: prompt.clone(),
+            max_tokens: 1,
+            ..Default::default()
+        };
+        let bytes = body::CompletionBody::new("m", &req, false)
+            .to_vec()
+            .unwrap();
+        let b: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(b["prompt"], json!(prompt));
+        assert_eq!((&b["model"], &b["max_tokens"]), (&json!("m"), &json!(1)));
+        assert_eq!(b, v.body(&req, false));
+    }
 }
 
 /// A server that takes text: a completion's prompt and a chat's messages go as text, in
@@ -641,7 +699,7 @@ fn a_plain_poster_takes_only_its_engines_urls() {
 #[test]
 fn token_ids_are_u32s_and_counts_that_are_not_are_absent() {
     let bad = json!({"choices": [{"token_ids": [1, -2], "finish_reason": "length"}]});
-    assert!(serde_json::from_value::<VllmAnswer>(bad).is_err());
+    assert!(parse_answer(&serde_json::to_vec(&bad).unwrap()).is_err());
     let odd = json!({
         "choices": [{"token_ids": [7], "finish_reason": "length"}],
         "usage": {"prompt_tokens": "12", "completion_tokens": 1,
