@@ -13,5 +13,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/apt.sh
 ensure_apt wrk valgrind
-cargo build --release --locked --bin tandem --bin tandem-standin >&2
+cargo build --release --locked --bin tandem --bin tandem-standin --bin tandem-floor-proxy >&2
 exec python3 scripts/lib/bench_instructions.py "$@"

@@ -6,8 +6,9 @@ whose CPU time per request drifts by a fifth), so a change of a few percent read
 It counts instructions, not time: a cache miss or a system call counts as little as any
 instruction, and `rep movsb` counts once per byte moved.
 
-Environment: ROWS (default "tandem-kv tandem-up"), SECONDS_RUN (default 10), BASELINE
-(another `tandem` binary: each row runs on it too, right after).
+Environment: ROWS (default "tandem-kv tandem-up"; also "vllm-rr", vLLM's router from the venv
+scripts/bench-gateways.sh installs, and "floor", the bare hyper proxy), SECONDS_RUN (default
+10), BASELINE (another `tandem` binary: each tandem row runs on it too, right after).
 """
 
 import os
@@ -64,14 +65,23 @@ def main():
                             "--speedup-ratio", "1e9"])
     try:
         g.wait_ready(stub_url, stub, "stub")
+        commands = {
+            "floor": lambda p: [f"{BIN}/tandem-floor-proxy", f"127.0.0.1:{p}",
+                                f"127.0.0.1:{stub_port}", "2"],
+            "vllm-rr": lambda p: [f"{g.VENV}/vllm-router", "--host", "127.0.0.1", "--port",
+                                  str(p), "--worker-urls", stub_url, "--policy",
+                                  "round_robin", "--log-level", "warning",
+                                  "--prometheus-port", str(g.free_port())],
+        }
         builds = [("", f"{BIN}/tandem")] + ([("@baseline", g.BASELINE)] if g.BASELINE else [])
+        for suffix, tandem in builds:
+            commands.update({r + suffix: c for r, c in g.tandem_commands(tandem, stub_url).items()})
         print("| row | requests | instructions per request |")
         print("|---|---:|---:|")
         for row in ROWS:
-            for suffix, tandem in builds:
-                argv = g.tandem_commands(tandem, stub_url)[row]
-                requests, total = measure(row + suffix, argv)
-                print(f"| {row}{suffix} | {requests:,} | {total // requests:,} |", flush=True)
+            for name in [row] + ([row + "@baseline"] if row + "@baseline" in commands else []):
+                requests, total = measure(name, commands[name])
+                print(f"| {name} | {requests:,} | {total // requests:,} |", flush=True)
     finally:
         stop(stub)
     print(f"\ncallgrind's files and wrk's output under {g.OUT}")
