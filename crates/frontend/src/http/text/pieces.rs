@@ -9,8 +9,8 @@
 
 use std::sync::Arc;
 
-// foldhash, randomly seeded: a piece is hundreds of bytes, which SipHash took a tenth of the
-// tokenizing time to hash.
+// foldhash, randomly seeded: a piece is hundreds of bytes, and SipHash spent about a fifth
+// of a cached prompt's tokenizing instructions hashing them (BENCHMARKS.md).
 use hashbrown::HashMap;
 
 use parking_lot::Mutex;
