@@ -1,10 +1,10 @@
 //! The `tandem` binary: parses flags and hands them to the library code that does the work.
 
-// The global allocator: mimalloc (the default `mimalloc` feature), jemalloc when the
-// `jemalloc` feature is on (it wins over the default), the system's malloc with neither
-// (`--no-default-features`). BENCHMARKS.md has what each costs a request, docs/RELIABILITY.md
-// (Memory) what each holds over a soak.
-#[cfg(feature = "jemalloc")]
+// The global allocator: glibc's malloc unless a feature picks another (the `jemalloc` and
+// `mimalloc` features; docs/RELIABILITY.md, Memory, has the soak that compares them).
+#[cfg(all(feature = "jemalloc", feature = "mimalloc"))]
+compile_error!("the `jemalloc` and `mimalloc` features each set the global allocator: pick one");
+#[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[cfg(all(feature = "mimalloc", not(feature = "jemalloc")))]
