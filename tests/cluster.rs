@@ -481,7 +481,6 @@ fn tandem_up_processes_serves_and_stops_everything() {
     assert!(status.success(), "exit status {status}:\n{}", up.log());
     let left: Vec<u32> = children.into_iter().filter(|&p| alive(p)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// `tandem up` in one process takes the frontend's access flags: with --api-keys the APIs
@@ -552,7 +551,6 @@ fn tandem_up_takes_api_keys_and_an_admin_key() {
         up.wait_exit(Duration::from_secs(30))
             .is_some_and(|s| s.success())
     );
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// Frontends may share one standalone index (`tandem indexer`, `--indexer-url`): the index

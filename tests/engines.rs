@@ -292,6 +292,9 @@ struct Direct {
     /// The frontend's admin listener (`/metrics`).
     admin: std::net::SocketAddr,
     engines: Vec<(std::net::SocketAddr, Proc)>,
+    /// The logs' directory: removed once the processes above are stopped (fields drop in
+    /// order).
+    _dir: common::TestDir,
 }
 
 fn direct(name: &str, n: usize) -> Direct {
@@ -351,6 +354,7 @@ fn spawn_direct(name: &str, n: usize, engine_flags: &[&str], frontend_flags: &[&
         addr,
         admin: std::net::SocketAddr::from(([127, 0, 0, 1], admin_port)),
         engines,
+        _dir: dir,
     }
 }
 

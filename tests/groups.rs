@@ -65,7 +65,8 @@ fn ask(addr: std::net::SocketAddr) -> http::Response {
 fn a_rate_limited_group_spills_to_another_cluster_then_to_the_own_pool() {
     let (hosted, hosted_seen) = rate_limited_api();
     let b = up("groups-b", "mocker", &["--engine", "mocker"]);
-    let file = common::temp_dir("groups-a").join("groups.toml");
+    let dir = common::temp_dir("groups-a-file");
+    let file = dir.join("groups.toml");
     std::fs::write(
         &file,
         format!(
@@ -161,7 +162,8 @@ fn ask_with(addr: std::net::SocketAddr, model: &str, headers: &[(&str, &str)]) -
 #[test]
 fn a_task_over_its_budget_is_demoted_to_the_batch_cluster_and_a_session_refused() {
     let b = up("budgets-b", "mocker", &["--engine", "mocker"]);
-    let file = common::temp_dir("budgets-a").join("groups.toml");
+    let dir = common::temp_dir("budgets-a-file");
+    let file = dir.join("groups.toml");
     std::fs::write(
         &file,
         format!(

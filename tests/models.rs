@@ -177,7 +177,6 @@ fn a_named_model_is_fetched_once_checked_and_reused_offline() {
     let again = fetch(&cache, &offline());
     assert!(again.status.success(), "cached: {}", text(&again.stderr));
     assert_eq!(PathBuf::from(text(&again.stdout).trim()), path);
-    std::fs::remove_dir_all(&cache).ok();
 }
 
 #[test]
@@ -196,7 +195,6 @@ fn offline_with_nothing_cached_says_what_to_download_and_where() {
         assert!(err.contains(needle), "{needle:?} not in:\n{err}");
     }
     assert!(!target.exists());
-    std::fs::remove_dir_all(&cache).ok();
 }
 
 #[test]
@@ -212,7 +210,6 @@ fn a_damaged_download_or_a_listing_that_disagrees_leaves_nothing_in_the_cache() 
         let err = text(&out.stderr);
         assert!(err.contains(says), "{says:?} not in:\n{err}");
         assert_eq!(files(&cache.join("models")), Vec::<String>::new());
-        std::fs::remove_dir_all(&cache).ok();
     }
 }
 

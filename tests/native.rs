@@ -258,5 +258,4 @@ fn the_disk_tier_survives_a_restart_and_the_router_sees_it() {
         status["backend"]["decisions"][0]
     );
     drop(up);
-    std::fs::remove_dir_all(&dir).ok();
 }

@@ -447,7 +447,6 @@ fn local_mode_follows_a_load_that_doubles_and_halves_without_failures() {
     );
     frontend.kill9();
     drop((etcd, nats, rt));
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// After the planner's exit, its workers are gone from discovery (they drained and

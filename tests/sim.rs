@@ -310,7 +310,6 @@ fn prefix_affinity_beats_round_robin_and_the_index_predicts_the_hits() {
     let hits = |r: &serde_json::Value| f(r, "prefix_hit_rate");
     assert!(hits(&affinity) > 1.3 * hits(&rr), "{affinity} vs {rr}");
     assert!(hits(&kv) > hits(&rr), "{kv} vs {rr}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -419,5 +418,4 @@ fn sim_splits_an_experiment_from_a_groups_file_and_runs_a_cascade() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(expect), "{text}: {err}");
     }
-    std::fs::remove_dir_all(&dir).ok();
 }

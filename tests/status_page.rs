@@ -413,5 +413,4 @@ fn the_status_page_shows_the_cluster_and_follows_traffic() {
         "tandem up did not stop cleanly:\n{}",
         up.log()
     );
-    std::fs::remove_dir_all(&dir).ok();
 }

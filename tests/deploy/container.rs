@@ -110,7 +110,6 @@ fn container_root_runs_the_binary_and_buildah_builds_the_image() {
     let _ = buildah().args(["umount", &ctr]).output();
     let _ = buildah().args(["rm", &ctr]).output();
     let _ = buildah().args(["rmi", "-f", image]).output();
-    std::fs::remove_dir_all(&dir).ok();
     if let Err(e) = in_image {
         std::panic::resume_unwind(e);
     }

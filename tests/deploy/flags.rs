@@ -89,7 +89,8 @@ fn every_flag_and_variable_is_documented() {
     }
     // The rendered pods: each tandem container's variables and flags, for its subcommand.
     let mut checked = 0;
-    for (label, path) in renders("deploy-renders-flags") {
+    let scratch = common::temp_dir("deploy-renders-flags");
+    for (label, path) in renders(&scratch) {
         let rendered = yaml_docs(&kustomize(&path));
         for (workload, pod) in pods(&rendered) {
             for c in pod["spec"]["containers"]
@@ -136,5 +137,4 @@ fn every_flag_and_variable_is_documented() {
             "deploy/local/run.sh: {v} is no tandem variable"
         );
     }
-    std::fs::remove_dir_all(common::temp_dir("deploy-renders-flags")).ok();
 }

@@ -111,16 +111,16 @@ pub(crate) fn find<'a>(docs: &'a [Value], kind: &str, n: &str) -> Option<&'a Val
     docs.iter().find(|d| d["kind"] == kind && name(d) == n)
 }
 
-/// What a test renders: a label and the kustomization's directory.
-pub(crate) fn renders(tag: &str) -> Vec<(String, PathBuf)> {
+/// What a test renders: a label and the kustomization's directory (the components' under
+/// `scratch`, which the test keeps while it renders).
+pub(crate) fn renders(scratch: &Path) -> Vec<(String, PathBuf)> {
     let mut out = vec![("base".to_string(), deploy().join("base"))];
     for o in ["small", "large"] {
         out.push((format!("overlays/{o}"), deploy().join("overlays").join(o)));
     }
     // Each component on top of the base, from a copy of deploy/ with one more kustomization
     // (kustomize refuses absolute paths and roots outside the kustomization's tree).
-    let copy = common::temp_dir(tag).join("deploy");
-    let _ = std::fs::remove_dir_all(&copy);
+    let copy = scratch.join("deploy");
     output(
         Command::new("cp").arg("-r").arg(deploy()).arg(&copy),
         "copying deploy/",

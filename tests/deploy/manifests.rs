@@ -52,14 +52,14 @@ fn strict_validation_rejects_an_unknown_field() {
         r.is_err(),
         "kubernetes-validate --strict accepted an unknown field"
     );
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
 fn manifests_render_and_validate() {
     let dir = common::temp_dir("deploy-validate");
     let adapter = adapter_rules();
-    for (label, path) in renders("deploy-renders-validate") {
+    let scratch = common::temp_dir("deploy-renders-validate");
+    for (label, path) in renders(&scratch) {
         let docs = yaml_docs(&kustomize(&path));
         assert!(!docs.is_empty(), "{label} renders nothing");
         let (crds, builtin): (Vec<Value>, Vec<Value>) = docs.iter().cloned().partition(|d| {
@@ -107,8 +107,6 @@ fn manifests_render_and_validate() {
             }
         }
     }
-    std::fs::remove_dir_all(&dir).ok();
-    std::fs::remove_dir_all(common::temp_dir("deploy-renders-validate")).ok();
 }
 
 /// Checks an InferencePool against the fields of GIE's v1 API

@@ -12,7 +12,6 @@
 //!   ([`Metrics`], in `metrics.rs`).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use tandem_runtime::external::{EtcdOptions, EtcdServer, NatsOptions, NatsServer, free_port};
@@ -124,7 +123,7 @@ impl Routed {
 pub struct Cluster {
     pub name: String,
     pub namespace: String,
-    pub dir: PathBuf,
+    pub dir: super::TestDir,
     pub addr: SocketAddr,
     pub opts: Options,
     /// None only while starting.
@@ -640,12 +639,6 @@ impl Drop for Cluster {
         for e in &mut self.engines {
             e.proc.kill9();
         }
-        // TANDEM_TEST_KEEP_LOGS keeps a passing test's logs too (a test harness switch, not
-        // configuration of tandem).
-        #[allow(clippy::disallowed_methods)]
-        let keep = std::env::var_os("TANDEM_TEST_KEEP_LOGS").is_some();
-        if !std::thread::panicking() && !keep {
-            std::fs::remove_dir_all(&self.dir).ok();
-        }
+        // The directory goes with `self.dir` (kept where the test failed).
     }
 }

@@ -45,11 +45,52 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
-/// A fresh directory for one test's files, unique per process.
-pub fn temp_dir(tag: &str) -> PathBuf {
+/// A fresh directory for one test's files, unique per process and tag, removed when dropped
+/// (see [`TestDir`]).
+pub fn temp_dir(tag: &str) -> TestDir {
     let dir = std::env::temp_dir().join(format!("tandem-{tag}-{}", std::process::id()));
+    // A directory left by an earlier process with this id holds nothing of this run's.
+    std::fs::remove_dir_all(&dir).ok();
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TestDir(dir)
+}
+
+/// One test's directory (logs, configuration, caches). Dropped, it is removed, except where
+/// the test is failing (then its path is printed, to read the logs) or `TANDEM_TEST_KEEP_LOGS`
+/// is set (a test harness switch, not configuration of tandem): test runs leave nothing
+/// behind in the temporary directory.
+#[derive(Debug)]
+pub struct TestDir(PathBuf);
+
+impl std::ops::Deref for TestDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TestDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TestDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        #[allow(clippy::disallowed_methods)]
+        let keep = std::env::var_os("TANDEM_TEST_KEEP_LOGS").is_some();
+        if std::thread::panicking() {
+            eprintln!("===== test files kept in {} =====", self.0.display());
+        } else if !keep {
+            std::fs::remove_dir_all(&self.0).ok();
+        }
+    }
 }
 
 /// A trace the repository ships (traces/).

@@ -15,6 +15,8 @@ pub struct Up {
     pub addr: SocketAddr,
     /// The frontend's admin listener: its status page, `/status.json`, `/metrics`.
     pub admin: SocketAddr,
+    /// Its log's directory, removed after the process stops (fields drop after `drop`).
+    pub dir: super::TestDir,
 }
 
 impl Drop for Up {
@@ -93,7 +95,12 @@ pub fn up(tag: &str, model: &str, extra: &[&str]) -> Up {
             (seen("decode") && seen("prefill")).then_some(())
         },
     );
-    Up { proc, addr, admin }
+    Up {
+        proc,
+        addr,
+        admin,
+        dir,
+    }
 }
 
 /// The frontend's and its admin listener's addresses, once `tandem up` has printed both

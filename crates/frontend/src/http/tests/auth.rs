@@ -1,6 +1,6 @@
 //! API keys, tenants, cache salts, the keys file's reload, and TLS on the listener.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use axum::http::header;
@@ -90,11 +90,9 @@ fn inline(pairs: &[(&str, &str)]) -> AccessConfig {
     }
 }
 
-/// A fresh directory for one test's files.
-fn dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tandem-auth-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh directory for one test's files, removed when the test passes.
+fn dir(tag: &str) -> tandem_test_support::TestDir {
+    tandem_test_support::temp_dir(&format!("auth-{tag}"))
 }
 
 /// Writes `text` to `path` atomically (beside it, then renamed over it).

@@ -132,11 +132,18 @@ pub(super) async fn stand_in(name: &'static str) -> (StandIn, SocketAddr) {
     (s, addr)
 }
 
+thread_local! {
+    /// The directories of the groups files the test on this thread wrote: removed when the
+    /// thread ends, with its test (the test harness runs each test on a thread of its own).
+    static GROUPS_DIRS: std::cell::RefCell<Vec<tandem_test_support::TestDir>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
 pub(super) fn groups_file(tag: &str, text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-groups-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tandem_test_support::temp_dir(&format!("groups-{tag}"));
     let path = dir.join("groups.toml");
     std::fs::write(&path, text).unwrap();
+    GROUPS_DIRS.with_borrow_mut(|dirs| dirs.push(dir));
     path
 }
 

@@ -253,8 +253,7 @@ fn invalid_templates_fail_at_startup_with_a_clear_error() {
             .to_string();
     assert!(err.contains("does not compile"), "{err}");
     // Through the state constructor, from a file.
-    let dir = std::env::temp_dir().join(format!("tandem-tpl-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tandem_test_support::temp_dir("tpl");
     let path = dir.join("broken.jinja");
     std::fs::write(&path, "{% if %}").unwrap();
     let mut cfg = config();
@@ -324,8 +323,8 @@ fn special_hf() -> Arc<Tokenizer> {
         "vocab": {"[UNK]": 0, "<s>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "user": 4, "hello": 5,
                   "assistant": 6, "<": 7, "|": 8, "im_end": 9, ">": 10, "|>": 11, "<|": 12}}
     }"#;
-    let dir = std::env::temp_dir().join(format!("tandem-hf-special-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    // Read once, by `load`: the directory goes when this returns.
+    let dir = tandem_test_support::temp_dir("hf-special");
     let path = dir.join("tokenizer.json");
     std::fs::write(&path, json).unwrap();
     Arc::new(Tokenizer::load(&TokenizerSpec::HuggingFace(path)).unwrap())

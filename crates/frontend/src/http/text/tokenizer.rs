@@ -669,8 +669,8 @@ mod tests {
           "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "!": 3},
                     "unk_token": "[UNK]"}
         }"#;
-        let dir = std::env::temp_dir().join(format!("tandem-hf-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        // Read once, by `load`: the directory goes when this returns.
+        let dir = tandem_test_support::temp_dir("hf");
         let path = dir.join("tokenizer.json");
         std::fs::write(&path, json).unwrap();
         Arc::new(Tokenizer::load(&TokenizerSpec::HuggingFace(path)).unwrap())
