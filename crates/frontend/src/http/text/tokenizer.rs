@@ -402,6 +402,8 @@ impl Detokenizer {
     pub fn push(&mut self, tokens: &[u32]) -> String {
         match &self.tokenizer.inner {
             Inner::Tiktoken(_) => {
+                // A token is a few bytes: room for most pushes in one allocation.
+                self.pending.reserve(tokens.len() * 8);
                 for &id in tokens {
                     self.tokenizer.table.push_bytes(id, &mut self.pending);
                 }
@@ -471,7 +473,13 @@ fn text_after<'a>(before: &str, after: &'a str) -> &'a str {
 /// Takes the longest valid UTF-8 prefix of `bytes` as text. Invalid sequences become U+FFFD;
 /// an incomplete character at the end stays in `bytes` unless `flush`.
 fn drain_utf8(bytes: &mut Vec<u8>, flush: bool) -> String {
-    let mut out = String::new();
+    // Mostly the bytes are whole characters: they become the text, uncopied.
+    let whole = match String::from_utf8(std::mem::take(bytes)) {
+        Ok(text) => return text,
+        Err(e) => e.into_bytes(),
+    };
+    *bytes = whole;
+    let mut out = String::with_capacity(bytes.len() + REPLACEMENT.len());
     let mut rest: &[u8] = bytes;
     loop {
         match std::str::from_utf8(rest) {
