@@ -333,6 +333,15 @@ impl WorkerCalls for Sidecar {
 
 /// The calls' bodies (run under their server spans by [`tandem_worker::served::WorkerService`]).
 impl Sidecar {
+    /// A generation the engine failed, counted, as the status the worker protocol sends.
+    fn engine_failed(&self, e: &EngineError) -> Status {
+        self.inner
+            .stats
+            .engine_errors
+            .fetch_add(1, Ordering::Relaxed);
+        engine_status(e)
+    }
+
     async fn generate_inner(
         &self,
         req: GenerateRequest,
@@ -417,30 +426,22 @@ impl Sidecar {
         // answer to read instead of an event per token, and one chunk to pass on, with no
         // channel and producer between (they were a tenth of the sidecar's allocations).
         if req.whole {
-            let d = match self.inner.api.generate_whole(&engine_req).await {
-                Ok(d) => d,
-                Err(e) => {
-                    self.inner
-                        .stats
-                        .engine_errors
-                        .fetch_add(1, Ordering::Relaxed);
-                    return Err(engine_status(&e));
-                }
-            };
+            let d = self
+                .inner
+                .api
+                .generate_whole(&engine_req)
+                .await
+                .map_err(|e| self.engine_failed(&e))?;
             let chunk = chunks.of(d, &mut flight);
             drop(flight);
             return Ok(Box::pin(futures::stream::iter(chunk.map(Ok))));
         }
-        let mut deltas = match self.inner.api.generate(&engine_req).await {
-            Ok(s) => s,
-            Err(e) => {
-                self.inner
-                    .stats
-                    .engine_errors
-                    .fetch_add(1, Ordering::Relaxed);
-                return Err(engine_status(&e));
-            }
-        };
+        let mut deltas = self
+            .inner
+            .api
+            .generate(&engine_req)
+            .await
+            .map_err(|e| self.engine_failed(&e))?;
         let sidecar = self.clone();
         let stream = super::super::engine::channel_stream(move |tx| async move {
             // The finishing chunk waits for the engine's usage, which follows it (vLLM's
@@ -450,12 +451,7 @@ impl Sidecar {
                 let d = match d {
                     Ok(d) => d,
                     Err(e) => {
-                        sidecar
-                            .inner
-                            .stats
-                            .engine_errors
-                            .fetch_add(1, Ordering::Relaxed);
-                        let _ = tx.send(Err(engine_status(&e))).await;
+                        let _ = tx.send(Err(sidecar.engine_failed(&e))).await;
                         return;
                     }
                 };
