@@ -107,15 +107,17 @@ impl Run {
                 ));
             };
             let failure = match next {
+                // The rare paths are boxed: inline, their routing and start made this
+                // future (moved into the stream's box with the run) some kilobytes larger.
                 Ok(Some(c)) if c.handover => {
-                    self.hand_over().await;
+                    Box::pin(self.hand_over()).await;
                     continue;
                 }
                 Ok(Some(c)) => return Ok(c),
                 Ok(None) => "the decode worker ended the stream early".to_string(),
                 Err(status) => format!("the decode worker failed mid-stream: {}", status.message()),
             };
-            self.migrate(failure).await?;
+            Box::pin(self.migrate(failure)).await?;
         }
     }
 
