@@ -82,18 +82,19 @@ impl<'a> CompletionBody<'a> {
     /// of the body's cost (about 5 % of `tandem frontend --backend-url`'s instructions a
     /// request).
     pub(super) fn to_vec(&self) -> serde_json::Result<Vec<u8>> {
-        // Ten digits at most and a comma each, written in place: no copy call per id.
-        let mut out = vec![0; 11 + self.prompt.len() * 11];
+        // Ten digits at most and a comma each. Each id is made in a scratch buffer, its
+        // digits ending at a fixed place, and the 11 bytes ending there are copied whole:
+        // a copy of fixed length (two moves, no copy call) whose excess the next id, or the
+        // truncation, overwrites. The buffer has 11 bytes of room past the last id for it.
+        let mut out = vec![0; 11 + self.prompt.len() * 11 + 11];
         out[..11].copy_from_slice(b"{\"prompt\":[");
         let mut at = 11;
+        let mut scratch = [0; 22];
         for (i, &t) in self.prompt.iter().enumerate() {
-            if i > 0 {
-                out[at] = b',';
-                at += 1;
-            }
-            let digits = t.checked_ilog10().map_or(1, |l| l as usize + 1);
-            write_digits(&mut out[at..at + digits], t);
-            at += digits;
+            // The first id has no comma before it.
+            let from = comma_and_digits(&mut scratch, t) + usize::from(i == 0);
+            out[at..at + 11].copy_from_slice(&scratch[from..from + 11]);
+            at += 11 - from;
         }
         out.truncate(at);
         out.reserve(320);
@@ -113,19 +114,25 @@ const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
     6061626364656667686970717273747576777879\
     8081828384858687888990919293949596979899";
 
-/// Writes `v` in decimal into `out`, which is exactly as long as its digits.
-fn write_digits(out: &mut [u8], mut v: u32) {
-    let mut end = out.len();
+/// Writes `,` and `v` in decimal into `scratch`, ending before index 11; returns where the
+/// comma is.
+fn comma_and_digits(scratch: &mut [u8; 22], mut v: u32) -> usize {
+    let mut start = 11;
     while v >= 100 {
         let pair = 2 * (v % 100) as usize;
         v /= 100;
-        end -= 2;
-        out[end..end + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+        start -= 2;
+        scratch[start..start + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
     }
     if v >= 10 {
         let pair = 2 * v as usize;
-        out[end - 2..end].copy_from_slice(&PAIRS[pair..pair + 2]);
+        start -= 2;
+        scratch[start..start + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
     } else {
-        out[end - 1] = b'0' + v as u8;
+        start -= 1;
+        scratch[start] = b'0' + v as u8;
     }
+    start -= 1;
+    scratch[start] = b',';
+    start
 }
