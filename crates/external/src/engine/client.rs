@@ -130,10 +130,12 @@ impl Poster {
                 let mut req = http::Request::post(t.path.clone())
                     .body(Full::new(Bytes::from(body)))
                     .map_err(|e| unreachable(&e))?;
-                let h = req.headers_mut();
-                h.insert(HOST, t.host.clone());
-                h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-                h.extend(headers);
+                // The caller's map becomes the request's: one map, its entries not hashed
+                // again.
+                let mut headers = headers;
+                headers.insert(HOST, t.host.clone());
+                headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                *req.headers_mut() = headers;
                 let (resp, lease) = pool.send(authority, req).await?;
                 let status = resp.status().as_u16();
                 Ok(Answer {

@@ -650,7 +650,11 @@ async fn respond(
         ),
         tool_calls: pipeline.tool_calls(),
     };
-    Ok((headers, format.whole(pieces, &logprobs, &end)).into_response())
+    // The head's map becomes the response's (as a `(headers, body)` pair it would be
+    // merged into a second map, made for the body's own content type).
+    let mut response = Response::new(Body::from(format.whole(pieces, &logprobs, &end)));
+    *response.headers_mut() = headers;
+    Ok(response)
 }
 
 fn unfinished() -> ServeError {
@@ -672,7 +676,8 @@ const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// `x-request-id` and the `x-tandem-*` route headers.
 fn head(id: &str, route: RouteInfo, cached_tokens: u32) -> HeaderMap {
-    let mut h = HeaderMap::new();
+    // Room for these and the content headers a response adds, so that the map never grows.
+    let mut h = HeaderMap::with_capacity(8);
     if let Ok(v) = HeaderValue::from_str(id) {
         h.insert(X_REQUEST_ID, v);
     }
