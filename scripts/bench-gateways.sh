@@ -17,6 +17,7 @@
 #   GATEWAYS="direct tandem-kv vllm-rr" bash scripts/bench-gateways.sh
 #   GATEWAYS="direct floor vllm-rr tandem-kv" bash scripts/bench-gateways.sh
 #   BASELINE=/tmp/tandem-old GATEWAYS="direct tandem-kv" bash scripts/bench-gateways.sh  # before/after
+#   PROFILE=release bash scripts/bench-gateways.sh       # builds as `--release`, not `dist`
 #
 # Installs: wrk (Debian) and the two wheels in a venv of their own (target/python/gateways).
 set -euo pipefail
@@ -29,5 +30,8 @@ venv=target/python/gateways
 "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check \
   smg==1.13.0 vllm-router==0.1.17
 
-cargo build --release --locked --bin tandem --bin tandem-standin --bin tandem-floor-proxy >&2
+# The shipping profile (Cargo.toml's `dist`: whole-program LTO); PROFILE=release for a
+# quicker build of a change being tried.
+export PROFILE="${PROFILE:-dist}"
+cargo build --profile "$PROFILE" --locked --bin tandem --bin tandem-standin --bin tandem-floor-proxy >&2
 exec python3 scripts/lib/bench_gateways.py "$@"

@@ -7,11 +7,15 @@
 #   bash scripts/bench-instructions.sh
 #   ROWS=tandem-kv SECONDS_RUN=5 bash scripts/bench-instructions.sh
 #   BASELINE=/tmp/tandem-old bash scripts/bench-instructions.sh   # before/after, one run
+#   PROFILE=release bash scripts/bench-instructions.sh            # `--release`, not `dist`
 #
 # Installs: wrk and valgrind (Debian).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/apt.sh
 ensure_apt wrk valgrind
-cargo build --release --locked --bin tandem --bin tandem-standin --bin tandem-floor-proxy >&2
+# The shipping profile (Cargo.toml's `dist`: whole-program LTO); PROFILE=release for a
+# quicker build of a change being tried.
+export PROFILE="${PROFILE:-dist}"
+cargo build --profile "$PROFILE" --locked --bin tandem --bin tandem-standin --bin tandem-floor-proxy >&2
 exec python3 scripts/lib/bench_instructions.py "$@"

@@ -4,8 +4,9 @@
 #
 #   build.sh --out DIR [--features LIST] [--binary PATH] [--no-strip]
 #
-# Without --binary it builds `tandem` (`cargo build --release --locked`, with --features when
-# given, e.g. `cuda`). DIR then holds a complete image root for a `FROM scratch` stage:
+# Without --binary it builds `tandem` with the shipping profile (`cargo build --profile dist
+# --locked`: release with whole-program LTO, Cargo.toml says why), with --features when given,
+# e.g. `cuda`. DIR then holds a complete image root for a `FROM scratch` stage:
 #   /usr/local/bin/tandem           the binary (debug info stripped unless --no-strip; the
 #                                   symbols stay, so backtraces keep function names)
 #   /lib..., /lib64/ld-linux-...    the shared libraries the binary links (glibc, libgcc_s,
@@ -36,8 +37,8 @@ out="$(realpath -m "$out")"
 
 cd "$(dirname "$0")/../.."
 if [ -z "$binary" ]; then
-  cargo build --release --locked --bin tandem ${features:+--features "$features"}
-  binary="${CARGO_TARGET_DIR:-target}/release/tandem"
+  cargo build --profile dist --locked --bin tandem ${features:+--features "$features"}
+  binary="${CARGO_TARGET_DIR:-target}/dist/tandem"
 fi
 [ -x "$binary" ] || { echo "build.sh: $binary is not an executable" >&2; exit 1; }
 

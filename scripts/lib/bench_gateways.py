@@ -12,7 +12,8 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BIN = os.path.join(ROOT, "target", "release")
+# The profile scripts/bench-gateways.sh built (`dist` unless PROFILE says otherwise).
+BIN = os.path.join(ROOT, "target", os.environ.get("PROFILE", "dist"))
 VENV = os.path.join(ROOT, "target", "python", "gateways", "bin")
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
 LATENCY_S = int(os.environ.get("SECONDS_LATENCY", "10"))

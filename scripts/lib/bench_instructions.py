@@ -21,7 +21,7 @@ import bench_gateways as g  # noqa: E402  (the body, the wrk script and the rows
 
 ROWS = os.environ.get("ROWS", "tandem-kv tandem-up").split()
 SECONDS_RUN = int(os.environ.get("SECONDS_RUN", "10"))
-BIN = "target/release"
+BIN = os.path.join("target", os.environ.get("PROFILE", "dist"))
 
 
 def stop(proc):
