@@ -29,7 +29,7 @@ use crate::http::conversation::{Content, Conversation, Message, ToolCall};
 use crate::http::error::ServeError;
 use crate::http::format::{End, Format, sse_event};
 use crate::http::logprobs::Rendered;
-use crate::http::openai::Stop;
+use crate::http::openai::{Stop, TextOr};
 use crate::http::pyjson::Json;
 use crate::http::state::HttpConfig;
 use crate::http::tool_calls::Piece;
@@ -62,12 +62,8 @@ struct AnthropicMessage {
     content: BlocksOrText,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum BlocksOrText {
-    Text(String),
-    Blocks(Vec<Json>),
-}
+/// A system prompt or a message's content: a string, or a list of content blocks.
+type BlocksOrText = TextOr<Json>;
 
 /// Validates a Messages request into a [`Checked`].
 pub(crate) fn check(req: MessagesRequest, config: &HttpConfig) -> Result<Checked, ServeError> {
@@ -103,8 +99,8 @@ pub(crate) fn check(req: MessagesRequest, config: &HttpConfig) -> Result<Checked
     };
     match req.system {
         None => {}
-        Some(BlocksOrText::Text(t)) => conversation.messages.push(Message::text("system", t)),
-        Some(BlocksOrText::Blocks(blocks)) => {
+        Some(TextOr::Text(t)) => conversation.messages.push(Message::text("system", t)),
+        Some(TextOr::List(blocks)) => {
             let texts = text_blocks(&blocks, "system")?;
             conversation.messages.push(Message {
                 content: Content::Parts(texts),
@@ -220,11 +216,11 @@ fn convert_message(
         }
     };
     let blocks = match m.content {
-        BlocksOrText::Text(t) => {
+        TextOr::Text(t) => {
             out.push(Message::text(role, t));
             return Ok(());
         }
-        BlocksOrText::Blocks(blocks) => blocks,
+        TextOr::List(blocks) => blocks,
     };
     let mut texts = Vec::new();
     let mut calls = Vec::new();

@@ -37,6 +37,7 @@ use crate::http::error::ServeError;
 use crate::http::format::{End, Format, sse_event};
 use crate::http::hints::HintFields;
 use crate::http::logprobs::Rendered;
+use crate::http::openai::TextOr;
 use crate::http::pyjson::Json;
 use crate::http::responses_store::{ResponseStore, StoredTurn};
 use crate::http::state::HttpState;
@@ -69,12 +70,8 @@ pub(crate) struct ResponsesRequest {
     reasoning: Option<Json>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum Input {
-    Text(String),
-    Items(Vec<Json>),
-}
+/// `input`: a string (one user message), or a list of items.
+type Input = TextOr<Json>;
 
 /// What the response needs besides the [`ValidRequest`]: echoed fields and what to store.
 #[derive(Debug)]
@@ -123,8 +120,8 @@ pub(crate) fn check(
         None => {
             return Err(ServeError::invalid("input is required").with_param("input"));
         }
-        Some(Input::Text(t)) => vec![Message::text("user", t)],
-        Some(Input::Items(items)) => input_messages(items)?,
+        Some(TextOr::Text(t)) => vec![Message::text("user", t)],
+        Some(TextOr::List(items)) => input_messages(items)?,
     };
     if turn.is_empty() {
         return Err(ServeError::invalid("input must not be empty").with_param("input"));
