@@ -49,7 +49,7 @@ struct PromptDetails {
 #[derive(Debug, Deserialize)]
 struct VllmChoice {
     /// `None` where absent or `null`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "token_ids")]
     token_ids: Option<Vec<u32>>,
     #[serde(default)]
     text: Option<Value>,
@@ -63,6 +63,32 @@ struct VllmChoice {
     logprobs: Option<Value>,
     #[serde(default)]
     finish_reason: Option<Value>,
+}
+
+/// A choice's `token_ids` (or `null`), into a list made with room for a short answer's ids:
+/// serde's own list grows from empty, four reallocations for a few dozen ids.
+fn token_ids<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<u32>>, D::Error> {
+    struct Ids;
+    impl<'de> serde::de::Visitor<'de> for Ids {
+        type Value = Option<Vec<u32>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a list of token ids or null")
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).clamp(32, 4096));
+            while let Some(id) = seq.next_element()? {
+                ids.push(id);
+            }
+            Ok(Some(ids))
+        }
+    }
+    d.deserialize_any(Ids)
 }
 
 /// Parses a vLLM / OpenAI-style answer (whole, or one streamed chunk). vLLM echoes the
@@ -129,13 +155,14 @@ pub(super) fn count(v: &Value) -> Option<u32> {
 /// One vLLM completion chunk (or whole answer). `text_ok`: a plain OpenAI server's chunk
 /// without token ids passes its text on. `top`: the alternatives asked for with logprobs
 /// (`None`: no logprobs asked, none read).
+/// The answer is taken whole so that its token ids move into the delta, not copied.
 pub(super) fn vllm_delta(
-    v: &VllmAnswer,
+    v: VllmAnswer,
     text_ok: bool,
     top: Option<u32>,
 ) -> Result<EngineDelta, EngineError> {
     let mut d = EngineDelta::default();
-    for c in v.choices.iter().flatten() {
+    for c in v.choices.into_iter().flatten() {
         let toks = c.token_ids.as_deref();
         // A chat answer's text is its message's (streamed: its delta's) `content`.
         let text = c
@@ -158,14 +185,18 @@ pub(super) fn vllm_delta(
             }
             d.text.get_or_insert_with(String::new).push_str(text);
         }
-        let new = toks.map(<[u32]>::to_vec).unwrap_or_default();
+        let new = c.token_ids.unwrap_or_default();
         if let Some(n) = top
             && !new.is_empty()
         {
             d.logprobs
                 .extend(vllm_logprobs(c.logprobs.as_ref(), &new, n)?);
         }
-        d.tokens.extend(new);
+        if d.tokens.is_empty() {
+            d.tokens = new;
+        } else {
+            d.tokens.extend(new);
+        }
         d.finish = match c.finish_reason.as_ref().and_then(Value::as_str) {
             Some("length") => Some(EngineFinish::Length),
             Some(_) => Some(EngineFinish::Stop),
@@ -194,6 +225,6 @@ pub(super) fn vllm_delta(
         }
         d.completion_tokens = d.completion_tokens.or(t.get("predicted_n").and_then(count));
     }
-    d.kv_transfer_params = v.kv_transfer_params.clone();
+    d.kv_transfer_params = v.kv_transfer_params;
     Ok(d)
 }

@@ -362,11 +362,13 @@ impl EngineApi {
 
     async fn post(&self, req: &EngineGenerate, stream: bool) -> Result<Answer, EngineError> {
         // The engine's spans (vLLM's `--otlp-traces-endpoint`) join the request's trace.
-        let mut headers = reqwest::header::HeaderMap::new();
+        // Room for the trace context, the id and what the client adds (host, content type and
+        // length), so that the map is made once.
+        let mut headers = reqwest::header::HeaderMap::with_capacity(8);
         tandem_runtime::telemetry::inject_headers(&tracing::Span::current(), &mut headers);
         let id = reqwest::header::HeaderValue::try_from(self.request_id_header(&req.request_id))
             .map_err(|e| EngineError::Protocol(format!("request id as a header: {e}")))?;
-        headers.insert("x-request-id", id);
+        headers.insert(reqwest::header::HeaderName::from_static("x-request-id"), id);
         let body = match (&req.text, self.kind) {
             (None, EngineKind::Vllm | EngineKind::Openai) => {
                 body::CompletionBody::new(&self.model, req, stream).to_vec()
@@ -440,7 +442,7 @@ impl EngineApi {
             }
             kind => {
                 let a = parse_answer(&body).map_err(bad)?;
-                vllm_delta(&a, kind == EngineKind::Openai, req.logprobs)?
+                vllm_delta(a, kind == EngineKind::Openai, req.logprobs)?
             }
         };
         if d.finish.is_none() {
@@ -533,7 +535,7 @@ fn event_delta(
             let a = parse_answer(data.as_bytes()).map_err(bad)?;
             match &a.error {
                 Some(err) => Err(failed(err)),
-                None => vllm_delta(&a, kind == EngineKind::Openai, top),
+                None => vllm_delta(a, kind == EngineKind::Openai, top),
             }
         }
     }

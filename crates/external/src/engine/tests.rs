@@ -5,14 +5,14 @@ use super::*;
 /// The delta of a vLLM / OpenAI answer written as JSON (read as the client reads it).
 fn vllm_delta(v: &Value, text_ok: bool, top: Option<u32>) -> Result<EngineDelta, EngineError> {
     let answer = parse_answer(&serde_json::to_vec(v).unwrap()).unwrap();
-    super::vllm_delta(&answer, text_ok, top)
+    super::vllm_delta(answer, text_ok, top)
 }
 
 #[test]
 fn echoed_prompt_ids_are_cut_out_before_parsing_and_nothing_else() {
     let text = |raw: &str| {
         let a = parse_answer(raw.as_bytes()).unwrap();
-        super::vllm_delta(&a, false, None).unwrap()
+        super::vllm_delta(a, false, None).unwrap()
     };
     // vLLM's shape: each choice echoes the prompt's ids beside the sampled ones.
     let two = r#"{"choices":[{"index":0,"prompt_token_ids":[1,2,3],"text":"a","token_ids":[7]},
@@ -711,4 +711,30 @@ fn token_ids_are_u32s_and_counts_that_are_not_are_absent() {
         (d.prompt_tokens, d.completion_tokens, d.cached_tokens),
         (None, Some(1), None)
     );
+}
+
+#[test]
+fn token_ids_may_be_null_absent_or_many() {
+    let ids = |raw: &str| parse_answer(raw.as_bytes()).map(|a| vllm_delta_of(a).tokens);
+    fn vllm_delta_of(a: answer::VllmAnswer) -> EngineDelta {
+        super::vllm_delta(a, true, None).unwrap()
+    }
+    assert_eq!(
+        ids(r#"{"choices":[{"token_ids":null}]}"#).unwrap(),
+        Vec::<u32>::new()
+    );
+    assert_eq!(
+        ids(r#"{"choices":[{"text":"a"}]}"#).unwrap(),
+        Vec::<u32>::new()
+    );
+    let many: Vec<u32> = (0..5000).collect();
+    let raw = serde_json::json!({"choices": [{"token_ids": many}, {"token_ids": [9]}]});
+    assert_eq!(ids(&raw.to_string()).unwrap(), [&many[..], &[9]].concat());
+    for bad in [
+        r#"{"choices":[{"token_ids":[-1]}]}"#,
+        r#"{"choices":[{"token_ids":"1"}]}"#,
+        r#"{"choices":[{"token_ids":[4294967296]}]}"#,
+    ] {
+        assert!(ids(bad).is_err(), "{bad}");
+    }
 }

@@ -244,8 +244,10 @@ fn routes(state: HttpState, listener: Listener) -> Router {
         .merge(admin)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        // Bodies are bounded by `max_body_bytes` in the handlers (to answer 413 in JSON).
-        .layer(axum::extract::DefaultBodyLimit::disable())
+        // Bodies are bounded by `max_body_bytes` in the handlers (to answer 413 in JSON): they
+        // take the body as a stream (`axum::body::Body`), which axum's default body limit does
+        // not touch, so no `DefaultBodyLimit` layer is needed (one would add a boxed future and
+        // a request extension to every request).
         .with_state(state)
 }
 

@@ -35,10 +35,17 @@ pub(crate) trait Format: Send + 'static {
 }
 
 pub(crate) fn to_json<T: serde::Serialize>(value: &T) -> String {
-    // Our response types hold only strings, numbers and options: serializing cannot fail.
-    serde_json::to_string(value).unwrap_or_else(|e| {
-        ServeError::internal(format!("failed to serialize a response: {e}")).to_json()
-    })
+    // Room for a whole short answer, so that its buffer is not grown (and copied) twice on
+    // the way, as from serde_json's own 128 bytes.
+    let mut out = Vec::with_capacity(512);
+    match serde_json::to_writer(&mut out, value) {
+        // serde_json writes UTF-8 only.
+        Ok(()) => String::from_utf8(out).unwrap_or_else(|e| {
+            ServeError::internal(format!("a response serialized to bad UTF-8: {e}")).to_json()
+        }),
+        // Our response types hold only strings, numbers and options: this does not happen.
+        Err(e) => ServeError::internal(format!("failed to serialize a response: {e}")).to_json(),
+    }
 }
 
 /// An SSE event with data only: `data: {json}`.
