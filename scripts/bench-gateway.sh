@@ -6,7 +6,8 @@
 # the pairs alternate within one run. Prints one table row per concurrency (p50 / p99 of both
 # and the difference) and leaves oha's JSON under $OUT.
 #
-#   bash scripts/bench-gateway.sh            # release build, 8/32/128 connections, 300 req/s
+#   bash scripts/bench-gateway.sh            # dist build, 8/32/128 connections, 300 req/s
+#   PROFILE=release bash scripts/bench-gateway.sh   # the quicker --release build
 #   CONNS="8 32" RATE=500 DURATION=20s bash scripts/bench-gateway.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +21,10 @@ mkdir -p "$OUT"
 OHA=${OHA:-oha}
 command -v "$OHA" >/dev/null || { echo "oha not found: cargo install oha" >&2; exit 1; }
 
-cargo build --release --locked --bin tandem --bin tandem-standin >&2
-BIN=target/release
+# The shipping profile (Cargo.toml's `dist`), as scripts/bench-gateways.sh builds it.
+PROFILE=${PROFILE:-dist}
+cargo build --profile "$PROFILE" --locked --bin tandem --bin tandem-standin >&2
+BIN=target/$PROFILE
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 ENGINE_PORT=$(free_port)

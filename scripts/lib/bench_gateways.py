@@ -229,14 +229,24 @@ def main():
         print(f"\n{CONNS} connections, {THINK_MS} ms think time, {LATENCY_S} s per run; "
               f"ramp {RAMP_CONNS} connections, no think time; medians of {ROUNDS} rounds; "
               f"output under {OUT}\n")
-        print("| gateway | p50 ms | p99 ms | added p50 | added p99 | CPU per request | most req/s |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        # The machine drifts between rounds by more than the gateways differ, so each
+        # round's CPU is also read against vllm-router's in that same round.
+        ref = rows.get("vllm-rr")
+        print("| gateway | p50 ms | p99 ms | added p50 | added p99 | CPU per request "
+              "| CPU / vllm-router's, by round | most req/s |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for g in GATEWAYS:
             p50, p99, cpu, best = med[g]
             behind_stub = base and g != "direct" and not g.startswith("tandem-up")
             added = (f"+{p50 - base[0]:.2f} ms", f"+{p99 - base[1]:.2f} ms") if behind_stub else ("", "")
             cpu_s = f"{cpu:.0f} µs"
-            print(f"| {g} | {p50:.2f} | {p99:.2f} | {added[0]} | {added[1]} | {cpu_s} | {best:,.0f} |")
+            by_round = ""
+            if ref and g not in ("vllm-rr", "direct"):
+                ratios = sorted(x[2] / y[2] for x, y in zip(rows[g], ref))
+                by_round = (f"{statistics.median(ratios):.2f} "
+                            f"({ratios[0]:.2f}–{ratios[-1]:.2f})")
+            print(f"| {g} | {p50:.2f} | {p99:.2f} | {added[0]} | {added[1]} | {cpu_s} "
+                  f"| {by_round} | {best:,.0f} |")
     finally:
         for p in procs.values():
             try:
