@@ -98,36 +98,54 @@ fn token_ids<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<u32>>,
 /// of the answer. Each such list is cut out by a byte scan before parsing (it holds numbers
 /// only, so its end is its first `]`); an answer the cut leaves unparsable (a list of another
 /// shape) is parsed as sent.
+///
+/// The body's UTF-8 is checked once, whole, and the text parsed as a `str`: parsed from
+/// bytes, serde_json checks each string on its own (a call per key and value, 19 in a short
+/// answer). JSON is UTF-8 (RFC 8259 §8.1), so a body that is not is refused either way.
 pub(super) fn parse_answer(body: &[u8]) -> serde_json::Result<VllmAnswer> {
+    let text = std::str::from_utf8(body).map_err(|e| {
+        <serde_json::Error as serde::de::Error>::custom(format_args!(
+            "the answer is not UTF-8: {e}"
+        ))
+    })?;
+    parse_answer_str(text)
+}
+
+/// [`parse_answer`] of an answer already known to be text (a streamed event's data).
+pub(super) fn parse_answer_str(body: &str) -> serde_json::Result<VllmAnswer> {
     if let Some(cut) = without_prompt_ids(body)
-        && let Ok(a) = serde_json::from_slice(&cut)
+        && let Ok(a) = serde_json::from_str(&cut)
     {
         return Ok(a);
     }
-    serde_json::from_slice(body)
+    serde_json::from_str(body)
 }
 
 /// `body` with every `"prompt_token_ids":[…]` written `"prompt_token_ids":null`; None when it
 /// has none. A quote inside a JSON string is escaped, so the key with its quotes is only
-/// ever a key.
-pub(super) fn without_prompt_ids(body: &[u8]) -> Option<Vec<u8>> {
-    const KEY: &[u8] = b"\"prompt_token_ids\":[";
-    let finder = memchr::memmem::Finder::new(KEY);
-    let mut at = finder.find(body)?;
-    let mut out = Vec::with_capacity(body.len());
+/// ever a key. Every place cut at is an ASCII byte, so a char boundary.
+pub(super) fn without_prompt_ids(body: &str) -> Option<String> {
+    const KEY: &str = "\"prompt_token_ids\":[";
+    // Built once: a finder's set-up (its rare bytes, its fallback searcher) costs more than
+    // a search of a short answer.
+    static FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(KEY));
+    let bytes = body.as_bytes();
+    let mut at = FINDER.find(bytes)?;
+    let mut out = String::with_capacity(body.len());
     let mut from = 0;
     loop {
         let list = at + KEY.len() - 1;
-        let end = list + memchr::memchr(b']', &body[list..])? + 1;
-        out.extend_from_slice(&body[from..list]);
-        out.extend_from_slice(b"null");
+        let end = list + memchr::memchr(b']', &bytes[list..])? + 1;
+        out.push_str(&body[from..list]);
+        out.push_str("null");
         from = end;
-        match finder.find(&body[from..]) {
+        match FINDER.find(&bytes[from..]) {
             Some(next) => at = from + next,
             None => break,
         }
     }
-    out.extend_from_slice(&body[from..]);
+    out.push_str(&body[from..]);
     Some(out)
 }
 

@@ -54,7 +54,7 @@ use serde_json::{Value, json};
 
 #[cfg(test)]
 use answer::without_prompt_ids;
-use answer::{count, ids, parse_answer, vllm_delta};
+use answer::{count, ids, parse_answer, parse_answer_str, vllm_delta};
 use client::{Answer, Poster, Target};
 use logprobs::sglang_logprobs;
 use tandem_protocol::grpc::TokenLogprobs;
@@ -350,14 +350,24 @@ impl EngineApi {
     /// a UUID made from it, since some refuse any other form (llama.cpp's Python server
     /// answers 400 with no body: starlette-context's `RequestIdPlugin` validates the header
     /// as a UUID).
-    fn request_id_header(&self, id: &str) -> String {
+    /// Written as a header value at once, copied once: a `String` made a header value is
+    /// turned into shared bytes, an allocation more.
+    fn request_id_header(
+        &self,
+        id: &str,
+    ) -> Result<reqwest::header::HeaderValue, reqwest::header::InvalidHeaderValue> {
         if self.kind != EngineKind::Openai {
-            return id.to_string();
+            return reqwest::header::HeaderValue::from_str(id);
         }
         let h = xxhash_rust::xxh3::xxh3_128(id.as_bytes());
         // Version 4, RFC 4122 variant.
         let h = (h & !(0xf << 76) | (0x4 << 76)) & !(0x3 << 62) | (0x2 << 62);
-        uuid::Uuid::from_u128(h).hyphenated().to_string()
+        let mut text = uuid::Uuid::encode_buffer();
+        reqwest::header::HeaderValue::from_str(
+            uuid::Uuid::from_u128(h)
+                .hyphenated()
+                .encode_lower(&mut text),
+        )
     }
 
     async fn post(&self, req: &EngineGenerate, stream: bool) -> Result<Answer, EngineError> {
@@ -366,7 +376,8 @@ impl EngineApi {
         // length), so that the map is made once.
         let mut headers = reqwest::header::HeaderMap::with_capacity(8);
         tandem_runtime::telemetry::inject_headers(&tracing::Span::current(), &mut headers);
-        let id = reqwest::header::HeaderValue::try_from(self.request_id_header(&req.request_id))
+        let id = self
+            .request_id_header(&req.request_id)
             .map_err(|e| EngineError::Protocol(format!("request id as a header: {e}")))?;
         headers.insert(reqwest::header::HeaderName::from_static("x-request-id"), id);
         let body = match (&req.text, self.kind) {
@@ -532,7 +543,7 @@ fn event_delta(
             }
         }
         EngineKind::Vllm | EngineKind::Openai => {
-            let a = parse_answer(data.as_bytes()).map_err(bad)?;
+            let a = parse_answer_str(data).map_err(bad)?;
             match &a.error {
                 Some(err) => Err(failed(err)),
                 None => vllm_delta(a, kind == EngineKind::Openai, top),

@@ -49,7 +49,13 @@ impl Sidecar {
             .into());
         }
         Ok(EngineGenerate {
-            request_id: format!("tandem-{}", req.request_id),
+            request_id: {
+                // `format!` costs a request more than these two pushes.
+                let mut id = String::with_capacity(27);
+                id.push_str("tandem-");
+                id.push_str(itoa::Buffer::new().format(req.request_id));
+                id
+            },
             prompt: req.prompt.clone(),
             max_tokens: s.max_tokens.max(1),
             temperature: s.temperature,

@@ -38,7 +38,16 @@ impl RequestIds {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let text = match endpoint {
             Endpoint::Chat | Endpoint::Completion | Endpoint::Embeddings => {
-                format!("{}-{}-{id}", endpoint.id_prefix(), self.prefix)
+                // Pieces pushed into one sized string: `format!` costs a request more.
+                let prefix = endpoint.id_prefix();
+                let mut digits = itoa::Buffer::new();
+                let digits = digits.format(id);
+                let mut text =
+                    String::with_capacity(prefix.len() + self.prefix.len() + digits.len() + 2);
+                for piece in [prefix, "-", &self.prefix, "-", digits] {
+                    text.push_str(piece);
+                }
+                text
             }
             Endpoint::Responses | Endpoint::Messages => {
                 format!("{}_{}{id:08}", endpoint.id_prefix(), self.prefix)

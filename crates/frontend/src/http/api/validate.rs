@@ -20,9 +20,17 @@ use crate::http::state::HttpConfig;
 use crate::http::tokenizer::Tokenizer;
 
 /// Parses a JSON body: malformed JSON is 400 (`invalid_json`), well-formed JSON of the wrong
-/// shape or types is 422.
+/// shape or types is 422. JSON is UTF-8 (RFC 8259 §8.1): the body's is checked once, whole,
+/// and the text parsed as a `str` (parsed from bytes, serde_json checks each string on its
+/// own, a call per key and value).
 pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ServeError> {
-    serde_json::from_slice(body).map_err(|e| {
+    let text = std::str::from_utf8(body).map_err(|e| {
+        ServeError::invalid(format!(
+            "request body is not valid JSON: it is not UTF-8 ({e})"
+        ))
+        .with_code("invalid_json")
+    })?;
+    serde_json::from_str(text).map_err(|e| {
         use serde_json::error::Category;
         match e.classify() {
             Category::Data => ServeError::unprocessable(format!("invalid request body: {e}")),
