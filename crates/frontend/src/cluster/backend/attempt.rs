@@ -370,8 +370,7 @@ impl ClusterBackend {
     ) -> Result<Started, Failed> {
         let started_at = tokio::time::Instant::now();
         let hedge_after = self.hedge_after(job.req.prompt_tokens.len() as u64);
-        let mut others = excluded.to_vec();
-        others.push(plan.decode.record.id);
+        let decode = plan.decode.record.id;
         let primary = self.attempt_owned(plan, job);
         tokio::pin!(primary);
         let first = match hedge_after {
@@ -384,13 +383,28 @@ impl ClusterBackend {
         if let Some((plan, r)) = first {
             return self.settle(plan, r, started_at, job);
         }
-        // No first token after the p95 of its size: start it on a second worker too, if the
-        // budget allows and another worker is there.
+        // The race with a second worker, boxed: its second attempt's state would otherwise
+        // be carried in every request's future, hedged or not (most are not).
+        let mut others = excluded.to_vec();
+        others.push(decode);
+        Box::pin(self.hedge(primary, prepared, job, &others, started_at)).await
+    }
+
+    /// No first token after the p95 of its size: the request is started on a second worker
+    /// too, if the budget allows and another worker is there, and the first to stream wins.
+    async fn hedge(
+        &self,
+        mut primary: std::pin::Pin<&mut impl Future<Output = (Plan, Attempted)>>,
+        prepared: &Prepared,
+        job: &Job,
+        others: &[WorkerId],
+        started_at: tokio::time::Instant,
+    ) -> Result<Started, Failed> {
         let hedge = {
             let now = self.shared.view.now_ms();
             let budget = self.shared.view.replica().write().try_retry(now);
             if budget {
-                self.plan(prepared, &others, true).ok()
+                self.plan(prepared, others, true).ok()
             } else {
                 self.shared.counters.hedge("budget_exhausted");
                 None

@@ -19,7 +19,7 @@
 //! drops the handler future or the response body, which own it).
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
@@ -47,36 +47,20 @@ use crate::http::tool_calls::{Piece, ToolCallStream};
 use crate::http::trace;
 use crate::http::validate::{self, Checked};
 
-pub(crate) async fn chat_completions(
-    State(state): State<HttpState>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    handle(state, Endpoint::Chat, headers, body).await
+pub(crate) async fn chat_completions(State(state): State<HttpState>, request: Request) -> Response {
+    handle(state, Endpoint::Chat, request).await
 }
 
-pub(crate) async fn completions(
-    State(state): State<HttpState>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    handle(state, Endpoint::Completion, headers, body).await
+pub(crate) async fn completions(State(state): State<HttpState>, request: Request) -> Response {
+    handle(state, Endpoint::Completion, request).await
 }
 
-pub(crate) async fn responses(
-    State(state): State<HttpState>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    handle(state, Endpoint::Responses, headers, body).await
+pub(crate) async fn responses(State(state): State<HttpState>, request: Request) -> Response {
+    handle(state, Endpoint::Responses, request).await
 }
 
-pub(crate) async fn messages(
-    State(state): State<HttpState>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    handle(state, Endpoint::Messages, headers, body).await
+pub(crate) async fn messages(State(state): State<HttpState>, request: Request) -> Response {
+    handle(state, Endpoint::Messages, request).await
 }
 
 /// A request ready for the backend, with the format of its response.
@@ -86,7 +70,11 @@ struct Admitted {
     parse_tool_calls: bool,
 }
 
-async fn handle(state: HttpState, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+/// The request is taken whole and its head's headers moved out: axum's `HeaderMap`
+/// extractor clones them.
+async fn handle(state: HttpState, endpoint: Endpoint, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let headers = parts.headers;
     let span = trace::request_span(endpoint, &headers);
     let record = RequestRecord::start(state.metrics().clone(), endpoint).traced(span.clone());
     serve(state, endpoint, headers, body, record)

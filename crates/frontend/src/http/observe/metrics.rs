@@ -232,12 +232,13 @@ pub(crate) struct TenantLabels(parking_lot::Mutex<hashbrown::HashSet<Arc<str>>>)
 impl TenantLabels {
     pub(crate) fn label(&self, tenant: &Arc<str>) -> String {
         let mut labels = self.0.lock();
+        // Copied as a `str`: `to_string` on an `Arc<str>` goes through `Display`.
         if labels.contains(tenant) {
-            return tenant.to_string();
+            return String::from(&**tenant);
         }
         if labels.len() < MAX_TENANT_LABELS {
             labels.insert(tenant.clone());
-            return tenant.to_string();
+            return String::from(&**tenant);
         }
         "other".to_string()
     }
