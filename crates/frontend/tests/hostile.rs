@@ -574,9 +574,10 @@ async fn start() -> Server {
         .expect("bind");
     let addr = listener.local_addr().expect("address");
     let cancel = CancellationToken::new();
+    // As the binary serves it: the generation endpoints called ahead of the router.
     let task = tokio::spawn(http::serve(
         listener,
-        http::app(state.clone()),
+        http::Front::public(state.clone()),
         cancel.clone(),
     ));
     Server {

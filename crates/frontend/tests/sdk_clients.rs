@@ -272,7 +272,11 @@ async fn start_with(config: HttpConfig) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let stop = CancellationToken::new();
-    tokio::spawn(http::serve(listener, http::app(state), stop.clone()));
+    tokio::spawn(http::serve(
+        listener,
+        http::Front::public(state),
+        stop.clone(),
+    ));
     Server {
         url,
         tokenizer,
