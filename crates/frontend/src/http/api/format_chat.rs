@@ -131,23 +131,37 @@ impl ChatFormat {
 }
 
 impl ChatFormat {
-    /// A whole chat answer of text alone (no tool calls, no logprobs): the bytes serde
-    /// writes for its [`ResponseObject`] (a test holds them equal), with the fixed parts
-    /// written a piece at a time, not key by key (serde_json escapes each key as it writes
-    /// it, and makes a call per comma and colon: a third of a short answer's cost).
-    fn chat_text_whole(&self, content: &str, finish_reason: &'static str, usage: Usage) -> String {
+    /// A whole answer of text alone (no tool calls, no logprobs), a `chat.completion` or a
+    /// `text_completion` as the endpoint is: the bytes serde writes for its
+    /// [`ResponseObject`] (a test holds them equal), with the fixed parts written a piece at
+    /// a time, not key by key (serde_json escapes each key as it writes it, and makes a call
+    /// per comma and colon: a third of a short answer's cost).
+    fn text_whole(&self, content: &str, finish_reason: &'static str, usage: Usage) -> String {
+        let chat = self.endpoint != Endpoint::Completion;
         let mut out =
             String::with_capacity(300 + self.id.len() + self.model.len() + content.len() * 5 / 4);
         let mut digits = itoa::Buffer::new();
         out.push_str("{\"id\":");
         push_json_str(&mut out, &self.id);
-        out.push_str(",\"object\":\"chat.completion\",\"created\":");
+        out.push_str(if chat {
+            ",\"object\":\"chat.completion\",\"created\":"
+        } else {
+            ",\"object\":\"text_completion\",\"created\":"
+        });
         out.push_str(digits.format(self.created));
         out.push_str(",\"model\":");
         push_json_str(&mut out, &self.model);
-        out.push_str(",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
-        push_json_str(&mut out, content);
-        out.push_str(",\"refusal\":null},\"logprobs\":null,\"finish_reason\":");
+        if chat {
+            out.push_str(
+                ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":",
+            );
+            push_json_str(&mut out, content);
+            out.push_str(",\"refusal\":null},\"logprobs\":null,\"finish_reason\":");
+        } else {
+            out.push_str(",\"choices\":[{\"text\":");
+            push_json_str(&mut out, content);
+            out.push_str(",\"index\":0,\"logprobs\":null,\"finish_reason\":");
+        }
         push_json_str(&mut out, finish_reason);
         out.push_str("}],\"usage\":{\"prompt_tokens\":");
         out.push_str(digits.format(usage.prompt_tokens));
@@ -299,6 +313,9 @@ impl Format for ChatFormat {
         }
         let usage = end.usage;
         match self.endpoint {
+            Endpoint::Completion if !self.logprobs => {
+                self.text_whole(&text, end.finish.as_str(), usage)
+            }
             Endpoint::Completion => {
                 let choice = CompletionChoice {
                     text: &text,
@@ -327,7 +344,7 @@ impl Format for ChatFormat {
                         .collect()
                 });
                 if tool_calls.is_none() && !self.logprobs {
-                    return self.chat_text_whole(&text, self.finish_reason(end), usage);
+                    return self.text_whole(&text, self.finish_reason(end), usage);
                 }
                 let content = (tool_calls.is_none() || !text.is_empty()).then_some(text.as_str());
                 let choice = ChatChoice {
@@ -351,9 +368,9 @@ impl Format for ChatFormat {
 mod tests {
     use super::*;
 
-    fn format(id: &str, model: &str) -> ChatFormat {
+    fn format(endpoint: Endpoint, id: &str, model: &str) -> ChatFormat {
         ChatFormat {
-            endpoint: Endpoint::Chat,
+            endpoint,
             id: id.into(),
             created: 1_796_689_529,
             model: model.into(),
@@ -366,6 +383,15 @@ mod tests {
 
     /// What serde writes for the same answer: the shape the hand-written one must match.
     fn by_serde(f: &ChatFormat, content: &str, finish_reason: &'static str, u: Usage) -> String {
+        if f.endpoint == Endpoint::Completion {
+            let choice = CompletionChoice {
+                text: content,
+                index: 0,
+                logprobs: None,
+                finish_reason: Some(finish_reason),
+            };
+            return f.object("text_completion", [choice], Some(Some(u)));
+        }
         let choice = ChatChoice {
             index: 0,
             message: AssistantMessage {
@@ -397,14 +423,20 @@ mod tests {
             Usage::new(u32::MAX, 1, 7),
         ];
         for (i, content) in contents.iter().enumerate() {
-            for (id, model) in [("chatcmpl-1f2e3d4c-42", "mocker"), ("x\"y", "org/m\\1\n")] {
-                let f = format(id, model);
-                for finish in ["stop", "length", "tool_calls", "content_filter"] {
-                    let u = usages[i % usages.len()];
-                    let fast = f.chat_text_whole(content, finish, u);
-                    assert_eq!(fast, by_serde(&f, content, finish, u), "{content:?}");
-                    let v: serde_json::Value = serde_json::from_str(&fast).unwrap();
-                    assert_eq!(v["choices"][0]["message"]["content"], *content);
+            for endpoint in [Endpoint::Chat, Endpoint::Completion] {
+                for (id, model) in [("chatcmpl-1f2e3d4c-42", "mocker"), ("x\"y", "org/m\\1\n")] {
+                    let f = format(endpoint, id, model);
+                    for finish in ["stop", "length", "tool_calls", "content_filter"] {
+                        let u = usages[i % usages.len()];
+                        let fast = f.text_whole(content, finish, u);
+                        assert_eq!(fast, by_serde(&f, content, finish, u), "{content:?}");
+                        let v: serde_json::Value = serde_json::from_str(&fast).unwrap();
+                        let text = match endpoint {
+                            Endpoint::Completion => &v["choices"][0]["text"],
+                            _ => &v["choices"][0]["message"]["content"],
+                        };
+                        assert_eq!(*text, *content);
+                    }
                 }
             }
         }
