@@ -70,25 +70,10 @@ struct Admitted {
     parse_tool_calls: bool,
 }
 
-/// A generation endpoint [`crate::http::Front`] calls without the router.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Direct {
-    Chat,
-    Completion,
-}
-
-/// `POST /v1/chat/completions` or `POST /v1/completions`, as the router would call it.
-pub(crate) async fn direct(state: HttpState, endpoint: Direct, request: Request) -> Response {
-    let endpoint = match endpoint {
-        Direct::Chat => Endpoint::Chat,
-        Direct::Completion => Endpoint::Completion,
-    };
-    handle(state, endpoint, request).await
-}
-
 /// The request is taken whole and its head's headers moved out: axum's `HeaderMap`
-/// extractor clones them.
-async fn handle(state: HttpState, endpoint: Endpoint, request: Request) -> Response {
+/// extractor clones them. [`crate::http::Front`] calls it without the router for
+/// `POST /v1/chat/completions` and `POST /v1/completions`.
+pub(crate) async fn handle(state: HttpState, endpoint: Endpoint, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     let headers = parts.headers;
     let span = trace::request_span(endpoint, &headers);
